@@ -1,0 +1,42 @@
+"""her_store: a persistent, disk-backed episode store for Hindsight Experience Replay on Zarr.
+
+Public API: :class:`EpisodeStore`, :func:`open_store`, :class:`StepWriter`, :class:`Episode` and the errors
+in :mod:`her_store.errors`.
+"""
+
+from her_store.episode import Episode
+from her_store.errors import (
+    CorruptStoreError,
+    EpisodeNotFoundError,
+    EpisodeValidationError,
+    FormatVersionError,
+    NotAStoreError,
+    ReadOnlyStoreError,
+    SchemaMismatchError,
+    StoreError,
+    StoreExistsError,
+    StoreLockedError,
+)
+from her_store.format import FORMAT_VERSION
+from her_store.store import EpisodeStore, open_store
+from her_store.writer import StepWriter
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "EpisodeStore",
+    "open_store",
+    "StepWriter",
+    "Episode",
+    "FORMAT_VERSION",
+    "StoreError",
+    "NotAStoreError",
+    "StoreExistsError",
+    "FormatVersionError",
+    "CorruptStoreError",
+    "SchemaMismatchError",
+    "EpisodeValidationError",
+    "ReadOnlyStoreError",
+    "StoreLockedError",
+    "EpisodeNotFoundError",
+]

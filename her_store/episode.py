@@ -1,0 +1,50 @@
+"""Episode: the unit users think in, a read-only mapping of field name -> numpy array, printed as shapes and dtypes."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+
+import numpy as np
+
+__all__ = ["Episode"]
+
+
+class Episode(Mapping[str, np.ndarray]):
+    """One committed episode read back from a store.
+
+    Observation keys hold ``T + 1`` rows (the last is the final next-observation); ``action``, ``reward``,
+    ``terminated``, ``truncated`` and info keys hold ``T`` rows. Iterating gives the field names in schema order.
+
+    Attributes
+    ----------
+    id : int
+        The episode id (consecutive from 0 in commit order).
+    length : int
+        ``T``, the number of transitions.
+
+    Examples
+    --------
+    >>> ep = Episode(3, {"observation": np.zeros((3, 2)), "action": np.zeros((2, 1))})
+    >>> ep
+    Episode(id=3, length=2, observation=float64(3, 2), action=float64(2, 1))
+    """
+
+    __slots__ = ("id", "length", "_data")
+
+    def __init__(self, episode_id: int, data: dict[str, np.ndarray]) -> None:
+        self.id = int(episode_id)
+        self._data = data
+        self.length = len(data["action"]) if "action" in data else len(next(iter(data.values()))) - 1
+
+    def __getitem__(self, key: str) -> np.ndarray:
+        return self._data[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._data)
+
+    def __len__(self) -> int:
+        return len(self._data)
+
+    def __repr__(self) -> str:
+        fields = ", ".join(f"{k}={v.dtype}{tuple(v.shape)}" for k, v in self._data.items())
+        return f"Episode(id={self.id}, length={self.length}, {fields})"

@@ -1,0 +1,189 @@
+"""The episode-index table: one row per episode (start row, length, flags, return, checksum), ring slots, cumulative lengths.
+
+This module answers every question about which rows hold which episode; the store and the sampler ask it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Protocol
+
+import numpy as np
+
+from her_store.format import INDEX_COLUMNS
+
+__all__ = ["EpisodeIndex", "ColumnIO"]
+
+
+class ColumnIO(Protocol):
+    """Row access to one persisted index column (a 1-D Zarr array)."""
+
+    def write(self, row0: int, rows: np.ndarray) -> None: ...
+
+    def read(self, row0: int, row1: int) -> np.ndarray: ...
+
+    def flush(self, fsync: bool) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class EpisodeIndex:
+    """In-memory window ``[first, end)`` of the episode table, persisted to ``episodes/<column>`` arrays.
+
+    Episode ids are consecutive from 0 and never reused. On disk an episode's row is at position ``id``
+    (unbounded store) or ``id % slots`` (ring store, ``slots`` >= the most episodes a ring can hold).
+    ``cum`` holds cumulative lengths so that transition ``k`` is located with one ``searchsorted``.
+
+    Parameters
+    ----------
+    slots : int or None
+        Positions of the on-disk ring of index rows; None for an unbounded store.
+
+    Examples
+    --------
+    >>> idx = EpisodeIndex(slots=None)
+    >>> idx.append(dict(start_row=0, length=5)); idx.append(dict(start_row=6, length=3))
+    0
+    1
+    >>> idx.locate(np.array([0, 4, 5, 7]))
+    (array([0, 0, 1, 1]), array([0, 4, 0, 2]))
+    """
+
+    def __init__(self, slots: int | None) -> None:
+        self.slots = slots
+        self.base = 0  # id of row 0 of the in-memory arrays
+        self.first = 0
+        self.end = 0
+        self._n = 0  # used rows of the in-memory arrays (= end - base)
+        self._cols = {name: np.zeros(1024, dt) for name, dt in INDEX_COLUMNS.items()}
+        self._cum = np.zeros(1024, np.int64)  # _cum[i] = transitions of ids base..base+i inclusive
+        self._cum_before_base = 0
+
+    # -- the live table ---------------------------------------------------------------------------------
+    def __len__(self) -> int:
+        return self.end - self.first
+
+    @property
+    def num_transitions(self) -> int:
+        return self.transitions_between(self.first, self.end)
+
+    def _cum_at(self, episode_id: int) -> int:
+        """Transitions in ids base..episode_id-1 plus everything before base."""
+        i = episode_id - self.base
+        return self._cum_before_base + (int(self._cum[i - 1]) if i > 0 else 0)
+
+    def column(self, name: str) -> np.ndarray:
+        """Read-only view of one column over the live episodes ``[first, end)``."""
+        view = self._cols[name][self.first - self.base : self.end - self.base]
+        view.flags.writeable = False
+        return view
+
+    def table(self) -> dict[str, np.ndarray]:
+        """All columns over the live episodes, as a dict of read-only numpy arrays."""
+        return {name: self.column(name) for name in self._cols}
+
+    def row(self, episode_id: int) -> dict[str, int | float | bool]:
+        i = episode_id - self.base
+        return {name: col[i].item() for name, col in self._cols.items()}
+
+    def rows_of(self, episode_id: int) -> tuple[int, int]:
+        """``(start_row, length)`` of a live episode."""
+        i = episode_id - self.base
+        return int(self._cols["start_row"][i]), int(self._cols["length"][i])
+
+    def locate(self, k: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Episode ids and steps of live transitions ``k`` (0 <= k < num_transitions), in oldest-first order."""
+        offset = np.asarray(k, np.int64) + (self._cum_at(self.first) - self._cum_before_base)
+        i = np.searchsorted(self._cum[: self._n], offset, side="right")
+        before = np.where(i > 0, self._cum[np.maximum(i - 1, 0)], 0)
+        return i + self.base, offset - before
+
+    # -- changes ----------------------------------------------------------------------------------------
+    def _grow(self, need: int) -> None:
+        if need <= len(self._cum):
+            return
+        # drop the evicted prefix before growing: a long-running ring keeps memory bounded by its live episodes
+        drop = self.first - self.base
+        if drop:
+            self._cum_before_base += int(self._cum[drop - 1])
+            for name, col in self._cols.items():
+                col[: self._n - drop] = col[drop : self._n]
+            self._cum[: self._n - drop] = self._cum[drop : self._n] - self._cum[drop - 1]
+            self.base, self._n, need = self.first, self._n - drop, need - drop
+        if need > len(self._cum):
+            size = max(need, 2 * len(self._cum))
+            for name, col in self._cols.items():
+                self._cols[name] = np.resize(col, size)
+            self._cum = np.resize(self._cum, size)
+
+    def append(self, values: Mapping[str, object]) -> int:
+        """Add one episode row (missing columns are zero); returns its id."""
+        self._grow(self._n + 1)
+        i = self._n
+        for name, col in self._cols.items():
+            col[i] = values.get(name, 0)
+        episode_id = self.base + i
+        self._cols["episode_id"][i] = episode_id
+        self._cum[i] = (self._cum[i - 1] if i else 0) + int(values["length"])
+        self._n += 1
+        self.end = episode_id + 1
+        return episode_id
+
+    def transitions_between(self, first: int, end: int) -> int:
+        """Transitions of ids ``[first, end)`` (both within the in-memory window)."""
+        return self._cum_at(end) - self._cum_at(first)
+
+    def extend(self, columns: Mapping[str, np.ndarray]) -> None:
+        """Append rows read from disk (a reader's refresh), vectorised."""
+        n = len(columns["length"])
+        self._grow(self._n + n)
+        i = self._n
+        for name, col in self._cols.items():
+            col[i : i + n] = columns[name]
+        self._cum[i : i + n] = np.cumsum(columns["length"]) + (self._cum[i - 1] if i else 0)
+        self._n += n
+        self.end += n
+
+    def load(self, columns: Mapping[str, np.ndarray], first: int, end: int) -> None:
+        """Replace the window with rows read from disk for ids ``[first, end)``."""
+        n = end - first
+        self.base, self.first, self.end, self._n = first, first, end, 0
+        self._cum_before_base = 0
+        self._grow(max(n, 1))
+        for name, col in self._cols.items():
+            col[:n] = columns[name]
+        np.cumsum(self._cols["length"][:n], out=self._cum[:n])
+        self._n = n
+
+    def truncate(self, end: int) -> None:
+        """Forget ids ``>= end`` (staged episodes that will not be committed)."""
+        self._n = end - self.base
+        self.end = end
+
+    def positions(self, first: int, end: int) -> list[tuple[int, int, int]]:
+        """On-disk positions of ids ``[first, end)`` as ``(position, id_from, id_to)`` contiguous segments."""
+        if self.slots is None:
+            return [(first, first, end)] if end > first else []
+        out = []
+        at = first
+        while at < end:
+            pos = at % self.slots
+            take = min(end - at, self.slots - pos)
+            out.append((pos, at, at + take))
+            at += take
+        return out
+
+    def write(self, io: Mapping[str, ColumnIO], first: int, end: int) -> None:
+        """Persist rows of ids ``[first, end)`` to the index arrays (not yet committed)."""
+        for pos, a, b in self.positions(first, end):
+            for name, col in self._cols.items():
+                io[name].write(pos, col[a - self.base : b - self.base])
+
+    @staticmethod
+    def read(io: Mapping[str, ColumnIO], segments: list[tuple[int, int, int]]) -> dict[str, np.ndarray]:
+        """Read the index rows at the given segments (from :meth:`positions`), concatenated per column."""
+        out = {}
+        for name, dt in INDEX_COLUMNS.items():
+            parts = [io[name].read(pos, pos + (b - a)) for pos, a, b in segments]
+            out[name] = np.concatenate(parts) if parts else np.zeros(0, dt)
+        return out

@@ -1,0 +1,260 @@
+"""Fields of a store derived from gymnasium spaces (name, dtype, row shape, rows per episode), and space <-> JSON."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from gymnasium import spaces
+
+from her_store.errors import SchemaMismatchError
+
+__all__ = ["Field", "Schema", "space_to_json", "space_from_json", "GOAL_KEYS", "STEP_KEYS"]
+
+GOAL_KEYS = ("observation", "achieved_goal", "desired_goal")
+STEP_KEYS = ("action", "reward", "terminated", "truncated")
+_SUPPORTED = (spaces.Box, spaces.Discrete, spaces.MultiBinary, spaces.MultiDiscrete)
+
+
+@dataclass(frozen=True)
+class Field:
+    """One stored quantity.
+
+    Attributes
+    ----------
+    name : str
+        Key in an episode mapping (``"observation"``, ``"action"``, an info key, ...).
+    dtype : numpy.dtype
+        Stored dtype (little-endian).
+    shape : tuple of int
+        Shape of one row; ``()`` for scalars.
+    per_step : bool
+        False for observation keys, which hold ``T + 1`` rows per episode (the last row is the final
+        next-observation); True for action, reward, flags and infos, which hold ``T`` rows.
+    role : str
+        ``"observation"``, ``"action"``, ``"reward"``, ``"flag"`` or ``"info"``.
+    """
+
+    name: str
+    dtype: np.dtype
+    shape: tuple[int, ...]
+    per_step: bool
+    role: str
+
+    @property
+    def width(self) -> int:
+        """Number of scalar values in one row."""
+        return int(math.prod(self.shape))
+
+    @property
+    def row_nbytes(self) -> int:
+        """Bytes of one row."""
+        return self.width * self.dtype.itemsize
+
+    @property
+    def is_image(self) -> bool:
+        """uint8 with two or more dimensions: stored compressed by default."""
+        return self.dtype == np.uint8 and len(self.shape) >= 2
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "dtype": self.dtype.str,
+            "shape": list(self.shape),
+            "per_step": self.per_step,
+            "role": self.role,
+        }
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> Field:
+        return cls(d["name"], np.dtype(d["dtype"]), tuple(d["shape"]), bool(d["per_step"]), d["role"])
+
+
+def _space_field(name: str, space: spaces.Space, per_step: bool, role: str) -> Field:
+    if not isinstance(space, _SUPPORTED):
+        raise SchemaMismatchError(
+            f"field {name!r}: unsupported space {type(space).__name__}; expected one of "
+            "Box, Discrete, MultiBinary, MultiDiscrete"
+        )
+    if isinstance(space, spaces.Discrete):
+        return Field(name, np.dtype("<i8"), (), per_step, role)
+    return Field(name, np.dtype(space.dtype).newbyteorder("<"), tuple(int(s) for s in space.shape), per_step, role)
+
+
+class Schema:
+    """The ordered fields of a store: observation keys, then action, reward, terminated, truncated, info keys.
+
+    Parameters
+    ----------
+    observation_space : gymnasium.spaces.Dict
+        Must hold ``observation``, ``achieved_goal`` and ``desired_goal``; other keys are stored too.
+    action_space : gymnasium.spaces.Space
+        Box, Discrete, MultiBinary or MultiDiscrete.
+    info_keys : sequence of str or mapping of str to Space
+        Numeric info entries stored per step. A bare name is a float32 scalar.
+
+    Examples
+    --------
+    >>> from gymnasium import spaces
+    >>> obs = spaces.Dict({k: spaces.Box(-1, 1, (3,)) for k in ("observation", "achieved_goal", "desired_goal")})
+    >>> schema = Schema(obs, spaces.Box(-1, 1, (4,)), info_keys=["is_success"])
+    >>> [f.name for f in schema.fields]
+    ['observation', 'achieved_goal', 'desired_goal', 'action', 'reward', 'terminated', 'truncated', 'is_success']
+    """
+
+    def __init__(
+        self,
+        observation_space: spaces.Space,
+        action_space: spaces.Space,
+        info_keys: Sequence[str] | Mapping[str, spaces.Space] = (),
+    ) -> None:
+        if not isinstance(observation_space, spaces.Dict):
+            raise SchemaMismatchError(
+                f"observation_space must be a gymnasium Dict with keys {GOAL_KEYS}, got {type(observation_space).__name__}"
+            )
+        missing = [k for k in GOAL_KEYS if k not in observation_space.spaces]
+        if missing:
+            raise SchemaMismatchError(
+                f"observation_space is missing {missing}; a goal-conditioned store needs {list(GOAL_KEYS)}"
+            )
+        if not isinstance(info_keys, Mapping):
+            info_keys = {str(k): spaces.Box(-np.inf, np.inf, (), np.float32) for k in info_keys}
+        self.observation_space = observation_space
+        self.action_space = action_space
+        self.info_spaces: dict[str, spaces.Space] = dict(info_keys)
+        fields = [_space_field(k, s, False, "observation") for k, s in observation_space.spaces.items()]
+        fields.append(_space_field("action", action_space, True, "action"))
+        fields.append(Field("reward", np.dtype("<f4"), (), True, "reward"))
+        fields.append(Field("terminated", np.dtype("bool"), (), True, "flag"))
+        fields.append(Field("truncated", np.dtype("bool"), (), True, "flag"))
+        fields.extend(_space_field(k, s, True, "info") for k, s in self.info_spaces.items())
+        names = [f.name for f in fields]
+        clashes = sorted({n for n in names if names.count(n) > 1})
+        if clashes:
+            raise SchemaMismatchError(
+                f"field names {clashes} are used twice; observation keys and info keys must differ from "
+                f"each other and from {list(STEP_KEYS)}"
+            )
+        bad = [n for n in names if not n or "/" in n or n.startswith("__") or n.startswith(".")]
+        if bad:
+            raise SchemaMismatchError(f"field names {bad} cannot be Zarr array names (no '/', no leading '__' or '.')")
+        ag, dg = (observation_space.spaces[k] for k in ("achieved_goal", "desired_goal"))
+        if ag.shape != dg.shape or ag.dtype != dg.dtype:
+            raise SchemaMismatchError(
+                f"achieved_goal {ag.shape} {ag.dtype} and desired_goal {dg.shape} {dg.dtype} must have the same shape and dtype"
+            )
+        self.fields: tuple[Field, ...] = tuple(fields)
+        self.by_name: dict[str, Field] = {f.name: f for f in fields}
+
+    @property
+    def observation_keys(self) -> tuple[str, ...]:
+        return tuple(f.name for f in self.fields if not f.per_step)
+
+    @property
+    def info_keys(self) -> tuple[str, ...]:
+        return tuple(self.info_spaces)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "observation_space": space_to_json(self.observation_space),
+            "action_space": space_to_json(self.action_space),
+            "info_spaces": {k: space_to_json(s) for k, s in self.info_spaces.items()},
+            "fields": [f.to_json() for f in self.fields],
+        }
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> Schema:
+        return cls(
+            space_from_json(d["observation_space"]),
+            space_from_json(d["action_space"]),
+            {k: space_from_json(s) for k, s in d["info_spaces"].items()},
+        )
+
+    def check_same(self, other: Schema, where: str) -> None:
+        """Raise SchemaMismatchError naming the first difference between two schemas."""
+        mine, theirs = self.to_json(), other.to_json()
+        for key in ("observation_space", "action_space", "info_spaces"):
+            if mine[key] != theirs[key]:
+                raise SchemaMismatchError(
+                    f"{where}: {key} differs from the one the store was created with: "
+                    f"store has {theirs[key]}, got {mine[key]}"
+                )
+
+
+def _floats_to_json(a: np.ndarray) -> Any:
+    """Bounds as JSON: one scalar when uniform (image spaces), infinities as strings (strict JSON)."""
+    a = np.asarray(a)
+    flat = a.reshape(-1)
+    vals = [flat[0]] if flat.size and np.all(flat == flat[0]) else flat
+    out = [v.item() if np.isfinite(v) else ("inf" if v > 0 else "-inf") for v in vals]
+    return out[0] if len(out) == 1 else out
+
+
+def _floats_from_json(v: Any, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+    conv = (lambda x: float(x)) if np.issubdtype(dtype, np.floating) else (lambda x: x)
+    arr = np.array([conv(x) for x in v] if isinstance(v, list) else conv(v), dtype=np.float64)
+    return np.broadcast_to(arr, shape).astype(dtype) if arr.ndim == 0 else arr.reshape(shape).astype(dtype)
+
+
+def space_to_json(space: spaces.Space) -> dict[str, Any]:
+    """Serialise a gymnasium space to plain JSON (no pickle: opening a store never runs code).
+
+    Examples
+    --------
+    >>> space_to_json(spaces.Discrete(3))
+    {'type': 'Discrete', 'n': 3, 'start': 0}
+    """
+    if isinstance(space, spaces.Dict):
+        return {"type": "Dict", "spaces": {k: space_to_json(s) for k, s in space.spaces.items()}}
+    if isinstance(space, spaces.Box):
+        return {
+            "type": "Box",
+            "shape": list(space.shape),
+            "dtype": np.dtype(space.dtype).name,
+            "low": _floats_to_json(space.low),
+            "high": _floats_to_json(space.high),
+        }
+    if isinstance(space, spaces.Discrete):
+        return {"type": "Discrete", "n": int(space.n), "start": int(space.start)}
+    if isinstance(space, spaces.MultiBinary):
+        n = space.n
+        return {"type": "MultiBinary", "n": int(n) if np.isscalar(n) else [int(x) for x in n]}
+    if isinstance(space, spaces.MultiDiscrete):
+        return {
+            "type": "MultiDiscrete",
+            "nvec": np.asarray(space.nvec).tolist(),
+            "start": np.asarray(space.start).tolist(),
+            "dtype": np.dtype(space.dtype).name,
+        }
+    raise SchemaMismatchError(
+        f"unsupported space {type(space).__name__}; expected Dict, Box, Discrete, MultiBinary or MultiDiscrete"
+    )
+
+
+def space_from_json(d: Mapping[str, Any]) -> spaces.Space:
+    """Inverse of :func:`space_to_json`.
+
+    Examples
+    --------
+    >>> space_from_json({'type': 'Discrete', 'n': 3, 'start': 0})
+    Discrete(3)
+    """
+    kind = d.get("type")
+    if kind == "Dict":
+        return spaces.Dict({k: space_from_json(s) for k, s in d["spaces"].items()})
+    if kind == "Box":
+        dtype = np.dtype(d["dtype"])
+        shape = tuple(d["shape"])
+        return spaces.Box(
+            _floats_from_json(d["low"], shape, dtype), _floats_from_json(d["high"], shape, dtype), shape, dtype
+        )
+    if kind == "Discrete":
+        return spaces.Discrete(d["n"], start=d.get("start", 0))
+    if kind == "MultiBinary":
+        return spaces.MultiBinary(d["n"])
+    if kind == "MultiDiscrete":
+        return spaces.MultiDiscrete(np.array(d["nvec"]), dtype=d.get("dtype", "int64"), start=np.array(d["start"]))
+    raise SchemaMismatchError(f"unknown space type {kind!r} in store metadata")

@@ -1,0 +1,831 @@
+"""EpisodeStore: create, open and resume a store; append episodes; the commit protocol and the capacity ring.
+
+A commit is the only moment the store changes for a reader: data rows, then index rows, then the commit record
+(``commit.json``, replaced atomically). Episodes appended in between are staged in memory and committed as a group
+(see ``commit_interval``), which is what makes appends cheap; a crash loses at most the staged episodes.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+import zlib
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Literal
+
+import numpy as np
+import zarr
+from gymnasium import spaces
+
+from her_store.episode import Episode
+from her_store.errors import (
+    CorruptStoreError,
+    EpisodeNotFoundError,
+    EpisodeValidationError,
+    NotAStoreError,
+    ReadOnlyStoreError,
+    SchemaMismatchError,
+    StoreError,
+    StoreExistsError,
+)
+from her_store.format import (
+    ATTRS_KEY,
+    COMMIT_KEY,
+    FORMAT_VERSION,
+    INDEX_COLUMNS,
+    LOCK_KEY,
+    ArraySpec,
+    Commit,
+    Layout,
+    check_attrs,
+)
+from her_store.index import EpisodeIndex
+from her_store.schema import Schema
+from her_store.storage import ZARR_CONFIG, Location, RawChunkFile, WriterLock, ZarrChunks, chunk_io
+
+if TYPE_CHECKING:
+    from her_store.writer import StepWriter
+
+__all__ = ["EpisodeStore", "open_store"]
+
+Durability = Literal["flush", "fsync"]
+LOCAL_CHUNK_ROWS = 1 << 16
+REMOTE_CHUNK_ROWS = 1 << 13
+LOCAL_COMMIT_INTERVAL = 0.1
+REMOTE_COMMIT_INTERVAL = 2.0
+# a ring holds row space for capacity transitions plus one extra row per episode of >= 4 steps on average
+RING_ROW_SLACK = 4
+
+
+def _to_zarr_codecs(codecs: Any) -> Any:
+    """Accept zarr v3 codecs and plain numcodecs codecs (mapped to zarr's own Zstd/Blosc, else the numcodecs wrapper)."""
+    import numcodecs.abc
+    import zarr.codecs
+
+    if codecs is None:
+        return None
+    items = list(codecs) if isinstance(codecs, (list, tuple)) else [codecs]
+    out = []
+    for c in items:
+        if isinstance(c, numcodecs.abc.Codec):
+            cfg = c.get_config()
+            kind = cfg.pop("id")
+            if kind == "zstd":
+                c = zarr.codecs.ZstdCodec(level=cfg.get("level", 0), checksum=cfg.get("checksum", False))
+            elif kind == "blosc":
+                shuffle = {0: "noshuffle", 1: "shuffle", 2: "bitshuffle", -1: "shuffle"}[cfg.get("shuffle", 1)]
+                c = zarr.codecs.BloscCodec(cname=cfg["cname"], clevel=cfg["clevel"], shuffle=shuffle)
+            else:
+                import zarr.codecs.numcodecs as zn
+
+                cls = getattr(zn, type(c).__name__, None)
+                if cls is None:
+                    raise StoreError(f"compressor {c!r} has no Zarr v3 form; use a zarr.codecs or numcodecs Zstd/Blosc codec")
+                c = cls(**cfg)
+        out.append(c)
+    return out
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+class EpisodeStore:
+    """A persistent store of goal-conditioned episodes on local disk or object storage.
+
+    Create one with :meth:`create`, reopen it with :meth:`open`, or do either with :func:`open_store`. A store
+    opened for writing (``mode="a"``) holds the store's single-writer lock until :meth:`close`; any number of
+    processes may open it with ``mode="r"`` and call :meth:`refresh` to see new commits.
+
+    Appended episodes are committed in groups: on the first append ``commit_interval`` seconds after the last
+    commit, when the staged rows reach a chunk, and on :meth:`flush`, :meth:`close` or any read through the
+    writing handle (``num_episodes``, ``episodes``, ``episode()``, ...). A crash (even kill -9) loses at most
+    the episodes staged since the last commit.
+
+    Not thread-safe: use one handle per thread.
+
+    Examples
+    --------
+    >>> import numpy as np, tempfile
+    >>> from gymnasium import spaces
+    >>> obs = spaces.Dict({k: spaces.Box(-1, 1, (3,)) for k in ("observation", "achieved_goal", "desired_goal")})
+    >>> path = tempfile.mkdtemp() + "/run"
+    >>> with EpisodeStore.create(path, obs, spaces.Box(-1, 1, (2,)), metadata={"env_id": "Demo-v0"}) as store:
+    ...     T = 5
+    ...     ep = {k: np.zeros((T + 1, 3), np.float32) for k in ("observation", "achieved_goal", "desired_goal")}
+    ...     ep.update(action=np.zeros((T, 2), np.float32), reward=np.full(T, -1.0, np.float32),
+    ...               terminated=np.zeros(T, bool), truncated=np.eye(1, T, T - 1, dtype=bool)[0])
+    ...     store.append_episode(ep)
+    0
+    >>> with EpisodeStore.open(path) as store:
+    ...     len(store), store.episode(0)["observation"].shape, store.metadata["env_id"]
+    (5, (6, 3), 'Demo-v0')
+    """
+
+    # -- construction ----------------------------------------------------------------------------------
+    def __init__(self, location: Location, mode: str, durability: Durability, commit_interval: float | None) -> None:
+        if mode not in ("r", "a"):
+            raise ValueError(f"mode must be 'r' (read) or 'a' (append), got {mode!r}")
+        if durability not in ("flush", "fsync"):
+            raise ValueError(f"durability must be 'flush' or 'fsync', got {durability!r}")
+        self._loc = location
+        self.mode = mode
+        self.durability: Durability = durability
+        if commit_interval is None:
+            commit_interval = LOCAL_COMMIT_INTERVAL if location.is_local else REMOTE_COMMIT_INTERVAL
+        if commit_interval < 0:
+            raise ValueError(f"commit_interval must be >= 0 seconds, got {commit_interval}")
+        self.commit_interval = float(commit_interval)
+        self._lock: WriterLock | None = None
+        self._closed = False
+        self._arrays: dict[str, RawChunkFile | ZarrChunks] = {}
+        self._index_io: dict[str, RawChunkFile | ZarrChunks] = {}
+
+    @classmethod
+    def create(
+        cls,
+        path_or_url: str | os.PathLike[str],
+        observation_space: spaces.Dict,
+        action_space: spaces.Space,
+        *,
+        capacity: int | None = None,
+        chunk_rows: int | None = None,
+        compressors: Mapping[str, Any] | None = None,
+        info_keys: Sequence[str] | Mapping[str, spaces.Space] = (),
+        metadata: Mapping[str, Any] | None = None,
+        durability: Durability = "flush",
+        storage_options: Mapping[str, Any] | None = None,
+        commit_interval: float | None = None,
+    ) -> EpisodeStore:
+        """Create a new, empty store and open it for appending.
+
+        Parameters
+        ----------
+        path_or_url : str or PathLike
+            A local directory or an fsspec URL (``s3://bucket/run``, ``gs://...``, ``memory://...``, ``file://...``).
+        observation_space : gymnasium.spaces.Dict
+            With ``observation``, ``achieved_goal`` and ``desired_goal`` (other keys are stored too).
+            Sub-spaces: Box (float or uint8 images), Discrete, MultiBinary, MultiDiscrete.
+        action_space : gymnasium.spaces.Space
+            Box, Discrete, MultiBinary or MultiDiscrete.
+        capacity : int, optional
+            The most transitions kept; the oldest whole episodes are evicted first (a FIFO ring, like SB3's
+            ``buffer_size``). None grows without bound. Row space is ``capacity * 5/4`` rows rounded up to a
+            chunk, so episodes shorter than about 4 steps may be evicted before ``capacity`` is reached.
+        chunk_rows : int, optional
+            Rows per chunk of the packed arrays (default 65,536 on local disk, 8,192 on object storage).
+        compressors : mapping of field name to codec(s), optional
+            Per-field compression (zarr v3 codecs or numcodecs Zstd/Blosc); None for a field means uncompressed.
+            Default: none for low-dimensional fields (memory-mapped by the sampler), Zstd for uint8 images.
+        info_keys : sequence of str or mapping of str to Space
+            Numeric info entries stored per step, e.g. ``["is_success"]`` (a float32 scalar each).
+        metadata : mapping, optional
+            A dataset card saved in the store: env_id, algorithm, author, description, ... (JSON values).
+        durability : {"flush", "fsync"}
+            "flush" hands every commit to the OS (survives a crash of the process); "fsync" also fsyncs data,
+            index, commit record and directory at each commit (survives power loss).
+        storage_options : mapping, optional
+            Passed to fsspec for URLs (credentials, ``client_kwargs={"endpoint_url": ...}``).
+        commit_interval : float, optional
+            Seconds between group commits (default 0.1 on local disk, 2.0 on object storage; 0 commits every
+            episode).
+
+        Returns
+        -------
+        EpisodeStore
+            Opened with ``mode="a"``.
+
+        Raises
+        ------
+        StoreExistsError
+            If a store (or any Zarr node) already exists there; use :func:`open_store` to create-or-resume.
+        """
+        loc = Location(path_or_url, storage_options)
+        schema = Schema(observation_space, action_space, info_keys)
+        if capacity is not None and (not isinstance(capacity, (int, np.integer)) or capacity < 1):
+            raise ValueError(f"capacity must be a positive int or None, got {capacity!r}")
+        chunk_rows = chunk_rows or (LOCAL_CHUNK_ROWS if loc.is_local else REMOTE_CHUNK_ROWS)
+        if chunk_rows < 1:
+            raise ValueError(f"chunk_rows must be >= 1, got {chunk_rows}")
+        compressors = dict(compressors or {})
+        unknown = sorted(set(compressors) - set(schema.by_name))
+        if unknown:
+            raise SchemaMismatchError(f"compressors name unknown fields {unknown}; fields are {list(schema.by_name)}")
+        codecs = {f.name: _to_zarr_codecs(compressors.get(f.name, _default_codec(f))) for f in schema.fields}
+        codecs = {k: v for k, v in codecs.items() if v}
+        layout = Layout.build(schema, set(codecs), int(chunk_rows))
+        grain = math.lcm(*(a.chunk_rows for a in layout.arrays))
+        index_chunk = LOCAL_CHUNK_ROWS if loc.is_local else REMOTE_CHUNK_ROWS
+        if capacity is None:
+            array_rows, slots, index_rows = grain, None, index_chunk
+        else:
+            array_rows = _round_up(capacity + capacity // RING_ROW_SLACK + 1, grain)
+            slots = _round_up(int(capacity), min(index_chunk, int(capacity)))
+            index_rows = slots
+            index_chunk = min(index_chunk, slots)
+
+        self = cls(loc, "a", durability, commit_interval)
+        if loc.is_local:
+            os.makedirs(loc.root, exist_ok=True)
+        else:
+            loc.fs.makedirs(loc.root, exist_ok=True)
+        self._lock = WriterLock(loc, LOCK_KEY)
+        self._lock.acquire()
+        try:
+            if loc.exists("zarr.json"):
+                raise StoreExistsError(
+                    f"{loc} already holds a Zarr node; open it with EpisodeStore.open({str(loc)!r}, mode='a') or "
+                    "her_store.open_store(...) to resume"
+                )
+            attrs = {
+                "format_version": FORMAT_VERSION,
+                "schema": schema.to_json(),
+                "layout": layout.to_json(),
+                "capacity": None if capacity is None else int(capacity),
+                "index_slots": slots,
+                "metadata": dict(metadata or {}),
+                "created_at": time.time(),
+            }
+            root = zarr.open_group(loc.zarr_store(read_only=False), mode="a", attributes={ATTRS_KEY: attrs})
+            for spec in layout.arrays:
+                root.create_array(
+                    spec.path,
+                    shape=(array_rows, *spec.row_shape),
+                    chunks=(spec.chunk_rows, *spec.row_shape),
+                    dtype=spec.dtype,
+                    compressors=codecs.get(spec.columns[0][0]) if spec.compressed else None,
+                    fill_value=0,
+                    config=ZARR_CONFIG,
+                )
+            for name, dt in INDEX_COLUMNS.items():
+                root.create_array(
+                    f"episodes/{name}", shape=(index_rows,), chunks=(index_chunk,), dtype=dt, compressors=None,
+                    fill_value=0, config=ZARR_CONFIG,
+                )
+            commit = Commit(array_rows=array_rows)
+            loc.write_atomic(COMMIT_KEY, commit.to_bytes(), fsync=durability == "fsync")
+            self._attach(root, attrs, commit)
+        except BaseException:
+            self._lock.release()
+            raise
+        return self
+
+    @classmethod
+    def open(
+        cls,
+        path_or_url: str | os.PathLike[str],
+        mode: Literal["r", "a"] = "r",
+        storage_options: Mapping[str, Any] | None = None,
+        *,
+        durability: Durability = "flush",
+        commit_interval: float | None = None,
+    ) -> EpisodeStore:
+        """Open an existing store.
+
+        Parameters
+        ----------
+        path_or_url : str or PathLike
+            As in :meth:`create`.
+        mode : {"r", "a"}
+            "r" reads (no lock; :meth:`refresh` sees new commits); "a" takes the writer lock and resumes appending
+            after the last committed episode (rows written past it by a crashed writer are overwritten).
+        storage_options, durability, commit_interval
+            As in :meth:`create`.
+
+        Raises
+        ------
+        NotAStoreError, FormatVersionError, CorruptStoreError, StoreLockedError
+
+        Examples
+        --------
+        >>> store = EpisodeStore.open("runs/fetch", mode="a")  # doctest: +SKIP
+        """
+        loc = Location(path_or_url, storage_options)
+        self = cls(loc, mode, durability, commit_interval)
+        try:
+            root = zarr.open_group(loc.zarr_store(read_only=mode == "r"), mode="r" if mode == "r" else "r+")
+        except (FileNotFoundError, zarr.errors.GroupNotFoundError, zarr.errors.NodeTypeValidationError) as e:
+            raise NotAStoreError(f"{loc} is not a her_store store (no Zarr group there)") from e
+        attrs = check_attrs(root.attrs.asdict(), str(loc))
+        if mode == "a":
+            self._lock = WriterLock(loc, LOCK_KEY)
+            self._lock.acquire()
+        try:
+            self._attach(root, attrs, self._read_commit())
+        except BaseException:
+            if self._lock is not None:
+                self._lock.release()
+            raise
+        return self
+
+    def _read_commit(self) -> Commit:
+        raw = self._loc.read_bytes(COMMIT_KEY)
+        if raw is None:
+            raise CorruptStoreError(f"{self._loc} has no commit record {COMMIT_KEY}; expected one in every store (FORMAT.md)")
+        return Commit.from_bytes(raw, str(self._loc))
+
+    def _attach(self, root: zarr.Group, attrs: dict[str, Any], commit: Commit) -> None:
+        self._root = root
+        self._attrs = attrs
+        try:
+            self.schema = Schema.from_json(attrs["schema"])
+            self.layout = Layout.from_json(attrs["layout"])
+            self.capacity: int | None = attrs["capacity"]
+            slots = attrs["index_slots"]
+        except (KeyError, TypeError, ValueError) as e:
+            raise CorruptStoreError(f"{self._loc}: store attributes are incomplete ({e!r}); see FORMAT.md") from e
+        for spec in self.layout.arrays:
+            self._arrays[spec.path] = chunk_io(self._loc, root, spec.path, spec.compressed)
+        for name in INDEX_COLUMNS:
+            self._index_io[name] = chunk_io(self._loc, root, f"episodes/{name}", False)
+        self._index = EpisodeIndex(slots)
+        self._commit = commit
+        self._load_index(commit.first_episode, commit.end_episode)
+        self._check_index()
+        self._head = commit.write_row
+        self._array_rows = commit.array_rows
+        self._index_rows = int(root[f"episodes/{next(iter(INDEX_COLUMNS))}"].shape[0])
+        self._stage = {spec.path: np.zeros((1024, *spec.row_shape), spec.dtype) for spec in self.layout.arrays}
+        self._plan = [_staging_plan(spec, self.schema) for spec in self.layout.arrays]
+        self._commit_rows = self.layout.arrays[0].chunk_rows
+        self._stage_row0 = self._head
+        self._stage_n = 0
+        self._last_commit = time.monotonic()
+
+    def _load_index(self, first: int, end: int) -> None:
+        cols = EpisodeIndex.read(self._index_io, self._index.positions(first, end))
+        self._index.load(cols, first, end)
+
+    def _check_index(self) -> None:
+        idx, c = self._index, self._commit
+        if len(idx) == 0:
+            return
+        ids, starts, lengths = idx.column("episode_id"), idx.column("start_row"), idx.column("length")
+        bad = np.flatnonzero(
+            (ids != np.arange(idx.first, idx.end)) | (lengths < 1) | (starts < 0) | (starts + lengths + 1 > c.array_rows)
+        )
+        if bad.size:
+            i = int(bad[0])
+            raise CorruptStoreError(
+                f"{self._loc}: index row of episode {idx.first + i} is inconsistent with {COMMIT_KEY} "
+                f"(episode_id={int(ids[i])}, start_row={int(starts[i])}, length={int(lengths[i])}, "
+                f"array rows={c.array_rows})"
+            )
+        if idx.num_transitions != c.num_transitions:
+            raise CorruptStoreError(
+                f"{self._loc}: index lengths sum to {idx.num_transitions} transitions, {COMMIT_KEY} says {c.num_transitions}"
+            )
+
+    # -- properties --------------------------------------------------------------------------------------
+    @property
+    def url(self) -> str:
+        """The store's local path or URL."""
+        return self._loc.url
+
+    @property
+    def observation_space(self) -> spaces.Dict:
+        return self.schema.observation_space
+
+    @property
+    def action_space(self) -> spaces.Space:
+        return self.schema.action_space
+
+    @property
+    def info_keys(self) -> tuple[str, ...]:
+        return self.schema.info_keys
+
+    @property
+    def metadata(self) -> dict[str, Any]:
+        """The dataset card (env_id, algorithm, author, description, ...); a copy: change it with :meth:`update_metadata`."""
+        return dict(self._attrs.get("metadata", {}))
+
+    def update_metadata(self, **entries: Any) -> None:
+        """Add or replace entries of the dataset card.
+
+        Examples
+        --------
+        >>> store.update_metadata(algorithm="SAC+HER", author="lab")  # doctest: +SKIP
+        """
+        self._require_writable()
+        self._attrs["metadata"] = {**self._attrs.get("metadata", {}), **entries}
+        self._root.attrs.update({ATTRS_KEY: self._attrs})
+
+    def _visible(self) -> EpisodeIndex:
+        """The index as this handle should report it: a writer commits what it staged first."""
+        self._require_open()
+        if self.mode == "a" and (self._stage_n or self._index.first != self._commit.first_episode):
+            self._commit_staged()
+        return self._index
+
+    @property
+    def num_episodes(self) -> int:
+        """Committed episodes still in the store (evicted ones excluded)."""
+        return len(self._visible())
+
+    @property
+    def num_transitions(self) -> int:
+        """Committed transitions still in the store (``len(store)``)."""
+        return self._visible().num_transitions
+
+    def __len__(self) -> int:
+        return self.num_transitions
+
+    @property
+    def first_episode(self) -> int:
+        """Id of the oldest episode still in the store (ids below were evicted)."""
+        return self._visible().first
+
+    @property
+    def end_episode(self) -> int:
+        """One past the newest committed episode id."""
+        return self._visible().end
+
+    @property
+    def episodes(self) -> dict[str, np.ndarray]:
+        """The episode-index table over the live episodes: a dict of read-only numpy columns.
+
+        Columns: episode_id, start_row, length, terminated, truncated, return, success (-1 unknown, 0, 1),
+        env_index (-1 for whole appended episodes), created_at (unix seconds), crc32.
+        """
+        return self._visible().table()
+
+    @property
+    def commit_record(self) -> Commit:
+        """The last commit this handle made or saw (generation, live episode ids, rows, array size)."""
+        self._visible()
+        return self._commit
+
+    @property
+    def index(self) -> EpisodeIndex:
+        """The committed episode index (what the sampler asks about rows and lengths)."""
+        return self._visible()
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else f"{self.num_episodes} episodes, {self.num_transitions} transitions"
+        cap = "unbounded" if self.capacity is None else f"capacity={self.capacity}"
+        return f"EpisodeStore({self.url!r}, mode={self.mode!r}, {cap}, {state})"
+
+    # -- reading -----------------------------------------------------------------------------------------
+    def _split(self, spec: ArraySpec, rows: np.ndarray, length: int) -> dict[str, np.ndarray]:
+        """The fields of one array's ``length + 1`` episode rows (per-step fields drop the unused last row)."""
+        out = {}
+        for name, a, b in spec.columns:
+            f = self.schema.by_name[name]
+            part = rows[:, a:b] if spec.is_pack else rows
+            out[name] = part[: length if f.per_step else length + 1].reshape(-1, *f.shape)
+        return out
+
+    def episode(self, episode_id: int, *, verify: bool = True) -> Episode:
+        """Read one committed episode.
+
+        Parameters
+        ----------
+        episode_id : int
+            Between :attr:`first_episode` and :attr:`end_episode`.
+        verify : bool
+            Check the rows against the crc32 recorded at write time. A reader racing a ring writer that
+            overwrote the episode meanwhile gets EpisodeNotFoundError rather than mixed rows.
+
+        Raises
+        ------
+        EpisodeNotFoundError
+            Never committed, or evicted by the ring.
+        CorruptStoreError
+            The rows do not match their checksum.
+        """
+        idx = self._visible()
+        episode_id = int(episode_id)
+        if not idx.first <= episode_id < idx.end:
+            what = "was evicted by the capacity ring" if 0 <= episode_id < idx.first else "is not committed"
+            raise EpisodeNotFoundError(
+                f"episode {episode_id} {what}; {self.url} holds episodes {idx.first}..{idx.end - 1}"
+            )
+        start, length = idx.rows_of(episode_id)
+        crc, data = 0, {}
+        for spec in self.layout.arrays:
+            rows = self._arrays[spec.path].read(start, start + length + 1)
+            crc = zlib.crc32(np.ascontiguousarray(rows).data, crc)
+            data.update(self._split(spec, rows, length))
+        data = {f.name: data[f.name] for f in self.schema.fields}
+        if verify and crc != int(idx.column("crc32")[episode_id - idx.first]):
+            if self.mode == "r":
+                self.refresh()
+                if episode_id < self._index.first:
+                    raise EpisodeNotFoundError(f"episode {episode_id} was evicted by the writer while being read")
+            raise CorruptStoreError(
+                f"{self.url}: rows {start}..{start + length} of episode {episode_id} do not match the crc32 "
+                "recorded when they were written"
+            )
+        return Episode(episode_id, data)
+
+    def refresh(self) -> int:
+        """Pick up episodes committed since this handle last looked (another process's writer); returns how many.
+
+        Cost is proportional to the new episodes, not to the store.
+        """
+        self._require_open()
+        if self.mode == "a":
+            return 0
+        commit = self._read_commit()
+        if commit.generation == self._commit.generation:
+            return 0
+        idx = self._index
+        old_end = idx.end
+        if commit.first_episode > idx.end or commit.end_episode < idx.end:
+            self._load_index(commit.first_episode, commit.end_episode)
+        else:
+            idx.extend(EpisodeIndex.read(self._index_io, idx.positions(idx.end, commit.end_episode)))
+            idx.first = commit.first_episode
+        self._commit = commit
+        self._array_rows = commit.array_rows
+        return max(0, commit.end_episode - old_end)
+
+    # -- writing -----------------------------------------------------------------------------------------
+    def _require_open(self) -> None:
+        if self._closed:
+            raise StoreError(f"{self.url} is closed")
+
+    def _require_writable(self) -> None:
+        self._require_open()
+        if self.mode != "a":
+            raise ReadOnlyStoreError(f"{self.url} is open read-only (mode='r'); open it with mode='a' to append")
+
+    def validate_episode(self, episode: Mapping[str, Any]) -> tuple[int, dict[str, np.ndarray]]:
+        """Check an episode against the schema; return ``(T, arrays in stored dtypes)`` or raise EpisodeValidationError."""
+        if not isinstance(episode, Mapping):
+            raise EpisodeValidationError(f"an episode is a mapping of field name -> array, got {type(episode).__name__}")
+        names = self.schema.by_name
+        if episode.keys() != names.keys():
+            missing = [n for n in names if n not in episode]
+            extra = sorted(set(episode) - set(names))
+            raise EpisodeValidationError(
+                f"episode keys do not match the store: missing {missing}, unexpected {extra}; expected {list(names)}"
+            )
+        action = np.asarray(episode["action"])
+        T = len(action) if action.ndim else 0
+        if T < 1:
+            raise EpisodeValidationError(f"an episode needs at least one step; 'action' has shape {action.shape}")
+        if self.capacity is not None and T > self.capacity:
+            raise EpisodeValidationError(f"episode of {T} transitions is longer than the store's capacity {self.capacity}")
+        out = {}
+        for f in self.schema.fields:
+            a = np.asarray(episode[f.name])
+            rows = T if f.per_step else T + 1
+            if a.shape[:1] != (rows,) or a.shape[1:] != f.shape:
+                what = "T" if f.per_step else "T + 1"
+                raise EpisodeValidationError(
+                    f"field {f.name!r} has shape {a.shape}, expected {(rows, *f.shape)} ({what} rows with T={T} from 'action')"
+                )
+            if a.dtype != f.dtype:
+                if not np.can_cast(a.dtype, f.dtype, casting="same_kind"):
+                    raise EpisodeValidationError(f"field {f.name!r} has dtype {a.dtype}, expected {f.dtype} (or one that casts to it)")
+                a = a.astype(f.dtype)
+            out[f.name] = a if a.flags.c_contiguous else np.ascontiguousarray(a)
+        return T, out
+
+    def append_episode(self, episode: Mapping[str, Any], *, env_index: int = -1) -> int:
+        """Append one whole episode; returns its id (consecutive from 0, never reused).
+
+        Parameters
+        ----------
+        episode : mapping of str to array
+            Every observation key with ``T + 1`` rows (the last is the final next-observation), ``action``,
+            ``reward``, ``terminated``, ``truncated`` and each info key with ``T`` rows (Minari's episode shape).
+            Values are cast to the stored dtype when that is safe (float64 -> float32), refused otherwise.
+        env_index : int
+            Which vectorised environment produced it (recorded in the index; -1 when unknown).
+
+        Raises
+        ------
+        EpisodeValidationError
+            Missing/extra keys, wrong shapes or dtypes, T mismatches, an episode longer than the capacity.
+            Nothing is written.
+        """
+        self._require_writable()
+        T, data = self.validate_episode(episode)
+        start = self._place(T + 1)
+        crc = self._stage_rows(start, T, data)
+        info = self.schema.info_keys
+        episode_id = self._index.append(
+            {
+                "start_row": start,
+                "length": T,
+                "terminated": bool(data["terminated"][-1]),
+                "truncated": bool(data["truncated"][-1]),
+                "return": float(data["reward"].sum(dtype=np.float64)),
+                "success": int(data["is_success"][-1] > 0.5) if "is_success" in info else -1,
+                "env_index": env_index,
+                "created_at": time.time(),
+                "crc32": crc,
+            }
+        )
+        self._head = start + T + 1
+        if self._stage_n >= self._commit_rows or time.monotonic() - self._last_commit >= self.commit_interval:
+            self._commit_staged()
+        return episode_id
+
+    def _place(self, rows: int) -> int:
+        """Row where an episode of ``rows`` rows goes; evicts (FIFO) what it would overwrite or exceed capacity with."""
+        idx, w = self._index, self._head
+        if self.capacity is None:
+            self._ensure_rows(w + rows)
+            return w
+        R = self._array_rows
+        wrap = w + rows > R
+        if wrap:
+            if self._stage_n:
+                self._commit_staged()  # staged rows form one contiguous run; the wrap starts another
+            # episodes between the head and the end of the ring are the oldest: FIFO evicts them before row 0's
+            while len(idx) and idx.rows_of(idx.first)[0] >= w:
+                idx.first += 1
+            w = 0
+        while len(idx) and (
+            idx.num_transitions + rows - 1 > self.capacity or w <= idx.rows_of(idx.first)[0] < w + rows
+        ):
+            idx.first += 1
+        return w
+
+    def _ensure_rows(self, rows: int) -> None:
+        """Grow the arrays of an unbounded store (metadata only: readers trust the commit record, not the shape)."""
+        if rows <= self._array_rows:
+            return
+        grain = math.lcm(*(a.chunk_rows for a in self.layout.arrays))
+        new = _round_up(max(rows, 2 * self._array_rows), grain)
+        for spec in self.layout.arrays:
+            _array_of(self._root, self._arrays[spec.path], spec.path).resize((new, *spec.row_shape))
+        self._array_rows = new
+
+    def _stage_rows(self, start: int, T: int, data: dict[str, np.ndarray]) -> int:
+        """Copy an episode's rows into the staging buffers (one contiguous run of rows per commit); returns their crc32."""
+        if self._stage_n == 0:
+            self._stage_row0 = start
+        at = self._stage_n
+        if start != self._stage_row0 + at:
+            raise AssertionError("staged rows must be contiguous")
+        need, crc = at + T + 1, 0
+        for path, members, step_cols in self._plan:
+            buf = self._stage[path]
+            if len(buf) < need:
+                grown = np.zeros((max(need, 2 * len(buf)), *buf.shape[1:]), buf.dtype)
+                grown[:at] = buf[:at]
+                self._stage[path] = buf = grown
+            for name, cols, flat in members:
+                d = data[name]
+                buf[at : at + len(d), cols] = d.reshape(len(d), -1) if flat else d
+            buf[at + T, step_cols] = 0  # the unused last row of per-step fields
+            crc = zlib.crc32(buf[at:need].data, crc)
+        self._stage_n = need
+        return crc
+
+    def _commit_staged(self) -> None:
+        """The commit protocol: [eviction record] -> data rows -> index rows -> commit record."""
+        idx, old = self._index, self._commit
+        fsync = self.durability == "fsync"
+        gen = old.generation
+        if idx.first > old.first_episode:
+            # evicted rows may be overwritten below: readers must stop trusting them first
+            first = min(idx.first, old.end_episode)
+            gen += 1
+            evicted = Commit(
+                gen, first, old.end_episode, old.write_row, idx.transitions_between(first, old.end_episode), old.array_rows
+            )
+            self._loc.write_atomic(COMMIT_KEY, evicted.to_bytes(), fsync)
+        if self._stage_n:
+            for path, w in self._arrays.items():
+                w.write(self._stage_row0, self._stage[path][: self._stage_n])
+        for w in self._arrays.values():
+            w.flush(fsync)
+        if idx.end > old.end_episode:
+            self._ensure_index_rows(idx.end)
+            idx.write(self._index_io, old.end_episode, idx.end)
+            for w in self._index_io.values():
+                w.flush(fsync)
+        new = Commit(gen + 1, idx.first, idx.end, self._head, idx.num_transitions, self._array_rows)
+        self._loc.write_atomic(COMMIT_KEY, new.to_bytes(), fsync)
+        self._commit = new
+        self._stage_n = 0
+        self._stage_row0 = self._head
+        self._last_commit = time.monotonic()
+        if self._lock is not None:
+            self._lock.renew()
+
+    def _ensure_index_rows(self, end: int) -> None:
+        if self._index.slots is not None or end <= self._index_rows:
+            return
+        new = _round_up(max(end, 2 * self._index_rows), int(self._root["episodes/episode_id"].chunks[0]))
+        for name in INDEX_COLUMNS:
+            _array_of(self._root, self._index_io[name], f"episodes/{name}").resize((new,))
+        self._index_rows = new
+
+    def writer(self, n_envs: int = 1) -> StepWriter:
+        """A :class:`~her_store.writer.StepWriter` that assembles episodes from per-step adds of ``n_envs`` envs.
+
+        Examples
+        --------
+        >>> w = store.writer(n_envs=4)  # doctest: +SKIP
+        >>> w.add(obs, next_obs, action, reward, terminated, truncated)  # doctest: +SKIP
+        """
+        from her_store.writer import StepWriter
+
+        self._require_writable()
+        return StepWriter(self, n_envs)
+
+    def flush(self) -> None:
+        """Commit every staged episode now (and fsync with durability='fsync')."""
+        self._require_open()
+        if self.mode == "a":
+            self._commit_staged()
+
+    def close(self) -> None:
+        """Commit what is staged, release the writer lock and file handles. Idempotent."""
+        if self._closed:
+            return
+        try:
+            if self.mode == "a":
+                self._commit_staged()
+        finally:
+            for w in (*self._arrays.values(), *self._index_io.values()):
+                w.close()
+            if self._lock is not None:
+                self._lock.release()
+            self._closed = True
+
+    def __enter__(self) -> EpisodeStore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _array_of(root: zarr.Group, io: RawChunkFile | ZarrChunks, path: str) -> zarr.Array:
+    """The zarr.Array behind an array's row access (resized in place, so a ZarrChunks sees the new shape)."""
+    return io.array if isinstance(io, ZarrChunks) else root[path]
+
+
+def _staging_plan(spec: ArraySpec, schema: Schema) -> tuple[str, list[tuple[str, Any, bool]], slice]:
+    """How an episode's fields land in one array's rows: (field, column selector, needs flattening) and the
+    columns of per-step fields, whose last row of each episode is unused (schema order puts them last)."""
+    members, step_from = [], None
+    for name, a, b in spec.columns:
+        f = schema.by_name[name]
+        if spec.is_pack:
+            members.append((name, slice(a, b), f.shape != (b - a,)))
+        else:
+            members.append((name, Ellipsis, False))
+        if f.per_step and step_from is None:
+            step_from = a if spec.is_pack else 0
+    if step_from is None:
+        step_cols = slice(0, 0)
+    else:
+        step_cols = slice(step_from, None) if spec.is_pack else Ellipsis
+    return spec.path, members, step_cols
+
+
+def _default_codec(field: Any) -> Any:
+    import zarr.codecs
+
+    return zarr.codecs.ZstdCodec(level=3) if field.is_image else None
+
+
+def open_store(
+    path_or_url: str | os.PathLike[str],
+    observation_space: spaces.Dict | None = None,
+    action_space: spaces.Space | None = None,
+    **kwargs: Any,
+) -> EpisodeStore:
+    """Open a store for appending if it exists (checking its spaces), else create it: what a training script calls.
+
+    Parameters
+    ----------
+    path_or_url : str or PathLike
+        Local path or fsspec URL.
+    observation_space, action_space : gymnasium spaces, optional
+        Required to create; when the store exists they must equal the stored ones (SchemaMismatchError otherwise).
+    **kwargs
+        Passed to :meth:`EpisodeStore.create` (capacity, info_keys, metadata, ...) or, for an existing store,
+        the ones :meth:`EpisodeStore.open` takes (storage_options, durability, commit_interval).
+
+    Examples
+    --------
+    >>> store = open_store("runs/fetch", env.observation_space, env.action_space, capacity=1_000_000)  # doctest: +SKIP
+    """
+    loc = Location(path_or_url, kwargs.get("storage_options"))
+    if loc.exists("zarr.json"):
+        open_kw = {k: kwargs[k] for k in ("storage_options", "durability", "commit_interval") if k in kwargs}
+        store = EpisodeStore.open(path_or_url, mode="a", **open_kw)
+        if observation_space is not None or action_space is not None:
+            try:
+                given = Schema(
+                    observation_space if observation_space is not None else store.observation_space,
+                    action_space if action_space is not None else store.action_space,
+                    kwargs.get("info_keys", store.schema.info_spaces),
+                )
+                given.check_same(store.schema, store.url)
+            except BaseException:
+                store.close()
+                raise
+        return store
+    if observation_space is None or action_space is None:
+        raise NotAStoreError(f"{loc} holds no store; pass observation_space and action_space to create one")
+    return EpisodeStore.create(path_or_url, observation_space, action_space, **kwargs)

@@ -1,0 +1,104 @@
+"""Shared fixtures: goal-env spaces, episode generators, a real S3 protocol server (moto) on loopback."""
+
+from __future__ import annotations
+
+import os
+import uuid
+
+import numpy as np
+import pytest
+from gymnasium import spaces
+
+GOAL_KEYS = ("observation", "achieved_goal", "desired_goal")
+
+
+def fetch_spaces(obs_dim: int = 10, goal_dim: int = 3, action_dim: int = 4) -> tuple[spaces.Dict, spaces.Box]:
+    """FetchReach-shaped spaces (observation 10, goals 3, action 4, float32)."""
+    obs = spaces.Dict(
+        {
+            "observation": spaces.Box(-np.inf, np.inf, (obs_dim,), np.float32),
+            "achieved_goal": spaces.Box(-np.inf, np.inf, (goal_dim,), np.float32),
+            "desired_goal": spaces.Box(-np.inf, np.inf, (goal_dim,), np.float32),
+        }
+    )
+    return obs, spaces.Box(-1.0, 1.0, (action_dim,), np.float32)
+
+
+def random_rows(space: spaces.Space, n: int, rng: np.random.Generator) -> np.ndarray:
+    """``n`` random values of a space, vectorised."""
+    if isinstance(space, spaces.Box):
+        if np.issubdtype(space.dtype, np.floating):
+            return rng.standard_normal((n, *space.shape)).astype(space.dtype)
+        return rng.integers(space.low, space.high, (n, *space.shape), endpoint=True).astype(space.dtype)
+    if isinstance(space, spaces.Discrete):
+        return rng.integers(space.start, space.start + space.n, n).astype(np.int64)
+    if isinstance(space, spaces.MultiBinary):
+        return rng.integers(0, 2, (n, *space.shape)).astype(space.dtype)
+    if isinstance(space, spaces.MultiDiscrete):
+        return (space.start + rng.integers(0, space.nvec, (n, *space.shape))).astype(space.dtype)
+    raise TypeError(space)
+
+
+def make_episode(
+    obs_space: spaces.Dict,
+    action_space: spaces.Space,
+    T: int,
+    seed: int,
+    info_keys: tuple[str, ...] = (),
+    terminated: bool = False,
+) -> dict[str, np.ndarray]:
+    """A random episode in the store's episode shape; the same seed gives the same episode."""
+    rng = np.random.default_rng(seed)
+    ep = {k: random_rows(s, T + 1, rng) for k, s in obs_space.spaces.items()}
+    ep["action"] = random_rows(action_space, T, rng)
+    ep["reward"] = rng.standard_normal(T).astype(np.float32)
+    ep["terminated"] = np.zeros(T, bool)
+    ep["truncated"] = np.zeros(T, bool)
+    (ep["terminated"] if terminated else ep["truncated"])[-1] = True
+    for k in info_keys:
+        ep[k] = (rng.random(T) > 0.5).astype(np.float32)
+    return ep
+
+
+def assert_episode_equal(got, want) -> None:
+    assert set(got) == set(want), (sorted(got), sorted(want))
+    for k in want:
+        np.testing.assert_array_equal(np.asarray(got[k]), np.asarray(want[k]), err_msg=f"field {k}")
+        assert np.asarray(got[k]).dtype == np.asarray(want[k]).dtype or k in ("reward",), k
+
+
+@pytest.fixture
+def fetch():
+    return fetch_spaces()
+
+
+@pytest.fixture
+def store_path(tmp_path):
+    return str(tmp_path / "store")
+
+
+@pytest.fixture(scope="session")
+def s3_endpoint():
+    """moto's S3 server on loopback, as zarr and s3fs test themselves."""
+    pytest.importorskip("s3fs", reason="pip install her_store[s3]")
+    from moto.server import ThreadedMotoServer
+
+    for k, v in {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}.items():
+        os.environ.setdefault(k, v)
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    yield f"http://{host}:{port}"
+    server.stop()
+
+
+@pytest.fixture
+def s3_url(s3_endpoint):
+    """A fresh bucket on the loopback server; yields (url, storage_options)."""
+    import s3fs
+
+    opts = {"client_kwargs": {"endpoint_url": s3_endpoint}, "key": "testing", "secret": "testing"}
+    fs = s3fs.S3FileSystem(**opts)
+    bucket = f"b{uuid.uuid4().hex[:12]}"
+    fs.mkdir(bucket)
+    yield f"s3://{bucket}/store", opts

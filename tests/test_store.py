@@ -1,0 +1,438 @@
+"""EpisodeStore: round trips, resume, ring eviction, metadata, the single-writer lock and every bad input."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import numcodecs
+import numpy as np
+import pytest
+import zarr
+from gymnasium import spaces
+
+import her_store
+from her_store import (
+    CorruptStoreError,
+    EpisodeNotFoundError,
+    EpisodeStore,
+    EpisodeValidationError,
+    FormatVersionError,
+    NotAStoreError,
+    ReadOnlyStoreError,
+    SchemaMismatchError,
+    StoreExistsError,
+    StoreLockedError,
+    open_store,
+)
+from tests.conftest import GOAL_KEYS, assert_episode_equal, fetch_spaces, make_episode
+
+
+def _goal_obs(extra: dict | None = None, goal: spaces.Space | None = None) -> spaces.Dict:
+    goal = goal or spaces.Box(-1, 1, (3,), np.float32)
+    d = {"observation": spaces.Box(-np.inf, np.inf, (5,), np.float32), "achieved_goal": goal, "desired_goal": goal}
+    d.update(extra or {})
+    return spaces.Dict(d)
+
+
+SPACE_CASES = {
+    "box-float32": (_goal_obs(), spaces.Box(-1, 1, (4,), np.float32)),
+    "box-float64-2d": (_goal_obs({"joints": spaces.Box(-1, 1, (2, 3), np.float64)}), spaces.Box(-1, 1, (2, 2), np.float64)),
+    "discrete": (_goal_obs({"mode": spaces.Discrete(5, start=-2)}), spaces.Discrete(7)),
+    "multibinary": (_goal_obs({"bits": spaces.MultiBinary(6)}, goal=spaces.MultiBinary(4)), spaces.MultiBinary(3)),
+    "multidiscrete": (_goal_obs({"grid": spaces.MultiDiscrete([3, 4, 5])}), spaces.MultiDiscrete([2, 9])),
+    "uint8-image": (_goal_obs({"pixels": spaces.Box(0, 255, (3, 16, 16), np.uint8)}), spaces.Box(-1, 1, (2,), np.float32)),
+}
+
+
+@pytest.mark.parametrize("case", sorted(SPACE_CASES))
+def test_round_trip_every_space_type(store_path, case):
+    obs, act = SPACE_CASES[case]
+    eps = [make_episode(obs, act, T, seed=i, info_keys=("is_success",)) for i, T in enumerate([1, 7, 30, 2])]
+    with EpisodeStore.create(store_path, obs, act, info_keys=["is_success"], chunk_rows=16) as store:
+        ids = [store.append_episode(e) for e in eps]
+    assert ids == [0, 1, 2, 3]
+    with EpisodeStore.open(store_path) as store:
+        assert store.num_episodes == 4 and len(store) == 1 + 7 + 30 + 2
+        assert store.observation_space == obs and store.action_space == act
+        for i, e in enumerate(eps):
+            assert_episode_equal(store.episode(i), e)
+        table = store.episodes
+        np.testing.assert_array_equal(table["length"], [1, 7, 30, 2])
+        np.testing.assert_array_equal(table["episode_id"], ids)
+        np.testing.assert_allclose(table["return"], [e["reward"].sum(dtype=np.float64) for e in eps], rtol=1e-6)
+        np.testing.assert_array_equal(table["success"], [int(e["is_success"][-1] > 0.5) for e in eps])
+        assert (np.diff(table["start_row"]) == table["length"][:-1] + 1).all()
+
+
+def test_image_fields_are_compressed_and_low_dim_fields_are_raw(store_path):
+    obs, act = SPACE_CASES["uint8-image"]
+    with EpisodeStore.create(store_path, obs, act) as store:
+        store.append_episode(make_episode(obs, act, 20, seed=0))
+        paths = {a.path: a for a in store.layout.arrays}
+    pixels = zarr.open_array(store_path, path="steps/pixels", mode="r")
+    assert pixels.compressors and "zstd" in type(pixels.compressors[0]).__name__.lower()
+    pack = zarr.open_array(store_path, path="packs/float32", mode="r")
+    assert pack.compressors == () and not paths["packs/float32"].compressed
+
+
+def test_user_compressors_numcodecs_and_zarr(store_path, fetch):
+    obs, act = fetch
+    comp = {"observation": numcodecs.Blosc(cname="lz4", clevel=5), "action": zarr.codecs.ZstdCodec(level=1)}
+    with EpisodeStore.create(store_path, obs, act, compressors=comp) as store:
+        e = make_episode(obs, act, 40, seed=3)
+        store.append_episode(e)
+    with EpisodeStore.open(store_path) as store:
+        assert_episode_equal(store.episode(0), e)
+    assert type(zarr.open_array(store_path, path="steps/observation").compressors[0]).__name__ == "BloscCodec"
+    with pytest.raises(SchemaMismatchError, match="unknown fields"):
+        EpisodeStore.create(store_path + "2", obs, act, compressors={"nope": None})
+
+
+def test_unbounded_store_grows_past_its_first_arrays(store_path, fetch):
+    obs, act = fetch
+    eps = [make_episode(obs, act, 50, seed=i) for i in range(60)]
+    with EpisodeStore.create(store_path, obs, act, chunk_rows=64, commit_interval=0) as store:
+        first_rows = store.commit_record.array_rows if hasattr(store, "commit_record") else None
+        for e in eps:
+            store.append_episode(e)
+        assert store.num_transitions == 3000
+    with EpisodeStore.open(store_path) as store:
+        for i in (0, 31, 59):
+            assert_episode_equal(store.episode(i), eps[i])
+    assert zarr.open_array(store_path, path="packs/float32").shape[0] >= 60 * 51 > first_rows
+
+
+def test_reopen_for_append_continues_ids_and_keeps_data(store_path, fetch):
+    obs, act = fetch
+    eps = [make_episode(obs, act, 10 + i, seed=i) for i in range(6)]
+    with EpisodeStore.create(store_path, obs, act, metadata={"env_id": "FetchReach-v4", "author": "lab"}) as store:
+        for e in eps[:3]:
+            store.append_episode(e)
+    with EpisodeStore.open(store_path, mode="a") as store:
+        assert [store.append_episode(e) for e in eps[3:]] == [3, 4, 5]
+        store.update_metadata(algorithm="SAC+HER")
+    with EpisodeStore.open(store_path) as store:
+        for i, e in enumerate(eps):
+            assert_episode_equal(store.episode(i), e)
+        assert store.metadata == {"env_id": "FetchReach-v4", "author": "lab", "algorithm": "SAC+HER"}
+
+
+def test_open_store_creates_then_resumes_and_checks_spaces(store_path, fetch):
+    obs, act = fetch
+    with open_store(store_path, obs, act, capacity=500, info_keys=["is_success"]) as store:
+        store.append_episode(make_episode(obs, act, 5, seed=0, info_keys=("is_success",)))
+    with open_store(store_path, obs, act, info_keys=["is_success"]) as store:
+        assert store.capacity == 500 and store.num_episodes == 1
+        assert store.append_episode(make_episode(obs, act, 5, seed=1, info_keys=("is_success",))) == 1
+    other_obs, _ = fetch_spaces(obs_dim=11)
+    with pytest.raises(SchemaMismatchError, match="observation_space differs"):
+        open_store(store_path, other_obs, act)
+    with pytest.raises(SchemaMismatchError, match="action_space differs"):
+        open_store(store_path, obs, spaces.Box(-1, 1, (5,), np.float32))
+    # the failed opens released the lock: a writer can still open it
+    with open_store(store_path) as store:
+        assert store.num_episodes == 2
+    with pytest.raises(NotAStoreError, match="pass observation_space"):
+        open_store(store_path + "-missing")
+
+
+def test_ring_evicts_oldest_whole_episodes_and_never_straddles(store_path, fetch):
+    obs, act = fetch
+    cap = 300
+    lengths = np.random.default_rng(0).integers(1, 60, 200)
+    eps = [make_episode(obs, act, int(T), seed=i) for i, T in enumerate(lengths)]
+    with EpisodeStore.create(store_path, obs, act, capacity=cap, chunk_rows=32) as store:
+        ring_rows = store.commit_record.array_rows
+        for i, e in enumerate(eps):
+            store.append_episode(e)
+            table = store.episodes
+            live = table["length"]
+            assert live.sum() <= cap
+            if store.first_episode > 0:  # full: only whole episodes' worth of room is missing
+                assert live.sum() > cap - 2 * lengths.max()
+            starts = table["start_row"]
+            assert ((starts >= 0) & (starts + live + 1 <= ring_rows)).all(), "an episode straddles the wrap"
+            spans = sorted(zip(starts, starts + live + 1))
+            assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:])), "live episodes overlap"
+        first = store.first_episode
+        assert first > 0 and store.end_episode == 200
+        assert store.num_transitions == lengths[first:].sum()
+        assert store.num_transitions + lengths[first - 1] > cap
+    with EpisodeStore.open(store_path) as store:
+        assert store.first_episode == first
+        for i in range(first, 200):
+            assert_episode_equal(store.episode(i), eps[i])
+        with pytest.raises(EpisodeNotFoundError, match="evicted"):
+            store.episode(first - 1)
+        with pytest.raises(EpisodeNotFoundError, match="not committed"):
+            store.episode(200)
+
+
+def test_ring_keeps_working_across_reopen_and_wrap(store_path, fetch):
+    obs, act = fetch
+    eps = [make_episode(obs, act, 25, seed=i) for i in range(120)]
+    for lo, hi in [(0, 40), (40, 80), (80, 120)]:
+        with open_store(store_path, obs, act, capacity=250, chunk_rows=16) as store:
+            for e in eps[lo:hi]:
+                store.append_episode(e)
+    with EpisodeStore.open(store_path) as store:
+        assert store.num_transitions == 250 and store.first_episode == 110
+        for i in range(110, 120):
+            assert_episode_equal(store.episode(i), eps[i])
+
+
+def test_episode_longer_than_capacity_is_refused(store_path, fetch):
+    obs, act = fetch
+    with EpisodeStore.create(store_path, obs, act, capacity=10) as store:
+        store.append_episode(make_episode(obs, act, 10, seed=0))
+        with pytest.raises(EpisodeValidationError, match="longer than the store's capacity 10"):
+            store.append_episode(make_episode(obs, act, 11, seed=1))
+        assert store.num_episodes == 1
+
+
+def _bad_episodes(obs, act):
+    good = make_episode(obs, act, 5, seed=0)
+    cases = {}
+    e = dict(good); del e["desired_goal"]; cases["missing key"] = (e, r"missing \['desired_goal'\]")
+    e = dict(good); e["bonus"] = np.zeros(5); cases["extra key"] = (e, r"unexpected \['bonus'\]")
+    e = dict(good); e["observation"] = good["observation"][:, :4]; cases["wrong shape"] = (e, r"'observation' has shape \(6, 4\), expected \(6, 10\)")
+    e = dict(good); e["achieved_goal"] = good["achieved_goal"][:5]; cases["T mismatch obs"] = (e, r"'achieved_goal' has shape \(5, 3\), expected \(6, 3\)")
+    e = dict(good); e["reward"] = good["reward"][:4]; cases["T mismatch step"] = (e, r"'reward' has shape \(4,\), expected \(5,\)")
+    e = dict(good); e["terminated"] = np.zeros(5, np.float32); cases["wrong dtype"] = (e, "'terminated' has dtype float32, expected bool")
+    e = dict(good); e["action"] = np.zeros((0, 4), np.float32); cases["empty"] = (e, "at least one step")
+    cases["not a mapping"] = ([1, 2], "mapping")
+    return good, cases
+
+
+def test_every_bad_episode_gets_a_clear_error_and_the_store_stays_intact(store_path, fetch):
+    obs, act = fetch
+    good, cases = _bad_episodes(obs, act)
+    with EpisodeStore.create(store_path, obs, act) as store:
+        store.append_episode(good)
+        for name, (bad, msg) in cases.items():
+            with pytest.raises(EpisodeValidationError, match=msg):
+                store.append_episode(bad)
+        assert store.num_episodes == 1
+        assert store.append_episode(good) == 1
+    with EpisodeStore.open(store_path) as store:
+        assert store.num_episodes == 2
+        assert_episode_equal(store.episode(1), good)
+
+
+def test_safe_casts_are_accepted(store_path, fetch):
+    obs, act = fetch
+    e = make_episode(obs, act, 4, seed=0)
+    e64 = {k: (v.astype(np.float64) if v.dtype == np.float32 else v) for k, v in e.items()}
+    with EpisodeStore.create(store_path, obs, act) as store:
+        store.append_episode(e64)
+        assert_episode_equal(store.episode(0), e)
+
+
+def test_read_only_store_refuses_writes(store_path, fetch):
+    obs, act = fetch
+    EpisodeStore.create(store_path, obs, act).close()
+    with EpisodeStore.open(store_path, mode="r") as store:
+        with pytest.raises(ReadOnlyStoreError, match="read-only"):
+            store.append_episode(make_episode(obs, act, 3, seed=0))
+        with pytest.raises(ReadOnlyStoreError):
+            store.writer(1)
+        with pytest.raises(ReadOnlyStoreError):
+            store.update_metadata(x=1)
+
+
+def test_not_a_store(tmp_path, fetch):
+    with pytest.raises(NotAStoreError, match="no Zarr group"):
+        EpisodeStore.open(tmp_path / "nothing")
+    zarr.open_group(str(tmp_path / "plain"), mode="w")
+    with pytest.raises(NotAStoreError, match="not a her_store store"):
+        EpisodeStore.open(tmp_path / "plain")
+    with pytest.raises(ValueError, match="mode must be"):
+        EpisodeStore.open(tmp_path / "plain", mode="w")
+
+
+def test_create_refuses_an_existing_store(store_path, fetch):
+    obs, act = fetch
+    EpisodeStore.create(store_path, obs, act).close()
+    with pytest.raises(StoreExistsError, match="open_store"):
+        EpisodeStore.create(store_path, obs, act)
+
+
+def test_newer_format_version_is_refused(store_path, fetch):
+    obs, act = fetch
+    EpisodeStore.create(store_path, obs, act).close()
+    g = zarr.open_group(store_path, mode="r+")
+    attrs = g.attrs.asdict()["her_store"]
+    attrs["format_version"] = her_store.FORMAT_VERSION + 1
+    g.attrs["her_store"] = attrs
+    with pytest.raises(FormatVersionError, match=f"format version {her_store.FORMAT_VERSION + 1}"):
+        EpisodeStore.open(store_path)
+
+
+@pytest.mark.parametrize(
+    "damage, msg",
+    [
+        (lambda raw: b"{not json", "unreadable"),
+        (lambda raw: raw.replace(b'"end_episode": 3', b'"end_episode": 4'), "crc32"),
+        (None, "no commit record"),
+    ],
+)
+def test_corrupt_commit_record(store_path, fetch, damage, msg):
+    obs, act = fetch
+    with EpisodeStore.create(store_path, obs, act) as store:
+        for i in range(3):
+            store.append_episode(make_episode(obs, act, 4, seed=i))
+    path = os.path.join(store_path, "commit.json")
+    raw = open(path, "rb").read()
+    if damage is None:
+        os.remove(path)
+    else:
+        open(path, "wb").write(damage(raw))
+    with pytest.raises(CorruptStoreError, match=msg):
+        EpisodeStore.open(store_path)
+    with pytest.raises(CorruptStoreError):
+        EpisodeStore.open(store_path, mode="a")
+    if damage is not None:  # the data is untouched: restoring the record restores the store
+        open(path, "wb").write(raw)
+        with EpisodeStore.open(store_path) as store:
+            assert store.num_episodes == 3
+
+
+def test_corrupt_rows_are_caught_by_their_checksum(store_path, fetch):
+    obs, act = fetch
+    with EpisodeStore.create(store_path, obs, act) as store:
+        store.append_episode(make_episode(obs, act, 4, seed=0))
+    chunk = os.path.join(store_path, "packs", "float32", "c", "0", "0")
+    with open(chunk, "r+b") as f:
+        f.seek(8)
+        f.write(b"\xff\xff\xff\xff")
+    with EpisodeStore.open(store_path) as store:
+        with pytest.raises(CorruptStoreError, match="crc32"):
+            store.episode(0)
+        assert store.episode(0, verify=False)["reward"].shape == (4,)
+
+
+def test_second_writer_gets_a_clear_error_naming_the_holder(store_path, fetch):
+    obs, act = fetch
+    with EpisodeStore.create(store_path, obs, act):
+        with pytest.raises(StoreLockedError, match=rf"pid {os.getpid()} on host"):
+            EpisodeStore.open(store_path, mode="a")
+        code = (
+            "import her_store, sys\n"
+            "try:\n    her_store.EpisodeStore.open(sys.argv[1], mode='a')\n"
+            "except her_store.StoreLockedError as e:\n    print(e); sys.exit(3)\n"
+        )
+        out = subprocess.run([sys.executable, "-c", code, store_path], capture_output=True, text=True)
+        assert out.returncode == 3 and f"pid {os.getpid()}" in out.stdout
+        with EpisodeStore.open(store_path, mode="r") as reader:  # readers need no lock
+            assert reader.num_episodes == 0
+    with EpisodeStore.open(store_path, mode="a"):
+        pass
+
+
+def test_lock_of_a_killed_writer_is_taken_over(store_path, fetch):
+    obs, act = fetch
+    EpisodeStore.create(store_path, obs, act).close()
+    code = "import her_store, sys, time\ns = her_store.EpisodeStore.open(sys.argv[1], mode='a')\nprint('locked', flush=True)\ntime.sleep(60)\n"
+    proc = subprocess.Popen([sys.executable, "-c", code, store_path], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "locked"
+    with pytest.raises(StoreLockedError, match=f"pid {proc.pid}"):
+        EpisodeStore.open(store_path, mode="a")
+    proc.kill()
+    proc.wait()
+    with EpisodeStore.open(store_path, mode="a") as store:
+        assert store.append_episode(make_episode(obs, act, 3, seed=0)) == 0
+
+
+def test_a_plain_zarr_user_reads_any_field_and_the_index(store_path):
+    """FORMAT.md's recipe, with the zarr package alone."""
+    obs, act = SPACE_CASES["uint8-image"]
+    eps = [make_episode(obs, act, T, seed=i) for i, T in enumerate([3, 8, 5])]
+    with EpisodeStore.create(store_path, obs, act, capacity=13, chunk_rows=8) as store:
+        for e in eps:
+            store.append_episode(e)  # the third evicts the first
+    root = zarr.open_group(store_path, mode="r")
+    meta = root.attrs["her_store"]
+    commit = json.loads(open(os.path.join(store_path, "commit.json")).read())
+    slots = meta["index_slots"]
+    where = {name: (arr["path"], a, b) for arr in meta["layout"] for name, a, b in arr["columns"]}
+    fields = {f["name"]: f for f in meta["fields"]} if "fields" in meta else {f["name"]: f for f in meta["schema"]["fields"]}
+    seen = []
+    for eid in range(commit["first_episode"], commit["end_episode"]):
+        pos = eid % slots if slots else eid
+        assert root["episodes/episode_id"][pos] == eid
+        start, T = int(root["episodes/start_row"][pos]), int(root["episodes/length"][pos])
+        for name, f in fields.items():
+            path, a, b = where[name]
+            n = T if f["per_step"] else T + 1
+            rows = root[path][start : start + n]
+            if path.startswith("packs/"):
+                rows = rows[:, a:b]
+            np.testing.assert_array_equal(rows.reshape(n, *f["shape"]), eps[eid][name], err_msg=name)
+        seen.append(eid)
+    assert seen == [1, 2]
+
+
+def test_episode_repr_shows_shapes_not_values(store_path, fetch):
+    obs, act = fetch
+    with EpisodeStore.create(store_path, obs, act) as store:
+        store.append_episode(make_episode(obs, act, 4, seed=0))
+        text = repr(store.episode(0))
+        assert text.startswith("Episode(id=0, length=4,") and "observation=float32(5, 10)" in text
+        assert "1 episodes, 4 transitions" in repr(store)
+
+
+def test_durability_fsync_round_trip(store_path, fetch):
+    obs, act = SPACE_CASES["uint8-image"]
+    eps = [make_episode(obs, act, 6, seed=i) for i in range(5)]
+    with EpisodeStore.create(store_path, obs, act, durability="fsync", commit_interval=0) as store:
+        for e in eps:
+            store.append_episode(e)
+    with EpisodeStore.open(store_path) as store:
+        for i, e in enumerate(eps):
+            assert_episode_equal(store.episode(i), e)
+    with pytest.raises(ValueError, match="durability"):
+        EpisodeStore.open(store_path, durability="sometimes")
+
+
+def test_group_commit_reader_sees_only_committed_episodes(store_path, fetch):
+    obs, act = fetch
+    with EpisodeStore.create(store_path, obs, act, commit_interval=3600) as writer:
+        writer.append_episode(make_episode(obs, act, 5, seed=0))
+        with EpisodeStore.open(store_path) as reader:
+            assert reader.num_episodes == 0  # staged, not committed
+            writer.flush()
+            assert reader.num_episodes == 0 and reader.refresh() == 1 and reader.num_episodes == 1
+            writer.append_episode(make_episode(obs, act, 5, seed=1))
+            assert writer.num_episodes == 2  # reading through the writer commits what it staged
+            assert reader.refresh() == 1
+
+
+def test_closed_store_refuses_use(store_path, fetch):
+    obs, act = fetch
+    store = EpisodeStore.create(store_path, obs, act)
+    store.close()
+    store.close()
+    with pytest.raises(her_store.StoreError, match="closed"):
+        store.append_episode(make_episode(obs, act, 3, seed=0))
+
+
+@pytest.mark.parametrize(
+    "obs, act, msg",
+    [
+        (spaces.Box(-1, 1, (3,)), spaces.Box(-1, 1, (2,)), "must be a gymnasium Dict"),
+        (spaces.Dict({"observation": spaces.Box(-1, 1, (3,))}), spaces.Box(-1, 1, (2,)), "missing"),
+        (_goal_obs({"reward": spaces.Box(-1, 1, (1,))}), spaces.Box(-1, 1, (2,)), "used twice"),
+        (_goal_obs(), spaces.Tuple([spaces.Discrete(2)]), "unsupported space Tuple"),
+        (
+            spaces.Dict({k: spaces.Box(-1, 1, (3 if k != "desired_goal" else 2,)) for k in GOAL_KEYS}),
+            spaces.Discrete(2),
+            "same shape",
+        ),
+    ],
+)
+def test_bad_spaces_are_refused(store_path, obs, act, msg):
+    with pytest.raises(SchemaMismatchError, match=msg):
+        EpisodeStore.create(store_path, obs, act)
