@@ -285,6 +285,11 @@ class RawChunkFile:
             at += take
         return out
 
+    def read_shape(self) -> tuple[int, ...]:
+        """The array's shape as its zarr.json says now."""
+        with open(os.path.join(self.root, self.path, "zarr.json"), "rb") as f:
+            return tuple(json.load(f)["shape"])
+
     def close(self) -> None:
         for fd in self._fds.values():
             os.close(fd)
@@ -339,7 +344,12 @@ class ZarrChunks:
         self._dirty.clear()
 
     def read(self, row0: int, row1: int) -> np.ndarray:
+        if row1 > self.array.shape[0]:
+            raise IndexError(f"rows {row0}..{row1} of {self.array.path} past its {self.array.shape[0]} rows")
         return np.asarray(self.array[row0:row1])
+
+    def read_shape(self) -> tuple[int, ...]:
+        return tuple(self.array.shape)
 
     def close(self) -> None:
         self._cache.clear()

@@ -335,17 +335,11 @@ class EpisodeStore:
             slots = attrs["index_slots"]
         except (KeyError, TypeError, ValueError) as e:
             raise CorruptStoreError(f"{self._loc}: store attributes are incomplete ({e!r}); see FORMAT.md") from e
-        for spec in self.layout.arrays:
-            self._arrays[spec.path] = chunk_io(self._loc, root, spec.path, spec.compressed)
-        for name in INDEX_COLUMNS:
-            self._index_io[name] = chunk_io(self._loc, root, f"episodes/{name}", False)
+        self._open_io()
         self._index = EpisodeIndex(slots)
-        self._commit = commit
-        self._load_index(commit.first_episode, commit.end_episode)
-        self._check_index()
+        self._load_committed(commit)
         self._head = commit.write_row
         self._array_rows = commit.array_rows
-        self._index_rows = int(root[f"episodes/{next(iter(INDEX_COLUMNS))}"].shape[0])
         self._stage = {spec.path: np.zeros((1024, *spec.row_shape), spec.dtype) for spec in self.layout.arrays}
         self._plan = [_staging_plan(spec, self.schema) for spec in self.layout.arrays]
         self._commit_rows = self.layout.arrays[0].chunk_rows
@@ -353,9 +347,32 @@ class EpisodeStore:
         self._stage_n = 0
         self._last_commit = time.monotonic()
 
-    def _load_index(self, first: int, end: int) -> None:
-        cols = EpisodeIndex.read(self._index_io, self._index.positions(first, end))
-        self._index.load(cols, first, end)
+    def _open_io(self) -> None:
+        """Row access to every array; a reader calls it again when the writer has grown the arrays."""
+        for w in (*self._arrays.values(), *self._index_io.values()):
+            w.close()
+        for spec in self.layout.arrays:
+            self._arrays[spec.path] = chunk_io(self._loc, self._root, spec.path, spec.compressed)
+        for name in INDEX_COLUMNS:
+            self._index_io[name] = chunk_io(self._loc, self._root, f"episodes/{name}", False)
+        self._index_rows = int(self._index_io["episode_id"].read_shape()[0])
+
+    def _load_committed(self, commit: Commit) -> None:
+        """Load the index window of a commit. A reader racing a ring writer may read slots the writer reused
+        after that commit: it then retries with the newer commit rather than reporting corruption."""
+        for _ in range(8):
+            self._commit = commit
+            cols = EpisodeIndex.read(self._index_io, self._index.positions(commit.first_episode, commit.end_episode))
+            self._index.load(cols, commit.first_episode, commit.end_episode)
+            try:
+                self._check_index()
+                return
+            except CorruptStoreError:
+                newer = self._read_commit() if self.mode == "r" else commit
+                if newer.generation == commit.generation:
+                    raise
+                commit = newer
+        self._check_index()
 
     def _check_index(self) -> None:
         idx, c = self._index, self._commit
@@ -530,15 +547,21 @@ class EpisodeStore:
         commit = self._read_commit()
         if commit.generation == self._commit.generation:
             return 0
+        if commit.array_rows != self._array_rows or (self._index.slots is None and commit.end_episode > self._index_rows):
+            self._root = zarr.open_group(self._loc.zarr_store(read_only=True), mode="r")
+            self._open_io()
         idx = self._index
         old_end = idx.end
-        if commit.first_episode > idx.end or commit.end_episode < idx.end:
-            self._load_index(commit.first_episode, commit.end_episode)
-        else:
-            idx.extend(EpisodeIndex.read(self._index_io, idx.positions(idx.end, commit.end_episode)))
+        new = None
+        if idx.first <= commit.first_episode <= idx.end <= commit.end_episode:
+            new = EpisodeIndex.read(self._index_io, idx.positions(idx.end, commit.end_episode))
+        if new is not None and np.array_equal(new["episode_id"], np.arange(idx.end, commit.end_episode)):
+            idx.extend(new)
             idx.first = commit.first_episode
-        self._commit = commit
-        self._array_rows = commit.array_rows
+            self._commit = commit
+        else:  # fell a whole ring behind (or the slots moved on meanwhile): reload the window
+            self._load_committed(commit)
+        self._array_rows = self._commit.array_rows
         return max(0, commit.end_episode - old_end)
 
     # -- writing -----------------------------------------------------------------------------------------

@@ -1,0 +1,77 @@
+"""A writer process for the crash tests: appends seed-determined episodes until killed.
+
+Usage: python tests/crash_writer.py PATH CAPACITY [KILL_ON KILL_AT]
+
+Episode ``i`` is ``episode_for(i)``, so any reader can check every committed episode bit for bit. After each
+``flush()`` the writer prints ``committed <end>``: every id below ``end`` is committed. With KILL_ON (``data``,
+``index`` or ``commit``) and KILL_AT = N, the process SIGKILLs itself during the N-th such write of the commit
+protocol, a kill point chosen rather than timed.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from her_store import open_store, storage  # noqa: E402
+from tests.conftest import fetch_spaces, make_episode  # noqa: E402
+
+OBS, ACT = fetch_spaces()
+
+
+def episode_for(i: int) -> dict:
+    T = int(np.random.default_rng(i).integers(1, 40))
+    return make_episode(OBS, ACT, T, seed=i, info_keys=("is_success",))
+
+
+def _kill_on(kind: str, at: int) -> None:
+    calls = {"n": 0}
+
+    def wrap(fn):
+        def inner(*args, **kwargs):
+            calls["n"] += 1
+            if calls["n"] == at:
+                if kind == "data":  # die half-way through writing the rows
+                    row0, rows = args[1], args[2]
+                    fn(args[0], row0, rows[: len(rows) // 2])
+                os.kill(os.getpid(), signal.SIGKILL)
+            return fn(*args, **kwargs)
+
+        return inner
+
+    if kind == "commit":
+        storage.Location.write_atomic = wrap(storage.Location.write_atomic)
+    elif kind == "data":
+        storage.RawChunkFile.write = wrap(storage.RawChunkFile.write)
+    elif kind == "index":
+        orig = storage.RawChunkFile.write
+
+        def index_only(self, row0, rows):
+            return (wrapped if self.path.startswith("episodes/") else orig)(self, row0, rows)
+
+        wrapped = wrap(orig)
+        storage.RawChunkFile.write = index_only
+
+
+def main() -> None:
+    path, capacity = sys.argv[1], int(sys.argv[2])
+    if len(sys.argv) > 3:
+        _kill_on(sys.argv[3], int(sys.argv[4]))
+    store = open_store(path, OBS, ACT, capacity=capacity or None, info_keys=["is_success"], chunk_rows=64, commit_interval=0.005)
+    i = store.end_episode
+    print("start", i, flush=True)
+    while True:
+        assert store.append_episode(episode_for(i)) == i
+        i += 1
+        if i % 7 == 0:
+            store.flush()
+            print("committed", i, flush=True)
+
+
+if __name__ == "__main__":
+    main()
