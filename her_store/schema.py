@@ -70,7 +70,12 @@ class Field:
 
     @classmethod
     def from_json(cls, d: Mapping[str, Any]) -> Field:
-        return cls(d["name"], np.dtype(d["dtype"]), tuple(d["shape"]), bool(d["per_step"]), d["role"])
+        return cls(d["name"], _le(d["dtype"]), tuple(d["shape"]), bool(d["per_step"]), d["role"])
+
+
+def _le(dtype: Any) -> np.dtype:
+    """Little-endian dtype, as numpy's canonical instance (so that ``a.dtype is field.dtype`` holds on hot paths)."""
+    return np.dtype(np.dtype(dtype).newbyteorder("<").str)
 
 
 def _space_field(name: str, space: spaces.Space, per_step: bool, role: str) -> Field:
@@ -81,7 +86,7 @@ def _space_field(name: str, space: spaces.Space, per_step: bool, role: str) -> F
         )
     if isinstance(space, spaces.Discrete):
         return Field(name, np.dtype("<i8"), (), per_step, role)
-    return Field(name, np.dtype(space.dtype).newbyteorder("<"), tuple(int(s) for s in space.shape), per_step, role)
+    return Field(name, _le(space.dtype), tuple(int(s) for s in space.shape), per_step, role)
 
 
 class Schema:

@@ -589,8 +589,6 @@ class EpisodeStore:
         T = len(action) if action.ndim else 0
         if T < 1:
             raise EpisodeValidationError(f"an episode needs at least one step; 'action' has shape {action.shape}")
-        if self.capacity is not None and T > self.capacity:
-            raise EpisodeValidationError(f"episode of {T} transitions is longer than the store's capacity {self.capacity}")
         out = {}
         for f in self.schema.fields:
             a = np.asarray(episode[f.name])
@@ -627,6 +625,12 @@ class EpisodeStore:
         """
         self._require_writable()
         T, data = self.validate_episode(episode)
+        return self._append_checked(T, data, env_index)
+
+    def _append_checked(self, T: int, data: Mapping[str, np.ndarray], env_index: int) -> int:
+        """Append an episode already in the schema's shapes and dtypes (validated, or built by a StepWriter)."""
+        if self.capacity is not None and T > self.capacity:
+            raise EpisodeValidationError(f"episode of {T} transitions is longer than the store's capacity {self.capacity}")
         start = self._place(T + 1)
         crc = self._stage_rows(start, T, data)
         info = self.schema.info_keys
