@@ -4,6 +4,7 @@ Public API: :class:`EpisodeStore`, :func:`open_store`, :class:`StepWriter`, :cla
 in :mod:`her_store.errors`.
 """
 
+from her_store.envs import register as _register_envs
 from her_store.episode import Episode
 from her_store.errors import (
     CorruptStoreError,
@@ -22,6 +23,8 @@ from her_store.store import EpisodeStore, open_store
 from her_store.writer import StepWriter
 
 __version__ = "0.1.0"
+
+_register_envs()
 
 __all__ = [
     "EpisodeStore",

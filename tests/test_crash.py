@@ -41,7 +41,9 @@ def _check_recovered(path: str, committed: int) -> int:
 
 
 def _last_committed(out: str) -> int:
-    lines = [ln.split() for ln in out.splitlines() if ln.startswith("committed")]
+    """The last complete "committed N" line (a killed writer may leave its last line half printed)."""
+    complete = out.split("\n")[:-1]
+    lines = [ln.split() for ln in complete if ln.startswith("committed ")]
     return int(lines[-1][1]) if lines else 0
 
 

@@ -358,7 +358,7 @@ def test_a_plain_zarr_user_reads_any_field_and_the_index(store_path):
     commit = json.loads(open(os.path.join(store_path, "commit.json")).read())
     slots = meta["index_slots"]
     where = {name: (arr["path"], a, b) for arr in meta["layout"] for name, a, b in arr["columns"]}
-    fields = {f["name"]: f for f in meta["fields"]} if "fields" in meta else {f["name"]: f for f in meta["schema"]["fields"]}
+    fields = {f["name"]: f for f in meta["schema"]["fields"]}
     seen = []
     for eid in range(commit["first_episode"], commit["end_episode"]):
         pos = eid % slots if slots else eid
