@@ -1,0 +1,61 @@
+"""Schema: fields from gymnasium spaces and the JSON form of spaces."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from gymnasium import spaces
+
+from her_store.errors import SchemaMismatchError
+from her_store.schema import Schema, space_from_json, space_to_json
+
+SPACES = [
+    spaces.Box(-1.0, 1.0, (3,), np.float32),
+    spaces.Box(-np.inf, np.inf, (2, 2), np.float64),
+    spaces.Box(np.array([0.0, -1.0]), np.array([1.0, np.inf]), (2,), np.float32),
+    spaces.Box(0, 255, (3, 8, 8), np.uint8),
+    spaces.Discrete(5, start=-2),
+    spaces.MultiBinary(4),
+    spaces.MultiBinary([2, 3]),
+    spaces.MultiDiscrete([3, 4]),
+    spaces.Dict({"a": spaces.Discrete(2), "b": spaces.Box(-1, 1, (1,))}),
+]
+
+
+@pytest.mark.parametrize("space", SPACES, ids=lambda s: type(s).__name__)
+def test_space_json_round_trip_is_strict_json(space):
+    text = json.dumps(space_to_json(space), allow_nan=False)  # no NaN/Infinity literals
+    assert space_from_json(json.loads(text)) == space
+
+
+def test_uniform_image_bounds_are_stored_as_one_number():
+    d = space_to_json(spaces.Box(0, 255, (3, 84, 84), np.uint8))
+    assert d["low"] == 0 and d["high"] == 255
+
+
+def test_fields_in_schema_order_with_rows_per_episode():
+    goal = spaces.Box(-1, 1, (3,), np.float32)
+    obs = spaces.Dict({"observation": spaces.Box(-1, 1, (5,)), "achieved_goal": goal, "desired_goal": goal})
+    schema = Schema(obs, spaces.Discrete(4), info_keys={"is_success": spaces.Box(0, 1, (), np.float32)})
+    by = schema.by_name
+    assert [f.name for f in schema.fields][-5:] == ["action", "reward", "terminated", "truncated", "is_success"]
+    assert not by["observation"].per_step and by["action"].per_step
+    assert by["action"].dtype == np.int64 and by["action"].shape == ()
+    assert by["terminated"].dtype == np.bool_ and by["reward"].dtype == np.float32
+    assert Schema.from_json(json.loads(json.dumps(schema.to_json()))).to_json() == schema.to_json()
+
+
+def test_check_same_names_the_difference():
+    goal = spaces.Box(-1, 1, (3,), np.float32)
+    obs = spaces.Dict({"observation": spaces.Box(-1, 1, (5,)), "achieved_goal": goal, "desired_goal": goal})
+    a = Schema(obs, spaces.Discrete(4))
+    b = Schema(obs, spaces.Discrete(5))
+    with pytest.raises(SchemaMismatchError, match="action_space differs.*'n': 4.*'n': 5"):
+        b.check_same(a, "here")
+
+
+def test_unknown_space_type_in_metadata():
+    with pytest.raises(SchemaMismatchError, match="unknown space type 'Graph'"):
+        space_from_json({"type": "Graph"})
