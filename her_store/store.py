@@ -42,7 +42,7 @@ from her_store.format import (
 )
 from her_store.index import EpisodeIndex
 from her_store.schema import Schema
-from her_store.storage import ZARR_CONFIG, Location, RawChunkFile, WriterLock, ZarrChunks, chunk_io
+from her_store.storage import ZARR_CONFIG, Location, RawChunkFile, WriterLock, ZarrChunks, chunk_io, fsync_dir
 
 if TYPE_CHECKING:
     from her_store.writer import StepWriter
@@ -681,6 +681,7 @@ class EpisodeStore:
         new = _round_up(max(rows, 2 * self._array_rows), grain)
         for spec in self.layout.arrays:
             _array_of(self._root, self._arrays[spec.path], spec.path).resize((new, *spec.row_shape))
+            self._fsync_metadata(spec.path)
         self._array_rows = new
 
     def _stage_rows(self, start: int, T: int, data: dict[str, np.ndarray]) -> int:
@@ -737,12 +738,24 @@ class EpisodeStore:
         if self._lock is not None:
             self._lock.renew()
 
+    def _fsync_metadata(self, path: str) -> None:
+        """zarr writes zarr.json without fsync; with durability='fsync' a resized array's shape must survive too."""
+        if self.durability == "fsync" and self._loc.is_local:
+            name = self._loc.key_path(f"{path}/zarr.json")
+            fd = os.open(name, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            fsync_dir(os.path.dirname(name))
+
     def _ensure_index_rows(self, end: int) -> None:
         if self._index.slots is not None or end <= self._index_rows:
             return
         new = _round_up(max(end, 2 * self._index_rows), int(self._root["episodes/episode_id"].chunks[0]))
         for name in INDEX_COLUMNS:
             _array_of(self._root, self._index_io[name], f"episodes/{name}").resize((new,))
+            self._fsync_metadata(f"episodes/{name}")
         self._index_rows = new
 
     def writer(self, n_envs: int = 1) -> StepWriter:

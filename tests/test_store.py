@@ -387,7 +387,7 @@ def test_episode_repr_shows_shapes_not_values(store_path, fetch):
 def test_durability_fsync_round_trip(store_path, fetch):
     obs, act = SPACE_CASES["uint8-image"]
     eps = [make_episode(obs, act, 6, seed=i) for i in range(5)]
-    with EpisodeStore.create(store_path, obs, act, durability="fsync", commit_interval=0) as store:
+    with EpisodeStore.create(store_path, obs, act, durability="fsync", commit_interval=0, chunk_rows=8) as store:
         for e in eps:
             store.append_episode(e)
     with EpisodeStore.open(store_path) as store:
@@ -436,3 +436,17 @@ def test_closed_store_refuses_use(store_path, fetch):
 def test_bad_spaces_are_refused(store_path, obs, act, msg):
     with pytest.raises(SchemaMismatchError, match=msg):
         EpisodeStore.create(store_path, obs, act)
+
+
+def test_memory_filesystem_round_trip(fetch):
+    obs, act = fetch
+    url = f"memory://her-store-test-{os.getpid()}"
+    eps = [make_episode(obs, act, 9, seed=i) for i in range(3)]
+    with EpisodeStore.create(url, obs, act, commit_interval=0) as store:
+        for e in eps:
+            store.append_episode(e)
+        with pytest.raises(StoreLockedError):
+            EpisodeStore.open(url, mode="a")
+    with open_store(url, obs, act) as store:
+        for i, e in enumerate(eps):
+            assert_episode_equal(store.episode(i), e)
