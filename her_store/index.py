@@ -106,7 +106,7 @@ class EpisodeIndex:
         drop = self.first - self.base
         if drop:
             self._cum_before_base += int(self._cum[drop - 1])
-            for name, col in self._cols.items():
+            for col in self._cols.values():
                 col[: self._n - drop] = col[drop : self._n]
             self._cum[: self._n - drop] = self._cum[drop : self._n] - self._cum[drop - 1]
             self.base, self._n, need = self.first, self._n - drop, need - drop

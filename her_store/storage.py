@@ -94,18 +94,20 @@ class Location:
             os.close(fd)
         os.replace(tmp, path)
         if fsync:
-            fsync_dir(os.path.dirname(path))
+            fsync_file(os.path.dirname(path))
 
     def exists(self, key: str) -> bool:
         return bool(self.fs.exists(self.key_path(key)))
 
 
-def fsync_dir(path: str) -> None:
+def fsync_file(path: str) -> None:
+    """fsync a file or directory by path (a directory's fsync makes renames and new entries durable)."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
     finally:
         os.close(fd)
+
 
 
 def _pid_alive(pid: int) -> bool:
@@ -265,7 +267,7 @@ class RawChunkFile:
                 os.fsync(self._fd(chunk))
                 dirs.add(os.path.dirname(self._file(chunk)))
             for d in dirs:
-                fsync_dir(d)
+                fsync_file(d)
         self._dirty.clear()
 
     def read(self, row0: int, row1: int) -> np.ndarray:
@@ -329,14 +331,9 @@ class ZarrChunks:
             r0 = chunk * self.chunk_rows
             self.array[r0 : r0 + self.chunk_rows] = self._cache[chunk]
             if fsync and self.location.is_local:
-                key = chunk_key(self.array.path, chunk, self.array.ndim)
-                fd = os.open(self.location.key_path(key), os.O_RDONLY)
-                try:
-                    os.fsync(fd)
-                finally:
-                    os.close(fd)
+                fsync_file(self.location.key_path(chunk_key(self.array.path, chunk, self.array.ndim)))
         if fsync and self.location.is_local and self._dirty:
-            fsync_dir(os.path.dirname(self.location.key_path(chunk_key(self.array.path, max(self._dirty), self.array.ndim))))
+            fsync_file(os.path.dirname(self.location.key_path(chunk_key(self.array.path, max(self._dirty), self.array.ndim))))
         # keep only the newest chunk: the next commit most likely appends to it
         if self._dirty:
             keep = max(self._dirty)

@@ -42,7 +42,7 @@ from her_store.format import (
 )
 from her_store.index import EpisodeIndex
 from her_store.schema import Schema
-from her_store.storage import ZARR_CONFIG, Location, RawChunkFile, WriterLock, ZarrChunks, chunk_io, fsync_dir
+from her_store.storage import ZARR_CONFIG, Location, RawChunkFile, WriterLock, ZarrChunks, chunk_io, fsync_file
 
 if TYPE_CHECKING:
     from her_store.writer import StepWriter
@@ -742,12 +742,8 @@ class EpisodeStore:
         """zarr writes zarr.json without fsync; with durability='fsync' a resized array's shape must survive too."""
         if self.durability == "fsync" and self._loc.is_local:
             name = self._loc.key_path(f"{path}/zarr.json")
-            fd = os.open(name, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-            fsync_dir(os.path.dirname(name))
+            fsync_file(name)
+            fsync_file(os.path.dirname(name))
 
     def _ensure_index_rows(self, end: int) -> None:
         if self._index.slots is not None or end <= self._index_rows:

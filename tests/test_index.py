@@ -63,7 +63,7 @@ def test_extend_and_load_agree_with_append():
 
 def test_memory_stays_bounded_by_live_episodes_in_a_long_ring():
     idx = EpisodeIndex(slots=100)
-    for i in range(100_000):
+    for _ in range(100_000):
         idx.append({"start_row": 0, "length": 1})
         if len(idx) > 50:
             idx.first += 1

@@ -146,7 +146,7 @@ def test_ring_evicts_oldest_whole_episodes_and_never_straddles(store_path, fetch
     eps = [make_episode(obs, act, int(T), seed=i) for i, T in enumerate(lengths)]
     with EpisodeStore.create(store_path, obs, act, capacity=cap, chunk_rows=32) as store:
         ring_rows = store.commit_record.array_rows
-        for i, e in enumerate(eps):
+        for e in eps:
             store.append_episode(e)
             table = store.episodes
             live = table["length"]
@@ -212,7 +212,7 @@ def test_every_bad_episode_gets_a_clear_error_and_the_store_stays_intact(store_p
     good, cases = _bad_episodes(obs, act)
     with EpisodeStore.create(store_path, obs, act) as store:
         store.append_episode(good)
-        for name, (bad, msg) in cases.items():
+        for bad, msg in cases.values():
             with pytest.raises(EpisodeValidationError, match=msg):
                 store.append_episode(bad)
         assert store.num_episodes == 1
