@@ -1,7 +1,7 @@
 """her_store: a persistent, disk-backed episode store for Hindsight Experience Replay on Zarr.
 
-Public API: :class:`EpisodeStore`, :func:`open_store`, :class:`StepWriter`, :class:`Episode` and the errors
-in :mod:`her_store.errors`.
+Public API: :class:`EpisodeStore`, :func:`open_store`, :class:`StepWriter`, :class:`HerSampler`,
+:class:`HerBatch`, :class:`GoalSelectionStrategy`, :class:`Episode` and the errors in :mod:`her_store.errors`.
 """
 
 from her_store.envs import register as _register_envs
@@ -19,6 +19,9 @@ from her_store.errors import (
     StoreLockedError,
 )
 from her_store.format import FORMAT_VERSION
+from her_store.reader import ChunkReader
+from her_store.relabel import GoalContext, GoalSelectionStrategy
+from her_store.sampler import HerBatch, HerSampler
 from her_store.store import EpisodeStore, open_store
 from her_store.writer import StepWriter
 
@@ -29,6 +32,11 @@ _register_envs()
 __all__ = [
     "EpisodeStore",
     "open_store",
+    "HerSampler",
+    "HerBatch",
+    "GoalSelectionStrategy",
+    "GoalContext",
+    "ChunkReader",
     "StepWriter",
     "Episode",
     "FORMAT_VERSION",

@@ -32,7 +32,7 @@ FORMAT_VERSION = 1
 ATTRS_KEY = "her_store"
 COMMIT_KEY = "commit.json"
 LOCK_KEY = "writer.lock"
-IMAGE_CHUNK_BYTES = 1 << 20
+IMAGE_CHUNK_BYTES = 1 << 18
 
 # The episode-index table: one 1-D array per column under episodes/, position = id (or id % index_slots in a ring).
 INDEX_COLUMNS: dict[str, np.dtype] = {
@@ -96,7 +96,8 @@ class ArraySpec:
 
 
 def _image_chunk_rows(field: Field, chunk_rows: int) -> int:
-    """Largest power of two of rows that keeps one uncompressed chunk near 1 MiB (a whole chunk is decoded per touch)."""
+    """Largest power of two of rows that keeps one uncompressed chunk near 256 KiB: a sampled row decodes its whole
+    chunk, so small chunks waste less; much smaller ones mean very many files."""
     rows = max(1, IMAGE_CHUNK_BYTES // max(1, field.row_nbytes))
     return min(chunk_rows, 1 << (rows.bit_length() - 1))
 

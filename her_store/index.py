@@ -12,7 +12,7 @@ import numpy as np
 
 from her_store.format import INDEX_COLUMNS
 
-__all__ = ["EpisodeIndex", "ColumnIO"]
+__all__ = ["EpisodeIndex", "IndexView", "ColumnIO"]
 
 
 class ColumnIO(Protocol):
@@ -25,6 +25,37 @@ class ColumnIO(Protocol):
     def flush(self, fsync: bool) -> None: ...
 
     def close(self) -> None: ...
+
+
+class IndexView:
+    """The live episodes of an index at one moment: what a sampler draws from.
+
+    Attributes
+    ----------
+    first, end : int
+        Live ids are ``first <= id < end``.
+    start_rows, lengths : numpy.ndarray
+        Per live episode (position ``id - first``).
+    num_transitions : int
+    """
+
+    __slots__ = ("first", "end", "start_rows", "lengths", "_cum", "_before", "num_transitions")
+
+    def __init__(self, first: int, end: int, start_rows: np.ndarray, lengths: np.ndarray, cum: np.ndarray, before: int) -> None:
+        self.first, self.end = first, end
+        self.start_rows, self.lengths = start_rows, lengths
+        self._cum, self._before = cum, before
+        self.num_transitions = int(cum[-1]) - before if len(cum) else 0
+
+    def __len__(self) -> int:
+        return self.end - self.first
+
+    def locate(self, k: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Episode ids and steps of transitions ``k`` (0 <= k < num_transitions), oldest first: one searchsorted."""
+        offset = np.asarray(k, np.int64) + self._before
+        i = np.searchsorted(self._cum, offset, side="right")
+        prev = np.where(i > 0, self._cum[np.maximum(i - 1, 0)], self._before)
+        return i + self.first, offset - prev
 
 
 class EpisodeIndex:
@@ -93,28 +124,40 @@ class EpisodeIndex:
 
     def locate(self, k: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Episode ids and steps of live transitions ``k`` (0 <= k < num_transitions), in oldest-first order."""
-        offset = np.asarray(k, np.int64) + (self._cum_at(self.first) - self._cum_before_base)
-        i = np.searchsorted(self._cum[: self._n], offset, side="right")
-        before = np.where(i > 0, self._cum[np.maximum(i - 1, 0)], 0)
-        return i + self.base, offset - before
+        return self.snapshot().locate(k)
+
+    def snapshot(self) -> IndexView:
+        """A frozen, zero-copy view of the live episodes (valid while this index keeps appending)."""
+        lo, hi = self.first - self.base, self.end - self.base
+        before = int(self._cum[lo - 1]) if lo > 0 else 0
+        return IndexView(
+            self.first,
+            self.end,
+            self._cols["start_row"][lo:hi],
+            self._cols["length"][lo:hi],
+            self._cum[lo:hi],
+            before,
+        )
 
     # -- changes ----------------------------------------------------------------------------------------
     def _grow(self, need: int) -> None:
         if need <= len(self._cum):
             return
-        # drop the evicted prefix before growing: a long-running ring keeps memory bounded by its live episodes
+        # New arrays rather than an in-place shift: snapshots handed out earlier keep viewing the old ones.
+        # The evicted prefix is dropped, so a long-running ring keeps memory bounded by its live episodes.
         drop = self.first - self.base
         if drop:
             self._cum_before_base += int(self._cum[drop - 1])
-            for col in self._cols.values():
-                col[: self._n - drop] = col[drop : self._n]
-            self._cum[: self._n - drop] = self._cum[drop : self._n] - self._cum[drop - 1]
-            self.base, self._n, need = self.first, self._n - drop, need - drop
-        if need > len(self._cum):
-            size = max(need, 2 * len(self._cum))
-            for name, col in self._cols.items():
-                self._cols[name] = np.resize(col, size)
-            self._cum = np.resize(self._cum, size)
+        live = self._n - drop
+        size = max(need - drop, 2 * live, 1024)
+        for name, col in self._cols.items():
+            grown = np.zeros(size, col.dtype)
+            grown[:live] = col[drop : self._n]
+            self._cols[name] = grown
+        cum = np.zeros(size, np.int64)
+        cum[:live] = self._cum[drop : self._n] - (self._cum[drop - 1] if drop else 0)
+        self._cum = cum
+        self.base, self._n = self.first, live
 
     def append(self, values: Mapping[str, object]) -> int:
         """Add one episode row (missing columns are zero); returns its id."""

@@ -50,8 +50,11 @@ if TYPE_CHECKING:
 __all__ = ["EpisodeStore", "open_store"]
 
 Durability = Literal["flush", "fsync"]
-LOCAL_CHUNK_ROWS = 1 << 16
+# Local packs are memory-mapped whole: one large chunk file per ~1M rows keeps gathers to one or two maps.
+LOCAL_CHUNK_ROWS = 1 << 20
 REMOTE_CHUNK_ROWS = 1 << 13
+INDEX_CHUNK_ROWS = 1 << 16
+COMMIT_ROWS = 1 << 16  # staged rows that force a commit (bounds the staging memory)
 LOCAL_COMMIT_INTERVAL = 0.1
 REMOTE_COMMIT_INTERVAL = 2.0
 # a ring holds row space for capacity transitions plus one extra row per episode of >= 4 steps on average
@@ -174,7 +177,8 @@ class EpisodeStore:
             ``buffer_size``). None grows without bound. Row space is ``capacity * 5/4`` rows rounded up to a
             chunk, so episodes shorter than about 4 steps may be evicted before ``capacity`` is reached.
         chunk_rows : int, optional
-            Rows per chunk of the packed arrays (default 65,536 on local disk, 8,192 on object storage).
+            Rows per chunk of the packed arrays (default 1,048,576 on local disk, where chunks are memory-mapped,
+            or the ring's size if smaller; 8,192 on object storage).
         compressors : mapping of field name to codec(s), optional
             Per-field compression (zarr v3 codecs or numcodecs Zstd/Blosc); None for a field means uncompressed.
             Default: none for low-dimensional fields (memory-mapped by the sampler), Zstd for uint8 images.
@@ -205,7 +209,10 @@ class EpisodeStore:
         schema = Schema(observation_space, action_space, info_keys)
         if capacity is not None and (not isinstance(capacity, (int, np.integer)) or capacity < 1):
             raise ValueError(f"capacity must be a positive int or None, got {capacity!r}")
-        chunk_rows = chunk_rows or (LOCAL_CHUNK_ROWS if loc.is_local else REMOTE_CHUNK_ROWS)
+        if chunk_rows is None:
+            chunk_rows = LOCAL_CHUNK_ROWS if loc.is_local else REMOTE_CHUNK_ROWS
+            if capacity is not None:  # a small ring needs no chunk larger than itself
+                chunk_rows = min(chunk_rows, 1 << int(capacity + capacity // RING_ROW_SLACK).bit_length())
         if chunk_rows < 1:
             raise ValueError(f"chunk_rows must be >= 1, got {chunk_rows}")
         compressors = dict(compressors or {})
@@ -216,7 +223,7 @@ class EpisodeStore:
         codecs = {k: v for k, v in codecs.items() if v}
         layout = Layout.build(schema, set(codecs), int(chunk_rows))
         grain = math.lcm(*(a.chunk_rows for a in layout.arrays))
-        index_chunk = LOCAL_CHUNK_ROWS if loc.is_local else REMOTE_CHUNK_ROWS
+        index_chunk = INDEX_CHUNK_ROWS if loc.is_local else REMOTE_CHUNK_ROWS
         if capacity is None:
             array_rows, slots, index_rows = grain, None, index_chunk
         else:
@@ -342,7 +349,7 @@ class EpisodeStore:
         self._array_rows = commit.array_rows
         self._stage = {spec.path: np.zeros((1024, *spec.row_shape), spec.dtype) for spec in self.layout.arrays}
         self._plan = [_staging_plan(spec, self.schema) for spec in self.layout.arrays]
-        self._commit_rows = self.layout.arrays[0].chunk_rows
+        self._commit_rows = min(COMMIT_ROWS, self.layout.arrays[0].chunk_rows)
         self._stage_row0 = self._head
         self._stage_n = 0
         self._last_commit = time.monotonic()
@@ -564,6 +571,15 @@ class EpisodeStore:
         self._array_rows = self._commit.array_rows
         return max(0, commit.end_episode - old_end)
 
+    def evicted_since(self, episode_id: int) -> bool:
+        """Whether the ring has evicted ``episode_id`` by now (rows read earlier may then be overwritten).
+
+        A writing handle knows its own commits; a reading handle re-reads the commit record. Eviction is
+        committed before any row is overwritten, so rows read before this returns False are intact.
+        """
+        first = self._commit.first_episode if self.mode == "a" else self._read_commit().first_episode
+        return episode_id < first
+
     # -- writing -----------------------------------------------------------------------------------------
     def _require_open(self) -> None:
         if self._closed:
@@ -719,6 +735,7 @@ class EpisodeStore:
                 gen, first, old.end_episode, old.write_row, idx.transitions_between(first, old.end_episode), old.array_rows
             )
             self._loc.write_atomic(COMMIT_KEY, evicted.to_bytes(), fsync)
+            self._commit = evicted  # a sampler of this process checks it after reading rows (evicted_since)
         if self._stage_n:
             for path, w in self._arrays.items():
                 w.write(self._stage_row0, self._stage[path][: self._stage_n])

@@ -40,7 +40,7 @@ def test_layout_packs_uncompressed_fields_by_dtype_and_isolates_compressed_ones(
     f32 = layout.arrays[0]
     assert f32.row_shape == (18,) and sum(b - a for _, a, b in f32.columns) == 18
     pixels = layout.arrays[-1]
-    assert pixels.compressed and pixels.chunk_rows == 32  # ~1 MiB of 21,168-byte rows, a power of two
+    assert pixels.compressed and pixels.chunk_rows == 8  # ~256 KiB of 21,168-byte rows, a power of two
     assert Layout.from_json(json.loads(json.dumps(layout.to_json()))).to_json() == layout.to_json()
 
 

@@ -127,3 +127,25 @@ def test_corrupt_commit_record_on_s3(s3_url, fetch):
     s3fs.S3FileSystem(**opts).pipe_file(url[len("s3://") :] + "/commit.json", b"garbage")
     with pytest.raises(CorruptStoreError, match="unreadable"):
         EpisodeStore.open(url, storage_options=opts)
+
+
+def test_sampler_reads_s3_through_the_chunk_cache(s3_url, fetch):
+    from her_store import HerSampler
+    from tests.test_sampler import sparse_reward
+
+    url, opts = s3_url
+    obs, act = fetch
+    eps = [make_episode(obs, act, 30, seed=i) for i in range(20)]
+    with EpisodeStore.create(url, obs, act, storage_options=opts, chunk_rows=64) as store:
+        for e in eps:
+            store.append_episode(e)
+    with EpisodeStore.open(url, storage_options=opts) as store:
+        with HerSampler(store, 500, reward_fn=sparse_reward, seed=0) as s:
+            b = s.sample()
+            ids, t = b.episode_ids.numpy(), b.steps.numpy()
+            np.testing.assert_array_equal(b.observations["observation"].numpy(), np.stack([eps[e]["observation"][k] for e, k in zip(ids, t)]))
+            np.testing.assert_array_equal(b.next_observations["observation"].numpy(), np.stack([eps[e]["observation"][k + 1] for e, k in zip(ids, t)]))
+            cache = s.reader.arrays["packs/float32"]
+            assert cache.misses == 10 and cache.hits == 0  # 620 rows in 10 chunks: one GET each
+            s.sample()
+            assert cache.misses == 10 and cache.hits == 10  # then served from the decoded-chunk cache

@@ -1,0 +1,428 @@
+"""HerSampler: uniform transitions from the committed episodes, hindsight goals, recomputed rewards, torch batches.
+
+One batch: draw transitions uniformly (one searchsorted over cumulative episode lengths), choose new goals for
+the first ``int(her_ratio * B)`` (SB3's split), gather rows ``t``, ``t + 1`` and the goal rows with one gather
+per array (ChunkReader, past zarr), recompute rewards of the relabelled rows, and hand tensors to the device.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any, NamedTuple
+
+import numpy as np
+import torch
+
+from her_store.errors import StoreError
+from her_store.index import IndexView
+from her_store.reader import ChunkReader
+from her_store.relabel import GoalContext, GoalSelectionStrategy, GoalStrategy, parse_strategy, select_goal_steps
+from her_store.store import EpisodeStore
+
+__all__ = ["HerSampler", "HerBatch", "RewardFn"]
+
+RewardFn = Callable[[np.ndarray, np.ndarray, Any], Any]
+
+
+class HerBatch(NamedTuple):
+    """One sampled batch, as torch tensors on the sampler's device.
+
+    Observations keep their stored dtype; rewards and flags are float32 with shape ``(B, 1)``. The first
+    ``int(her_ratio * B)`` rows are the relabelled ones (``is_relabeled``).
+    """
+
+    observations: dict[str, torch.Tensor]
+    actions: torch.Tensor
+    rewards: torch.Tensor
+    next_observations: dict[str, torch.Tensor]
+    terminated: torch.Tensor
+    truncated: torch.Tensor
+    dones: torch.Tensor
+    is_relabeled: torch.Tensor
+    episode_ids: torch.Tensor
+    steps: torch.Tensor
+    infos: dict[str, torch.Tensor]
+
+
+class _Draw(NamedTuple):
+    """The random part of a batch (all the sampler's RNG use happens here, in batch order)."""
+
+    episode_ids: np.ndarray
+    steps: np.ndarray
+    rows: np.ndarray
+    lengths: np.ndarray
+    n_her: int
+    goal_rows: np.ndarray | None  # rows whose achieved_goal is the new goal (built-in strategies)
+
+
+def _env_reward_fn(store: EpisodeStore) -> RewardFn:
+    env_id = store.metadata.get("env_id")
+    if not env_id:
+        raise StoreError(
+            f"{store.url}: HerSampler needs reward_fn(achieved_goal, desired_goal, infos) to recompute rewards of "
+            "relabelled transitions, and the store's metadata names no env_id to take compute_reward from; pass "
+            "reward_fn=env.unwrapped.compute_reward (or store.update_metadata(env_id=...))"
+        )
+    import gymnasium as gym
+
+    try:
+        env = gym.make(env_id)
+    except Exception as e:  # an unregistered id, a missing package: say how to get past it
+        raise StoreError(
+            f"{store.url}: cannot make env {env_id!r} from the store's metadata to get compute_reward ({e}); "
+            "pass reward_fn=... to HerSampler"
+        ) from e
+    fn = getattr(env.unwrapped, "compute_reward", None)
+    if fn is None:
+        raise StoreError(f"env {env_id!r} has no compute_reward; pass reward_fn=... to HerSampler")
+    return fn
+
+
+class HerSampler:
+    """Hindsight Experience Replay batches straight from an :class:`EpisodeStore`.
+
+    Parameters
+    ----------
+    store : EpisodeStore
+        Any store handle: a writer's (sees its own commits) or a reader's (refreshes to see another process's).
+    batch_size : int
+        Default batch size of :meth:`sample`.
+    n_sampled_goal : int
+        Virtual transitions per real one: ``her_ratio = 1 - 1 / (n_sampled_goal + 1)``, as SB3; 0 disables
+        relabelling.
+    goal_selection_strategy : {"future", "final", "episode", "random"}, GoalSelectionStrategy or callable
+        future/final/episode follow SB3; random takes the next achieved goal of a transition drawn uniformly
+        from the whole store (SB2, TorchRL). A callable receives a :class:`~her_store.relabel.GoalContext` and
+        returns the new goals ``(n, *goal shape)``.
+    reward_fn : callable, optional
+        ``reward_fn(achieved_goal, desired_goal, infos)`` -> rewards ``(n,)``, vectorised (gymnasium-robotics /
+        SB3 ``compute_reward``). Default: ``compute_reward`` of the env named by the store's ``env_id`` metadata.
+    device : str or torch.device
+        Where batches go. On CUDA, host tensors are pinned and copied with ``non_blocking=True``.
+    seed : int, optional
+        Seed of the sampler's generator (see :meth:`state_dict`).
+    copy_info_dict : bool
+        Pass the stored info keys of the sampled transitions to ``reward_fn`` (as SB3: one dict per
+        transition) and return them in ``HerBatch.infos``; otherwise ``reward_fn`` gets empty dicts.
+    prefetch : int
+        Batches prepared ahead in a background thread (0: none).
+    pin_memory : bool, optional
+        Default: True when the device is CUDA.
+    relabel_terminated : bool
+        Mark a relabelled transition terminated when its next achieved goal reaches the new goal (SB3 issue
+        #627); the stored flag is kept as well (OR). Default False keeps SB3's behaviour.
+    success_fn : callable, optional
+        ``success_fn(achieved_goal, desired_goal, infos)`` -> bool ``(n,)`` for ``relabel_terminated``; default:
+        the recomputed reward equals the reward of reaching the goal, ``reward_fn(ag, ag, infos)``.
+    io_threads : int
+        Threads a gather is split across; 8-32 for a store larger than RAM (see :class:`ChunkReader`).
+    cache_bytes : int
+        Decoded-chunk cache per compressed or remote array.
+    refresh_interval : float
+        Seconds between looks for new commits (0: before every batch).
+
+    Examples
+    --------
+    >>> sampler = HerSampler(store, batch_size=256, goal_selection_strategy="future", device="cuda")  # doctest: +SKIP
+    >>> batch = sampler.sample()  # doctest: +SKIP
+    >>> q = critic(batch.observations, batch.actions)  # doctest: +SKIP
+    """
+
+    def __init__(
+        self,
+        store: EpisodeStore,
+        batch_size: int = 256,
+        *,
+        n_sampled_goal: int = 4,
+        goal_selection_strategy: GoalStrategy = "future",
+        reward_fn: RewardFn | None = None,
+        device: str | torch.device = "cpu",
+        seed: int | None = None,
+        copy_info_dict: bool = False,
+        prefetch: int = 0,
+        pin_memory: bool | None = None,
+        relabel_terminated: bool = False,
+        success_fn: RewardFn | None = None,
+        io_threads: int = 0,
+        cache_bytes: int = 32 << 20,
+        refresh_interval: float = 0.0,
+    ) -> None:
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        if n_sampled_goal < 0:
+            raise ValueError(f"n_sampled_goal must be >= 0, got {n_sampled_goal}")
+        self.store = store
+        self.batch_size = int(batch_size)
+        self.n_sampled_goal = int(n_sampled_goal)
+        self.her_ratio = 1.0 - 1.0 / (self.n_sampled_goal + 1)
+        self.strategy = parse_strategy(goal_selection_strategy)
+        self.reward_fn = reward_fn if reward_fn is not None or self.n_sampled_goal == 0 else _env_reward_fn(store)
+        self.device = torch.device(device)
+        self.pin_memory = self.device.type == "cuda" if pin_memory is None else bool(pin_memory)
+        self.copy_info_dict = copy_info_dict
+        self.relabel_terminated = relabel_terminated
+        self.success_fn = success_fn
+        self.refresh_interval = float(refresh_interval)
+        self.rng = np.random.default_rng(seed)
+        self.reader = ChunkReader(store, io_threads=io_threads, cache_bytes=cache_bytes)
+        self._plan()
+        self._view: IndexView | None = None
+        self._refreshed = -np.inf
+        self._prefetch = int(prefetch)
+        self._queue: queue.Queue | None = None
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+        self._state_after = self.rng.bit_generator.state  # RNG state after the last batch handed out
+
+    # -- layout knowledge, looked up once ----------------------------------------------------------------
+    def _plan(self) -> None:
+        schema, layout = self.store.schema, self.store.layout
+        self._obs_keys = schema.observation_keys
+        self._info_keys = schema.info_keys if self.copy_info_dict else ()
+        needed = set(self._obs_keys) | {"action", "reward", "terminated", "truncated", *self._info_keys}
+        self._arrays = []  # (path, needs next rows, holds achieved_goal, [(field, a, b, shape, per_step)])
+        for spec in layout.arrays:
+            cols = [(n, a, b) for n, a, b in spec.columns if n in needed]
+            if not cols:
+                continue
+            fields = [(n, a, b, schema.by_name[n].shape, schema.by_name[n].per_step) for n, a, b in cols]
+            has_next = any(not per_step for *_, per_step in fields)
+            self._arrays.append((spec.path, spec.is_pack, has_next, any(n == "achieved_goal" for n, *_ in fields), fields))
+        self._goal_shape = schema.by_name["achieved_goal"].shape
+        self._goal_dtype = schema.by_name["achieved_goal"].dtype
+
+    # -- the committed episodes ----------------------------------------------------------------------------
+    def refresh(self) -> IndexView:
+        """Look for new commits now; returns the episodes sampled from."""
+        if self.store.mode == "r":
+            self.store.refresh()
+        self._view = self.store.index.snapshot()
+        self._refreshed = time.monotonic()
+        return self._view
+
+    def _current_view(self) -> IndexView:
+        if self._view is None or time.monotonic() - self._refreshed >= self.refresh_interval:
+            self.refresh()
+        assert self._view is not None
+        return self._view
+
+    # -- one batch ---------------------------------------------------------------------------------------
+    def _draw(self, view: IndexView, B: int) -> _Draw:
+        if view.num_transitions == 0:
+            raise StoreError(
+                f"{self.store.url} has no committed episode to sample from yet; add at least one whole episode "
+                "(and let it commit) before sampling"
+            )
+        rng = self.rng
+        k = rng.integers(0, view.num_transitions, B)
+        ids, steps = view.locate(k)
+        pos = ids - view.first
+        starts, lengths = view.start_rows[pos], view.lengths[pos]
+        n_her = int(self.her_ratio * B)
+        goal_rows = None
+        if n_her and isinstance(self.strategy, GoalSelectionStrategy):
+            if self.strategy is GoalSelectionStrategy.RANDOM:
+                gids, gsteps = view.locate(rng.integers(0, view.num_transitions, n_her))
+                goal_rows = view.start_rows[gids - view.first] + gsteps + 1
+            else:
+                goal_rows = starts[:n_her] + select_goal_steps(self.strategy, steps[:n_her], lengths[:n_her], rng) + 1
+        return _Draw(ids, steps, starts + steps, lengths, n_her, goal_rows)
+
+    def _gather(self, d: _Draw) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray], np.ndarray | None]:
+        """Fields at rows t, observation fields at rows t + 1, and the goal rows' achieved goals."""
+        B = len(d.rows)
+        now, nxt, goals = {}, {}, None
+        for path, is_pack, has_next, has_goal, fields in self._arrays:
+            parts = [d.rows]
+            if has_next:
+                parts.append(d.rows + 1)
+            if has_goal and d.goal_rows is not None:
+                parts.append(d.goal_rows)
+            rows = self.reader.gather(path, np.concatenate(parts) if len(parts) > 1 else d.rows)
+            for name, a, b, shape, per_step in fields:
+                col = rows[:, a:b] if is_pack else rows
+                now[name] = np.ascontiguousarray(col[:B]).reshape(B, *shape)
+                if not per_step:
+                    nxt[name] = np.ascontiguousarray(col[B : 2 * B]).reshape(B, *shape)
+                if name == "achieved_goal" and d.goal_rows is not None:
+                    goals = np.ascontiguousarray(col[2 * B :]).reshape(-1, *shape)
+        return now, nxt, goals
+
+    def _achieved_goals_at(self, view: IndexView) -> Callable[[np.ndarray, np.ndarray], np.ndarray]:
+        spec, a, b = self.store.layout.fields["achieved_goal"]
+
+        def read(episode_ids: np.ndarray, steps: np.ndarray) -> np.ndarray:
+            episode_ids, steps = np.asarray(episode_ids, np.int64), np.asarray(steps, np.int64)
+            if np.any(episode_ids < view.first) or np.any(episode_ids >= view.end):
+                raise IndexError(f"episode ids must be live ({view.first}..{view.end - 1})")
+            lengths = view.lengths[episode_ids - view.first]
+            if np.any(steps < 0) or np.any(steps >= lengths):
+                raise IndexError("steps must satisfy 0 <= step < episode length")
+            rows = self.reader.gather(spec.path, view.start_rows[episode_ids - view.first] + steps + 1)
+            return (rows[:, a:b] if spec.is_pack else rows).reshape(-1, *self._goal_shape)
+
+        return read
+
+    def _rewards(self, achieved: np.ndarray, desired: np.ndarray, infos: Any) -> np.ndarray:
+        r = np.asarray(self.reward_fn(achieved, desired, infos), dtype=np.float32)
+        if r.size != len(achieved):
+            raise ValueError(
+                f"reward_fn returned {r.size} values (shape {r.shape}) for {len(achieved)} transitions; expected "
+                "shape (n,) or (n, 1)"
+            )
+        return r.reshape(-1)
+
+    def _make_batch(self, view: IndexView, B: int) -> HerBatch:
+        for _ in range(8):
+            d = self._draw(view, B)
+            now, nxt, goals = self._gather(d)
+            # a ring writer may have evicted and overwritten sampled episodes while they were read
+            if self.store.capacity is None or not self.store.evicted_since(int(d.episode_ids.min())):
+                break
+            if threading.current_thread() is not self._thread:  # the store handle belongs to this thread
+                view = self.refresh()
+        else:
+            raise StoreError(f"{self.store.url}: the writer keeps evicting the episodes being sampled; sample less often")
+        n = d.n_her
+        rewards = now["reward"].astype(np.float32, copy=True)
+        terminated = now["terminated"].astype(np.float32)
+        infos_np = {k: now[k] for k in self._info_keys}
+        if n:
+            desired = now["desired_goal"]
+            if goals is None:  # a callable strategy
+                ctx = GoalContext(
+                    d.episode_ids[:n], d.steps[:n], d.lengths[:n], desired[:n].copy(), nxt["achieved_goal"][:n],
+                    self._achieved_goals_at(view), self.rng,
+                )
+                goals = np.asarray(self.strategy(ctx), dtype=self._goal_dtype)
+                if goals.shape != (n, *self._goal_shape):
+                    raise ValueError(f"goal strategy returned shape {goals.shape}, expected {(n, *self._goal_shape)}")
+            desired[:n] = goals
+            nxt["desired_goal"][:n] = goals
+            info_arg = (
+                [{k: v[i] for k, v in infos_np.items()} for i in range(n)] if self.copy_info_dict else [{}] * n
+            )
+            achieved = nxt["achieved_goal"][:n]
+            rewards[:n] = self._rewards(achieved, goals, info_arg)
+            if self.relabel_terminated:
+                if self.success_fn is not None:
+                    success = np.asarray(self.success_fn(achieved, goals, info_arg), bool).reshape(-1)
+                else:
+                    success = rewards[:n] >= self._rewards(achieved, achieved, info_arg)
+                terminated[:n] = np.maximum(terminated[:n], success)
+        relabeled = np.zeros(B, bool)
+        relabeled[:n] = True
+        t = self._to_device
+        return HerBatch(
+            observations={k: t(now[k]) for k in self._obs_keys},
+            actions=t(now["action"]),
+            rewards=t(rewards.reshape(B, 1)),
+            next_observations={k: t(nxt[k]) for k in self._obs_keys},
+            terminated=t(terminated.reshape(B, 1)),
+            truncated=t(now["truncated"].astype(np.float32).reshape(B, 1)),
+            dones=t(terminated.reshape(B, 1)),  # a timeout does not stop bootstrapping
+            is_relabeled=t(relabeled),
+            episode_ids=t(d.episode_ids),
+            steps=t(d.steps),
+            infos={k: t(v) for k, v in infos_np.items()},
+        )
+
+    def _to_device(self, a: np.ndarray) -> torch.Tensor:
+        x = torch.from_numpy(a)
+        if self.device.type == "cpu":
+            return x
+        if self.pin_memory:
+            x = x.pin_memory()
+        return x.to(self.device, non_blocking=self.pin_memory)
+
+    # -- public sampling -----------------------------------------------------------------------------------
+    def sample(self, batch_size: int | None = None) -> HerBatch:
+        """One batch of ``batch_size`` transitions (default: the sampler's).
+
+        Raises
+        ------
+        StoreError
+            No committed episode yet (as SB3 raises before its buffer holds one).
+        """
+        B = self.batch_size if batch_size is None else int(batch_size)
+        if B < 1:
+            raise ValueError(f"batch_size must be >= 1, got {B}")
+        view = self._current_view()
+        if self._prefetch and B == self.batch_size:
+            return self._take_prefetched()
+        self._stop_prefetch()
+        batch = self._make_batch(view, B)
+        self._state_after = self.rng.bit_generator.state
+        return batch
+
+    def __iter__(self) -> Iterator[HerBatch]:
+        """Batches forever."""
+        while True:
+            yield self.sample()
+
+    # -- prefetch ------------------------------------------------------------------------------------------
+    def _producer(self) -> None:
+        assert self._queue is not None
+        while not self._stop.is_set():
+            try:
+                view = self._view
+                assert view is not None
+                item: tuple[Any, Any] = (self._make_batch(view, self.batch_size), self.rng.bit_generator.state)
+            except BaseException as e:  # handed to the consumer, raised there
+                item = (e, None)
+            while not self._stop.is_set():
+                try:
+                    self._queue.put(item, timeout=0.1)
+                    break
+                except queue.Full:
+                    continue
+            if item[1] is None:
+                return
+
+    def _take_prefetched(self) -> HerBatch:
+        if self._thread is None:
+            self._queue = queue.Queue(maxsize=self._prefetch)
+            self._stop.clear()
+            self._thread = threading.Thread(target=self._producer, name="her_store-prefetch", daemon=True)
+            self._thread.start()
+        assert self._queue is not None
+        batch, state = self._queue.get()
+        if state is None:
+            self._thread = None
+            raise batch
+        self._state_after = state
+        return batch
+
+    def _stop_prefetch(self) -> None:
+        """Stop the producer and rewind the generator to just after the last batch handed out."""
+        if self._thread is None:
+            return
+        self._stop.set()
+        self._thread.join()
+        self._thread = None
+        self._queue = None
+        self.rng.bit_generator.state = self._state_after
+
+    # -- state ---------------------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """The generator state after the last batch handed out: a resumed run draws the same batches."""
+        return {"rng": self._state_after}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self._stop_prefetch()
+        self.rng.bit_generator.state = dict(state["rng"])
+        self._state_after = self.rng.bit_generator.state
+
+    def close(self) -> None:
+        """Stop prefetching and release the reader's maps and threads (the store stays open)."""
+        self._stop_prefetch()
+        self.reader.close()
+
+    def __enter__(self) -> HerSampler:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
