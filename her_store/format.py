@@ -33,6 +33,7 @@ ATTRS_KEY = "her_store"
 COMMIT_KEY = "commit.json"
 LOCK_KEY = "writer.lock"
 IMAGE_CHUNK_BYTES = 1 << 18
+PACK_CHUNK_BYTES = 1 << 28  # a pack's chunk file stays under 256 MiB whatever its row width
 
 # The episode-index table: one 1-D array per column under episodes/, position = id (or id % index_slots in a ring).
 INDEX_COLUMNS: dict[str, np.dtype] = {
@@ -139,7 +140,9 @@ class Layout:
         for dtype, members in packs.items():
             ends = np.cumsum([f.width for f in members])
             cols = tuple((f.name, int(e - f.width), int(e)) for f, e in zip(members, ends))
-            arrays.append(ArraySpec(f"packs/{dtype.name}", dtype, (int(ends[-1]),), chunk_rows, cols, False))
+            fit = max(1, PACK_CHUNK_BYTES // (int(ends[-1]) * dtype.itemsize))
+            rows = min(chunk_rows, 1 << (fit.bit_length() - 1))
+            arrays.append(ArraySpec(f"packs/{dtype.name}", dtype, (int(ends[-1]),), rows, cols, False))
         arrays.extend(own)
         return cls(tuple(arrays))
 

@@ -181,7 +181,8 @@ class EpisodeStore:
             or the ring's size if smaller; 8,192 on object storage).
         compressors : mapping of field name to codec(s), optional
             Per-field compression (zarr v3 codecs or numcodecs Zstd/Blosc); None for a field means uncompressed.
-            Default: none for low-dimensional fields (memory-mapped by the sampler), Zstd for uint8 images.
+            Default: none for low-dimensional fields (memory-mapped by the sampler), Blosc-LZ4 (bit-shuffle) for
+            uint8 images.
         info_keys : sequence of str or mapping of str to Space
             Numeric info entries stored per step, e.g. ``["is_success"]`` (a float32 scalar each).
         metadata : mapping, optional
@@ -836,9 +837,11 @@ def _staging_plan(spec: ArraySpec, schema: Schema) -> tuple[str, list[tuple[str,
 
 
 def _default_codec(field: Any) -> Any:
+    """Blosc-LZ4 with bit-shuffle for uint8 images: on rendered frames it compresses better than zstd and
+    decodes about twice as fast (a sampled row decodes its whole chunk); None (raw, memory-mapped) otherwise."""
     import zarr.codecs
 
-    return zarr.codecs.ZstdCodec(level=3) if field.is_image else None
+    return zarr.codecs.BloscCodec(cname="lz4", clevel=5, shuffle="bitshuffle") if field.is_image else None
 
 
 def open_store(

@@ -4,9 +4,10 @@
     python tools/bench.py --quick    # about 30 s
     python tools/bench.py --only add append resume
 
-Every figure is a median over repeated, interleaved rounds (her_store and the baseline alternate, so a noisy
-machine slows both alike). SB3 is optional: without it its columns say "not installed".
-Data: FetchReach-shaped transitions (observation 10, goals 3, action 4, float32), 50-step episodes.
+Every figure is a median over repeated, interleaved rounds (her_store and the baselines alternate, so a noisy
+machine slows all alike). SB3 and TorchRL are optional: without them their columns say "not installed".
+Data: FetchReach-shaped transitions (observation 10, goals 3, action 4, float32), 50-step episodes; sampling
+is future, n_sampled_goal=4, with rewards recomputed for every relabelled row.
 """
 
 from __future__ import annotations
@@ -166,10 +167,325 @@ def bench_resume(workdir: str, quick: bool) -> dict[str, Any]:
     return {"episodes": n_eps, "seconds": statistics.median(times), "target": "< 1 s for 1,000,000"}
 
 
+def fetch_reward(achieved_goal, desired_goal, info):
+    """FetchReach's sparse reward, vectorised (the same function for every buffer)."""
+    return -(np.linalg.norm(achieved_goal - desired_goal, axis=-1) > 0.05).astype(np.float32)
+
+
+_FILLED: dict[str, Any] = {}
+
+
+def filled_store(workdir: str, n_transitions: int) -> str:
+    """A store of FetchReach-shaped 50-step episodes (built once per run)."""
+    path = os.path.join(workdir, f"fetch{n_transitions}")
+    if path not in _FILLED:
+        rng = np.random.default_rng(3)
+        pool = [fetch_episode(rng) for _ in range(256)]
+        with EpisodeStore.create(path, OBS, ACT, metadata={"env_id": "FetchReach-shaped"}) as store:
+            for i in range(n_transitions // EP_LEN):
+                store.append_episode(pool[i % len(pool)] if i >= len(pool) else pool[i])
+        _FILLED[path] = True
+    return path
+
+
+def sb3_filled(n_transitions: int):
+    """SB3's HerReplayBuffer holding the same kind of episodes (filled through its own add)."""
+    rb = sb3_buffer(n_transitions)
+    if rb is None:
+        return None
+    steps = step_stream(min(n_transitions, 50_000), seed=3)
+    sb3_steps = [(o, no, a, r, te | tr, [{"TimeLimit.truncated": bool(tr[0])}]) for o, no, a, r, te, tr in steps]
+    for i in range(n_transitions):
+        rb.add(*sb3_steps[i % len(sb3_steps)])
+    return rb
+
+
+def torchrl_filled(n_transitions: int):
+    """TorchRL's HERReplayBuffer over LazyMemmapStorage, the same kind of episodes (extended in blocks)."""
+    try:
+        import torch
+        from tensordict import TensorDict
+        from torchrl.data import HERReplayBuffer, LazyMemmapStorage
+    except ImportError:
+        return None
+
+    def reward_fn(td):
+        d = (td["next", "achieved_goal"] - td["desired_goal"]).norm(dim=-1, keepdim=True)
+        return -(d > 0.05).float()
+
+    import logging
+
+    logging.getLogger("torchrl").setLevel(logging.WARNING)
+    rb = HERReplayBuffer(reward_fn=reward_fn, storage=LazyMemmapStorage(n_transitions))
+    block = 50_000
+    rng = np.random.default_rng(4)
+    t = lambda a: torch.from_numpy(np.ascontiguousarray(a))  # noqa: E731
+    for lo in range(0, n_transitions, block):
+        n = min(block, n_transitions - lo)
+        o = {k: rng.standard_normal((n, s.shape[0])).astype(np.float32) for k, s in OBS.spaces.items()}
+        no = {k: rng.standard_normal((n, s.shape[0])).astype(np.float32) for k, s in OBS.spaces.items()}
+        done = (np.arange(n) % EP_LEN == EP_LEN - 1)[:, None]
+        td = TensorDict(
+            {
+                **{k: t(v) for k, v in o.items()},
+                "action": t(rng.uniform(-1, 1, (n, 4)).astype(np.float32)),
+                "next": {
+                    **{k: t(v) for k, v in no.items()},
+                    "reward": t(-np.ones((n, 1), np.float32)),
+                    "done": t(done),
+                    "terminated": t(np.zeros((n, 1), bool)),
+                    "truncated": t(done),
+                },
+            },
+            batch_size=[n],
+        )
+        rb.extend(td)
+    return rb
+
+
+def _time_batches(fn: Callable[[], Any], n: int) -> float:
+    """Seconds per call, median of n calls."""
+    times = []
+    for _ in range(n):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def bench_sample_warm(workdir: str, quick: bool) -> dict[str, Any]:
+    """Warm page cache: batch 256 / 1024 transitions/s (future, n_sampled_goal=4, rewards recomputed) vs SB3 and TorchRL."""
+    from her_store import HerSampler
+
+    n = 200_000 if quick else 1_000_000
+    store = EpisodeStore.open(filled_store(workdir, n))
+    sampler = HerSampler(store, reward_fn=fetch_reward, seed=0)
+    rb = sb3_filled(n)
+    trl = torchrl_filled(n)
+    out: dict[str, Any] = {"stored transitions": n}
+    rounds = 5 if quick else 9
+    for B in (256, 1024):
+        ours, sb3, torchrl = [], [], []
+        for _ in range(rounds):  # interleaved, so drift in the machine's speed hits all alike
+            ours.append(_time_batches(lambda: sampler.sample(B), 20))
+            if rb is not None:
+                sb3.append(_time_batches(lambda: rb.sample(B, env=None), 20))
+            if trl is not None:
+                torchrl.append(_time_batches(lambda: trl.sample(B), 2))
+        out[f"B={B} her_store"] = B / statistics.median(ours)
+        if sb3:
+            out[f"B={B} sb3"] = B / statistics.median(sb3)
+            out[f"B={B} ratio vs sb3"] = out[f"B={B} her_store"] / out[f"B={B} sb3"]
+        if torchrl:
+            out[f"B={B} torchrl"] = B / statistics.median(torchrl)
+    out["target"] = "B=1024: 3x SB3; B=256: 2x SB3"
+    if rb is None:
+        out["sb3"] = "not installed"
+    if trl is None:
+        out["torchrl"] = "not installed (pip install torchrl)"
+    sampler.close()
+    store.close()
+    return out
+
+
+def _device_reads(path: str) -> Callable[[], int]:
+    """Reads completed by the block device holding ``path`` (/proc/diskstats), as a function to poll."""
+    dev = os.stat(path).st_dev
+    major, minor = os.major(dev), os.minor(dev)
+
+    def reads() -> int:
+        with open("/proc/diskstats") as f:
+            for line in f:
+                p = line.split()
+                if int(p[0]) == major and int(p[1]) == minor:
+                    return int(p[3])
+        return 0
+
+    return reads
+
+
+def _disk_random_reads_per_s(workdir: str, size: int, threads: int, n: int) -> dict[str, float]:
+    """Random 4 KiB reads/s of the disk under workdir, page cache evicted: threaded pread and threaded mmap touch."""
+    import mmap
+    from concurrent.futures import ThreadPoolExecutor
+
+    path = os.path.join(workdir, "randread.bin")
+    if not os.path.exists(path) or os.path.getsize(path) != size:
+        with open(path, "wb") as f:
+            block = np.random.default_rng(0).integers(0, 255, 1 << 24, np.uint8).tobytes()
+            for _ in range(size >> 24):
+                f.write(block)
+            f.flush()
+            os.fsync(f.fileno())
+    fd = os.open(path, os.O_RDONLY)
+    rng = np.random.default_rng(5)
+    out = {}
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
+        pages = size // 4096
+        parts = lambda a: np.array_split(a, threads)  # noqa: E731
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        offs = rng.choice(pages, n, replace=False) * 4096
+        t = time.perf_counter()
+        with ThreadPoolExecutor(threads) as ex:
+            list(ex.map(lambda p: [os.pread(fd, 4096, int(o)) for o in p], parts(offs)))
+        out["pread"] = n / (time.perf_counter() - t)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        m = mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
+        m.madvise(mmap.MADV_RANDOM)
+        view = np.frombuffer(m, np.uint8)
+        idx = rng.choice(pages, n, replace=False) * 4096
+        t = time.perf_counter()
+        with ThreadPoolExecutor(threads) as ex:
+            list(ex.map(lambda p: view[p].sum(), parts(idx)))
+        out["mmap"] = n / (time.perf_counter() - t)
+        del view
+        m.close()
+    finally:
+        os.close(fd)
+    return out
+
+
+def bench_sample_cold(workdir: str, quick: bool) -> dict[str, Any]:
+    """Cold page cache (store files evicted before every batch): transitions/s vs the disk's random 4 KiB reads/s."""
+    from her_store import HerSampler
+
+    n = 200_000 if quick else 1_000_000
+    threads = 32
+    disk = _disk_random_reads_per_s(workdir, (256 if quick else 1024) << 20, threads, 20_000)
+    disk_rate = max(disk.values())
+    store = EpisodeStore.open(filled_store(workdir, n))
+    reads = _device_reads(store.url)
+    out: dict[str, Any] = {"stored transitions": n, "disk 4KiB reads/s (pread)": disk["pread"], "disk 4KiB reads/s (mmap)": disk["mmap"]}
+    for io_threads in (threads, 0):
+        sampler = HerSampler(store, 1024, reward_fn=fetch_reward, seed=1, io_threads=io_threads)
+        sampler.sample()  # maps the chunk files
+        spent, transitions, disk_reads = 0.0, 0, 0
+        for _ in range(10 if quick else 30):
+            sampler.reader.evict_page_cache()
+            r0 = reads()
+            t = time.perf_counter()
+            sampler.sample()
+            spent += time.perf_counter() - t
+            disk_reads += reads() - r0
+            transitions += 1024
+        rate = transitions / spent
+        key = f"io_threads={io_threads}"
+        out[f"{key} transitions/s"] = rate
+        out[f"{key} x disk reads/s"] = rate / disk_rate
+        out[f"{key} disk reads/transition"] = disk_reads / transitions
+        sampler.close()
+    store.close()
+    out["target"] = ">= 0.25 x disk reads/s (<= ~4 reads/transition)"
+    return out
+
+
+def _disk_usage(path: str) -> int:
+    """Bytes a directory takes on disk (allocated blocks: chunk files are sparse until written)."""
+    return sum(os.stat(os.path.join(d, f)).st_blocks * 512 for d, _, fs in os.walk(path) for f in fs)
+
+
+def _rss_anon() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("RssAnon:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def bench_memory(workdir: str, quick: bool) -> dict[str, Any]:
+    """Anonymous RSS growth over 1,000 batches of 1,024 from a store several times the 64 MiB budget."""
+    from her_store import HerSampler
+
+    n = 2_000_000 if quick else 4_000_000
+    path = filled_store(workdir, n)
+    store_bytes = _disk_usage(path)
+    base = _rss_anon()
+    store = EpisodeStore.open(path)
+    index_bytes = sum(c.nbytes for c in store.index._cols.values()) + store.index._cum.nbytes
+    sampler = HerSampler(store, 1024, reward_fn=fetch_reward, seed=2)
+    for _ in range(1000):
+        sampler.sample()
+    grown = _rss_anon() - base
+    sampler.close()
+    store.close()
+    return {
+        "store bytes": store_bytes,
+        "index bytes": index_bytes,
+        "RssAnon growth": grown,
+        "budget (64 MiB + index)": (64 << 20) + index_bytes,
+        "within budget": grown < (64 << 20) + index_bytes,
+    }
+
+
+IMG_OBS = spaces.Dict(
+    {
+        "observation": spaces.Box(0, 255, (3, 84, 84), np.uint8),
+        "achieved_goal": spaces.Box(-np.inf, np.inf, (3,), np.float32),
+        "desired_goal": spaces.Box(-np.inf, np.inf, (3,), np.float32),
+    }
+)
+
+
+def image_episode(rng: np.random.Generator, T: int = EP_LEN) -> dict[str, np.ndarray]:
+    """Smooth images with a moving blob and sensor noise: compressible roughly like rendered frames."""
+    yy, xx = np.mgrid[0:84, 0:84]
+    cx, cy = rng.uniform(10, 74, 2)
+    frames = []
+    for t in range(T + 1):
+        blob = 200 * np.exp(-((xx - cx - t * 0.3) ** 2 + (yy - cy) ** 2) / 60.0)
+        frame = np.stack([blob, 0.5 * blob + 30, 255 - blob]) + rng.integers(0, 4, (3, 84, 84))
+        frames.append(np.clip(frame, 0, 255).astype(np.uint8))
+    ep = {"observation": np.stack(frames)}
+    ep.update({k: rng.standard_normal((T + 1, 3)).astype(np.float32) for k in ("achieved_goal", "desired_goal")})
+    ep["action"] = rng.uniform(-1, 1, (T, 4)).astype(np.float32)
+    ep["reward"] = -np.ones(T, np.float32)
+    ep["terminated"] = np.zeros(T, bool)
+    ep["truncated"] = np.arange(T) == T - 1
+    return ep
+
+
+def bench_images(workdir: str, quick: bool) -> dict[str, Any]:
+    """uint8 3x84x84 image observations, batch 256 transitions/s, warm and cold: compressed (default) and raw."""
+    from her_store import HerSampler
+
+    n = 20_000 if quick else 100_000
+    rng = np.random.default_rng(6)
+    pool = [image_episode(rng) for _ in range(16)]
+    out: dict[str, Any] = {"stored transitions": n}
+    for name, comp in (("blosc-lz4 (default)", None), ("uncompressed", {"observation": None})):
+        path = os.path.join(workdir, f"images-{name}")
+        with EpisodeStore.create(path, IMG_OBS, ACT, compressors=comp) as store:
+            for i in range(n // EP_LEN):
+                store.append_episode(pool[i % len(pool)])
+        out[f"{name} store bytes on disk"] = _disk_usage(path)
+        store = EpisodeStore.open(path)
+        for regime, threads in (("warm", 0), ("cold", 32)):
+            sampler = HerSampler(store, 256, reward_fn=fetch_reward, seed=3, io_threads=threads)
+            for _ in range(3):
+                sampler.sample()
+            times = []
+            for _ in range(5 if quick else 10):
+                if regime == "cold":
+                    sampler.reader.evict_page_cache()
+                t = time.perf_counter()
+                sampler.sample()
+                times.append(time.perf_counter() - t)
+            out[f"{name} {regime} transitions/s"] = 256 / statistics.median(times)
+            sampler.close()
+        store.close()
+        shutil.rmtree(path)
+    return out
+
+
 BENCHES: dict[str, Callable[[str, bool], dict[str, Any]]] = {
     "add": bench_add,
     "append": bench_append,
     "resume": bench_resume,
+    "sample_warm": bench_sample_warm,
+    "sample_cold": bench_sample_cold,
+    "memory": bench_memory,
+    "images": bench_images,
 }
 
 
