@@ -21,11 +21,19 @@ from her_store.errors import (
 from her_store.format import FORMAT_VERSION
 from her_store.reader import ChunkReader
 from her_store.relabel import GoalContext, GoalSelectionStrategy
-from her_store.sampler import HerBatch, HerSampler
 from her_store.store import EpisodeStore, open_store
 from her_store.writer import StepWriter
 
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str) -> object:
+    # The sampler imports torch (seconds); writers, readers and tools that never sample should not pay for it.
+    if name in ("HerSampler", "HerBatch"):
+        from her_store import sampler
+
+        return getattr(sampler, name)
+    raise AttributeError(f"module 'her_store' has no attribute {name!r}")
 
 _register_envs()
 
