@@ -121,8 +121,9 @@ class HerSampler:
         Threads a gather is split across; 8-32 for a store larger than RAM (see :class:`ChunkReader`).
     cache_bytes : int
         Decoded-chunk cache per compressed or remote array.
-    refresh_interval : float
-        Seconds between looks for new commits (0: before every batch).
+    refresh_interval : float, optional
+        Seconds between looks for new commits (0: before every batch). Default: 0 for a writing handle (its
+        commits are in memory), 0.1 s for a reader on local disk, 1 s on object storage (a GET each).
 
     Examples
     --------
@@ -148,7 +149,7 @@ class HerSampler:
         success_fn: RewardFn | None = None,
         io_threads: int = 0,
         cache_bytes: int = 32 << 20,
-        refresh_interval: float = 0.0,
+        refresh_interval: float | None = None,
     ) -> None:
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
@@ -165,6 +166,8 @@ class HerSampler:
         self.copy_info_dict = copy_info_dict
         self.relabel_terminated = relabel_terminated
         self.success_fn = success_fn
+        if refresh_interval is None:  # a writer's own commits are in memory; a reader re-reads commit.json
+            refresh_interval = 0.0 if store.mode == "a" else (0.1 if store._loc.is_local else 1.0)
         self.refresh_interval = float(refresh_interval)
         self.rng = np.random.default_rng(seed)
         self.reader = ChunkReader(store, io_threads=io_threads, cache_bytes=cache_bytes)

@@ -449,7 +449,7 @@ def bench_images(workdir: str, quick: bool) -> dict[str, Any]:
     """uint8 3x84x84 image observations, batch 256 transitions/s, warm and cold: compressed (default) and raw."""
     from her_store import HerSampler
 
-    n = 20_000 if quick else 100_000
+    n = 10_000 if quick else 100_000
     rng = np.random.default_rng(6)
     pool = [image_episode(rng) for _ in range(16)]
     out: dict[str, Any] = {"stored transitions": n}
