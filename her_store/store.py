@@ -726,6 +726,8 @@ class EpisodeStore:
     def _commit_staged(self) -> None:
         """The commit protocol: [eviction record] -> data rows -> index rows -> commit record."""
         idx, old = self._index, self._commit
+        if not self._stage_n and idx.first == old.first_episode and idx.end == old.end_episode:
+            return  # nothing new: the record on disk is current
         fsync = self.durability == "fsync"
         gen = old.generation
         if idx.first > old.first_episode:
