@@ -110,6 +110,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     import gymnasium as gym
 
     env = gym.make(args.env or ENV_ID)
+    assert isinstance(env.observation_space, gym.spaces.Dict), "a goal env has Dict observations"
     t = time.perf_counter()
     with open_store(
         args.path, env.observation_space, env.action_space, capacity=args.capacity, info_keys=["is_success"],

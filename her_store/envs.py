@@ -86,4 +86,4 @@ class PointGoalEnv(gym.Env):
 
 def register() -> None:
     if ENV_ID not in gym.registry:
-        gym.register(ENV_ID, entry_point=PointGoalEnv)
+        gym.register(ENV_ID, entry_point="her_store.envs:PointGoalEnv")

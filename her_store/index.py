@@ -161,13 +161,15 @@ class EpisodeIndex:
 
     def append(self, values: Mapping[str, object]) -> int:
         """Add one episode row (missing columns are zero); returns its id."""
-        self._grow(self._n + 1)
+        if self._n >= len(self._cum):
+            self._grow(self._n + 1)
         i = self._n
-        for name, col in self._cols.items():
-            col[i] = values.get(name, 0)
+        cols = self._cols
+        for name in values:
+            cols[name][i] = values[name]
         episode_id = self.base + i
-        self._cols["episode_id"][i] = episode_id
-        self._cum[i] = (self._cum[i - 1] if i else 0) + int(values["length"])
+        cols["episode_id"][i] = episode_id
+        self._cum[i] = (self._cum[i - 1] if i else 0) + int(values["length"])  # type: ignore[call-overload]
         self._n += 1
         self.end = episode_id + 1
         return episode_id
@@ -197,11 +199,6 @@ class EpisodeIndex:
             col[:n] = columns[name]
         np.cumsum(self._cols["length"][:n], out=self._cum[:n])
         self._n = n
-
-    def truncate(self, end: int) -> None:
-        """Forget ids ``>= end`` (staged episodes that will not be committed)."""
-        self._n = end - self.base
-        self.end = end
 
     def positions(self, first: int, end: int) -> list[tuple[int, int, int]]:
         """On-disk positions of ids ``[first, end)`` as ``(position, id_from, id_to)`` contiguous segments."""

@@ -129,9 +129,15 @@ class CachedArray:
     """
 
     def __init__(
-        self, array: Any, spec: ArraySpec, cache_bytes: int, fetch: Callable[[str], bytes | None] | None = None
+        self,
+        array: Any,
+        spec: ArraySpec,
+        cache_bytes: int,
+        fetch: Callable[[str], bytes | None] | None = None,
+        root: str | None = None,
     ) -> None:
         self.array = array
+        self.root = root  # local directory of the store (page-cache eviction), None on object storage
         self.spec = spec
         self.chunk_rows = spec.chunk_rows
         self.chunk_nbytes = spec.chunk_rows * spec.row_nbytes
@@ -179,7 +185,7 @@ class CachedArray:
         """Empty the decoded-chunk cache, and drop local chunk files from the page cache (cold reads)."""
         with self._lock:
             self._cache.clear()
-        if getattr(self, "root", None):
+        if self.root is not None:
             for d, _, files in os.walk(os.path.join(self.root, self.spec.path, "c")):
                 for f in files:
                     fd = os.open(os.path.join(d, f), os.O_RDONLY)
@@ -219,9 +225,9 @@ class ChunkReader:
             if loc.is_local and not spec.compressed:
                 self.arrays[spec.path] = MappedArray(loc.root, spec)
             else:
-                cached = CachedArray(store._root[spec.path], spec, cache_bytes, fetch=loc.read_bytes)
-                cached.root = loc.root if loc.is_local else None
-                self.arrays[spec.path] = cached
+                self.arrays[spec.path] = CachedArray(
+                    store._root[spec.path], spec, cache_bytes, fetch=loc.read_bytes, root=loc.root if loc.is_local else None
+                )
         self._pool = ThreadPoolExecutor(self.io_threads, thread_name_prefix="her_store-io") if self.io_threads else None
 
     def gather(self, path: str, rows: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:

@@ -270,6 +270,7 @@ class HerSampler:
         return read
 
     def _rewards(self, achieved: np.ndarray, desired: np.ndarray, infos: Any) -> np.ndarray:
+        assert self.reward_fn is not None  # set whenever n_sampled_goal > 0
         r = np.asarray(self.reward_fn(achieved, desired, infos), dtype=np.float32)
         if r.size != len(achieved):
             raise ValueError(
@@ -300,6 +301,7 @@ class HerSampler:
                     d.episode_ids[:n], d.steps[:n], d.lengths[:n], desired[:n].copy(), nxt["achieved_goal"][:n],
                     self._achieved_goals_at(view), self.rng,
                 )
+                assert not isinstance(self.strategy, GoalSelectionStrategy)
                 goals = np.asarray(self.strategy(ctx), dtype=self._goal_dtype)
                 if goals.shape != (n, *self._goal_shape):
                     raise ValueError(f"goal strategy returned shape {goals.shape}, expected {(n, *self._goal_shape)}")

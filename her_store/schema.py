@@ -225,8 +225,8 @@ def space_to_json(space: spaces.Space) -> dict[str, Any]:
     if isinstance(space, spaces.Discrete):
         return {"type": "Discrete", "n": int(space.n), "start": int(space.start)}
     if isinstance(space, spaces.MultiBinary):
-        n = space.n
-        return {"type": "MultiBinary", "n": int(n) if np.isscalar(n) else [int(x) for x in n]}
+        n = np.asarray(space.n)
+        return {"type": "MultiBinary", "n": int(n) if n.ndim == 0 else [int(x) for x in n]}
     if isinstance(space, spaces.MultiDiscrete):
         return {
             "type": "MultiDiscrete",

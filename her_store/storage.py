@@ -14,18 +14,19 @@ import os
 import socket
 import time
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, cast
 
 import fsspec
 import numpy as np
 import zarr
 import zarr.storage
+from zarr.core.array_spec import ArrayConfigParams
 
 from her_store.errors import StoreLockedError
 
 __all__ = ["Location", "WriterLock", "RawChunkFile", "ZarrChunks", "chunk_io", "ZARR_CONFIG"]
 
-ZARR_CONFIG = {"write_empty_chunks": True}  # an all-zero chunk is data here, not absence
+ZARR_CONFIG: ArrayConfigParams = {"write_empty_chunks": True}  # an all-zero chunk is data here, not absence
 
 
 class Location:
@@ -59,7 +60,7 @@ class Location:
     def key_path(self, key: str) -> str:
         return f"{self.root}/{key}" if key else self.root
 
-    def zarr_store(self, read_only: bool) -> zarr.abc.store.Store:
+    def zarr_store(self, read_only: bool) -> zarr.storage.StoreLike:
         if self.is_local:
             return zarr.storage.LocalStore(self.root, read_only=read_only)
         return zarr.storage.FsspecStore.from_url(self.url, storage_options=self.storage_options, read_only=read_only)
@@ -256,7 +257,7 @@ class RawChunkFile:
         while at < n:
             chunk, r = divmod(row0 + at, self.chunk_rows)
             take = min(n - at, self.chunk_rows - r)
-            os.pwrite(self._fd(chunk), memoryview(data[at : at + take]).cast("B"), r * self.row_nbytes)
+            os.pwrite(self._fd(chunk), memoryview(cast(Any, data[at : at + take])).cast("B"), r * self.row_nbytes)
             self._dirty.add(chunk)
             at += take
 
@@ -354,7 +355,7 @@ class ZarrChunks:
 
 def chunk_io(location: Location, group: zarr.Group, path: str, compressed: bool) -> RawChunkFile | ZarrChunks:
     """Row access to one array: raw files for uncompressed local arrays, whole chunks through zarr otherwise."""
-    array = group[path]
+    array = cast(zarr.Array, group[path])
     if location.is_local and not compressed:
         return RawChunkFile(location.root, path, array.dtype, tuple(array.shape[1:]), int(array.chunks[0]))
     return ZarrChunks(array.with_config(ZARR_CONFIG), location)

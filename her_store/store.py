@@ -12,7 +12,7 @@ import os
 import time
 import zlib
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, cast
 
 import numpy as np
 import zarr
@@ -77,7 +77,7 @@ def _to_zarr_codecs(codecs: Any) -> Any:
             if kind == "zstd":
                 c = zarr.codecs.ZstdCodec(level=cfg.get("level", 0), checksum=cfg.get("checksum", False))
             elif kind == "blosc":
-                shuffle = {0: "noshuffle", 1: "shuffle", 2: "bitshuffle", -1: "shuffle"}[cfg.get("shuffle", 1)]
+                shuffle: Any = {0: "noshuffle", 1: "shuffle", 2: "bitshuffle", -1: "shuffle"}[cfg.get("shuffle", 1)]
                 c = zarr.codecs.BloscCodec(cname=cfg["cname"], clevel=cfg["clevel"], shuffle=shuffle)
             else:
                 import zarr.codecs.numcodecs as zn
@@ -246,7 +246,7 @@ class EpisodeStore:
                     f"{loc} already holds a Zarr node; open it with EpisodeStore.open({str(loc)!r}, mode='a') or "
                     "her_store.open_store(...) to resume"
                 )
-            attrs = {
+            attrs: dict[str, Any] = {
                 "format_version": FORMAT_VERSION,
                 "schema": schema.to_json(),
                 "layout": layout.to_json(),
@@ -701,7 +701,7 @@ class EpisodeStore:
             self._fsync_metadata(spec.path)
         self._array_rows = new
 
-    def _stage_rows(self, start: int, T: int, data: dict[str, np.ndarray]) -> int:
+    def _stage_rows(self, start: int, T: int, data: Mapping[str, np.ndarray]) -> int:
         """Copy an episode's rows into the staging buffers (one contiguous run of rows per commit); returns their crc32."""
         if self._stage_n == 0:
             self._stage_row0 = start
@@ -768,7 +768,7 @@ class EpisodeStore:
     def _ensure_index_rows(self, end: int) -> None:
         if self._index.slots is not None or end <= self._index_rows:
             return
-        new = _round_up(max(end, 2 * self._index_rows), int(self._root["episodes/episode_id"].chunks[0]))
+        new = _round_up(max(end, 2 * self._index_rows), int(_array_of(self._root, self._index_io["episode_id"], "episodes/episode_id").chunks[0]))
         for name in INDEX_COLUMNS:
             _array_of(self._root, self._index_io[name], f"episodes/{name}").resize((new,))
             self._fsync_metadata(f"episodes/{name}")
@@ -816,13 +816,14 @@ class EpisodeStore:
 
 def _array_of(root: zarr.Group, io: RawChunkFile | ZarrChunks, path: str) -> zarr.Array:
     """The zarr.Array behind an array's row access (resized in place, so a ZarrChunks sees the new shape)."""
-    return io.array if isinstance(io, ZarrChunks) else root[path]
+    return io.array if isinstance(io, ZarrChunks) else cast(zarr.Array, root[path])
 
 
-def _staging_plan(spec: ArraySpec, schema: Schema) -> tuple[str, list[tuple[str, Any, bool]], slice]:
+def _staging_plan(spec: ArraySpec, schema: Schema) -> tuple[str, list[tuple[str, Any, bool]], Any]:
     """How an episode's fields land in one array's rows: (field, column selector, needs flattening) and the
     columns of per-step fields, whose last row of each episode is unused (schema order puts them last)."""
-    members, step_from = [], None
+    members: list[tuple[str, Any, bool]] = []
+    step_from = None
     for name, a, b in spec.columns:
         f = schema.by_name[name]
         if spec.is_pack:
@@ -831,6 +832,7 @@ def _staging_plan(spec: ArraySpec, schema: Schema) -> tuple[str, list[tuple[str,
             members.append((name, Ellipsis, False))
         if f.per_step and step_from is None:
             step_from = a if spec.is_pack else 0
+    step_cols: Any
     if step_from is None:
         step_cols = slice(0, 0)
     else:

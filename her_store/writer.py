@@ -159,8 +159,13 @@ class StepWriter:
             rows[t][...] = truncated
         except AttributeError:  # a list, a scalar, a tensor: convert every field, then take the fast path
             return self.add(
-                {k: np.asarray(obs[k]) for k in self._obs_keys}, next_obs,
-                *(np.asarray(x) for x in (action, reward, terminated, truncated)), infos,
+                {k: np.asarray(obs[k]) for k in self._obs_keys},
+                next_obs,
+                np.asarray(action),
+                np.asarray(reward),
+                np.asarray(terminated),
+                np.asarray(truncated),
+                infos,
             )
         for name, rows, shape, dtype in self._info_slots:
             rows[t][...] = self._checked(name, _info_column(infos, name, self.n_envs), shape, dtype)
@@ -176,6 +181,7 @@ class StepWriter:
             self._make_room()
         s, t = int(self._start[e]), self._t
         # the final observation goes in row t, which the next add overwrites: the episode's rows stay one slice
+        assert self._last_next is not None
         for k in self._obs_keys:
             self._buf[k][t, e] = self._last_next[k][e]
         episode = {f.name: self._buf[f.name][s : t if f.per_step else t + 1, e] for f in self._fields}

@@ -119,3 +119,16 @@ def test_bad_steps_are_refused_with_the_field_named(store_path, fetch):
             w.add(o, o, np.zeros((2, 4)), np.zeros(2), np.zeros(2), np.zeros(2, bool))
         with pytest.raises(ValueError, match="n_envs"):
             store.writer(0)
+
+
+def test_plain_python_values_take_the_converting_path(store_path):
+    goal = spaces.Box(-1, 1, (2,), np.float32)
+    obs = spaces.Dict({"observation": goal, "achieved_goal": goal, "desired_goal": goal})
+    with EpisodeStore.create(store_path, obs, spaces.Box(-1, 1, (1,), np.float32)) as store:
+        w = store.writer(1)
+        o = {k: [[0.5, -0.5]] for k in obs.spaces}
+        n = {k: [[0.25, 0.75]] for k in obs.spaces}
+        assert w.add(o, n, [[0.1]], [1.0], [False], [True]) == [0]
+        ep = store.episode(0)
+        np.testing.assert_array_equal(ep["observation"], np.array([[0.5, -0.5], [0.25, 0.75]], np.float32))
+        assert ep["reward"].tolist() == [1.0] and ep["truncated"].tolist() == [True]
