@@ -50,6 +50,14 @@ class IndexView:
     def __len__(self) -> int:
         return self.end - self.first
 
+    def since(self, first: int) -> IndexView:
+        """The episodes of this view with ids >= ``first`` (what is left after evictions), without copying."""
+        k = min(max(first - self.first, 0), len(self))
+        if k == 0:
+            return self
+        before = int(self._cum[k - 1])
+        return IndexView(self.first + k, self.end, self.start_rows[k:], self.lengths[k:], self._cum[k:], before)
+
     def locate(self, k: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Episode ids and steps of transitions ``k`` (0 <= k < num_transitions), oldest first: one searchsorted."""
         offset = np.asarray(k, np.int64) + self._before

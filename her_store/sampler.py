@@ -48,14 +48,30 @@ class HerBatch(NamedTuple):
 
 
 class _Draw(NamedTuple):
-    """The random part of a batch (all the sampler's RNG use happens here, in batch order)."""
+    """The random part of a batch (all the sampler's RNG use happens in _draw, in batch order)."""
 
     episode_ids: np.ndarray
     steps: np.ndarray
     rows: np.ndarray
     lengths: np.ndarray
-    n_her: int
-    goal_rows: np.ndarray | None  # rows whose achieved_goal is the new goal (built-in strategies)
+    her: np.ndarray  # which samples are relabelled
+    goal_rows: np.ndarray | None  # rows whose achieved_goal is the new goal of each relabelled sample (built-ins)
+    goal_ids: np.ndarray | None  # the episodes those rows belong to
+
+
+def _replace_samples(d: _Draw, sub: np.ndarray, d2: _Draw) -> tuple[_Draw, np.ndarray]:
+    """``d`` with the samples at positions ``sub`` taken from ``d2`` (drawn for exactly those positions), and
+    where those samples' goals sit among the relabelled ones."""
+    fields: dict[str, Any] = {}
+    for name in ("episode_ids", "steps", "rows", "lengths"):
+        a = getattr(d, name).copy()
+        a[sub] = getattr(d2, name)
+        fields[name] = a
+    at = (np.cumsum(d.her) - 1)[sub[d.her[sub]]]
+    if d.goal_rows is not None and d.goal_ids is not None and d2.goal_rows is not None and d2.goal_ids is not None:
+        fields["goal_rows"], fields["goal_ids"] = d.goal_rows.copy(), d.goal_ids.copy()
+        fields["goal_rows"][at], fields["goal_ids"][at] = d2.goal_rows, d2.goal_ids
+    return d._replace(**fields), at
 
 
 def _env_reward_fn(store: EpisodeStore) -> RewardFn:
@@ -213,29 +229,30 @@ class HerSampler:
         return self._view
 
     # -- one batch ---------------------------------------------------------------------------------------
-    def _draw(self, view: IndexView, B: int) -> _Draw:
+    def _draw(self, view: IndexView, her: np.ndarray) -> _Draw:
         if view.num_transitions == 0:
             raise StoreError(
                 f"{self.store.url} has no committed episode to sample from yet; add at least one whole episode "
                 "(and let it commit) before sampling"
             )
         rng = self.rng
-        k = rng.integers(0, view.num_transitions, B)
-        ids, steps = view.locate(k)
+        ids, steps = view.locate(rng.integers(0, view.num_transitions, len(her)))
         pos = ids - view.first
         starts, lengths = view.start_rows[pos], view.lengths[pos]
-        n_her = int(self.her_ratio * B)
-        goal_rows = None
+        goal_rows = goal_ids = None
+        n_her = int(her.sum())
         if n_her and isinstance(self.strategy, GoalSelectionStrategy):
             if self.strategy is GoalSelectionStrategy.RANDOM:
-                gids, gsteps = view.locate(rng.integers(0, view.num_transitions, n_her))
-                goal_rows = view.start_rows[gids - view.first] + gsteps + 1
+                goal_ids, gsteps = view.locate(rng.integers(0, view.num_transitions, n_her))
+                goal_rows = view.start_rows[goal_ids - view.first] + gsteps + 1
             else:
-                goal_rows = starts[:n_her] + select_goal_steps(self.strategy, steps[:n_her], lengths[:n_her], rng) + 1
-        return _Draw(ids, steps, starts + steps, lengths, n_her, goal_rows)
+                goal_ids = ids[her]
+                goal_rows = starts[her] + select_goal_steps(self.strategy, steps[her], lengths[her], rng) + 1
+        return _Draw(ids, steps, starts + steps, lengths, her, goal_rows, goal_ids)
 
     def _gather(self, d: _Draw) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray], np.ndarray | None]:
-        """Fields at rows t, observation fields at rows t + 1, and the goal rows' achieved goals."""
+        """Fields at rows t, observation fields at rows t + 1, and the goal rows' achieved goals (relabelled
+        samples, in order)."""
         B = len(d.rows)
         now, nxt, goals = {}, {}, None
         for path, is_pack, has_next, has_goal, fields in self._arrays:
@@ -279,18 +296,37 @@ class HerSampler:
             )
         return r.reshape(-1)
 
+    def _fresh(self, view: IndexView, B: int) -> tuple[IndexView, _Draw, dict, dict, np.ndarray | None]:
+        """Draw and gather a batch. From a ring, samples whose episode (or goal's episode) the writer evicted
+        meanwhile, whose rows may have been overwritten while we read, are drawn again among the live ones."""
+        her = np.arange(B) < int(self.her_ratio * B)
+        d = self._draw(view, her)
+        now, nxt, goals = self._gather(d)
+        if self.store.capacity is None:
+            return view, d, now, nxt, goals
+        for _ in range(100):
+            first = self.store.live_first()
+            stale = d.episode_ids < first
+            if d.goal_ids is not None:
+                stale[np.flatnonzero(d.her)[d.goal_ids < first]] = True
+            if not stale.any():
+                return view, d, now, nxt, goals
+            view = view.since(first)
+            sub = np.flatnonzero(stale)
+            d2 = self._draw(view, d.her[sub])
+            now2, nxt2, goals2 = self._gather(d2)
+            for k in now:
+                now[k][sub] = now2[k]
+            for k in nxt:
+                nxt[k][sub] = nxt2[k]
+            d, at = _replace_samples(d, sub, d2)
+            if goals is not None and goals2 is not None:
+                goals[at] = goals2
+        raise StoreError(f"{self.store.url}: the ring writer overtakes the sampler; sample from a larger ring")
+
     def _make_batch(self, view: IndexView, B: int) -> HerBatch:
-        for _ in range(8):
-            d = self._draw(view, B)
-            now, nxt, goals = self._gather(d)
-            # a ring writer may have evicted and overwritten sampled episodes while they were read
-            if self.store.capacity is None or not self.store.evicted_since(int(d.episode_ids.min())):
-                break
-            if threading.current_thread() is not self._thread:  # the store handle belongs to this thread
-                view = self.refresh()
-        else:
-            raise StoreError(f"{self.store.url}: the writer keeps evicting the episodes being sampled; sample less often")
-        n = d.n_her
+        view, d, now, nxt, goals = self._fresh(view, B)
+        n = int(d.her.sum())  # the relabelled samples are the first n
         rewards = now["reward"].astype(np.float32, copy=True)
         terminated = now["terminated"].astype(np.float32)
         infos_np = {k: now[k] for k in self._info_keys}

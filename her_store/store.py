@@ -572,14 +572,14 @@ class EpisodeStore:
         self._array_rows = self._commit.array_rows
         return max(0, commit.end_episode - old_end)
 
-    def evicted_since(self, episode_id: int) -> bool:
-        """Whether the ring has evicted ``episode_id`` by now (rows read earlier may then be overwritten).
+    def live_first(self) -> int:
+        """The oldest episode id the ring has not evicted, as of now (episodes below may be being overwritten).
 
         A writing handle knows its own commits; a reading handle re-reads the commit record. Eviction is
-        committed before any row is overwritten, so rows read before this returns False are intact.
+        committed before any row is overwritten, so rows of an episode read before this call returns a value
+        at or below its id are intact.
         """
-        first = self._commit.first_episode if self.mode == "a" else self._read_commit().first_episode
-        return episode_id < first
+        return self._commit.first_episode if self.mode == "a" else self._read_commit().first_episode
 
     # -- writing -----------------------------------------------------------------------------------------
     def _require_open(self) -> None:
@@ -738,7 +738,7 @@ class EpisodeStore:
                 gen, first, old.end_episode, old.write_row, idx.transitions_between(first, old.end_episode), old.array_rows
             )
             self._loc.write_atomic(COMMIT_KEY, evicted.to_bytes(), fsync)
-            self._commit = evicted  # a sampler of this process checks it after reading rows (evicted_since)
+            self._commit = evicted  # a sampler of this process checks it after reading rows (live_first)
         if self._stage_n:
             for path, w in self._arrays.items():
                 w.write(self._stage_row0, self._stage[path][: self._stage_n])

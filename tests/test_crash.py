@@ -108,3 +108,35 @@ def episode_space():
     from tests.crash_writer import ACT, OBS
 
     return OBS, ACT
+
+
+def test_sampler_in_a_reader_process_never_returns_overwritten_rows(tmp_path):
+    """A ring writer in another process evicts and overwrites episodes while this process samples them."""
+    from her_store import HerSampler
+
+    path = str(tmp_path / "store")
+    EpisodeStore.create(path, *episode_space(), capacity=300, info_keys=["is_success"], chunk_rows=64).close()
+    proc = _spawn(path, 300)
+    assert proc.stdout.readline().startswith("start")
+    batches = 0
+    try:
+        with EpisodeStore.open(path) as reader:
+            sampler = HerSampler(reader, 256, n_sampled_goal=0, seed=0, refresh_interval=0)
+            deadline = time.monotonic() + 4.0
+            while time.monotonic() < deadline:
+                try:
+                    b = sampler.sample()
+                except Exception as e:  # only "nothing committed yet" is acceptable
+                    assert "no committed episode" in str(e)
+                    continue
+                ids, t = b.episode_ids.numpy(), b.steps.numpy()
+                for i in range(0, 256, 8):
+                    ep = episode_for(int(ids[i]))
+                    np.testing.assert_array_equal(b.observations["observation"][i].numpy(), ep["observation"][t[i]])
+                    np.testing.assert_array_equal(b.next_observations["observation"][i].numpy(), ep["observation"][t[i] + 1])
+                    np.testing.assert_array_equal(b.actions[i].numpy(), ep["action"][t[i]])
+                batches += 1
+    finally:
+        proc.kill()
+        proc.communicate()
+    assert batches > 20
