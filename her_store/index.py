@@ -200,13 +200,15 @@ class EpisodeIndex:
     def load(self, columns: Mapping[str, np.ndarray], first: int, end: int) -> None:
         """Replace the window with rows read from disk for ids ``[first, end)``."""
         n = end - first
-        self.base, self.first, self.end, self._n = first, first, end, 0
-        self._cum_before_base = 0
-        self._grow(max(n, 1))
+        size = max(n, 1024)
+        # new arrays, never an overwrite: snapshots handed out earlier (a prefetch thread's) keep theirs intact
+        self._cols = {name: np.zeros(size, dt) for name, dt in INDEX_COLUMNS.items()}
         for name, col in self._cols.items():
             col[:n] = columns[name]
+        self._cum = np.zeros(size, np.int64)
         np.cumsum(self._cols["length"][:n], out=self._cum[:n])
-        self._n = n
+        self.base, self.first, self.end, self._n = first, first, end, n
+        self._cum_before_base = 0
 
     def positions(self, first: int, end: int) -> list[tuple[int, int, int]]:
         """On-disk positions of ids ``[first, end)`` as ``(position, id_from, id_to)`` contiguous segments."""

@@ -69,3 +69,20 @@ def test_memory_stays_bounded_by_live_episodes_in_a_long_ring():
             idx.first += 1
     assert len(idx) == 50 and idx.num_transitions == 50
     assert len(idx._cum) <= 4096
+
+
+def test_snapshots_survive_growth_and_reloads():
+    idx = EpisodeIndex(None)
+    for n in (3, 4):
+        idx.append({"start_row": 0, "length": n})
+    snap = idx.snapshot()
+    for _ in range(5000):  # grows (new arrays) many times
+        idx.append({"start_row": 0, "length": 9})
+    np.testing.assert_array_equal(snap.lengths, [3, 4])
+    late = idx.snapshot()
+    cols = {k: v.copy() for k, v in idx.table().items()}
+    cols["length"][:] = 1
+    idx.load(cols, 0, len(cols["length"]))  # a reader's reload: the same size, other contents
+    assert late.num_transitions == 7 + 9 * 5000
+    np.testing.assert_array_equal(late.lengths[:3], [3, 4, 9])
+    np.testing.assert_array_equal(snap.locate(np.array([0, 2, 3, 6]))[1], [0, 2, 0, 3])
