@@ -29,7 +29,7 @@ def coded_store(tmp_path):
     """40 episodes of lengths 1..40 (so goals reveal (episode, row))."""
     obs, act = fetch_spaces()
     eps = [coded_episode(obs, act, i, T=i + 1, seed=i) for i in range(40)]
-    with EpisodeStore.create(tmp_path / "s", obs, act, info_keys=["is_success"] if False else ()) as store:
+    with EpisodeStore.create(tmp_path / "s", obs, act) as store:
         for e in eps:
             store.append_episode(e)
         yield store, eps
