@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from her_store.format import ArraySpec
-from her_store.storage import chunk_key
+from her_store.storage import chunk_key, drop_page_cache
 
 if TYPE_CHECKING:
     from her_store.store import EpisodeStore
@@ -83,12 +83,7 @@ class MappedArray:
             m.madvise(mmap.MADV_DONTNEED)
         chunk = 0
         while os.path.exists(self._file(chunk)):
-            fd = os.open(self._file(chunk), os.O_RDONLY)
-            try:
-                os.fdatasync(fd)
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(fd)
+            drop_page_cache(self._file(chunk))
             chunk += 1
 
     def close(self) -> None:
@@ -188,11 +183,7 @@ class CachedArray:
         if self.root is not None:
             for d, _, files in os.walk(os.path.join(self.root, self.spec.path, "c")):
                 for f in files:
-                    fd = os.open(os.path.join(d, f), os.O_RDONLY)
-                    try:
-                        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-                    finally:
-                        os.close(fd)
+                    drop_page_cache(os.path.join(d, f))
 
     def close(self) -> None:
         self._cache.clear()
