@@ -134,13 +134,15 @@ class EpisodeIndex:
         """Episode ids and steps of live transitions ``k`` (0 <= k < num_transitions), in oldest-first order."""
         return self.snapshot().locate(k)
 
-    def snapshot(self) -> IndexView:
-        """A frozen, zero-copy view of the live episodes (valid while this index keeps appending)."""
-        lo, hi = self.first - self.base, self.end - self.base
+    def snapshot(self, end: int | None = None) -> IndexView:
+        """A frozen, zero-copy view of the live episodes below ``end`` (default: all), valid while this index keeps
+        appending."""
+        end = self.end if end is None else min(max(end, self.first), self.end)
+        lo, hi = self.first - self.base, end - self.base
         before = int(self._cum[lo - 1]) if lo > 0 else 0
         return IndexView(
             self.first,
-            self.end,
+            end,
             self._cols["start_row"][lo:hi],
             self._cols["length"][lo:hi],
             self._cum[lo:hi],

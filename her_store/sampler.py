@@ -218,7 +218,7 @@ class HerSampler:
         """Look for new commits now; returns the episodes sampled from."""
         if self.store.mode == "r":
             self.store.refresh()
-        self._view = self.store.index.snapshot()
+        self._view = self.store.snapshot()
         self._refreshed = time.monotonic()
         return self._view
 

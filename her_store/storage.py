@@ -26,6 +26,7 @@ from her_store.errors import StoreLockedError
 
 __all__ = ["Location", "WriterLock", "RawChunkFile", "ZarrChunks", "chunk_io", "ZARR_CONFIG"]
 
+DEFAULT_LEASE_TTL = 300.0  # seconds an object-storage writer lease lasts unless renewed
 ZARR_CONFIG: ArrayConfigParams = {"write_empty_chunks": True}  # an all-zero chunk is data here, not absence
 
 
@@ -148,7 +149,7 @@ class WriterLock:
     holder is a dead process on this host, or when it was not renewed for ``lease_ttl`` seconds.
     """
 
-    def __init__(self, location: Location, key: str, lease_ttl: float = 300.0) -> None:
+    def __init__(self, location: Location, key: str, lease_ttl: float = DEFAULT_LEASE_TTL) -> None:
         self.location = location
         self.key = key
         self.lease_ttl = lease_ttl

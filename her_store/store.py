@@ -40,9 +40,9 @@ from her_store.format import (
     Layout,
     check_attrs,
 )
-from her_store.index import EpisodeIndex
+from her_store.index import EpisodeIndex, IndexView
 from her_store.schema import Schema
-from her_store.storage import ZARR_CONFIG, Location, RawChunkFile, WriterLock, ZarrChunks, chunk_io, fsync_file
+from her_store.storage import DEFAULT_LEASE_TTL, ZARR_CONFIG, Location, RawChunkFile, WriterLock, ZarrChunks, chunk_io, fsync_file
 
 if TYPE_CHECKING:
     from her_store.writer import StepWriter
@@ -160,6 +160,7 @@ class EpisodeStore:
         durability: Durability = "flush",
         storage_options: Mapping[str, Any] | None = None,
         commit_interval: float | None = None,
+        lease_ttl: float = DEFAULT_LEASE_TTL,
     ) -> EpisodeStore:
         """Create a new, empty store and open it for appending.
 
@@ -195,6 +196,9 @@ class EpisodeStore:
         commit_interval : float, optional
             Seconds between group commits (default 0.1 on local disk, 2.0 on object storage; 0 commits every
             episode).
+        lease_ttl : float
+            Object storage only: seconds after which the writer's lease, unless renewed, may be taken over by
+            another writer (default 300). A live writer renews it in the background and before every commit.
 
         Returns
         -------
@@ -238,7 +242,7 @@ class EpisodeStore:
             os.makedirs(loc.root, exist_ok=True)
         else:
             loc.fs.makedirs(loc.root, exist_ok=True)
-        self._lock = WriterLock(loc, LOCK_KEY)
+        self._lock = WriterLock(loc, LOCK_KEY, lease_ttl)
         self._lock.acquire()
         try:
             if loc.exists("zarr.json"):
@@ -288,6 +292,7 @@ class EpisodeStore:
         *,
         durability: Durability = "flush",
         commit_interval: float | None = None,
+        lease_ttl: float = DEFAULT_LEASE_TTL,
     ) -> EpisodeStore:
         """Open an existing store.
 
@@ -298,7 +303,7 @@ class EpisodeStore:
         mode : {"r", "a"}
             "r" reads (no lock; :meth:`refresh` sees new commits); "a" takes the writer lock and resumes appending
             after the last committed episode (rows written past it by a crashed writer are overwritten).
-        storage_options, durability, commit_interval
+        storage_options, durability, commit_interval, lease_ttl
             As in :meth:`create`.
 
         Raises
@@ -317,7 +322,7 @@ class EpisodeStore:
             raise NotAStoreError(f"{loc} is not a her_store store (no Zarr group there)") from e
         attrs = check_attrs(root.attrs.asdict(), str(loc))
         if mode == "a":
-            self._lock = WriterLock(loc, LOCK_KEY)
+            self._lock = WriterLock(loc, LOCK_KEY, lease_ttl)
             self._lock.acquire()
         try:
             self._attach(root, attrs, self._read_commit())
@@ -480,6 +485,22 @@ class EpisodeStore:
         """The last commit this handle made or saw (generation, live episode ids, rows, array size)."""
         self._visible()
         return self._commit
+
+    def snapshot(self) -> IndexView:
+        """The committed episodes as a frozen view (what a sampler draws from), without forcing a commit.
+
+        On a writing handle, staged episodes are committed first only when the group commit is due anyway
+        (``commit_interval`` has passed) or nothing is committed yet; otherwise they are not in the view, nor are
+        episodes the ring has evicted in memory (their rows stay intact until the commit that evicts them on
+        disk). A reading handle returns what its last :meth:`refresh` saw.
+        """
+        self._require_open()
+        if self.mode == "a" and self._stage_n and (
+            self._commit.end_episode == self._commit.first_episode
+            or time.monotonic() - self._last_commit >= self.commit_interval
+        ):
+            self._commit_staged()
+        return self._index.snapshot(self._commit.end_episode)
 
     @property
     def index(self) -> EpisodeIndex:
@@ -864,7 +885,7 @@ def open_store(
         Required to create; when the store exists they must equal the stored ones (SchemaMismatchError otherwise).
     **kwargs
         Passed to :meth:`EpisodeStore.create` (capacity, info_keys, metadata, ...) or, for an existing store,
-        the ones :meth:`EpisodeStore.open` takes (storage_options, durability, commit_interval).
+        the ones :meth:`EpisodeStore.open` takes (storage_options, durability, commit_interval, lease_ttl).
 
     Examples
     --------
@@ -872,7 +893,7 @@ def open_store(
     """
     loc = Location(path_or_url, kwargs.get("storage_options"))
     if loc.exists("zarr.json"):
-        open_kw = {k: kwargs[k] for k in ("storage_options", "durability", "commit_interval") if k in kwargs}
+        open_kw = {k: kwargs[k] for k in ("storage_options", "durability", "commit_interval", "lease_ttl") if k in kwargs}
         store = EpisodeStore.open(path_or_url, mode="a", **open_kw)
         if observation_space is not None or action_space is not None:
             try:
