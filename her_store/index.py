@@ -184,6 +184,12 @@ class EpisodeIndex:
         self.end = episode_id + 1
         return episode_id
 
+    def truncate(self, end: int) -> None:
+        """Forget the rows of ids ``>= end`` (an append that failed before it was committed)."""
+        if end < self.end:
+            self._n = end - self.base
+            self.end = end
+
     def transitions_between(self, first: int, end: int) -> int:
         """Transitions of ids ``[first, end)`` (both within the in-memory window)."""
         return self._cum_at(end) - self._cum_at(first)

@@ -210,6 +210,10 @@ class WriterLock:
         except (ValueError, KeyError, TypeError):
             return True
 
+    def ensure_held(self) -> None:
+        """Before a commit: make sure this writer still holds the store (renews an object-storage lease)."""
+        self.renew()
+
     def renew(self) -> None:
         """Extend an object-storage lease (called at commits); a no-op on local disk."""
         if not self.location.is_local and time.monotonic() - self._renewed > self.lease_ttl / 4:

@@ -12,12 +12,13 @@ import os
 import time
 import zlib
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any, Literal, cast
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 import zarr
 from gymnasium import spaces
 
+from her_store.commit import Committer, round_up
 from her_store.episode import Episode
 from her_store.errors import (
     CorruptStoreError,
@@ -42,7 +43,15 @@ from her_store.format import (
 )
 from her_store.index import EpisodeIndex, IndexView
 from her_store.schema import Schema
-from her_store.storage import DEFAULT_LEASE_TTL, ZARR_CONFIG, Location, RawChunkFile, WriterLock, ZarrChunks, chunk_io, fsync_file
+from her_store.storage import (
+    DEFAULT_LEASE_TTL,
+    ZARR_CONFIG,
+    Location,
+    RawChunkFile,
+    WriterLock,
+    ZarrChunks,
+    chunk_io,
+)
 
 if TYPE_CHECKING:
     from her_store.writer import StepWriter
@@ -54,7 +63,6 @@ Durability = Literal["flush", "fsync"]
 LOCAL_CHUNK_ROWS = 1 << 20
 REMOTE_CHUNK_ROWS = 1 << 13
 INDEX_CHUNK_ROWS = 1 << 16
-COMMIT_ROWS = 1 << 16  # staged rows that force a commit (bounds the staging memory)
 LOCAL_COMMIT_INTERVAL = 0.1
 REMOTE_COMMIT_INTERVAL = 2.0
 # a ring holds row space for capacity transitions plus one extra row per episode of >= 4 steps on average
@@ -88,10 +96,6 @@ def _to_zarr_codecs(codecs: Any) -> Any:
                 c = cls(**cfg)
         out.append(c)
     return out
-
-
-def _round_up(n: int, multiple: int) -> int:
-    return -(-n // multiple) * multiple
 
 
 class EpisodeStore:
@@ -141,6 +145,7 @@ class EpisodeStore:
             raise ValueError(f"commit_interval must be >= 0 seconds, got {commit_interval}")
         self.commit_interval = float(commit_interval)
         self._lock: WriterLock | None = None
+        self._committer: Committer | None = None
         self._closed = False
         self._arrays: dict[str, RawChunkFile | ZarrChunks] = {}
         self._index_io: dict[str, RawChunkFile | ZarrChunks] = {}
@@ -232,8 +237,8 @@ class EpisodeStore:
         if capacity is None:
             array_rows, slots, index_rows = grain, None, index_chunk
         else:
-            array_rows = _round_up(capacity + capacity // RING_ROW_SLACK + 1, grain)
-            slots = _round_up(int(capacity), min(index_chunk, int(capacity)))
+            array_rows = round_up(capacity + capacity // RING_ROW_SLACK + 1, grain)
+            slots = round_up(int(capacity), min(index_chunk, int(capacity)))
             index_rows = slots
             index_chunk = min(index_chunk, slots)
 
@@ -351,14 +356,13 @@ class EpisodeStore:
         self._open_io()
         self._index = EpisodeIndex(slots)
         self._load_committed(commit)
-        self._head = commit.write_row
-        self._array_rows = commit.array_rows
-        self._stage = {spec.path: np.zeros((1024, *spec.row_shape), spec.dtype) for spec in self.layout.arrays}
-        self._plan = [_staging_plan(spec, self.schema) for spec in self.layout.arrays]
-        self._commit_rows = min(COMMIT_ROWS, self.layout.arrays[0].chunk_rows)
-        self._stage_row0 = self._head
-        self._stage_n = 0
-        self._last_commit = time.monotonic()
+        self._array_rows = self._commit.array_rows
+        if self.mode == "a":
+            assert self._lock is not None
+            self._committer = Committer(
+                self._loc, root, self.schema, self.layout, self._index, self._arrays, self._index_io, self._commit,
+                self._index_rows, self.capacity, self.durability, self.commit_interval, self._lock,
+            )
 
     def _open_io(self) -> None:
         """Row access to every array; a reader calls it again when the writer has grown the arrays."""
@@ -437,15 +441,15 @@ class EpisodeStore:
         --------
         >>> store.update_metadata(algorithm="SAC+HER", author="lab")  # doctest: +SKIP
         """
-        self._require_writable()
+        self._writing()
         self._attrs["metadata"] = {**self._attrs.get("metadata", {}), **entries}
         self._root.attrs.update({ATTRS_KEY: self._attrs})
 
     def _visible(self) -> EpisodeIndex:
         """The index as this handle should report it: a writer commits what it staged first."""
         self._require_open()
-        if self.mode == "a" and (self._stage_n or self._index.first != self._commit.first_episode):
-            self._commit_staged()
+        if self._committer is not None:
+            self._committer.commit()
         return self._index
 
     @property
@@ -484,7 +488,7 @@ class EpisodeStore:
     def commit_record(self) -> Commit:
         """The last commit this handle made or saw (generation, live episode ids, rows, array size)."""
         self._visible()
-        return self._commit
+        return self._committed
 
     def snapshot(self) -> IndexView:
         """The committed episodes as a frozen view (what a sampler draws from), without forcing a commit.
@@ -495,12 +499,15 @@ class EpisodeStore:
         disk). A reading handle returns what its last :meth:`refresh` saw.
         """
         self._require_open()
-        if self.mode == "a" and self._stage_n and (
-            self._commit.end_episode == self._commit.first_episode
-            or time.monotonic() - self._last_commit >= self.commit_interval
-        ):
-            self._commit_staged()
-        return self._index.snapshot(self._commit.end_episode)
+        w = self._committer
+        if w is not None and w.pending and (w.due or w.commit_record.end_episode == w.commit_record.first_episode):
+            w.commit()
+        return self._index.snapshot(self._committed.end_episode)
+
+    @property
+    def _committed(self) -> Commit:
+        """The newest commit record this handle knows: its own last commit, or the one a reader last loaded."""
+        return self._committer.commit_record if self._committer is not None else self._commit
 
     @property
     def index(self) -> EpisodeIndex:
@@ -600,17 +607,19 @@ class EpisodeStore:
         committed before any row is overwritten, so rows of an episode read before this call returns a value
         at or below its id are intact.
         """
-        return self._commit.first_episode if self.mode == "a" else self._read_commit().first_episode
+        return self._committed.first_episode if self._committer is not None else self._read_commit().first_episode
 
     # -- writing -----------------------------------------------------------------------------------------
     def _require_open(self) -> None:
         if self._closed:
             raise StoreError(f"{self.url} is closed")
 
-    def _require_writable(self) -> None:
+    def _writing(self) -> Committer:
+        """The committer of a handle opened for appending (ReadOnlyStoreError otherwise)."""
         self._require_open()
-        if self.mode != "a":
+        if self._committer is None:
             raise ReadOnlyStoreError(f"{self.url} is open read-only (mode='r'); open it with mode='a' to append")
+        return self._committer
 
     def validate_episode(self, episode: Mapping[str, Any]) -> tuple[int, dict[str, np.ndarray]]:
         """Check an episode against the schema; return ``(T, arrays in stored dtypes)`` or raise EpisodeValidationError."""
@@ -661,139 +670,13 @@ class EpisodeStore:
             Missing/extra keys, wrong shapes or dtypes, T mismatches, an episode longer than the capacity.
             Nothing is written.
         """
-        self._require_writable()
+        self._writing()
         T, data = self.validate_episode(episode)
         return self._append_checked(T, data, env_index)
 
     def _append_checked(self, T: int, data: Mapping[str, np.ndarray], env_index: int) -> int:
         """Append an episode already in the schema's shapes and dtypes (validated, or built by a StepWriter)."""
-        if self.capacity is not None and T > self.capacity:
-            raise EpisodeValidationError(f"episode of {T} transitions is longer than the store's capacity {self.capacity}")
-        start = self._place(T + 1)
-        crc = self._stage_rows(start, T, data)
-        info = self.schema.info_keys
-        episode_id = self._index.append(
-            {
-                "start_row": start,
-                "length": T,
-                "terminated": bool(data["terminated"][-1]),
-                "truncated": bool(data["truncated"][-1]),
-                "return": float(data["reward"].sum(dtype=np.float64)),
-                "success": int(data["is_success"][-1] > 0.5) if "is_success" in info else -1,
-                "env_index": env_index,
-                "created_at": time.time(),
-                "crc32": crc,
-            }
-        )
-        self._head = start + T + 1
-        if self._stage_n >= self._commit_rows or time.monotonic() - self._last_commit >= self.commit_interval:
-            self._commit_staged()
-        return episode_id
-
-    def _place(self, rows: int) -> int:
-        """Row where an episode of ``rows`` rows goes; evicts (FIFO) what it would overwrite or exceed capacity with."""
-        idx, w = self._index, self._head
-        if self.capacity is None:
-            self._ensure_rows(w + rows)
-            return w
-        R = self._array_rows
-        wrap = w + rows > R
-        if wrap:
-            if self._stage_n:
-                self._commit_staged()  # staged rows form one contiguous run; the wrap starts another
-            # episodes between the head and the end of the ring are the oldest: FIFO evicts them before row 0's
-            while len(idx) and idx.rows_of(idx.first)[0] >= w:
-                idx.first += 1
-            w = 0
-        while len(idx) and (
-            idx.num_transitions + rows - 1 > self.capacity or w <= idx.rows_of(idx.first)[0] < w + rows
-        ):
-            idx.first += 1
-        return w
-
-    def _ensure_rows(self, rows: int) -> None:
-        """Grow the arrays of an unbounded store (metadata only: readers trust the commit record, not the shape)."""
-        if rows <= self._array_rows:
-            return
-        grain = math.lcm(*(a.chunk_rows for a in self.layout.arrays))
-        new = _round_up(max(rows, 2 * self._array_rows), grain)
-        for spec in self.layout.arrays:
-            _array_of(self._root, self._arrays[spec.path], spec.path).resize((new, *spec.row_shape))
-            self._fsync_metadata(spec.path)
-        self._array_rows = new
-
-    def _stage_rows(self, start: int, T: int, data: Mapping[str, np.ndarray]) -> int:
-        """Copy an episode's rows into the staging buffers (one contiguous run of rows per commit); returns their crc32."""
-        if self._stage_n == 0:
-            self._stage_row0 = start
-        at = self._stage_n
-        if start != self._stage_row0 + at:
-            raise AssertionError("staged rows must be contiguous")
-        need, crc = at + T + 1, 0
-        for path, members, step_cols in self._plan:
-            buf = self._stage[path]
-            if len(buf) < need:
-                grown = np.zeros((max(need, 2 * len(buf)), *buf.shape[1:]), buf.dtype)
-                grown[:at] = buf[:at]
-                self._stage[path] = buf = grown
-            for name, cols, flat in members:
-                d = data[name]
-                buf[at : at + len(d), cols] = d.reshape(len(d), -1) if flat else d
-            buf[at + T, step_cols] = 0  # the unused last row of per-step fields
-            crc = zlib.crc32(buf[at:need].data, crc)
-        self._stage_n = need
-        return crc
-
-    def _commit_staged(self) -> None:
-        """The commit protocol: [eviction record] -> data rows -> index rows -> commit record."""
-        idx, old = self._index, self._commit
-        if not self._stage_n and idx.first == old.first_episode and idx.end == old.end_episode:
-            return  # nothing new: the record on disk is current
-        fsync = self.durability == "fsync"
-        gen = old.generation
-        if idx.first > old.first_episode:
-            # evicted rows may be overwritten below: readers must stop trusting them first
-            first = min(idx.first, old.end_episode)
-            gen += 1
-            evicted = Commit(
-                gen, first, old.end_episode, old.write_row, idx.transitions_between(first, old.end_episode), old.array_rows
-            )
-            self._loc.write_atomic(COMMIT_KEY, evicted.to_bytes(), fsync)
-            self._commit = evicted  # a sampler of this process checks it after reading rows (live_first)
-        if self._stage_n:
-            for path, w in self._arrays.items():
-                w.write(self._stage_row0, self._stage[path][: self._stage_n])
-        for w in self._arrays.values():
-            w.flush(fsync)
-        if idx.end > old.end_episode:
-            self._ensure_index_rows(idx.end)
-            idx.write(self._index_io, old.end_episode, idx.end)
-            for w in self._index_io.values():
-                w.flush(fsync)
-        new = Commit(gen + 1, idx.first, idx.end, self._head, idx.num_transitions, self._array_rows)
-        self._loc.write_atomic(COMMIT_KEY, new.to_bytes(), fsync)
-        self._commit = new
-        self._stage_n = 0
-        self._stage_row0 = self._head
-        self._last_commit = time.monotonic()
-        if self._lock is not None:
-            self._lock.renew()
-
-    def _fsync_metadata(self, path: str) -> None:
-        """zarr writes zarr.json without fsync; with durability='fsync' a resized array's shape must survive too."""
-        if self.durability == "fsync" and self._loc.is_local:
-            name = self._loc.key_path(f"{path}/zarr.json")
-            fsync_file(name)
-            fsync_file(os.path.dirname(name))
-
-    def _ensure_index_rows(self, end: int) -> None:
-        if self._index.slots is not None or end <= self._index_rows:
-            return
-        new = _round_up(max(end, 2 * self._index_rows), int(_array_of(self._root, self._index_io["episode_id"], "episodes/episode_id").chunks[0]))
-        for name in INDEX_COLUMNS:
-            _array_of(self._root, self._index_io[name], f"episodes/{name}").resize((new,))
-            self._fsync_metadata(f"episodes/{name}")
-        self._index_rows = new
+        return self._writing().append(T, data, env_index)
 
     def writer(self, n_envs: int = 1) -> StepWriter:
         """A :class:`~her_store.writer.StepWriter` that assembles episodes from per-step adds of ``n_envs`` envs.
@@ -805,22 +688,22 @@ class EpisodeStore:
         """
         from her_store.writer import StepWriter
 
-        self._require_writable()
+        self._writing()
         return StepWriter(self, n_envs)
 
     def flush(self) -> None:
         """Commit every staged episode now (and fsync with durability='fsync')."""
         self._require_open()
-        if self.mode == "a":
-            self._commit_staged()
+        if self._committer is not None:
+            self._committer.commit()
 
     def close(self) -> None:
         """Commit what is staged, release the writer lock and file handles. Idempotent."""
         if self._closed:
             return
         try:
-            if self.mode == "a":
-                self._commit_staged()
+            if self._committer is not None:
+                self._committer.commit()
         finally:
             for w in (*self._arrays.values(), *self._index_io.values()):
                 w.close()
@@ -833,32 +716,6 @@ class EpisodeStore:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def _array_of(root: zarr.Group, io: RawChunkFile | ZarrChunks, path: str) -> zarr.Array:
-    """The zarr.Array behind an array's row access (resized in place, so a ZarrChunks sees the new shape)."""
-    return io.array if isinstance(io, ZarrChunks) else cast(zarr.Array, root[path])
-
-
-def _staging_plan(spec: ArraySpec, schema: Schema) -> tuple[str, list[tuple[str, Any, bool]], Any]:
-    """How an episode's fields land in one array's rows: (field, column selector, needs flattening) and the
-    columns of per-step fields, whose last row of each episode is unused (schema order puts them last)."""
-    members: list[tuple[str, Any, bool]] = []
-    step_from = None
-    for name, a, b in spec.columns:
-        f = schema.by_name[name]
-        if spec.is_pack:
-            members.append((name, slice(a, b), f.shape != (b - a,)))
-        else:
-            members.append((name, Ellipsis, False))
-        if f.per_step and step_from is None:
-            step_from = a if spec.is_pack else 0
-    step_cols: Any
-    if step_from is None:
-        step_cols = slice(0, 0)
-    else:
-        step_cols = slice(step_from, None) if spec.is_pack else Ellipsis
-    return spec.path, members, step_cols
 
 
 def _default_codec(field: Any) -> Any:

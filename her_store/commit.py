@@ -1,0 +1,296 @@
+"""The commit protocol: staging appended episodes, placing them in the capacity ring, and committing them.
+
+A commit is the only moment a store changes for a reader: data rows, then index rows, then the commit record
+(``commit.json``, replaced atomically). Episodes appended in between are staged in memory and committed as a group
+(``commit_interval``), which is what makes appends cheap; a crash (even kill -9) loses at most the staged episodes.
+An append that raises leaves no trace: its episode is unstaged before the error propagates, so a retry does not
+store it twice.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+import zlib
+from collections.abc import Mapping
+from typing import Any, cast
+
+import numpy as np
+import zarr
+
+from her_store.errors import EpisodeValidationError
+from her_store.format import COMMIT_KEY, INDEX_COLUMNS, ArraySpec, Commit, Layout
+from her_store.index import EpisodeIndex
+from her_store.schema import Schema
+from her_store.storage import Location, RawChunkFile, WriterLock, ZarrChunks, fsync_file
+
+__all__ = ["Committer", "round_up", "COMMIT_ROWS"]
+
+COMMIT_ROWS = 1 << 16  # staged rows that force a commit (bounds the staging memory)
+
+ChunkIO = RawChunkFile | ZarrChunks
+
+
+def round_up(n: int, multiple: int) -> int:
+    """The smallest multiple of ``multiple`` that is >= ``n``."""
+    return -(-n // multiple) * multiple
+
+
+class Committer:
+    """The writing side of a store opened with ``mode="a"``: staging, ring placement and the commit protocol.
+
+    The store facade (:class:`~her_store.store.EpisodeStore`) validates episodes and hands them here; readers
+    only ever see what :meth:`commit` published.
+
+    Parameters
+    ----------
+    location, root : Location, zarr.Group
+        Where the store lives.
+    schema, layout : Schema, Layout
+        Its fields and arrays.
+    index : EpisodeIndex
+        The episode index, loaded with the committed episodes; appends extend it.
+    arrays, index_io : mapping of path to chunk I/O
+        Row access to the data arrays and to the index columns (``episodes/<column>``).
+    commit : Commit
+        The commit record the store was opened at.
+    index_rows : int
+        Rows the index arrays are sized to.
+    capacity : int or None
+        The ring's capacity in transitions (None: unbounded).
+    durability : {"flush", "fsync"}
+    commit_interval : float
+        Seconds between group commits.
+    lock : WriterLock
+        Checked (and renewed) before every commit.
+    """
+
+    def __init__(
+        self,
+        location: Location,
+        root: zarr.Group,
+        schema: Schema,
+        layout: Layout,
+        index: EpisodeIndex,
+        arrays: Mapping[str, ChunkIO],
+        index_io: Mapping[str, ChunkIO],
+        commit: Commit,
+        index_rows: int,
+        capacity: int | None,
+        durability: str,
+        commit_interval: float,
+        lock: WriterLock,
+    ) -> None:
+        self.location = location
+        self.root = root
+        self.schema = schema
+        self.layout = layout
+        self.index = index
+        self.arrays = arrays
+        self.index_io = index_io
+        self.commit_record = commit
+        self.capacity = capacity
+        self.fsync = durability == "fsync"
+        self.commit_interval = commit_interval
+        self.lock = lock
+        self.head = commit.write_row  # where the next episode starts
+        self.array_rows = commit.array_rows
+        self.index_rows = index_rows
+        self._stage: dict[str, np.ndarray] = {
+            spec.path: np.zeros((1024, *spec.row_shape), spec.dtype) for spec in layout.arrays
+        }
+        self._plan = [_staging_plan(spec, schema) for spec in layout.arrays]
+        self._commit_rows = min(COMMIT_ROWS, layout.arrays[0].chunk_rows)
+        self._stage_row0 = self.head
+        self._stage_n = 0  # staged rows, a contiguous run from _stage_row0
+        self._last_commit = time.monotonic()
+
+    # -- state ----------------------------------------------------------------------------------------------
+    @property
+    def pending(self) -> bool:
+        """Whether anything (staged episodes, in-memory evictions) is not committed yet."""
+        c = self.commit_record
+        return bool(self._stage_n) or self.index.first != c.first_episode or self.index.end != c.end_episode
+
+    @property
+    def due(self) -> bool:
+        """Whether the group commit is due: ``commit_interval`` has passed, or a chunk's worth of rows is staged."""
+        return self._stage_n >= self._commit_rows or time.monotonic() - self._last_commit >= self.commit_interval
+
+    # -- appending ------------------------------------------------------------------------------------------
+    def append(self, T: int, data: Mapping[str, np.ndarray], env_index: int) -> int:
+        """Stage an episode already in the schema's shapes and dtypes; commit if due. Returns its id.
+
+        If anything raises (a refused episode, a failed commit), the episode is unstaged and any in-memory
+        eviction it caused is undone, so the store is as before the call; episodes staged by earlier calls stay
+        staged for the next commit.
+        """
+        if self.capacity is not None and T > self.capacity:
+            raise EpisodeValidationError(f"episode of {T} transitions is longer than the store's capacity {self.capacity}")
+        idx = self.index
+        first, end, head = idx.first, idx.end, self.head
+        staged = None
+        try:
+            start = self._place(T + 1)
+            staged = self._stage_n
+            crc = self._stage_rows(start, T, data)
+            info = self.schema.info_keys
+            episode_id = idx.append(
+                {
+                    "start_row": start,
+                    "length": T,
+                    "terminated": bool(data["terminated"][-1]),
+                    "truncated": bool(data["truncated"][-1]),
+                    "return": float(data["reward"].sum(dtype=np.float64)),
+                    "success": int(data["is_success"][-1] > 0.5) if "is_success" in info else -1,
+                    "env_index": env_index,
+                    "created_at": time.time(),
+                    "crc32": crc,
+                }
+            )
+            self.head = start + T + 1
+            if self.due:
+                self.commit()
+        except BaseException:
+            # nothing of this episode was committed (a commit record is the last write of a commit), so undo all
+            # of it; evictions already committed stay, and so must those whose index rows were dropped on growth
+            idx.truncate(end)
+            if staged is not None:
+                self._stage_n = staged
+            self.head = head
+            idx.first = max(first, self.commit_record.first_episode, idx.base)
+            raise
+        return episode_id
+
+    def _place(self, rows: int) -> int:
+        """Row where an episode of ``rows`` rows goes; evicts (FIFO) what it would overwrite or exceed capacity with."""
+        idx, w = self.index, self.head
+        if self.capacity is None:
+            self._ensure_rows(w + rows)
+            return w
+        if w + rows > self.array_rows:
+            if self._stage_n:
+                self.commit()  # staged rows form one contiguous run; the wrap starts another
+            # episodes between the head and the end of the ring are the oldest: FIFO evicts them before row 0's
+            while len(idx) and idx.rows_of(idx.first)[0] >= w:
+                idx.first += 1
+            w = 0
+        while len(idx) and (
+            idx.num_transitions + rows - 1 > self.capacity or w <= idx.rows_of(idx.first)[0] < w + rows
+        ):
+            idx.first += 1
+        return w
+
+    def _ensure_rows(self, rows: int) -> None:
+        """Grow the arrays of an unbounded store (metadata only: readers trust the commit record, not the shape)."""
+        if rows <= self.array_rows:
+            return
+        grain = math.lcm(*(a.chunk_rows for a in self.layout.arrays))
+        new = round_up(max(rows, 2 * self.array_rows), grain)
+        for spec in self.layout.arrays:
+            self._zarr_array(spec.path, self.arrays[spec.path]).resize((new, *spec.row_shape))
+            self._fsync_metadata(spec.path)
+        self.array_rows = new
+
+    def _stage_rows(self, start: int, T: int, data: Mapping[str, np.ndarray]) -> int:
+        """Copy an episode's rows into the staging buffers (one contiguous run of rows per commit); returns their crc32."""
+        if self._stage_n == 0:
+            self._stage_row0 = start
+        at = self._stage_n
+        if start != self._stage_row0 + at:
+            raise AssertionError("staged rows must be contiguous")
+        need, crc = at + T + 1, 0
+        for path, members, step_cols in self._plan:
+            buf = self._stage[path]
+            if len(buf) < need:
+                grown = np.zeros((max(need, 2 * len(buf)), *buf.shape[1:]), buf.dtype)
+                grown[:at] = buf[:at]
+                self._stage[path] = buf = grown
+            for name, cols, flat in members:
+                d = data[name]
+                buf[at : at + len(d), cols] = d.reshape(len(d), -1) if flat else d
+            buf[at + T, step_cols] = 0  # the unused last row of per-step fields
+            crc = zlib.crc32(buf[at:need].data, crc)
+        self._stage_n = need
+        return crc
+
+    # -- the commit -----------------------------------------------------------------------------------------
+    def commit(self) -> None:
+        """The commit protocol: [eviction record] -> data rows -> index rows -> commit record.
+
+        Each step completes or raises; a failure leaves the last commit record describing complete,
+        checksummed episodes, and what was staged stays staged.
+        """
+        idx, old = self.index, self.commit_record
+        if not self.pending:
+            return  # the record on disk is current
+        self.lock.ensure_held()
+        gen = old.generation
+        if idx.first > old.first_episode:
+            # evicted rows may be overwritten below: readers must stop trusting them first
+            first = min(idx.first, old.end_episode)
+            gen += 1
+            evicted = Commit(
+                gen, first, old.end_episode, old.write_row, idx.transitions_between(first, old.end_episode), old.array_rows
+            )
+            self.location.write_atomic(COMMIT_KEY, evicted.to_bytes(), self.fsync)
+            self.commit_record = evicted  # a sampler of this process checks it after reading rows (live_first)
+        if self._stage_n:
+            for path, w in self.arrays.items():
+                w.write(self._stage_row0, self._stage[path][: self._stage_n])
+        for w in self.arrays.values():
+            w.flush(self.fsync)
+        if idx.end > old.end_episode:
+            self._ensure_index_rows(idx.end)
+            idx.write(self.index_io, old.end_episode, idx.end)
+            for w in self.index_io.values():
+                w.flush(self.fsync)
+        new = Commit(gen + 1, idx.first, idx.end, self.head, idx.num_transitions, self.array_rows)
+        self.location.write_atomic(COMMIT_KEY, new.to_bytes(), self.fsync)
+        self.commit_record = new
+        self._stage_n = 0
+        self._stage_row0 = self.head
+        self._last_commit = time.monotonic()
+
+    def _ensure_index_rows(self, end: int) -> None:
+        if self.index.slots is not None or end <= self.index_rows:
+            return
+        chunk = int(self._zarr_array("episodes/episode_id", self.index_io["episode_id"]).chunks[0])
+        new = round_up(max(end, 2 * self.index_rows), chunk)
+        for name in INDEX_COLUMNS:
+            self._zarr_array(f"episodes/{name}", self.index_io[name]).resize((new,))
+            self._fsync_metadata(f"episodes/{name}")
+        self.index_rows = new
+
+    def _zarr_array(self, path: str, io: ChunkIO) -> zarr.Array:
+        """The zarr.Array behind an array's row access (resized in place, so a ZarrChunks sees the new shape)."""
+        return io.array if isinstance(io, ZarrChunks) else cast(zarr.Array, self.root[path])
+
+    def _fsync_metadata(self, path: str) -> None:
+        """zarr writes zarr.json without fsync; with durability='fsync' a resized array's shape must survive too."""
+        if self.fsync and self.location.is_local:
+            name = self.location.key_path(f"{path}/zarr.json")
+            fsync_file(name)
+            fsync_file(os.path.dirname(name))
+
+
+def _staging_plan(spec: ArraySpec, schema: Schema) -> tuple[str, list[tuple[str, Any, bool]], Any]:
+    """How an episode's fields land in one array's rows: (field, column selector, needs flattening) and the
+    columns of per-step fields, whose last row of each episode is unused (schema order puts them last)."""
+    members: list[tuple[str, Any, bool]] = []
+    step_from = None
+    for name, a, b in spec.columns:
+        f = schema.by_name[name]
+        if spec.is_pack:
+            members.append((name, slice(a, b), f.shape != (b - a,)))
+        else:
+            members.append((name, Ellipsis, False))
+        if f.per_step and step_from is None:
+            step_from = a if spec.is_pack else 0
+    step_cols: Any
+    if step_from is None:
+        step_cols = slice(0, 0)
+    else:
+        step_cols = slice(step_from, None) if spec.is_pack else Ellipsis
+    return spec.path, members, step_cols
