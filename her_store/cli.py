@@ -105,9 +105,9 @@ def _progress(total: int, desc: str, enabled: bool) -> Any:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from her_store.envs import ENV_ID
-
     import gymnasium as gym
+
+    from her_store.envs import ENV_ID
 
     env = gym.make(args.env or ENV_ID)
     assert isinstance(env.observation_space, gym.spaces.Dict), "a goal env has Dict observations"

@@ -9,10 +9,14 @@ Two ways to write rows into a Zarr array:
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import os
+import shutil
 import socket
 import time
+import warnings
 from collections.abc import Mapping
 from typing import Any, cast
 
@@ -79,7 +83,8 @@ class Location:
     def write_atomic(self, key: str, data: bytes, fsync: bool) -> None:
         """Replace ``key`` so that a reader sees the old or the new bytes, never a mix.
 
-        Local: temp file + ``os.replace`` (atomic on POSIX), with fsync of file and directory for power loss.
+        Local: temp file + ``os.replace`` (atomic on POSIX), with fsync of file and directory for power loss. A
+        temp file that could not be written whole (a full disk) is removed and never renamed into place.
         Object storage: a single PUT replaces an object whole.
         """
         path = self.key_path(key)
@@ -87,19 +92,60 @@ class Location:
             self.fs.pipe_file(path, data)
             return
         tmp = f"{path}.{os.getpid()}.tmp"
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
-            os.write(fd, data)
-            if fsync:
-                os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(tmp, path)
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+            try:
+                write_all(fd, data)
+                if fsync:
+                    os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.replace(tmp, path)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
         if fsync:
-            fsync_file(os.path.dirname(path))
+            try:
+                fsync_file(os.path.dirname(path))
+            except OSError as e:  # the new bytes are in place and visible: raising would report a write that happened
+                warnings.warn(f"{path} was replaced but its directory could not be fsync'ed ({e}); it may not survive a power loss", RuntimeWarning, stacklevel=2)
+
+    def holds_chunks(self) -> bool:
+        """Whether any chunk of data exists under the location (a key ``.../c/...``, the v3 chunk encoding)."""
+        if self.is_local:
+            return any(os.path.basename(d) == "c" and (files or dirs) for d, dirs, files in os.walk(self.root))
+        return any("/c/" in k for k in self.fs.find(self.root))
+
+    def clear(self, keep: str) -> None:
+        """Remove everything under the location but ``keep`` (an unfinished create being started again)."""
+        if self.is_local:
+            for name in os.listdir(self.root):
+                if name != keep:
+                    full = os.path.join(self.root, name)
+                    shutil.rmtree(full) if os.path.isdir(full) and not os.path.islink(full) else os.unlink(full)
+            return
+        doomed = [k for k in self.fs.find(self.root) if k != self.key_path(keep)]
+        if doomed:
+            self.fs.rm(doomed)
 
     def exists(self, key: str) -> bool:
         return bool(self.fs.exists(self.key_path(key)))
+
+
+def write_all(fd: int, data: Any, offset: int | None = None) -> None:
+    """Write every byte of ``data`` to ``fd`` (at ``offset`` with pwrite, else at the file position), or raise.
+
+    ``write``/``pwrite`` may write fewer bytes than asked (a nearly full disk, a file size limit); the rest is
+    written by further calls, and a call that writes nothing raises ENOSPC rather than looping forever.
+    """
+    view = memoryview(data).cast("B")
+    done, size = 0, len(view)
+    while done < size:
+        n = os.write(fd, view[done:]) if offset is None else os.pwrite(fd, view[done:], offset + done)
+        if n <= 0:
+            raise OSError(errno.ENOSPC, f"wrote {done} of {size} bytes, then the device took no more")
+        done += n
 
 
 def fsync_file(path: str) -> None:
@@ -272,7 +318,7 @@ class RawChunkFile:
         while at < n:
             chunk, r = divmod(row0 + at, self.chunk_rows)
             take = min(n - at, self.chunk_rows - r)
-            os.pwrite(self._fd(chunk), memoryview(cast(Any, data[at : at + take])).cast("B"), r * self.row_nbytes)
+            write_all(self._fd(chunk), data[at : at + take], r * self.row_nbytes)
             self._dirty.add(chunk)
             at += take
 

@@ -7,12 +7,13 @@ A commit is the only moment the store changes for a reader: data rows, then inde
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import time
 import zlib
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, cast
 
 import numpy as np
 import zarr
@@ -217,21 +218,7 @@ class EpisodeStore:
         """
         loc = Location(path_or_url, storage_options)
         schema = Schema(observation_space, action_space, info_keys)
-        if capacity is not None and (not isinstance(capacity, (int, np.integer)) or capacity < 1):
-            raise ValueError(f"capacity must be a positive int or None, got {capacity!r}")
-        if chunk_rows is None:
-            chunk_rows = LOCAL_CHUNK_ROWS if loc.is_local else REMOTE_CHUNK_ROWS
-            if capacity is not None:  # a small ring needs no chunk larger than itself
-                chunk_rows = min(chunk_rows, 1 << int(capacity + capacity // RING_ROW_SLACK).bit_length())
-        if chunk_rows < 1:
-            raise ValueError(f"chunk_rows must be >= 1, got {chunk_rows}")
-        compressors = dict(compressors or {})
-        unknown = sorted(set(compressors) - set(schema.by_name))
-        if unknown:
-            raise SchemaMismatchError(f"compressors name unknown fields {unknown}; fields are {list(schema.by_name)}")
-        codecs = {f.name: _to_zarr_codecs(compressors.get(f.name, _default_codec(f))) for f in schema.fields}
-        codecs = {k: v for k, v in codecs.items() if v}
-        layout = Layout.build(schema, set(codecs), int(chunk_rows))
+        layout, codecs = _plan_arrays(loc, schema, capacity, chunk_rows, compressors)
         grain = math.lcm(*(a.chunk_rows for a in layout.arrays))
         index_chunk = INDEX_CHUNK_ROWS if loc.is_local else REMOTE_CHUNK_ROWS
         if capacity is None:
@@ -243,18 +230,23 @@ class EpisodeStore:
             index_chunk = min(index_chunk, slots)
 
         self = cls(loc, "a", durability, commit_interval)
-        if loc.is_local:
-            os.makedirs(loc.root, exist_ok=True)
-        else:
-            loc.fs.makedirs(loc.root, exist_ok=True)
+        try:
+            if loc.is_local:
+                os.makedirs(loc.root, exist_ok=True)
+            else:
+                loc.fs.makedirs(loc.root, exist_ok=True)
+        except (FileExistsError, NotADirectoryError) as e:
+            raise StoreExistsError(f"{loc} exists and is not a directory; a store is a directory (or a prefix)") from e
         self._lock = WriterLock(loc, LOCK_KEY, lease_ttl)
         self._lock.acquire()
         try:
             if loc.exists("zarr.json"):
-                raise StoreExistsError(
-                    f"{loc} already holds a Zarr node; open it with EpisodeStore.open({str(loc)!r}, mode='a') or "
-                    "her_store.open_store(...) to resume"
-                )
+                if not _unfinished_create(loc):
+                    raise StoreExistsError(
+                        f"{loc} already holds a Zarr node; open it with EpisodeStore.open({str(loc)!r}, mode='a') or "
+                        "her_store.open_store(...) to resume"
+                    )
+                loc.clear(keep=LOCK_KEY)  # nothing was ever committed there: finish the create from scratch
             attrs: dict[str, Any] = {
                 "format_version": FORMAT_VERSION,
                 "schema": schema.to_json(),
@@ -339,6 +331,11 @@ class EpisodeStore:
 
     def _read_commit(self) -> Commit:
         raw = self._loc.read_bytes(COMMIT_KEY)
+        if raw is None and _unfinished_create(self._loc):
+            raise NotAStoreError(
+                f"{self._loc} holds an unfinished create (its creator stopped before the first commit record, so "
+                "nothing was stored); her_store.open_store(path, observation_space, action_space, ...) creates it anew"
+            )
         if raw is None:
             raise CorruptStoreError(f"{self._loc} has no commit record {COMMIT_KEY}; expected one in every store (FORMAT.md)")
         return Commit.from_bytes(raw, str(self._loc))
@@ -718,6 +715,90 @@ class EpisodeStore:
         self.close()
 
 
+def _plan_arrays(
+    loc: Location, schema: Schema, capacity: Any, chunk_rows: int | None, compressors: Mapping[str, Any] | None
+) -> tuple[Layout, dict[str, Any]]:
+    """The arrays a store of these creation options gets: its Layout and the zarr codecs of compressed fields."""
+    if capacity is not None and (
+        isinstance(capacity, bool) or not isinstance(capacity, (int, np.integer)) or capacity < 1
+    ):
+        raise ValueError(f"capacity must be a positive int or None, got {capacity!r}")
+    if chunk_rows is None:
+        chunk_rows = LOCAL_CHUNK_ROWS if loc.is_local else REMOTE_CHUNK_ROWS
+        if capacity is not None:  # a small ring needs no chunk larger than itself
+            chunk_rows = min(chunk_rows, 1 << int(capacity + capacity // RING_ROW_SLACK).bit_length())
+    if isinstance(chunk_rows, bool) or not isinstance(chunk_rows, (int, np.integer)) or chunk_rows < 1:
+        raise ValueError(f"chunk_rows must be a positive int, got {chunk_rows!r}")
+    compressors = dict(compressors or {})
+    unknown = sorted(set(compressors) - set(schema.by_name))
+    if unknown:
+        raise SchemaMismatchError(f"compressors name unknown fields {unknown}; fields are {list(schema.by_name)}")
+    codecs = {f.name: _to_zarr_codecs(compressors.get(f.name, _default_codec(f))) for f in schema.fields}
+    codecs = {k: v for k, v in codecs.items() if v}
+    return Layout.build(schema, set(codecs), int(chunk_rows)), codecs
+
+
+def _unfinished_create(loc: Location) -> bool:
+    """Whether ``loc`` holds what a create killed before its commit record leaves: her_store's root attributes,
+    no commit record and no chunk of data (a commit record is the last thing a create writes, and no row is
+    written before one exists). Anything else is a store, someone else's Zarr node, or damage: never removed."""
+    if loc.exists(COMMIT_KEY):
+        return False
+    try:
+        attrs = json.loads(loc.read_bytes("zarr.json") or b"").get("attributes", {})
+    except (ValueError, AttributeError):
+        return False
+    return isinstance(attrs, dict) and isinstance(attrs.get(ATTRS_KEY), dict) and not loc.holds_chunks()
+
+
+def _check_creation_options(store: EpisodeStore, options: Mapping[str, Any]) -> None:
+    """open_store on an existing store: creation options given again must be the ones it was created with."""
+    if "capacity" in options and options["capacity"] != store.capacity:
+        raise SchemaMismatchError(
+            f"{store.url} was created with capacity={store.capacity}, got capacity={options['capacity']!r}; a store's "
+            "capacity is fixed at creation (copy its episodes into a new store to change it)"
+        )
+    if "chunk_rows" in options or "compressors" in options:
+        layout, codecs = _plan_arrays(
+            store._loc, store.schema, store.capacity, options.get("chunk_rows"), options.get("compressors")
+        )
+        stored = {spec.columns[0][0]: spec for spec in store.layout.arrays if spec.compressed}
+        if "compressors" in options and set(codecs) != set(stored):
+            raise SchemaMismatchError(
+                f"{store.url} stores fields {sorted(stored)} compressed, the compressors given compress "
+                f"{sorted(codecs)}; compressors are fixed at creation"
+            )
+        if options.get("chunk_rows") is not None:
+            want = Layout.build(store.schema, set(stored), int(options["chunk_rows"]))
+            if want.to_json() != store.layout.to_json():
+                raise SchemaMismatchError(
+                    f"{store.url} was created with arrays {_layout_text(store.layout)}, chunk_rows="
+                    f"{options['chunk_rows']} makes {_layout_text(want)}; chunk_rows is fixed at creation"
+                )
+        for name, spec in stored.items():
+            if "compressors" in options:
+                have = [c.to_dict() for c in cast(zarr.Array, store._root[spec.path]).compressors]
+                want_codecs = [c.to_dict() for c in codecs[name]]
+                if have != want_codecs:
+                    raise SchemaMismatchError(
+                        f"{store.url}: field {name!r} is stored with {have}, got compressors {want_codecs}; "
+                        "compressors are fixed at creation"
+                    )
+    given = options.get("metadata")
+    if given:
+        card = store.metadata
+        differ = sorted(k for k in given if card.get(k, object()) != given[k])
+        if differ:
+            raise SchemaMismatchError(
+                f"{store.url}: metadata {differ} differ from the store's card ({ {k: card.get(k) for k in differ} } "
+                f"stored, { {k: given[k] for k in differ} } given); change the card with store.update_metadata(...)"
+            )
+
+
+def _layout_text(layout: Layout) -> str:
+    return ", ".join(f"{a.path} ({a.chunk_rows} rows/chunk{', compressed' if a.compressed else ''})" for a in layout.arrays)
+
+
 def _default_codec(field: Any) -> Any:
     """Blosc-LZ4 with bit-shuffle for uint8 images: on rendered frames it compresses better than zstd and
     decodes about twice as fast (a sampled row decodes its whole chunk); None (raw, memory-mapped) otherwise."""
@@ -749,21 +830,26 @@ def open_store(
     >>> store = open_store("runs/fetch", env.observation_space, env.action_space, capacity=1_000_000)  # doctest: +SKIP
     """
     loc = Location(path_or_url, kwargs.get("storage_options"))
-    if loc.exists("zarr.json"):
-        open_kw = {k: kwargs[k] for k in ("storage_options", "durability", "commit_interval", "lease_ttl") if k in kwargs}
-        store = EpisodeStore.open(path_or_url, mode="a", **open_kw)
-        if observation_space is not None or action_space is not None:
-            try:
-                given = Schema(
-                    observation_space if observation_space is not None else store.observation_space,
-                    action_space if action_space is not None else store.action_space,
-                    kwargs.get("info_keys", store.schema.info_spaces),
-                )
-                given.check_same(store.schema, store.url)
-            except BaseException:
-                store.close()
+    if not loc.exists(COMMIT_KEY):
+        if observation_space is None or action_space is None:
+            raise NotAStoreError(f"{loc} holds no store; pass observation_space and action_space to create one")
+        try:
+            return EpisodeStore.create(path_or_url, observation_space, action_space, **kwargs)
+        except StoreExistsError:
+            if not loc.exists(COMMIT_KEY):  # someone else's Zarr node, not a store created meanwhile
                 raise
-        return store
-    if observation_space is None or action_space is None:
-        raise NotAStoreError(f"{loc} holds no store; pass observation_space and action_space to create one")
-    return EpisodeStore.create(path_or_url, observation_space, action_space, **kwargs)
+    open_kw = {k: kwargs[k] for k in ("storage_options", "durability", "commit_interval", "lease_ttl") if k in kwargs}
+    store = EpisodeStore.open(path_or_url, mode="a", **open_kw)
+    try:
+        if observation_space is not None or action_space is not None:
+            given = Schema(
+                observation_space if observation_space is not None else store.observation_space,
+                action_space if action_space is not None else store.action_space,
+                kwargs.get("info_keys", store.schema.info_spaces),
+            )
+            given.check_same(store.schema, store.url)
+        _check_creation_options(store, kwargs)
+    except BaseException:
+        store.close()
+        raise
+    return store
