@@ -226,8 +226,12 @@ class WriterLock:
                 f"{self.location} is being written by {_holder_text(holder)}; one writer per store "
                 "(open with mode='r' to read while it writes)"
             ) from None
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, self._record(), 0)
+        try:  # the record only names the holder; the flock is the lock, and dies with this fd
+            os.ftruncate(fd, 0)
+            write_all(fd, self._record(), 0)
+        except BaseException:
+            os.close(fd)
+            raise
         self._fd = fd
 
     def _acquire_lease(self) -> None:
