@@ -749,6 +749,8 @@ class EpisodeStore:
         idx, old = self._index, self._commit
         if not self._stage_n and idx.first == old.first_episode and idx.end == old.end_episode:
             return  # nothing new: the record on disk is current
+        if self._lock is not None:
+            self._lock.ensure_held()  # before any write: a writer that lost its lease must not touch the new rows
         fsync = self.durability == "fsync"
         gen = old.generation
         if idx.first > old.first_episode:
@@ -776,8 +778,6 @@ class EpisodeStore:
         self._stage_n = 0
         self._stage_row0 = self._head
         self._last_commit = time.monotonic()
-        if self._lock is not None:
-            self._lock.renew()
 
     def _fsync_metadata(self, path: str) -> None:
         """zarr writes zarr.json without fsync; with durability='fsync' a resized array's shape must survive too."""
