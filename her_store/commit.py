@@ -186,6 +186,7 @@ class Committer:
         """Grow the arrays of an unbounded store (metadata only: readers trust the commit record, not the shape)."""
         if rows <= self.array_rows:
             return
+        self.lock.ensure_held()  # a writer that lost its lease must not resize (zarr drops chunks past a new shape)
         grain = math.lcm(*(a.chunk_rows for a in self.layout.arrays))
         new = round_up(max(rows, 2 * self.array_rows), grain)
         for spec in self.layout.arrays:

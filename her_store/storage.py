@@ -12,10 +12,13 @@ from __future__ import annotations
 import contextlib
 import errno
 import json
+import math
 import os
 import shutil
 import socket
+import threading
 import time
+import uuid
 import warnings
 from collections.abc import Mapping
 from typing import Any, cast
@@ -181,9 +184,23 @@ def _pid_alive(pid: int) -> bool:
 def _holder_text(raw: bytes | None) -> str:
     try:
         h = json.loads(raw or b"")
-        return f"pid {h['pid']} on host {h['host']} since {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(h['since']))}"
-    except (ValueError, KeyError, TypeError):
+        since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(h["since"]))
+        text = f"pid {h['pid']} on host {h['host']} since {since}"
+        return f"{text} (lease token {h['token']})" if "token" in h else text
+    except (ValueError, KeyError, TypeError, OverflowError, OSError):
         return "an unknown writer"
+
+
+def _token_of(raw: bytes | None) -> str | None:
+    try:
+        return json.loads(raw or b"")["token"]
+    except (ValueError, KeyError, TypeError):
+        return None
+
+
+def _etag_of(reply: object) -> str | None:
+    """The ETag of what ``fs.pipe_file`` wrote: s3fs returns S3's PutObject reply; other filesystems mostly None."""
+    return reply.get("ETag") if isinstance(reply, Mapping) else None
 
 
 class WriterLock:
@@ -191,26 +208,80 @@ class WriterLock:
 
     Local disk: ``flock`` on ``writer.lock``; the kernel drops it when the holder dies (even by kill -9), so the
     lock of a dead process is taken over without any staleness guess. The file names the holder.
-    Object storage: a lease object created with a conditional PUT (If-None-Match: *). A lease is stale when its
-    holder is a dead process on this host, or when it was not renewed for ``lease_ttl`` seconds.
+
+    Object storage: a lease object ``writer.lock`` naming its holder and a unique token. A fresh lease is created
+    with a conditional PUT (If-None-Match: *). A daemon thread renews it every ``lease_ttl / 4`` seconds and
+    :meth:`ensure_held` renews it before every commit, so a live writer keeps it however long it idles. A lease is
+    stale when its holder is a dead process on this host or when ``expires`` has passed; another writer then takes
+    it over. Where the store honours If-Match (S3), every lease write is fenced: a renewal or release names the
+    ETag of our last write, a take-over the ETag of the stale lease it read, so a writer that was frozen past its
+    TTL fails its next renewal and raises StoreLockedError before its commit writes a row. Filesystems that ignore
+    If-Match (fsspec's memory://, possibly gcsfs) fall back to reading the lease and comparing its token before
+    each write, and to delete + create for a take-over: correct unless two writers interleave within one round
+    trip.
+
+    Parameters
+    ----------
+    location : Location
+        The store's place.
+    key : str
+        The lock's key in the store (``writer.lock``).
+    lease_ttl : float
+        Object storage: seconds a lease lasts unless renewed (a positive, finite number).
+
+    Examples
+    --------
+    >>> import tempfile
+    >>> lock = WriterLock(Location(tempfile.mkdtemp()), "writer.lock", lease_ttl=30)
+    >>> lock.acquire(); lock.ensure_held(); lock.release()
     """
 
     def __init__(self, location: Location, key: str, lease_ttl: float = DEFAULT_LEASE_TTL) -> None:
+        numeric = isinstance(lease_ttl, (int, float, np.integer, np.floating)) and not isinstance(lease_ttl, bool)
+        if not numeric or not 0 < lease_ttl < math.inf:
+            raise ValueError(f"lease_ttl must be a positive, finite number of seconds, got {lease_ttl!r}")
         self.location = location
         self.key = key
-        self.lease_ttl = lease_ttl
+        self.lease_ttl = float(lease_ttl)
         self._fd: int | None = None
-        self._renewed = 0.0
+        self._token: str = uuid.uuid4().hex  # also makes each writer's lease bytes, so their S3 ETag (an MD5), unique
+        self._since = 0.0
+        self._held = False
+        self._etag: str | None = None  # of our last lease write; None where If-Match is not honoured
+        self._lost: str | None = None  # why the lease is no longer ours
+        self._mutex = threading.Lock()  # the renewal thread and a commit's check both write the lease
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
 
-    def _record(self) -> bytes:
-        now = time.time()
-        return json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "since": now, "expires": now + self.lease_ttl}).encode()
+    def _record(self, expires: float | None = None) -> bytes:
+        return json.dumps(
+            {
+                "pid": os.getpid(),
+                "host": socket.gethostname(),
+                "token": self._token,
+                "since": self._since,
+                "expires": time.time() + self.lease_ttl if expires is None else expires,
+            }
+        ).encode()
 
     def acquire(self) -> None:
+        """Take the lock (local) or the lease (object storage, then renewed in the background until released).
+
+        Raises
+        ------
+        StoreLockedError
+            If another live writer holds it; the message names that writer.
+        """
+        self._since = time.time()
         if self.location.is_local:
             self._acquire_flock()
-        else:
-            self._acquire_lease()
+            return
+        self._acquire_lease()
+        self._held = True
+        self._thread = threading.Thread(
+            target=self._keep_renewing, name=f"her_store lease {self.location}", daemon=True
+        )
+        self._thread.start()
 
     def _acquire_flock(self) -> None:
         import fcntl
@@ -235,21 +306,54 @@ class WriterLock:
         self._fd = fd
 
     def _acquire_lease(self) -> None:
-        path = self.location.key_path(self.key)
+        fs, path = self.location.fs, self.location.key_path(self.key)
         for _ in range(2):
             try:
-                self.location.fs.pipe_file(path, self._record(), mode="create")
-                self._renewed = time.monotonic()
-                return
+                reply = fs.pipe_file(path, self._record(), mode="create")
             except FileExistsError:
-                raw = self.location.read_bytes(self.key)
+                raw, etag = self._read_lease()
+                if raw is None:
+                    continue  # released and removed since: create it again
                 if not self._stale(raw):
                     raise StoreLockedError(
                         f"{self.location} is being written by {_holder_text(raw)} (lease {self.key}); one writer per "
                         "store (open with mode='r' to read while it writes)"
                     ) from None
-                self.location.fs.rm_file(path)
+                if etag is None:
+                    with contextlib.suppress(FileNotFoundError):  # another writer removed it first
+                        fs.rm_file(path)
+                    continue
+                try:
+                    # fails if the lease was renewed or taken over since it was read
+                    reply = fs.pipe_file(path, self._record(), IfMatch=etag)
+                except OSError:
+                    continue
+            self._etag = _etag_of(reply)
+            if self._etag is not None and not self._if_match_honoured(path):
+                self._etag = None
+            return
         raise StoreLockedError(f"{self.location}: another writer took the stale lease {self.key} first")
+
+    def _if_match_honoured(self, path: str) -> bool:
+        """Whether the store refuses a PUT whose If-Match names an ETag the lease does not have. S3 does; a store
+        that silently ignored it would make every fenced write unconditional, so that is checked, not assumed."""
+        try:
+            self.location.fs.pipe_file(path, self._record(), IfMatch='"her_store-if-match-probe"')
+        except OSError:
+            return True
+        return False
+
+    def _read_lease(self) -> tuple[bytes | None, str | None]:
+        """The lease's bytes and an ETag of them (None where the filesystem reports none); (None, None) if absent."""
+        path = self.location.key_path(self.key)
+        self.location.fs.invalidate_cache(path)
+        try:
+            # the ETag first: the bytes read next are of that version or a newer one, so a write conditioned on
+            # this ETag fails if what the bytes say is not what the lease still holds
+            etag = self.location.fs.info(path).get("ETag")
+        except FileNotFoundError:
+            return None, None
+        return self.location.read_bytes(self.key), etag
 
     def _stale(self, raw: bytes | None) -> bool:
         try:
@@ -261,22 +365,82 @@ class WriterLock:
             return True
 
     def ensure_held(self) -> None:
-        """Before a commit: make sure this writer still holds the store (renews an object-storage lease)."""
-        self.renew()
+        """Before a commit: renew the lease, which proves it is still ours (one conditional PUT on S3).
 
-    def renew(self) -> None:
-        """Extend an object-storage lease (called at commits); a no-op on local disk."""
-        if not self.location.is_local and time.monotonic() - self._renewed > self.lease_ttl / 4:
-            self.location.fs.pipe_file(self.location.key_path(self.key), self._record())
-            self._renewed = time.monotonic()
+        A no-op on local disk, where the flock cannot be lost while this process holds the file open.
+
+        Raises
+        ------
+        StoreLockedError
+            If another writer took the lease over; the caller must then write nothing.
+        OSError
+            If the lease could not be read or written; whether it is still held is unknown, so nothing may be
+            written either (a later call retries).
+        """
+        if self.location.is_local:
+            return
+        with self._mutex:
+            self._renew()
+
+    def _renew(self) -> None:
+        """Extend the lease if it is still ours, else remember why not and raise StoreLockedError (holds _mutex)."""
+        if self._lost is not None:
+            raise StoreLockedError(self._lost)
+        fs, path = self.location.fs, self.location.key_path(self.key)
+        if self._etag is None:
+            self._check_token(self.location.read_bytes(self.key))
+            fs.pipe_file(path, self._record())
+            return
+        try:
+            reply = fs.pipe_file(path, self._record(), IfMatch=self._etag)
+        except OSError:
+            raw, etag = self._read_lease()
+            self._check_token(raw)
+            self._etag = etag  # still ours: the write failed in transit, or was applied and its reply lost
+            raise
+        self._etag = _etag_of(reply)
+
+    def _check_token(self, raw: bytes | None) -> None:
+        if _token_of(raw) != self._token:
+            self._lost = (
+                f"{self.location} lost its writer lease {self.key} to {_holder_text(raw)}, which found it not renewed "
+                f"within lease_ttl={self.lease_ttl:g} s (this writer was suspended or cut off from the store, or the "
+                "hosts' clocks disagree) and took it over; this handle commits nothing more (reopen with mode='a' to "
+                "append after that writer's commits)"
+            )
+            raise StoreLockedError(self._lost)
+
+    def _keep_renewing(self) -> None:
+        while not self._stop.wait(self.lease_ttl / 4) and self._lost is None:
+            # a lost lease sets _lost, which ends the loop; any other failure (a network hiccup) must not end
+            # renewal: the next round retries, and the pre-commit check reports a failure that persists
+            with self._mutex, contextlib.suppress(Exception):
+                self._renew()
 
     def release(self) -> None:
+        """Give the lock or lease up; idempotent. A lease another writer took over is left to it."""
         if self._fd is not None:
             os.close(self._fd)  # closing drops the flock; the file stays (unlinking would race a waiting opener)
             self._fd = None
-        elif not self.location.is_local and self._renewed:
-            self.location.fs.rm_file(self.location.key_path(self.key))
-            self._renewed = 0.0
+            return
+        if not self._held:
+            return
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        self._held = False
+        if self._lost is not None:
+            return
+        fs, path = self.location.fs, self.location.key_path(self.key)
+        if self._etag is None:
+            if _token_of(self.location.read_bytes(self.key)) == self._token:
+                fs.rm_file(path)
+            return
+        # an expired record rather than a delete: S3 ignores If-Match on DELETE, and a blind delete could remove a
+        # lease another writer has just taken. If this write fails, the lease lapses after lease_ttl.
+        with contextlib.suppress(OSError):
+            fs.pipe_file(path, self._record(expires=0.0), IfMatch=self._etag)
 
 
 def chunk_key(path: str, chunk: int, ndim: int) -> str:

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 import numpy as np
@@ -149,3 +151,125 @@ def test_sampler_reads_s3_through_the_chunk_cache(s3_url, fetch):
             assert cache.misses == 10 and cache.hits == 0  # 620 rows in 10 chunks: one GET each
             s.sample()
             assert cache.misses == 10 and cache.hits == 10  # then served from the decoded-chunk cache
+
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# A writer that takes the lease, says so, waits for a line on stdin, then appends two episodes and commits them.
+LEASED_WRITER = """
+import json, sys
+from her_store import EpisodeStore, StoreLockedError
+from tests.conftest import fetch_spaces, make_episode
+obs, act = fetch_spaces()
+store = EpisodeStore.open(sys.argv[1], mode="a", storage_options=json.loads(sys.argv[2]), lease_ttl=float(sys.argv[3]),
+                          commit_interval=3600)
+print("locked", flush=True)
+sys.stdin.readline()
+try:
+    for seed in (100, 101):
+        store.append_episode(make_episode(obs, act, 7, seed=seed))
+    store.flush()
+    print("committed", flush=True)
+except StoreLockedError as e:
+    print("refused", e, flush=True)
+"""
+
+
+def _take_over(url: str, opts: dict, deadline_s: float = 120.0) -> EpisodeStore:
+    """Open for append as soon as the current lease is stale (polls: a loaded machine may be slow to get there)."""
+    deadline = time.monotonic() + deadline_s
+    while True:
+        try:
+            return EpisodeStore.open(url, mode="a", storage_options=opts, commit_interval=0)
+        except StoreLockedError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.2)
+
+
+def _lease(url: str, opts: dict) -> dict:
+    import s3fs
+
+    return json.loads(s3fs.S3FileSystem(**opts).cat_file(url[len("s3://") :] + "/writer.lock"))
+
+
+def test_a_suspended_writer_that_lost_its_lease_commits_nothing(s3_url, fetch):
+    url, opts = s3_url
+    obs, act = fetch
+    EpisodeStore.create(url, obs, act, storage_options=opts).close()
+    proc = subprocess.Popen(
+        [sys.executable, "-c", LEASED_WRITER, url, json.dumps(opts), "2.0"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=ROOT,
+    )
+    try:
+        assert proc.stdout.readline().strip() == "locked"
+        os.kill(proc.pid, signal.SIGSTOP)  # frozen (a suspended VM, a long GC pause): no renewal past its TTL
+        eps = [make_episode(obs, act, 9, seed=i) for i in range(3)]
+        with _take_over(url, opts) as b:
+            for e in eps:
+                b.append_episode(e)
+        proc.stdin.write("go\n")
+        proc.stdin.flush()
+        os.kill(proc.pid, signal.SIGCONT)
+        out, _ = proc.communicate(timeout=120)
+    finally:
+        proc.kill()  # SIGKILL ends a stopped process too
+        proc.wait()
+    assert out.startswith("refused"), out
+    assert "lost its writer lease" in out and f"pid {os.getpid()}" in out, out
+    with EpisodeStore.open(url, storage_options=opts) as store:
+        assert (store.first_episode, store.end_episode) == (0, 3)
+        assert len(store) == 27
+        for i, e in enumerate(eps):
+            assert_episode_equal(store.episode(i, verify=True), e)
+
+
+def test_an_idle_writer_keeps_its_lease_past_its_ttl(s3_url, fetch):
+    url, opts = s3_url
+    obs, act = fetch
+    ttl = 3.0
+    with EpisodeStore.create(url, obs, act, storage_options=opts, lease_ttl=ttl, commit_interval=0) as a:
+        first = _lease(url, opts)
+        while time.time() < first["expires"] + 1.0:  # idle: no append, no commit
+            time.sleep(0.2)
+        assert _lease(url, opts)["expires"] > first["expires"]  # renewed in the background
+        with pytest.raises(StoreLockedError, match=rf"pid {os.getpid()} on host"):
+            EpisodeStore.open(url, mode="a", storage_options=opts)
+        e = make_episode(obs, act, 5, seed=1)
+        assert a.append_episode(e) == 0
+    assert f"her_store lease {url}" not in [t.name for t in threading.enumerate()]  # renewal stopped at close
+    with EpisodeStore.open(url, storage_options=opts) as store:
+        assert_episode_equal(store.episode(0), e)
+
+
+def test_a_writer_checks_its_lease_before_every_commit(s3_url, fetch):
+    import s3fs
+
+    url, opts = s3_url
+    obs, act = fetch
+    # a long TTL: its background renewal does not run during this test, so only the pre-commit check can refuse
+    a = EpisodeStore.create(url, obs, act, storage_options=opts, lease_ttl=600, commit_interval=3600)
+    for seed in (100, 101):
+        a.append_episode(make_episode(obs, act, 7, seed=seed))
+    # another host judged the lease expired (its clock runs ahead) and broke it; B then takes over
+    now = time.time()
+    s3fs.S3FileSystem(**opts).pipe_file(
+        url[len("s3://") :] + "/writer.lock",
+        json.dumps({"pid": 1, "host": "elsewhere", "token": "x", "since": now - 1200, "expires": now - 600}).encode(),
+    )
+    eps = [make_episode(obs, act, 9, seed=i) for i in range(3)]
+    b = EpisodeStore.open(url, mode="a", storage_options=opts, commit_interval=0)
+    for e in eps:
+        b.append_episode(e)
+    time.sleep(0.5)  # A idles a little, then commits what it staged
+    with pytest.raises(StoreLockedError, match="lost its writer lease"):
+        a.flush()
+    with pytest.raises(StoreLockedError):
+        a.close()  # its staged episodes are still refused; closing must not remove B's lease
+    with pytest.raises(StoreLockedError, match=rf"pid {os.getpid()} on host"):
+        EpisodeStore.open(url, mode="a", storage_options=opts)
+    b.close()
+    with EpisodeStore.open(url, storage_options=opts) as store:
+        assert (store.first_episode, store.end_episode) == (0, 3)
+        for i, e in enumerate(eps):
+            assert_episode_equal(store.episode(i, verify=True), e)
