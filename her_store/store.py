@@ -41,7 +41,7 @@ from her_store.format import (
     check_attrs,
 )
 from her_store.index import EpisodeIndex, IndexView
-from her_store.schema import Schema
+from her_store.schema import Schema, conform
 from her_store.storage import DEFAULT_LEASE_TTL, ZARR_CONFIG, Location, RawChunkFile, WriterLock, ZarrChunks, chunk_io, fsync_file
 
 if TYPE_CHECKING:
@@ -636,10 +636,7 @@ class EpisodeStore:
                 raise EpisodeValidationError(
                     f"field {f.name!r} has shape {a.shape}, expected {(rows, *f.shape)} ({what} rows with T={T} from 'action')"
                 )
-            if a.dtype != f.dtype:
-                if not np.can_cast(a.dtype, f.dtype, casting="same_kind"):
-                    raise EpisodeValidationError(f"field {f.name!r} has dtype {a.dtype}, expected {f.dtype} (or one that casts to it)")
-                a = a.astype(f.dtype)
+            a = conform(a, f, self.schema.value_ranges.get(f.name), f"field {f.name!r}")
             out[f.name] = a if a.flags.c_contiguous else np.ascontiguousarray(a)
         return T, out
 
