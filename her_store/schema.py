@@ -10,9 +10,9 @@ from typing import Any
 import numpy as np
 from gymnasium import spaces
 
-from her_store.errors import SchemaMismatchError
+from her_store.errors import EpisodeValidationError, SchemaMismatchError
 
-__all__ = ["Field", "Schema", "space_to_json", "space_from_json", "GOAL_KEYS", "STEP_KEYS"]
+__all__ = ["GOAL_KEYS", "STEP_KEYS", "Field", "Schema", "conform", "space_from_json", "space_to_json"]
 
 GOAL_KEYS = ("observation", "achieved_goal", "desired_goal")
 STEP_KEYS = ("action", "reward", "terminated", "truncated")
@@ -89,6 +89,20 @@ def _space_field(name: str, space: spaces.Space, per_step: bool, role: str) -> F
     return Field(name, _le(space.dtype), tuple(int(s) for s in space.shape), per_step, role)
 
 
+def _value_range(space: spaces.Space) -> tuple[Any, Any] | None:
+    """Inclusive (low, high) of a space whose values are a finite set of integers; None for Box.
+
+    Box bounds are not enforced: gymnasium envs may step outside them and SB3 stores what they return.
+    """
+    if isinstance(space, spaces.Discrete):
+        return int(space.start), int(space.start + space.n - 1)
+    if isinstance(space, spaces.MultiBinary):
+        return 0, 1
+    if isinstance(space, spaces.MultiDiscrete):
+        return np.asarray(space.start), np.asarray(space.start + space.nvec - 1)
+    return None
+
+
 class Schema:
     """The ordered fields of a store: observation keys, then action, reward, terminated, truncated, info keys.
 
@@ -153,6 +167,11 @@ class Schema:
             )
         self.fields: tuple[Field, ...] = tuple(fields)
         self.by_name: dict[str, Field] = {f.name: f for f in fields}
+        named = {**observation_space.spaces, "action": action_space, **self.info_spaces}
+        # the allowed values of Discrete, MultiDiscrete and MultiBinary fields, for conform
+        self.value_ranges: dict[str, tuple[Any, Any]] = {
+            k: r for k, r in ((k, _value_range(s)) for k, s in named.items()) if r is not None
+        }
 
     @property
     def observation_keys(self) -> tuple[str, ...]:
@@ -187,6 +206,70 @@ class Schema:
                     f"{where}: {key} differs from the one the store was created with: "
                     f"store has {theirs[key]}, got {mine[key]}"
                 )
+
+
+def conform(value: np.ndarray, field: Field, value_range: tuple[Any, Any] | None, label: str) -> np.ndarray:
+    """``value`` in the field's dtype, or EpisodeValidationError if storing it would change or misplace a value.
+
+    Refused: a dtype that does not cast to the field's within its kind (float for an integer field, an integer
+    for a flag); integers the field's dtype cannot hold (uint16 300 for uint8); finite floats that a narrower
+    float dtype would turn into inf (float64 1e39 for float32); values outside ``value_range`` (a Discrete,
+    MultiDiscrete or MultiBinary space: see ``Schema.value_ranges``). NaN and inf given as such are kept.
+    Shapes are the caller's to check.
+
+    Parameters
+    ----------
+    value : numpy.ndarray
+        Rows of the field (any leading axes).
+    field : Field
+        The field they are stored in.
+    value_range : tuple, optional
+        Inclusive (low, high), scalars or arrays of the row shape.
+    label : str
+        How errors name the value, e.g. ``"field 'action'"``.
+
+    Examples
+    --------
+    >>> conform(np.array([7], np.uint16), Field("n", np.dtype("u1"), (), True, "info"), None, "field 'n'")
+    array([7], dtype=uint8)
+    """
+    dtype, v = field.dtype, value
+    if v.dtype != dtype:
+        if not np.can_cast(v.dtype, dtype, casting="same_kind"):
+            raise EpisodeValidationError(f"{label} has dtype {v.dtype}, expected {dtype} (or one that casts to it)")
+        if np.can_cast(v.dtype, dtype):
+            v = v.astype(dtype)
+        elif dtype.kind in "iu":  # checked before the cast, which would wrap (300 -> 44 in uint8)
+            info = np.iinfo(dtype)
+            if v.size and (v.min() < info.min or v.max() > info.max):
+                at = _first((v < info.min) | (v > info.max))
+                raise EpisodeValidationError(
+                    f"{label} has {v[at].item()} at {at}, which {dtype} cannot hold ({info.min}..{info.max})"
+                )
+            v = v.astype(dtype)
+        else:
+            with np.errstate(over="ignore"):  # overflow is what the check below reports
+                narrowed = v.astype(dtype)
+            if not np.isfinite(narrowed).all():
+                overflow = np.isinf(narrowed) & np.isfinite(v)
+                if overflow.any():
+                    at = _first(overflow)
+                    raise EpisodeValidationError(
+                        f"{label} has {v[at].item()} at {at}, which overflows {dtype} (largest {np.finfo(dtype).max})"
+                    )
+            v = narrowed
+    if value_range is not None:
+        outside = (v < value_range[0]) | (v > value_range[1])
+        if outside.any():
+            at = _first(outside)
+            low, high = (np.broadcast_to(b, v.shape)[at] for b in value_range)
+            raise EpisodeValidationError(f"{label} has {v[at].item()} at {at}, outside its space's range {low}..{high}")
+    return v
+
+
+def _first(bad: np.ndarray) -> tuple[int, ...]:
+    """Index of the first True of ``bad``, as plain ints (for error messages)."""
+    return tuple(int(i) for i in np.unravel_index(np.argmax(bad), bad.shape))
 
 
 def _floats_to_json(a: np.ndarray) -> Any:

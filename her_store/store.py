@@ -13,7 +13,7 @@ import os
 import time
 import zlib
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any, Literal, cast
+from typing import Any, Literal, cast
 
 import numpy as np
 import zarr
@@ -43,7 +43,7 @@ from her_store.format import (
     check_attrs,
 )
 from her_store.index import EpisodeIndex, IndexView
-from her_store.schema import Schema
+from her_store.schema import Schema, conform
 from her_store.storage import (
     DEFAULT_LEASE_TTL,
     ZARR_CONFIG,
@@ -53,9 +53,7 @@ from her_store.storage import (
     ZarrChunks,
     chunk_io,
 )
-
-if TYPE_CHECKING:
-    from her_store.writer import StepWriter
+from her_store.writer import StepWriter
 
 __all__ = ["EpisodeStore", "open_store"]
 
@@ -642,10 +640,7 @@ class EpisodeStore:
                 raise EpisodeValidationError(
                     f"field {f.name!r} has shape {a.shape}, expected {(rows, *f.shape)} ({what} rows with T={T} from 'action')"
                 )
-            if a.dtype != f.dtype:
-                if not np.can_cast(a.dtype, f.dtype, casting="same_kind"):
-                    raise EpisodeValidationError(f"field {f.name!r} has dtype {a.dtype}, expected {f.dtype} (or one that casts to it)")
-                a = a.astype(f.dtype)
+            a = conform(a, f, self.schema.value_ranges.get(f.name), f"field {f.name!r}")
             out[f.name] = a if a.flags.c_contiguous else np.ascontiguousarray(a)
         return T, out
 
@@ -683,8 +678,6 @@ class EpisodeStore:
         >>> w = store.writer(n_envs=4)  # doctest: +SKIP
         >>> w.add(obs, next_obs, action, reward, terminated, truncated)  # doctest: +SKIP
         """
-        from her_store.writer import StepWriter
-
         self._writing()
         return StepWriter(self, n_envs)
 

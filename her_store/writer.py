@@ -7,8 +7,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from her_store.errors import EpisodeValidationError
-from her_store.schema import Field
+from her_store.errors import EpisodeValidationError, StoreError
+from her_store.schema import Field, conform
 
 if TYPE_CHECKING:
     from her_store.store import EpisodeStore
@@ -23,6 +23,10 @@ class StepWriter:
     whatever ``n_envs`` is. An env's episode ends when it reports ``terminated`` or ``truncated``; that step's
     ``next_obs`` becomes the final observation (for SB3 and gymnasium vector envs, the terminal observation,
     not the reset one).
+
+    A step that is refused (a missing key, a wrong shape, a value the stored dtype or the space cannot hold)
+    changes nothing. An ended episode the store cannot append (longer than its capacity, or a failed write) is
+    dropped: its env starts a new episode, the other envs' episodes are still appended, and ``add`` raises.
 
     Parameters
     ----------
@@ -49,23 +53,28 @@ class StepWriter:
         self._steps = 1024
         self._buf = {f.name: np.zeros((self._steps, n_envs, *f.shape), f.dtype) for f in self._fields}
         self._slots()
-        # The next_obs of the last add, by reference: it is only read by flush_partial, before the env steps again.
+        # The next_obs of the last add, by reference (it is read only before the env steps again); checked when an
+        # episode ended on it, else by flush_partial, the only other reader.
         self._last_next: Mapping[str, Any] | None = None
         self._t = 0
         self._start = np.zeros(n_envs, np.int64)
         self.episode_ids: list[int] = []
 
     def _slots(self) -> None:
-        """Per field: (name, rows, row shape, dtype), looked up once rather than per step.
+        """Per field: (name, rows, row shape, dtype of the fast path), looked up once rather than per step.
 
         ``rows`` is a list of the buffer's row views: ``rows[t][...] = v`` costs about 60 % of ``buf[t] = v``,
         and add is the hot path of data collection. Past 65,536 staged steps (very long episodes) the buffer
-        itself stands in (same syntax, no list of views).
+        itself stands in (same syntax, no list of views). The dtype is None for fields whose space bounds their
+        values (Discrete, MultiDiscrete, MultiBinary): no value has dtype None, so theirs always take the checked
+        path, which a value of the right dtype may still fail.
         """
+        ranges = self.store.schema.value_ranges
 
-        def slot(name: str) -> tuple[str, Any, tuple[int, ...], np.dtype]:
+        def slot(name: str) -> tuple[str, Any, tuple[int, ...], np.dtype | None]:
             buf = self._buf[name]
-            return name, (list(buf) if len(buf) <= 1 << 16 else buf), buf.shape[1:], buf.dtype
+            rows = list(buf) if len(buf) <= 1 << 16 else buf
+            return name, rows, buf.shape[1:], None if name in ranges else buf.dtype
 
         self._obs_slots = [slot(k) for k in self._obs_keys]
         self._info_slots = [slot(k) for k in self._info_keys]
@@ -77,18 +86,19 @@ class StepWriter:
         """Steps staged per env for episodes that have not ended yet."""
         return self._t - self._start
 
-    def _checked(self, name: str, value: Any, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
-        """The slow path of add: reshape (e.g. SB3's (n_envs, 1) Discrete actions) or refuse with the field named."""
+    def _checked(self, label: str, name: str, value: Any, shape: tuple[int, ...]) -> np.ndarray:
+        """The slow path of add: conform a value to its field or refuse it with the field named.
+
+        Only axes of size 1 may be added or dropped (SB3 passes Discrete actions as ``(n_envs, 1)``): a reshape
+        between other shapes of the same size (a transposed array) would scramble the rows.
+        """
         v = np.asarray(value)
         if v.shape != shape:
-            if v.size != int(np.prod(shape)):
-                raise EpisodeValidationError(
-                    f"field {name!r} of one step has shape {v.shape}, expected {shape} (n_envs={self.n_envs})"
-                )
+            if [d for d in v.shape if d != 1] != [d for d in shape if d != 1]:
+                raise EpisodeValidationError(f"{label} has shape {v.shape}, expected {shape} (n_envs={self.n_envs})")
             v = v.reshape(shape)
-        if v.dtype != dtype and not np.can_cast(v.dtype, dtype, casting="same_kind"):
-            raise EpisodeValidationError(f"field {name!r} has dtype {v.dtype}, expected {dtype} (or one that casts to it)")
-        return v
+        schema = self.store.schema
+        return conform(v, schema.by_name[name], schema.value_ranges.get(name), label)
 
     def _make_room(self) -> None:
         lo = int(self._start.min())
@@ -128,38 +138,49 @@ class StepWriter:
             ``(n_envs,)``.
         infos : list of dicts (SB3) or dict of arrays (gymnasium vector envs), optional
             Source of the store's info keys (missing entries are 0).
+
+        Raises
+        ------
+        EpisodeValidationError
+            A missing key, a wrong shape, a dtype that does not cast, or a value the stored dtype or the field's
+            space cannot hold, named by field: nothing was staged or appended. Also when an ended episode is
+            longer than the store's capacity: that env's episode was dropped, the others were appended.
+        StoreError
+            The store failed to append an ended episode (the cause is chained; a her_store error keeps its
+            class): that env's episode was dropped, the others were appended.
         """
         if self._t >= self._steps:
             self._make_room()
         t = self._t
         # Unrolled on purpose: one dict lookup, one shape/dtype check and one row copy per field. A value whose
-        # shape or dtype is not exactly the buffer's (or that is no ndarray) takes the checked path: a safe cast or
-        # a clear error.
+        # shape or dtype is not exactly the buffer's (or that is no ndarray) takes the checked path: a cast that
+        # keeps every value, or a clear error. Row t belongs to no episode until self._t moves past it, so a step
+        # refused part-way leaves every env as it was.
         try:
             for name, rows, shape, dtype in self._obs_slots:
                 v = obs[name]
                 if v.shape != shape or v.dtype is not dtype:
-                    v = self._checked(name, v, shape, dtype)
+                    v = self._checked(f"obs[{name!r}]", name, v, shape)
                 rows[t][...] = v
             name, rows, shape, dtype = self._action
             if action.shape != shape or action.dtype is not dtype:
-                action = self._checked(name, action, shape, dtype)
+                action = self._checked(name, name, action, shape)
             rows[t][...] = action
             name, rows, shape, dtype = self._reward
             if reward.shape != shape or reward.dtype is not dtype:
-                reward = self._checked(name, reward, shape, dtype)
+                reward = self._checked(name, name, reward, shape)
             rows[t][...] = reward
             name, rows, shape, dtype = self._term
             if terminated.shape != shape or terminated.dtype is not dtype:
-                terminated = self._checked(name, terminated, shape, dtype)
+                terminated = self._checked(name, name, terminated, shape)
             rows[t][...] = terminated
             name, rows, shape, dtype = self._trunc
             if truncated.shape != shape or truncated.dtype is not dtype:
-                truncated = self._checked(name, truncated, shape, dtype)
+                truncated = self._checked(name, name, truncated, shape)
             rows[t][...] = truncated
         except AttributeError:  # a list, a scalar, a tensor: convert every field, then take the fast path
             return self.add(
-                {k: np.asarray(obs[k]) for k in self._obs_keys},
+                _arrays(obs),
                 next_obs,
                 np.asarray(action),
                 np.asarray(reward),
@@ -167,14 +188,66 @@ class StepWriter:
                 np.asarray(truncated),
                 infos,
             )
-        for name, rows, shape, dtype in self._info_slots:
-            rows[t][...] = self._checked(name, _info_column(infos, name, self.n_envs), shape, dtype)
-        self._last_next = next_obs
+        except (KeyError, TypeError):
+            self._require_keys("obs", obs)
+            raise
+        for name, rows, shape, _ in self._info_slots:
+            rows[t][...] = self._checked(f"infos[{name!r}]", name, _info_column(infos, name, self.n_envs), shape)
+        ended = (terminated[0] or truncated[0]) if self.n_envs == 1 else (terminated | truncated).any()
+        if not ended:  # next_obs is not read unless an episode ends (or by flush_partial, which checks it then)
+            self._last_next = next_obs
+            self._t = t + 1
+            return []
+        self._last_next = self._conformed(next_obs, "next_obs")
         self._t = t + 1
-        if self.n_envs == 1:
-            return [self._finish(0)] if terminated[0] or truncated[0] else []
-        done = terminated | truncated
-        return [self._finish(int(e)) for e in np.flatnonzero(done)] if done.any() else []
+        return self._finish_all([0] if self.n_envs == 1 else np.flatnonzero(terminated | truncated).tolist())
+
+    def _require_keys(self, label: str, m: Any) -> None:
+        """Refuse an obs or next_obs that is no mapping or lacks an observation key (naming which)."""
+        if not isinstance(m, Mapping):
+            raise EpisodeValidationError(
+                f"{label} must be a mapping of observation key -> array, got {type(m).__name__}"
+            )
+        missing = [k for k in self._obs_keys if k not in m]
+        if missing:
+            raise EpisodeValidationError(
+                f"{label} has no key {missing[0]!r}; expected the keys {list(self._obs_keys)}"
+            ) from None
+
+    def _conformed(self, next_obs: Any, label: str) -> dict[str, np.ndarray]:
+        """``next_obs`` checked like obs, as arrays in the stored dtypes and shapes."""
+        out = {}
+        try:
+            for name, _, shape, dtype in self._obs_slots:
+                v = next_obs[name]
+                if not isinstance(v, np.ndarray) or v.shape != shape or v.dtype is not dtype:
+                    v = self._checked(f"{label}[{name!r}]", name, v, shape)
+                out[name] = v
+        except (KeyError, TypeError):
+            self._require_keys(label, next_obs)
+            raise
+        return out
+
+    def _finish_all(self, envs: list[int]) -> list[int]:
+        """Append the ended episodes of ``envs``; one the store refuses is dropped, the others are still appended."""
+        ids, dropped = [], []
+        for e in envs:
+            try:
+                ids.append(self._finish(e))
+            except Exception as err:  # noqa: BLE001  raised below, once every other env's episode is appended
+                dropped.append((e, self._t - int(self._start[e]), err))
+                self._start[e] = self._t
+        if not dropped:
+            return ids
+        message = "; ".join(
+            f"env {e}: episode of {T} steps dropped ({type(err).__name__}: {err})" for e, T, err in dropped
+        )
+        message += f"; such an env starts a new episode at its next step; the other ended episodes were appended {ids}"
+        cause = next((err for _, _, err in dropped if not isinstance(err, EpisodeValidationError)), None)
+        if cause is None:  # the store refused them (longer than its capacity): nothing failed
+            raise EpisodeValidationError(message)
+        # a her_store error keeps its class (StoreLockedError, ...) so callers can still tell what failed
+        raise (type(cause) if isinstance(cause, StoreError) else StoreError)(message) from cause
 
     def _finish(self, e: int) -> int:
         if self._t >= self._steps:
@@ -194,12 +267,19 @@ class StepWriter:
         """End every unfinished episode as truncated at its last step (what SB3's truncate_last_trajectory does).
 
         The final observation is the ``next_obs`` of that env's last add. Returns the appended episode ids.
+        Raises as :meth:`add` does: if that ``next_obs`` is refused nothing changes; an episode the store cannot
+        append is dropped.
         """
-        ids = []
-        for e in np.flatnonzero(self._t > self._start):
-            self._buf["truncated"][self._t - 1, e] = True
-            ids.append(self._finish(int(e)))
-        return ids
+        envs = np.flatnonzero(self._t > self._start).tolist()
+        if not envs:
+            return []
+        self._last_next = self._conformed(self._last_next, "the last add's next_obs")
+        self._buf["truncated"][self._t - 1, envs] = True
+        return self._finish_all(envs)
+
+
+def _arrays(m: Any) -> Any:
+    return {k: np.asarray(v) for k, v in m.items()} if isinstance(m, Mapping) else m
 
 
 def _info_column(infos: Sequence[Mapping[str, Any]] | Mapping[str, Any] | None, key: str, n_envs: int) -> np.ndarray:
@@ -207,4 +287,9 @@ def _info_column(infos: Sequence[Mapping[str, Any]] | Mapping[str, Any] | None, 
         return np.zeros(n_envs, np.float32)
     if isinstance(infos, Mapping):  # gymnasium vector envs: dict of per-env arrays
         return np.asarray(infos.get(key, np.zeros(n_envs)))
-    return np.array([info.get(key, 0) for info in infos])
+    try:
+        return np.array([info.get(key, 0) for info in infos])
+    except (AttributeError, TypeError):
+        raise EpisodeValidationError(
+            f"infos must be a list of dicts (one per env) or a dict of arrays, got {str(infos)[:80]}"
+        ) from None

@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import errno
+import os
+import re
+
 import numpy as np
 import pytest
 from gymnasium import spaces
 
-from her_store import EpisodeStore, EpisodeValidationError
+from her_store import EpisodeStore, EpisodeValidationError, StoreError, StoreLockedError
+from her_store.storage import Location
 from tests.conftest import assert_episode_equal, make_episode
 
 
@@ -113,9 +118,9 @@ def test_bad_steps_are_refused_with_the_field_named(store_path, fetch):
         w = store.writer(2)
         o = {k: np.zeros((2, s.shape[0]), np.float32) for k, s in obs.spaces.items()}
         bad_obs = dict(o, observation=np.zeros((2, 9), np.float32))
-        with pytest.raises(EpisodeValidationError, match=r"'observation' of one step has shape \(2, 9\), expected \(2, 10\)"):
+        with pytest.raises(EpisodeValidationError, match=r"obs\['observation'\] has shape \(2, 9\), expected \(2, 10"):
             w.add(bad_obs, o, np.zeros((2, 4)), np.zeros(2), np.zeros(2, bool), np.zeros(2, bool))
-        with pytest.raises(EpisodeValidationError, match="'terminated' has dtype float64, expected bool"):
+        with pytest.raises(EpisodeValidationError, match="terminated has dtype float64, expected bool"):
             w.add(o, o, np.zeros((2, 4)), np.zeros(2), np.zeros(2), np.zeros(2, bool))
         with pytest.raises(ValueError, match="n_envs"):
             store.writer(0)
@@ -132,3 +137,245 @@ def test_plain_python_values_take_the_converting_path(store_path):
         ep = store.episode(0)
         np.testing.assert_array_equal(ep["observation"], np.array([[0.5, -0.5], [0.25, 0.75]], np.float32))
         assert ep["reward"].tolist() == [1.0] and ep["truncated"].tolist() == [True]
+
+
+def _steps(ep: dict, keys, t: int, n_envs: int) -> tuple:
+    """Step ``t`` of ``ep`` for every env: (obs, next_obs, action, reward, terminated, truncated) with n_envs rows."""
+    rows = lambda a: np.repeat(a[t : t + 1], n_envs, axis=0)  # noqa: E731
+    obs = {k: rows(ep[k]) for k in keys}
+    nxt = {k: np.repeat(ep[k][t + 1 : t + 2], n_envs, axis=0) for k in keys}
+    return obs, nxt, rows(ep["action"]), rows(ep["reward"]), rows(ep["terminated"]), rows(ep["truncated"])
+
+
+def _with_infos(args: tuple, ep: dict, t: int, n_envs: int) -> tuple:
+    return (*args, [{"is_success": ep["is_success"][t]} for _ in range(n_envs)])
+
+
+def _bad_step(case: str, obs, nxt, action, reward, term, trunc, infos):
+    """One step of every env broken in one field (the last step: every env ends on it)."""
+    if case == "next_obs with a row missing":  # the reported case: n_envs=3, a 2-row next_obs
+        nxt = dict(nxt, achieved_goal=nxt["achieved_goal"][:2])
+    elif case == "next_obs without a key":
+        nxt = {k: v for k, v in nxt.items() if k != "desired_goal"}
+    elif case == "obs without a key":
+        obs = {k: v for k, v in obs.items() if k != "observation"}
+    elif case == "next_obs overflowing float32":
+        nxt = dict(nxt, observation=nxt["observation"].astype(np.float64))
+        nxt["observation"][2, 0] = 1e39
+    elif case == "action transposed":  # (4, 3) for (3, 4): the same size, so it used to be reshaped and scrambled
+        action = np.ascontiguousarray(action.T)
+    elif case == "reward overflowing float32":
+        reward = reward.astype(np.float64)
+        reward[1] = -1e300
+    elif case == "infos of two envs":
+        infos = infos[:2]
+    elif case == "infos of numbers":
+        infos = [1.0, 0.0, 1.0]
+    return obs, nxt, action, reward, term, trunc, infos
+
+
+BAD_STEPS = {
+    "next_obs with a row missing": r"next_obs\['achieved_goal'\] has shape \(2, 3\), expected \(3, 3\)",
+    "next_obs without a key": r"next_obs has no key 'desired_goal'",
+    "obs without a key": r"obs has no key 'observation'",
+    "next_obs overflowing float32": r"next_obs\['observation'\] has 1e\+39 at \(2, 0\), which overflows float32",
+    "action transposed": r"action has shape \(4, 3\), expected \(3, 4\)",
+    "reward overflowing float32": r"reward has -1e\+300 at \(1,\), which overflows float32",
+    "infos of two envs": r"infos\['is_success'\] has shape \(2,\), expected \(3,\)",
+    "infos of numbers": r"infos must be a list of dicts \(one per env\) or a dict of arrays, got \[1\.0, 0\.0, 1\.0\]",
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_STEPS))
+def test_a_failed_add_leaves_every_env_as_before(store_path, fetch, case):
+    obs, act = fetch
+    n_envs = 3
+    ep = make_episode(obs, act, 3, seed=7, info_keys=("is_success",), terminated=True)
+    with EpisodeStore.create(store_path, obs, act, info_keys=["is_success"]) as store:
+        w = store.writer(n_envs)
+        for t in range(2):
+            assert w.add(*_with_infos(_steps(ep, obs.spaces, t, n_envs), ep, t, n_envs)) == []
+        last = _with_infos(_steps(ep, obs.spaces, 2, n_envs), ep, 2, n_envs)
+        with pytest.raises(EpisodeValidationError, match=BAD_STEPS[case]):
+            w.add(*_bad_step(case, *last))
+        assert store.num_episodes == 0 and list(w.pending_steps) == [2, 2, 2]
+        assert w.add(*last) == [0, 1, 2]  # the next correct step stores clean episodes with exactly one end
+        for i in range(n_envs):
+            got = store.episode(i)
+            assert_episode_equal(got, ep)
+            assert int(got["terminated"].sum() + got["truncated"].sum()) == 1
+        assert list(w.pending_steps) == [0, 0, 0]
+
+
+def test_flush_partial_refuses_a_bad_last_next_obs_and_changes_nothing(store_path, fetch):
+    obs, act = fetch
+    ep = make_episode(obs, act, 3, seed=8)
+    with EpisodeStore.create(store_path, obs, act) as store:
+        w = store.writer(3)
+        w.add(*_steps(ep, obs.spaces, 0, 3))
+        o, nxt, *rest = _steps(ep, obs.spaces, 1, 3)
+        w.add(o, dict(nxt, achieved_goal=nxt["achieved_goal"][:2]), *rest)  # no env ends: next_obs is not read
+        with pytest.raises(EpisodeValidationError, match=r"last add's next_obs\['achieved_goal'\] has shape \(2, 3"):
+            w.flush_partial()
+        assert store.num_episodes == 0 and list(w.pending_steps) == [2, 2, 2]
+        w.add(*_steps(ep, obs.spaces, 1, 3))  # the step again, correct this time
+        assert w.flush_partial() == [0, 1, 2]
+        want = {k: v[[0, 1, 1, 2]] if k in obs.spaces else v[[0, 1, 1]] for k, v in ep.items()}  # steps 0, 1, 1
+        want["truncated"] = np.array([False, False, True])
+        for i in range(3):
+            assert_episode_equal(store.episode(i), want)
+
+
+def test_an_episode_longer_than_the_capacity_is_dropped_and_its_env_writes_again(store_path, fetch):
+    obs, act = fetch
+    long_ep, short = make_episode(obs, act, 6, seed=1), make_episode(obs, act, 2, seed=2)
+    with EpisodeStore.create(store_path, obs, act, capacity=5) as store:
+        w = store.writer(2)
+        both = lambda a, b: tuple(  # noqa: E731  env 0 steps long_ep, env 1 short then short again
+            {k: np.concatenate([x[k], y[k]]) for k in x} if isinstance(x, dict) else np.concatenate([x, y])
+            for x, y in zip(a, b)
+        )
+        for t in range(5):
+            w.add(*both(_steps(long_ep, obs.spaces, t, 1), _steps(short, obs.spaces, t % 2, 1)))
+        assert w.episode_ids == [0, 1] and list(w.pending_steps) == [5, 1]
+        # env 0's episode (6 steps) and env 1's (2 steps) end on the same step
+        with pytest.raises(EpisodeValidationError, match=r"env 0: episode of 6 steps dropped .*capacity 5") as info:
+            w.add(*both(_steps(long_ep, obs.spaces, 5, 1), _steps(short, obs.spaces, 1, 1)))
+        assert str(info.value).endswith("the other ended episodes were appended [2]")
+        assert list(w.pending_steps) == [0, 0] and w.episode_ids == [0, 1, 2]
+        assert_episode_equal(store.episode(2), short)
+        for t in range(2):  # env 0 is not wedged: its next episode is stored whole
+            w.add(*both(_steps(short, obs.spaces, t, 1), _steps(short, obs.spaces, t, 1)))
+        assert w.episode_ids == [0, 1, 2, 3, 4]
+        for i in (3, 4):
+            assert_episode_equal(store.episode(i), short)
+        table = store.episodes
+        assert dict(zip(table["episode_id"].tolist(), table["env_index"].tolist()))[3] == 0
+
+
+@pytest.mark.parametrize("fault", ["full disk", "lease lost"])
+def test_a_store_error_while_appending_drops_that_env_and_chains_the_cause(store_path, fetch, monkeypatch, fault):
+    obs, act = fetch
+    ep = make_episode(obs, act, 2, seed=3)
+    if fault == "full disk":  # the data rows' write fails; the error is wrapped in a StoreError
+        where, name, injected, raised = os, "pwrite", OSError(errno.ENOSPC, "No space left on device"), StoreError
+    else:  # the commit record's write is refused; a her_store error keeps its class
+        where, name, injected = Location, "write_atomic", StoreLockedError("another writer took over the lease")
+        raised = StoreLockedError
+    with EpisodeStore.create(store_path, obs, act, commit_interval=0.0) as store:
+        w = store.writer(2)
+        w.add(*_steps(ep, obs.spaces, 0, 2))
+        real, calls = getattr(where, name), []
+
+        def fail_once(*args, **kwargs):
+            calls.append(args)
+            if len(calls) == 1:
+                raise injected
+            return real(*args, **kwargs)
+
+        monkeypatch.setattr(where, name, fail_once)
+        cause = rf"\({type(injected).__name__}: {re.escape(str(injected))}\)"
+        message = rf"env 0: episode of 2 steps dropped {cause}.*appended \[\d+\]"
+        with pytest.raises(raised, match=message) as info:
+            w.add(*_steps(ep, obs.spaces, 1, 2))  # both envs end: env 0's append fails, env 1's goes through
+        assert info.type is raised and info.value.__cause__ is injected
+        monkeypatch.undo()
+        assert list(w.pending_steps) == [0, 0]
+        (appended,) = w.episode_ids
+        assert store.episodes["env_index"][store.episodes["episode_id"] == appended].tolist() == [1]
+        assert_episode_equal(store.episode(appended), ep)
+        for t in range(2):  # env 0 starts afresh: one clean episode with one end
+            w.add(*_steps(ep, obs.spaces, t, 2))
+        for eid in w.episode_ids[1:]:
+            assert_episode_equal(store.episode(eid), ep)
+
+
+def _valued_spaces() -> tuple[spaces.Dict, spaces.Space, dict]:
+    goal = spaces.Box(-np.inf, np.inf, (2,), np.float32)
+    obs = spaces.Dict(
+        {
+            "observation": goal,
+            "achieved_goal": goal,
+            "desired_goal": goal,
+            "pixels": spaces.Box(0, 255, (2, 2), np.uint8),
+            "bits": spaces.MultiBinary(3),
+        }
+    )
+    return obs, spaces.MultiDiscrete([3, 4]), {"stage": spaces.Discrete(3, start=1)}
+
+
+def _put(a: np.ndarray, value, dtype=None) -> np.ndarray:
+    """A copy of ``a`` (in ``dtype``) with its second row's first value set to ``value``."""
+    a = a.astype(dtype or a.dtype)
+    a.reshape(len(a), -1)[1, 0] = value
+    return a
+
+
+BAD_VALUES = {
+    "uint16 300 for uint8": (
+        "pixels", lambda a: _put(a, 300, np.uint16), r"has 300 at \(1, 0, 0\), which uint8 cannot hold \(0\.\.255\)"
+    ),
+    "uint64 beyond int64": (
+        "action", lambda a: _put(a, 2**63, np.uint64), r"has 9223372036854775808 at \(1, 0\), which int64 cannot hold"
+    ),
+    "MultiDiscrete above nvec": (
+        "action", lambda a: _put(a, 3), r"has 3 at \(1, 0\), outside its space's range 0\.\.2"
+    ),
+    "MultiDiscrete below 0": ("action", lambda a: _put(a, -1), r"has -1 at \(1, 0\), outside its space's range 0\.\.2"),
+    "Discrete below start": ("stage", lambda a: _put(a, 0), r"has 0 at \(1,\), outside its space's range 1\.\.3"),
+    "Discrete above start + n": ("stage", lambda a: _put(a, 4), r"has 4 at \(1,\), outside its space's range 1\.\.3"),
+    "MultiBinary 2": ("bits", lambda a: _put(a, 2), r"has 2 at \(1, 0\), outside its space's range 0\.\.1"),
+    "float64 beyond float32": (
+        "observation", lambda a: _put(a, 1e39, np.float64), r"has 1e\+39 at \(1, 0\), which overflows float32"
+    ),
+}
+
+
+@pytest.mark.parametrize("path", ["append_episode", "StepWriter.add"])
+@pytest.mark.parametrize("case", list(BAD_VALUES))
+def test_values_a_cast_or_the_space_would_change_are_refused(store_path, case, path):
+    obs, act, info = _valued_spaces()
+    name, spoil, message = BAD_VALUES[case]
+    ep = make_episode(obs, act, 3, seed=5)
+    ep["stage"] = np.array([1, 2, 3])
+    with EpisodeStore.create(store_path, obs, act, info_keys=info) as store:
+        if path == "append_episode":
+            with pytest.raises(EpisodeValidationError, match=rf"field '{name}' {message}"):
+                store.append_episode(dict(ep, **{name: spoil(ep[name])}))
+        else:
+            # each env steps the episode's rows in order: env i is at row i, so env 1 holds the spoiled value
+            step = {k: v[:3] for k, v in ep.items()}
+            label = rf"obs\['{name}'\]" if name in obs.spaces else (rf"infos\['{name}'\]" if name == "stage" else name)
+            w = store.writer(3)
+            spoiled = dict(step, **{name: spoil(step[name])})
+            infos = [{"stage": s} for s in spoiled["stage"]]
+            with pytest.raises(EpisodeValidationError, match=rf"{label} {message}"):
+                w.add({k: spoiled[k] for k in obs.spaces}, {k: step[k] for k in obs.spaces}, spoiled["action"],
+                      spoiled["reward"], np.ones(3, bool), np.zeros(3, bool), infos)
+            assert list(w.pending_steps) == [0, 0, 0]
+        assert store.num_episodes == 0
+
+
+def test_casts_that_keep_values_are_accepted(store_path):
+    obs, act, info = _valued_spaces()
+    ep = make_episode(obs, act, 3, seed=6)
+    ep["stage"] = np.array([3, 1, 2])
+    given = dict(ep)
+    given["pixels"] = ep["pixels"].astype(np.uint16)  # values 0..255 fit uint8
+    given["observation"] = ep["observation"].astype(np.float64)
+    given["observation"][0] = [np.nan, np.inf]  # NaN and inf given as such are kept
+    given["bits"] = ep["bits"].astype(bool)
+    given["action"] = ep["action"].astype(np.uint8)
+    want = dict(ep, observation=given["observation"].astype(np.float32))
+    with EpisodeStore.create(store_path, obs, act, info_keys=info) as store:
+        store.append_episode(given)
+        w = store.writer(1)
+        for t in range(3):
+            row = {k: v[t : t + 1] for k, v in given.items()}
+            w.add({k: row[k] for k in obs.spaces}, {k: given[k][t + 1 : t + 2] for k in obs.spaces}, row["action"],
+                  row["reward"], row["terminated"], row["truncated"], [{"stage": int(row["stage"][0])}])
+        assert w.episode_ids == [1]
+        for i in range(2):
+            got = store.episode(i)
+            np.testing.assert_array_equal(got["observation"][0], [np.nan, np.inf])
+            assert_episode_equal(got, want)
