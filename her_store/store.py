@@ -138,13 +138,11 @@ class EpisodeStore:
         self._loc = location
         self.mode = mode
         self.durability: Durability = durability
-        if commit_interval is None:
-            commit_interval = LOCAL_COMMIT_INTERVAL if location.is_local else REMOTE_COMMIT_INTERVAL
-        if commit_interval < 0:
-            raise ValueError(f"commit_interval must be >= 0 seconds, got {commit_interval}")
-        self.commit_interval = float(commit_interval)
-        self._lock: WriterLock | None = None
         self._committer: Committer | None = None
+        self.commit_interval = LOCAL_COMMIT_INTERVAL if location.is_local else REMOTE_COMMIT_INTERVAL
+        if commit_interval is not None:
+            self.commit_interval = commit_interval
+        self._lock: WriterLock | None = None
         self._closed = False
         self._arrays: dict[str, RawChunkFile | ZarrChunks] = {}
         self._index_io: dict[str, RawChunkFile | ZarrChunks] = {}
@@ -411,6 +409,19 @@ class EpisodeStore:
     def url(self) -> str:
         """The store's local path or URL."""
         return self._loc.url
+
+    @property
+    def commit_interval(self) -> float:
+        """Seconds between group commits of a writing handle (0: every append commits); may be changed any time."""
+        return self._commit_interval
+
+    @commit_interval.setter
+    def commit_interval(self, seconds: float) -> None:
+        if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not 0 <= seconds < math.inf:
+            raise ValueError(f"commit_interval must be a finite number of seconds >= 0, got {seconds!r}")
+        self._commit_interval = float(seconds)
+        if self._committer is not None:
+            self._committer.commit_interval = self._commit_interval
 
     @property
     def observation_space(self) -> spaces.Dict:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import math
 import os
+import subprocess
+import sys
 import time
 import uuid
 
@@ -12,7 +14,7 @@ import pytest
 
 from her_store import EpisodeStore, StoreLockedError, open_store
 from her_store.storage import Location, WriterLock
-from tests.conftest import assert_episode_equal, make_episode
+from tests.conftest import assert_episode_equal, fetch_spaces, make_episode
 
 
 @pytest.mark.parametrize("bad", [0, -1.0, math.nan, math.inf, "60", True, None])
@@ -83,3 +85,77 @@ def test_two_writers_taking_over_one_stale_lease_on_s3(s3_url, monkeypatch):
     b.ensure_held()  # B still holds it: its lease is as B last wrote it
     b.release()
     a.release()
+
+
+_FSIZE_WRITER = """
+import resource, signal, sys
+sys.path.insert(0, sys.argv[1])
+from her_store import open_store
+from tests.conftest import fetch_spaces, make_episode
+obs, act = fetch_spaces(2, 1, 1)
+store = open_store(sys.argv[2], obs, act, commit_interval=0)
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # the kernel then cuts writes short and fails them with EFBIG
+limit = int(sys.argv[3])
+resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+try:
+    store.append_episode(make_episode(obs, act, 3, seed=99))
+except OSError as e:
+    print("refused", e.errno)
+"""
+
+
+def test_a_write_the_kernel_cuts_short_never_replaces_the_commit_record(store_path):
+    """A file size limit makes the kernel write only part of a file that would pass it (a disk filling up does the
+    same). Here every chunk file is smaller than the limit and the new commit record larger: the record's write is
+    cut short, and the old record must stay in place, whole, with no temp file left behind."""
+    obs, act = fetch_spaces(2, 1, 1)
+    eps = [make_episode(obs, act, 3, seed=i) for i in range(2)]
+    with EpisodeStore.create(store_path, obs, act, capacity=10, chunk_rows=2, commit_interval=0) as store:
+        for e in eps:
+            store.append_episode(e)
+    record = open(os.path.join(store_path, "commit.json"), "rb").read()
+    limit = len(record) - 16
+    largest = max(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(store_path) for f in fs if "/c/" in d + "/")
+    assert largest < limit
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = subprocess.run(
+        [sys.executable, "-c", _FSIZE_WRITER, root, store_path, str(limit)], capture_output=True, text=True, timeout=120
+    )
+    assert "refused 27" in out.stdout, out.stdout + out.stderr  # EFBIG, after the short write was finished
+    assert open(os.path.join(store_path, "commit.json"), "rb").read() == record
+    assert not [n for n in os.listdir(store_path) if n.endswith(".tmp")]
+    with EpisodeStore.open(store_path, mode="a") as store:
+        assert store.end_episode == 2
+        for i, e in enumerate(eps):
+            assert_episode_equal(store.episode(i), e)
+
+
+def test_write_all_finishes_short_writes_and_refuses_a_full_device(tmp_path, monkeypatch):
+    from her_store.storage import write_all
+
+    name = str(tmp_path / "f")
+    fd = os.open(name, os.O_RDWR | os.O_CREAT)
+    real = os.pwrite
+    monkeypatch.setattr(os, "pwrite", lambda f, b, o: real(f, memoryview(b)[:3], o))  # three bytes at a time
+    write_all(fd, b"0123456789", 5)
+    monkeypatch.setattr(os, "pwrite", lambda f, b, o: 0)  # the device takes nothing more
+    with pytest.raises(OSError, match="wrote 0 of 4 bytes"):
+        write_all(fd, b"abcd", 0)
+    monkeypatch.undo()
+    os.close(fd)
+    assert open(name, "rb").read() == b"\0" * 5 + b"0123456789"
+
+
+def test_a_failed_commit_record_write_leaves_no_temp_file(store_path, fetch, monkeypatch):
+    obs, act = fetch
+    store = EpisodeStore.create(store_path, obs, act, commit_interval=0)
+    monkeypatch.setattr(os, "replace", lambda *a: (_ for _ in ()).throw(OSError(5, "Input/output error")))
+    with pytest.raises(OSError):
+        store.append_episode(make_episode(obs, act, 4, seed=0))
+    monkeypatch.undo()
+    assert sorted(os.listdir(store_path)) == ["commit.json", "episodes", "packs", "writer.lock", "zarr.json"]
+    assert store.append_episode(make_episode(obs, act, 4, seed=1)) == 0  # the failed call left no trace
+    store.close()
+    with EpisodeStore.open(store_path) as store:
+        assert store.num_episodes == 1
+        assert_episode_equal(store.episode(0), make_episode(obs, act, 4, seed=1))

@@ -15,6 +15,7 @@ from gymnasium import spaces
 
 import her_store
 from her_store import (
+    StoreError,
     CorruptStoreError,
     EpisodeNotFoundError,
     EpisodeStore,
@@ -450,3 +451,64 @@ def test_memory_filesystem_round_trip(fetch):
     with open_store(url, obs, act) as store:
         for i, e in enumerate(eps):
             assert_episode_equal(store.episode(i), e)
+
+
+def test_a_create_killed_before_its_commit_record_is_started_again(store_path, fetch):
+    """What kill -9 inside create leaves (attributes and arrays, no commit record): open says what happened,
+    open_store creates the store anew, and a Zarr node that is not an unfinished create is never removed."""
+    obs, act = fetch
+    EpisodeStore.create(store_path, obs, act).close()
+    os.unlink(os.path.join(store_path, "commit.json"))
+    with pytest.raises(NotAStoreError, match="unfinished create"):
+        EpisodeStore.open(store_path)
+    with open_store(store_path, obs, act, capacity=500) as store:
+        assert store.capacity == 500 and store.append_episode(make_episode(obs, act, 3, seed=0)) == 0
+    with EpisodeStore.open(store_path) as store:
+        assert store.num_episodes == 1
+    # rows exist but the record is gone: damage, not an unfinished create; nothing is removed
+    os.unlink(os.path.join(store_path, "commit.json"))
+    with pytest.raises(StoreError):
+        open_store(store_path, obs, act)
+    assert os.path.exists(os.path.join(store_path, "packs", "float32", "c"))
+    # someone else's zarr group
+    other = store_path + "-other"
+    zarr.open_group(other, mode="w", attributes={"mine": 1})
+    with pytest.raises(StoreExistsError):
+        open_store(other, obs, act)
+    assert zarr.open_group(other, mode="r").attrs["mine"] == 1
+
+
+def test_a_path_that_is_a_file_is_refused(tmp_path, fetch):
+    obs, act = fetch
+    path = tmp_path / "file"
+    path.write_text("not a store")
+    with pytest.raises(StoreExistsError, match="not a directory"):
+        EpisodeStore.create(str(path), obs, act)
+    with pytest.raises(StoreExistsError, match="not a directory"):
+        open_store(str(path), obs, act)
+    assert path.read_text() == "not a store"
+
+
+@pytest.mark.parametrize(
+    "option, msg",
+    [
+        (dict(capacity=999), r"created with capacity=None, got capacity=999"),
+        (dict(chunk_rows=128), r"chunk_rows=128 makes"),
+        (dict(compressors={"observation": numcodecs.Zstd()}), r"compress \['observation'\]"),
+        (dict(metadata={"env_id": "Other-v0"}), r"metadata \['env_id'\] differ"),
+    ],
+)
+def test_open_store_refuses_changed_creation_options(store_path, fetch, option, msg):
+    obs, act = fetch
+    open_store(store_path, obs, act, chunk_rows=64, metadata={"env_id": "X-v0"}).close()
+    with pytest.raises(SchemaMismatchError, match=msg):
+        open_store(store_path, obs, act, **option)
+    with open_store(store_path, obs, act, chunk_rows=64, metadata={"env_id": "X-v0"}, compressors={}) as store:
+        assert store.capacity is None  # the same options resume it
+
+
+def test_open_store_refuses_another_codec_for_a_compressed_field(store_path):
+    obs, act = SPACE_CASES["uint8-image"]
+    open_store(store_path, obs, act).close()  # images get Blosc-LZ4 by default
+    with pytest.raises(SchemaMismatchError, match="is stored with"):
+        open_store(store_path, obs, act, compressors={"pixels": numcodecs.Zstd(level=3)})
