@@ -218,9 +218,11 @@ class HerSampler:
         """Look for new commits now; returns the episodes sampled from."""
         if self.store.mode == "r":
             self.store.refresh()
-        self._view = self.store.snapshot()
+        view = self.store.snapshot()
+        self.reader.observe(view)  # before the view is published: a gather under it must find its episodes recorded
+        self._view = view
         self._refreshed = time.monotonic()
-        return self._view
+        return view
 
     def _current_view(self) -> IndexView:
         if self._view is None or time.monotonic() - self._refreshed >= self.refresh_interval:
