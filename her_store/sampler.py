@@ -84,9 +84,17 @@ def _env_reward_fn(store: EpisodeStore) -> RewardFn:
         )
     import gymnasium as gym
 
+    # "module:Env" makes gymnasium import module, and an unregistered id may name a package to import: a store
+    # (perhaps downloaded) must never make this process run code, so only envs this process registered are made
+    if not isinstance(env_id, str) or ":" in env_id or env_id not in gym.registry:
+        raise StoreError(
+            f"{store.url}: the store's metadata names env_id {env_id!r}, which is not an id registered in this "
+            "process's gymnasium registry (an id naming a module to import is never resolved); pass "
+            "reward_fn=env.unwrapped.compute_reward to HerSampler, or register the env first (import its package)"
+        )
     try:
         env = gym.make(env_id)
-    except Exception as e:  # an unregistered id, a missing package: say how to get past it
+    except Exception as e:  # a registered env that fails to build: say how to get past it
         raise StoreError(
             f"{store.url}: cannot make env {env_id!r} from the store's metadata to get compute_reward ({e}); "
             "pass reward_fn=... to HerSampler"
@@ -115,7 +123,9 @@ class HerSampler:
         returns the new goals ``(n, *goal shape)``.
     reward_fn : callable, optional
         ``reward_fn(achieved_goal, desired_goal, infos)`` -> rewards ``(n,)``, vectorised (gymnasium-robotics /
-        SB3 ``compute_reward``). Default: ``compute_reward`` of the env named by the store's ``env_id`` metadata.
+        SB3 ``compute_reward``). Default: ``compute_reward`` of the env named by the store's ``env_id`` metadata,
+        if that id is registered in this process's gymnasium registry (a store never makes the sampler import a
+        module: an id of the form ``"module:Env"`` or an unregistered one raises StoreError).
     device : str or torch.device
         Where batches go. On CUDA, host tensors are pinned and copied with ``non_blocking=True``.
     seed : int, optional

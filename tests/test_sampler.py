@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 import numpy as np
 import pytest
 import torch
@@ -191,6 +193,24 @@ def test_default_reward_fn_comes_from_env_id(tmp_path):
         store.update_metadata(env_id="NoSuchEnv-v9")
         with pytest.raises(StoreError, match="NoSuchEnv-v9"):
             HerSampler(store)
+
+
+def test_a_store_naming_a_module_runs_no_code(tmp_path, monkeypatch):
+    """A downloaded store whose env_id names a module beside it: making the sampler must not import it."""
+    marker = tmp_path / "ran"
+    package = tmp_path / "downloaded" / "shared_dataset"
+    package.mkdir(parents=True)
+    (package / "__init__.py").write_text(f"open({str(marker)!r}, 'w').close()\n")
+    monkeypatch.syspath_prepend(str(package.parent))
+    obs, act = fetch_spaces()
+    with EpisodeStore.create(tmp_path / "s", obs, act, metadata={"env_id": "shared_dataset:Reach-v0"}) as store:
+        store.append_episode(make_episode(obs, act, 5, seed=0))
+    try:
+        with EpisodeStore.open(tmp_path / "s") as store, pytest.raises(StoreError, match=r"pass reward_fn=.*register the env"):
+            HerSampler(store)
+    finally:
+        sys.modules.pop("shared_dataset", None)
+    assert not marker.exists(), "the store's env_id made the sampler import a module"
 
 
 def test_callable_strategy_gets_the_context(coded_store):
