@@ -74,6 +74,10 @@ def _replace_samples(d: _Draw, sub: np.ndarray, d2: _Draw) -> tuple[_Draw, np.nd
     return d._replace(**fields), at
 
 
+class _Lapped(Exception):
+    """The ring evicted every episode of the view a prefetched batch was drawn from."""
+
+
 def _env_reward_fn(store: EpisodeStore) -> RewardFn:
     env_id = store.metadata.get("env_id")
     if not env_id:
@@ -308,9 +312,11 @@ class HerSampler:
             )
         return r.reshape(-1)
 
-    def _fresh(self, view: IndexView, B: int) -> tuple[IndexView, _Draw, dict, dict, np.ndarray | None]:
+    def _fresh(self, view: IndexView, B: int, may_refresh: bool) -> tuple[IndexView, _Draw, dict, dict, np.ndarray | None]:
         """Draw and gather a batch. From a ring, samples whose episode (or goal's episode) the writer evicted
-        meanwhile, whose rows may have been overwritten while we read, are drawn again among the live ones."""
+        meanwhile, whose rows may have been overwritten while we read, are drawn again among the live ones; when
+        the writer evicted the whole view, among those of a fresh snapshot (``may_refresh``; the prefetch thread
+        may not touch the store and raises _Lapped instead)."""
         her = np.arange(B) < int(self.her_ratio * B)
         d = self._draw(view, her)
         now, nxt, goals = self._gather(d)
@@ -324,6 +330,12 @@ class HerSampler:
             if not stale.any():
                 return view, d, now, nxt, goals
             view = view.since(first)
+            if view.num_transitions == 0:
+                if not may_refresh:
+                    raise _Lapped
+                view = self.refresh()
+                if view.num_transitions == 0:  # caught between an eviction record and its commit: look again
+                    continue
             sub = np.flatnonzero(stale)
             d2 = self._draw(view, d.her[sub])
             now2, nxt2, goals2 = self._gather(d2)
@@ -336,8 +348,8 @@ class HerSampler:
                 goals[at] = goals2
         raise StoreError(f"{self.store.url}: the ring writer overtakes the sampler; sample from a larger ring")
 
-    def _make_batch(self, view: IndexView, B: int) -> HerBatch:
-        view, d, now, nxt, goals = self._fresh(view, B)
+    def _make_batch(self, view: IndexView, B: int, may_refresh: bool = True) -> HerBatch:
+        view, d, now, nxt, goals = self._fresh(view, B, may_refresh)
         n = int(d.her.sum())  # the relabelled samples are the first n
         rewards = now["reward"].astype(np.float32, copy=True)
         terminated = now["terminated"].astype(np.float32)
@@ -405,7 +417,10 @@ class HerSampler:
             raise ValueError(f"batch_size must be >= 1, got {B}")
         view = self._current_view()
         if self._prefetch and B == self.batch_size:
-            return self._take_prefetched()
+            try:
+                return self._take_prefetched()
+            except _Lapped:  # the ring evicted the producer's whole view: this batch is drawn here, afresh
+                view = self.refresh()
         self._stop_prefetch()
         batch = self._make_batch(view, B)
         self._state_after = self.rng.bit_generator.state
@@ -423,7 +438,7 @@ class HerSampler:
             try:
                 view = self._view
                 assert view is not None
-                item: tuple[Any, Any] = (self._make_batch(view, self.batch_size), self.rng.bit_generator.state)
+                item: tuple[Any, Any] = (self._make_batch(view, self.batch_size, False), self.rng.bit_generator.state)
             except BaseException as e:  # handed to the consumer, raised there
                 item = (e, None)
             while not self._stop.is_set():
@@ -443,8 +458,8 @@ class HerSampler:
             self._thread.start()
         assert self._queue is not None
         batch, state = self._queue.get()
-        if state is None:
-            self._thread = None
+        if state is None:  # the producer has stopped: rewind the generator to the last batch handed out
+            self._stop_prefetch()
             raise batch
         self._state_after = state
         return batch

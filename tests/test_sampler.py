@@ -316,6 +316,26 @@ def test_ring_that_has_just_wrapped(tmp_path):
         np.testing.assert_array_equal(b.next_observations["observation"].numpy(), np.stack([eps[e]["observation"][s + 1] for e, s in zip(ids, t)]))
 
 
+@pytest.mark.parametrize("prefetch", [0, 1])
+def test_a_ring_that_laps_the_view_draws_from_a_fresh_snapshot(tmp_path, prefetch):
+    obs, act = fetch_spaces()
+    eps = {i: coded_episode(obs, act, i, 10, seed=i) for i in range(12)}
+    with EpisodeStore.create(tmp_path / "s", obs, act, capacity=40, chunk_rows=16, commit_interval=0) as writer:
+        for i in range(4):
+            writer.append_episode(eps[i])
+        store = EpisodeStore.open(tmp_path / "s")
+        with store, HerSampler(store, 64, reward_fn=sparse_reward, seed=0, refresh_interval=3600, prefetch=prefetch) as s:
+            assert s.refresh().end == 4
+            for i in range(4, 12):  # the ring evicts every episode of the sampler's view
+                writer.append_episode(eps[i])
+            assert writer.first_episode > 4
+            for _ in range(2):  # drawn afresh, then (prefetch) from a restarted producer
+                b = s.sample()
+                ids, t = b.episode_ids.numpy(), b.steps.numpy()
+                assert ids.min() >= writer.first_episode
+                np.testing.assert_array_equal(b.actions.numpy(), np.stack([eps[e]["action"][k] for e, k in zip(ids, t)]))
+
+
 def test_state_dict_replays_the_same_batches_with_and_without_prefetch(coded_store):
     store, _ = coded_store
 
