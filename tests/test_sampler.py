@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -334,6 +336,24 @@ def test_a_ring_that_laps_the_view_draws_from_a_fresh_snapshot(tmp_path, prefetc
                 ids, t = b.episode_ids.numpy(), b.steps.numpy()
                 assert ids.min() >= writer.first_episode
                 np.testing.assert_array_equal(b.actions.numpy(), np.stack([eps[e]["action"][k] for e, k in zip(ids, t)]))
+
+
+def test_a_sampler_on_the_writers_handle_does_not_force_commits(tmp_path):
+    obs, act = fetch_spaces()
+    interval = 2.0
+    with EpisodeStore.create(tmp_path / "s", obs, act, commit_interval=interval) as store:
+        s = HerSampler(store, 32, reward_fn=sparse_reward, seed=0)
+        started = time.monotonic()
+        for i in range(200):
+            store.append_episode(make_episode(obs, act, 5, seed=i))
+            s.sample()
+        elapsed = time.monotonic() - started
+        on_disk = json.loads((tmp_path / "s" / "commit.json").read_bytes())
+        # the first commit (nothing was committed), then one per commit_interval
+        assert on_disk["generation"] <= 2 + elapsed / interval, (on_disk, elapsed)
+        time.sleep(interval)  # the group commit is due: the next batch commits and is drawn from every episode
+        assert s.sample(2000).episode_ids.max() == 199
+        assert json.loads((tmp_path / "s" / "commit.json").read_bytes())["end_episode"] == 200
 
 
 def test_state_dict_replays_the_same_batches_with_and_without_prefetch(coded_store):
