@@ -312,7 +312,9 @@ class HerSampler:
             )
         return r.reshape(-1)
 
-    def _fresh(self, view: IndexView, B: int, may_refresh: bool) -> tuple[IndexView, _Draw, dict, dict, np.ndarray | None]:
+    def _fresh(
+        self, view: IndexView, B: int, may_refresh: bool
+    ) -> tuple[IndexView, _Draw, dict, dict, np.ndarray | None]:
         """Draw and gather a batch. From a ring, samples whose episode (or goal's episode) the writer evicted
         meanwhile, whose rows may have been overwritten while we read, are drawn again among the live ones; when
         the writer evicted the whole view, among those of a fresh snapshot (``may_refresh``; the prefetch thread
@@ -438,7 +440,8 @@ class HerSampler:
             try:
                 view = self._view
                 assert view is not None
-                item: tuple[Any, Any] = (self._make_batch(view, self.batch_size, False), self.rng.bit_generator.state)
+                batch = self._make_batch(view, self.batch_size, may_refresh=False)
+                item: tuple[Any, Any] = (batch, self.rng.bit_generator.state)
             except BaseException as e:  # handed to the consumer, raised there
                 item = (e, None)
             while not self._stop.is_set():

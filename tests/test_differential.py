@@ -102,8 +102,9 @@ def wrong_rows(b: HerBatch, first: int, end: int) -> str | None:
     j = goal[:, 1].astype(np.int64)
     at_goal = rows(e, np.clip(j, 0, length(e)))["achieved_goal"]
     reached = -(j != t + 1).astype(np.float32)
-    checks = [(f"observations[{k!r}]", b.observations[k].numpy(), now[k], ~rel if k == "desired_goal" else None) for k in OBS_KEYS]
-    checks += [(f"next_observations[{k!r}]", b.next_observations[k].numpy(), nxt[k], ~rel if k == "desired_goal" else None) for k in OBS_KEYS]
+    stored = {k: ~rel if k == "desired_goal" else None for k in OBS_KEYS}  # which rows hold the stored value
+    checks = [(f"observations[{k!r}]", b.observations[k].numpy(), now[k], stored[k]) for k in OBS_KEYS]
+    checks += [(f"next_observations[{k!r}]", b.next_observations[k].numpy(), nxt[k], stored[k]) for k in OBS_KEYS]
     checks += [
         ("actions", b.actions.numpy(), now["action"], None),
         ("rewards", b.rewards.numpy()[:, 0], np.where(rel, reached, now["reward"]), None),
@@ -153,7 +154,8 @@ def storage(request, tmp_path) -> Iterator[tuple[str, str, dict[str, Any]]]:
 def _create(name: str, url: str, opts: dict[str, Any], capacity: int | None) -> EpisodeStore:
     kwargs, _ = STORAGES[name]
     return EpisodeStore.create(
-        url, OBS, ACT, capacity=capacity, chunk_rows=CHUNK_ROWS, commit_interval=0, storage_options=opts or None, **kwargs
+        url, OBS, ACT, capacity=capacity, chunk_rows=CHUNK_ROWS, commit_interval=0, storage_options=opts or None,
+        **kwargs,
     )
 
 

@@ -1,4 +1,4 @@
-"""ChunkReader: the decoded-chunk cache serves committed rows only, and reads again exactly the chunks commits change."""
+"""ChunkReader: the decoded-chunk cache serves committed rows only and reads again exactly the chunks commits change."""
 
 from __future__ import annotations
 
@@ -60,7 +60,8 @@ def test_a_reader_that_fell_a_whole_ring_behind(tmp_path):
     with _create(tmp_path / "s", capacity=48) as writer:
         for e in range(4):
             writer.append_episode(episode(e))
-        with EpisodeStore.open(tmp_path / "s") as store, HerSampler(store, 256, reward_fn=sparse_reward, seed=0, refresh_interval=0) as sampler:
+        store = EpisodeStore.open(tmp_path / "s")
+        with store, HerSampler(store, 256, reward_fn=sparse_reward, seed=0, refresh_interval=0) as sampler:
             assert wrong_rows(sampler.sample(), 0, 4) is None  # every chunk of the ring is cached now
             seen_end = store.end_episode
             e = 4

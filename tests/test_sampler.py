@@ -208,7 +208,8 @@ def test_a_store_naming_a_module_runs_no_code(tmp_path, monkeypatch):
     with EpisodeStore.create(tmp_path / "s", obs, act, metadata={"env_id": "shared_dataset:Reach-v0"}) as store:
         store.append_episode(make_episode(obs, act, 5, seed=0))
     try:
-        with EpisodeStore.open(tmp_path / "s") as store, pytest.raises(StoreError, match=r"pass reward_fn=.*register the env"):
+        store = EpisodeStore.open(tmp_path / "s")
+        with store, pytest.raises(StoreError, match=r"pass reward_fn=.*register the env"):
             HerSampler(store)
     finally:
         sys.modules.pop("shared_dataset", None)
@@ -326,7 +327,8 @@ def test_a_ring_that_laps_the_view_draws_from_a_fresh_snapshot(tmp_path, prefetc
         for i in range(4):
             writer.append_episode(eps[i])
         store = EpisodeStore.open(tmp_path / "s")
-        with store, HerSampler(store, 64, reward_fn=sparse_reward, seed=0, refresh_interval=3600, prefetch=prefetch) as s:
+        sampler = HerSampler(store, 64, reward_fn=sparse_reward, seed=0, refresh_interval=3600, prefetch=prefetch)
+        with store, sampler as s:
             assert s.refresh().end == 4
             for i in range(4, 12):  # the ring evicts every episode of the sampler's view
                 writer.append_episode(eps[i])
@@ -335,7 +337,8 @@ def test_a_ring_that_laps_the_view_draws_from_a_fresh_snapshot(tmp_path, prefetc
                 b = s.sample()
                 ids, t = b.episode_ids.numpy(), b.steps.numpy()
                 assert ids.min() >= writer.first_episode
-                np.testing.assert_array_equal(b.actions.numpy(), np.stack([eps[e]["action"][k] for e, k in zip(ids, t)]))
+                want = np.stack([eps[e]["action"][k] for e, k in zip(ids, t)])
+                np.testing.assert_array_equal(b.actions.numpy(), want)
 
 
 def test_a_sampler_on_the_writers_handle_does_not_force_commits(tmp_path):
