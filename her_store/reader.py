@@ -6,7 +6,10 @@ zarr's indexing costs tens of milliseconds per 1,024 random rows (FACTS.md), so 
   thread pool; numpy releases the GIL while it copies, so the page faults of a cold store (one larger than RAM)
   are served in parallel, at the disk's queue depth rather than one read at a time.
 - compressed arrays (images) or any array on object storage: whole chunks are read (one GET each remotely),
-  decoded by zarr and kept in a bounded LRU cache of decoded chunks.
+  decoded by zarr and kept in a bounded LRU cache of decoded chunks. Commits and ring evictions change chunks
+  after they are cached, so each cached chunk carries the committed end under which it was read, and each array
+  records the newest episode whose rows reach each chunk (:meth:`ChunkReader.observe`): a cached chunk serves a
+  gather only while no episode at or past its tag reaches it.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from her_store.format import ArraySpec
+from her_store.index import IndexView
 from her_store.storage import chunk_key, drop_page_cache
 
 if TYPE_CHECKING:
@@ -120,7 +124,8 @@ def _chunk_decoder(array: Any, spec: ArraySpec) -> Callable[[bytes], np.ndarray]
 class CachedArray:
     """A compressed or remote array read chunk by chunk into an LRU cache of decoded chunks.
 
-    A chunk is one read (one GET on object storage), decoded once, then served from the cache.
+    A chunk is one read (one GET on object storage), decoded once, then served from the cache until an episode
+    committed after it was read reaches it (see :meth:`committed`).
     """
 
     def __init__(
@@ -139,9 +144,30 @@ class CachedArray:
         self.capacity = max(1, cache_bytes // max(1, self.chunk_nbytes))
         self._fetch = fetch
         self._decode = _chunk_decoder(array, spec) if fetch is not None else None
-        self._cache: OrderedDict[int, np.ndarray] = OrderedDict()
-        self._lock = threading.Lock()
+        # chunk -> (tag, decoded rows): every row of an episode with id < tag was on disk before the read began
+        self._cache: OrderedDict[int, tuple[int, np.ndarray]] = OrderedDict()
+        self._newest = np.full(0, -1, np.int64)  # per chunk: the newest committed episode whose rows reach it
+        self._end = 0  # every episode below this id is recorded in _newest
+        self._lock = threading.Lock()  # the prefetch thread gathers while the sampler's thread records commits
         self.hits = self.misses = 0
+
+    def committed(self, first: int, start_rows: np.ndarray, lengths: np.ndarray, end: int) -> None:
+        """Record episodes ``first, first + 1, ...`` (rows ``start_row .. start_row + length``), committed with
+        every id below ``end``: cached chunks their rows reach are read again by the gathers that need them."""
+        cr = self.chunk_rows
+        c0 = np.asarray(start_rows, np.int64) // cr
+        span = (np.asarray(start_rows, np.int64) + lengths) // cr - c0 + 1
+        total = int(span.sum())
+        offset = np.arange(total) - np.repeat(np.cumsum(span) - span, span)
+        chunks = np.repeat(c0, span) + offset
+        ids = np.repeat(np.arange(first, first + len(c0), dtype=np.int64), span)
+        with self._lock:
+            if total and int(chunks.max()) >= len(self._newest):
+                grown = np.full(max(int(chunks.max()) + 1, 2 * len(self._newest)), -1, np.int64)
+                grown[: len(self._newest)] = self._newest
+                self._newest = grown
+            np.maximum.at(self._newest, chunks, ids)
+            self._end = max(self._end, end)
 
     def _load(self, chunk: int) -> np.ndarray:
         if self._decode is not None and self._fetch is not None:
@@ -154,15 +180,20 @@ class CachedArray:
 
     def _chunk(self, chunk: int) -> np.ndarray:
         with self._lock:
-            buf = self._cache.get(chunk)
-            if buf is not None:
+            hit = self._cache.get(chunk)
+            newest = int(self._newest[chunk]) if chunk < len(self._newest) else -1
+            # a gather asks only for rows of recorded episodes: if none at or past the tag reaches this chunk,
+            # every row asked for was on disk when the chunk was read
+            if hit is not None and newest < hit[0]:
                 self._cache.move_to_end(chunk)
                 self.hits += 1
-                return buf
+                return hit[1]
+            tag = self._end  # read before the chunk: episodes below it were committed before the read
         buf = self._load(chunk)
         with self._lock:
             self.misses += 1
-            self._cache[chunk] = buf
+            self._cache[chunk] = (tag, buf)
+            self._cache.move_to_end(chunk)
             while len(self._cache) > self.capacity:
                 self._cache.popitem(last=False)
         return buf
@@ -195,7 +226,8 @@ class ChunkReader:
     Parameters
     ----------
     store : EpisodeStore
-        The store to read (its committed rows).
+        The store to read (its committed rows): pass each committed view to :meth:`observe` before gathering
+        rows of its episodes.
     io_threads : int
         Threads a gather is split across (0: gather in the calling thread). Use 8-32 for a store larger than
         RAM: page faults then overlap; for a store in the page cache, 0 is fastest.
@@ -205,6 +237,7 @@ class ChunkReader:
     Examples
     --------
     >>> reader = ChunkReader(store)  # doctest: +SKIP
+    >>> reader.observe(store.snapshot())  # doctest: +SKIP
     >>> rows = reader.gather("packs/float32", np.array([0, 5, 9]))  # doctest: +SKIP
     """
 
@@ -220,6 +253,8 @@ class ChunkReader:
                     store._root[spec.path], spec, cache_bytes, fetch=loc.read_bytes, root=loc.root if loc.is_local else None
                 )
         self._pool = ThreadPoolExecutor(self.io_threads, thread_name_prefix="her_store-io") if self.io_threads else None
+        self._end = 0  # one past the newest episode id observed
+        self._lock = threading.Lock()
 
     def gather(self, path: str, rows: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
         """Rows ``rows`` of array ``path`` as ``(len(rows), *row_shape)``."""
@@ -238,6 +273,34 @@ class ChunkReader:
         work: Callable[[int], None] = lambda i: arr.gather(rows[edges[i] : edges[i + 1]], out[edges[i] : edges[i + 1]])  # noqa: E731
         list(self._pool.map(work, range(parts)))
         return out
+
+    def observe(self, view: IndexView) -> None:
+        """Take note of the episodes committed up to ``view.end``, before gathering their rows.
+
+        Cached chunks that episodes committed since the previous call reach (rows written into a partly filled
+        chunk, ring rows overwritten) are read again by the next gather that needs them, and only those.
+        Uncompressed local arrays are memory-mapped, always current, and need nothing.
+
+        Parameters
+        ----------
+        view : IndexView
+            A committed view (every row of its episodes is on disk), at least as new as any view passed before
+            whose rows are still gathered.
+
+        Examples
+        --------
+        >>> reader.observe(store.snapshot())  # doctest: +SKIP
+        """
+        cached = [a for a in self.arrays.values() if isinstance(a, CachedArray)]
+        with self._lock:
+            if view.end <= self._end or not cached:
+                self._end = max(self._end, view.end)
+                return
+            # episodes between the last end seen and this view's first were evicted unseen: no gather asks for them
+            k = max(self._end, view.first) - view.first
+            for arr in cached:
+                arr.committed(view.first + k, view.start_rows[k:], view.lengths[k:], view.end)
+            self._end = view.end
 
     def evict_page_cache(self) -> None:
         """Make the next reads cold: page cache of local arrays dropped, decoded-chunk caches emptied."""

@@ -74,6 +74,10 @@ def _replace_samples(d: _Draw, sub: np.ndarray, d2: _Draw) -> tuple[_Draw, np.nd
     return d._replace(**fields), at
 
 
+class _Lapped(Exception):
+    """The ring evicted every episode of the view a prefetched batch was drawn from."""
+
+
 def _env_reward_fn(store: EpisodeStore) -> RewardFn:
     env_id = store.metadata.get("env_id")
     if not env_id:
@@ -84,9 +88,17 @@ def _env_reward_fn(store: EpisodeStore) -> RewardFn:
         )
     import gymnasium as gym
 
+    # "module:Env" makes gymnasium import module, and an unregistered id may name a package to import: a store
+    # (perhaps downloaded) must never make this process run code, so only envs this process registered are made
+    if not isinstance(env_id, str) or ":" in env_id or env_id not in gym.registry:
+        raise StoreError(
+            f"{store.url}: the store's metadata names env_id {env_id!r}, which is not an id registered in this "
+            "process's gymnasium registry (an id naming a module to import is never resolved); pass "
+            "reward_fn=env.unwrapped.compute_reward to HerSampler, or register the env first (import its package)"
+        )
     try:
         env = gym.make(env_id)
-    except Exception as e:  # an unregistered id, a missing package: say how to get past it
+    except Exception as e:  # a registered env that fails to build: say how to get past it
         raise StoreError(
             f"{store.url}: cannot make env {env_id!r} from the store's metadata to get compute_reward ({e}); "
             "pass reward_fn=... to HerSampler"
@@ -115,7 +127,9 @@ class HerSampler:
         returns the new goals ``(n, *goal shape)``.
     reward_fn : callable, optional
         ``reward_fn(achieved_goal, desired_goal, infos)`` -> rewards ``(n,)``, vectorised (gymnasium-robotics /
-        SB3 ``compute_reward``). Default: ``compute_reward`` of the env named by the store's ``env_id`` metadata.
+        SB3 ``compute_reward``). Default: ``compute_reward`` of the env named by the store's ``env_id`` metadata,
+        if that id is registered in this process's gymnasium registry (a store never makes the sampler import a
+        module: an id of the form ``"module:Env"`` or an unregistered one raises StoreError).
     device : str or torch.device
         Where batches go. On CUDA, host tensors are pinned and copied with ``non_blocking=True``.
     seed : int, optional
@@ -218,9 +232,11 @@ class HerSampler:
         """Look for new commits now; returns the episodes sampled from."""
         if self.store.mode == "r":
             self.store.refresh()
-        self._view = self.store.snapshot()
+        view = self.store.snapshot()
+        self.reader.observe(view)  # before the view is published: a gather under it must find its episodes recorded
+        self._view = view
         self._refreshed = time.monotonic()
-        return self._view
+        return view
 
     def _current_view(self) -> IndexView:
         if self._view is None or time.monotonic() - self._refreshed >= self.refresh_interval:
@@ -296,9 +312,13 @@ class HerSampler:
             )
         return r.reshape(-1)
 
-    def _fresh(self, view: IndexView, B: int) -> tuple[IndexView, _Draw, dict, dict, np.ndarray | None]:
+    def _fresh(
+        self, view: IndexView, B: int, may_refresh: bool
+    ) -> tuple[IndexView, _Draw, dict, dict, np.ndarray | None]:
         """Draw and gather a batch. From a ring, samples whose episode (or goal's episode) the writer evicted
-        meanwhile, whose rows may have been overwritten while we read, are drawn again among the live ones."""
+        meanwhile, whose rows may have been overwritten while we read, are drawn again among the live ones; when
+        the writer evicted the whole view, among those of a fresh snapshot (``may_refresh``; the prefetch thread
+        may not touch the store and raises _Lapped instead)."""
         her = np.arange(B) < int(self.her_ratio * B)
         d = self._draw(view, her)
         now, nxt, goals = self._gather(d)
@@ -312,6 +332,12 @@ class HerSampler:
             if not stale.any():
                 return view, d, now, nxt, goals
             view = view.since(first)
+            if view.num_transitions == 0:
+                if not may_refresh:
+                    raise _Lapped
+                view = self.refresh()
+                if view.num_transitions == 0:  # caught between an eviction record and its commit: look again
+                    continue
             sub = np.flatnonzero(stale)
             d2 = self._draw(view, d.her[sub])
             now2, nxt2, goals2 = self._gather(d2)
@@ -324,8 +350,8 @@ class HerSampler:
                 goals[at] = goals2
         raise StoreError(f"{self.store.url}: the ring writer overtakes the sampler; sample from a larger ring")
 
-    def _make_batch(self, view: IndexView, B: int) -> HerBatch:
-        view, d, now, nxt, goals = self._fresh(view, B)
+    def _make_batch(self, view: IndexView, B: int, may_refresh: bool = True) -> HerBatch:
+        view, d, now, nxt, goals = self._fresh(view, B, may_refresh)
         n = int(d.her.sum())  # the relabelled samples are the first n
         rewards = now["reward"].astype(np.float32, copy=True)
         terminated = now["terminated"].astype(np.float32)
@@ -393,7 +419,10 @@ class HerSampler:
             raise ValueError(f"batch_size must be >= 1, got {B}")
         view = self._current_view()
         if self._prefetch and B == self.batch_size:
-            return self._take_prefetched()
+            try:
+                return self._take_prefetched()
+            except _Lapped:  # the ring evicted the producer's whole view: this batch is drawn here, afresh
+                view = self.refresh()
         self._stop_prefetch()
         batch = self._make_batch(view, B)
         self._state_after = self.rng.bit_generator.state
@@ -411,7 +440,8 @@ class HerSampler:
             try:
                 view = self._view
                 assert view is not None
-                item: tuple[Any, Any] = (self._make_batch(view, self.batch_size), self.rng.bit_generator.state)
+                batch = self._make_batch(view, self.batch_size, may_refresh=False)
+                item: tuple[Any, Any] = (batch, self.rng.bit_generator.state)
             except BaseException as e:  # handed to the consumer, raised there
                 item = (e, None)
             while not self._stop.is_set():
@@ -431,8 +461,8 @@ class HerSampler:
             self._thread.start()
         assert self._queue is not None
         batch, state = self._queue.get()
-        if state is None:
-            self._thread = None
+        if state is None:  # the producer has stopped: rewind the generator to the last batch handed out
+            self._stop_prefetch()
             raise batch
         self._state_after = state
         return batch

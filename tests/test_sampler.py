@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import json
+import sys
+import time
+
 import numpy as np
 import pytest
 import torch
@@ -192,6 +196,25 @@ def test_default_reward_fn_comes_from_env_id(tmp_path):
             HerSampler(store)
 
 
+def test_a_store_naming_a_module_runs_no_code(tmp_path, monkeypatch):
+    """A downloaded store whose env_id names a module beside it: making the sampler must not import it."""
+    marker = tmp_path / "ran"
+    package = tmp_path / "downloaded" / "shared_dataset"
+    package.mkdir(parents=True)
+    (package / "__init__.py").write_text(f"open({str(marker)!r}, 'w').close()\n")
+    monkeypatch.syspath_prepend(str(package.parent))
+    obs, act = fetch_spaces()
+    with EpisodeStore.create(tmp_path / "s", obs, act, metadata={"env_id": "shared_dataset:Reach-v0"}) as store:
+        store.append_episode(make_episode(obs, act, 5, seed=0))
+    try:
+        store = EpisodeStore.open(tmp_path / "s")
+        with store, pytest.raises(StoreError, match=r"pass reward_fn=.*register the env"):
+            HerSampler(store)
+    finally:
+        sys.modules.pop("shared_dataset", None)
+    assert not marker.exists(), "the store's env_id made the sampler import a module"
+
+
 def test_callable_strategy_gets_the_context(coded_store):
     store, eps = coded_store
     seen = {}
@@ -293,6 +316,46 @@ def test_ring_that_has_just_wrapped(tmp_path):
         ids, t = b.episode_ids.numpy(), b.steps.numpy()
         assert set(ids) == set(range(store.first_episode, store.end_episode))
         np.testing.assert_array_equal(b.next_observations["observation"].numpy(), np.stack([eps[e]["observation"][s + 1] for e, s in zip(ids, t)]))
+
+
+@pytest.mark.parametrize("prefetch", [0, 1])
+def test_a_ring_that_laps_the_view_draws_from_a_fresh_snapshot(tmp_path, prefetch):
+    obs, act = fetch_spaces()
+    eps = {i: coded_episode(obs, act, i, 10, seed=i) for i in range(12)}
+    with EpisodeStore.create(tmp_path / "s", obs, act, capacity=40, chunk_rows=16, commit_interval=0) as writer:
+        for i in range(4):
+            writer.append_episode(eps[i])
+        store = EpisodeStore.open(tmp_path / "s")
+        sampler = HerSampler(store, 64, reward_fn=sparse_reward, seed=0, refresh_interval=3600, prefetch=prefetch)
+        with store, sampler as s:
+            assert s.refresh().end == 4
+            for i in range(4, 12):  # the ring evicts every episode of the sampler's view
+                writer.append_episode(eps[i])
+            assert writer.first_episode > 4
+            for _ in range(2):  # drawn afresh, then (prefetch) from a restarted producer
+                b = s.sample()
+                ids, t = b.episode_ids.numpy(), b.steps.numpy()
+                assert ids.min() >= writer.first_episode
+                want = np.stack([eps[e]["action"][k] for e, k in zip(ids, t)])
+                np.testing.assert_array_equal(b.actions.numpy(), want)
+
+
+def test_a_sampler_on_the_writers_handle_does_not_force_commits(tmp_path):
+    obs, act = fetch_spaces()
+    interval = 2.0
+    with EpisodeStore.create(tmp_path / "s", obs, act, commit_interval=interval) as store:
+        s = HerSampler(store, 32, reward_fn=sparse_reward, seed=0)
+        started = time.monotonic()
+        for i in range(200):
+            store.append_episode(make_episode(obs, act, 5, seed=i))
+            s.sample()
+        elapsed = time.monotonic() - started
+        on_disk = json.loads((tmp_path / "s" / "commit.json").read_bytes())
+        # the first commit (nothing was committed), then one per commit_interval
+        assert on_disk["generation"] <= 2 + elapsed / interval, (on_disk, elapsed)
+        time.sleep(interval)  # the group commit is due: the next batch commits and is drawn from every episode
+        assert s.sample(2000).episode_ids.max() == 199
+        assert json.loads((tmp_path / "s" / "commit.json").read_bytes())["end_episode"] == 200
 
 
 def test_state_dict_replays_the_same_batches_with_and_without_prefetch(coded_store):
