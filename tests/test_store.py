@@ -15,7 +15,6 @@ from gymnasium import spaces
 
 import her_store
 from her_store import (
-    StoreError,
     CorruptStoreError,
     EpisodeNotFoundError,
     EpisodeStore,
@@ -24,6 +23,7 @@ from her_store import (
     NotAStoreError,
     ReadOnlyStoreError,
     SchemaMismatchError,
+    StoreError,
     StoreExistsError,
     StoreLockedError,
     open_store,
