@@ -401,7 +401,7 @@ class HerSampler:
         x = torch.from_numpy(a)
         if self.device.type == "cpu":
             return x
-        if self.pin_memory:
+        if self.pin_memory:  # pragma: no cover - page-locked memory needs a CUDA build and GPU, which CI lacks
             x = x.pin_memory()
         return x.to(self.device, non_blocking=self.pin_memory)
 

@@ -60,6 +60,15 @@ def _count_writes(config: str, path: str, root: str, opts: dict | None = None) -
     return counter.kinds
 
 
+def _baseline(tmp_path, config: str) -> tuple[str, list[str]]:
+    """A store holding the baseline episodes, and the kinds of the writes the faulty run makes on a copy of it."""
+    base = str(tmp_path / "base")
+    workload(config, base, 0, BASELINE)
+    probe = str(tmp_path / "probe")
+    shutil.copytree(base, probe)
+    return base, _count_writes(config, probe, probe)
+
+
 def _modes(kind: str) -> tuple[str, ...]:
     """A whole-object write (a rename's temp file through zarr, fsync, a PUT) cannot be short: that is ENOSPC."""
     return ("short", "enospc", "eio") if kind == "bytes" else ("enospc", "eio")
@@ -67,11 +76,7 @@ def _modes(kind: str) -> tuple[str, ...]:
 
 @pytest.mark.parametrize("config", list(CONFIGS))
 def test_every_local_write_failing_every_way(tmp_path, config):
-    base = str(tmp_path / "base")
-    workload(config, base, 0, BASELINE)
-    probe = str(tmp_path / "probe")
-    shutil.copytree(base, probe)
-    kinds = _count_writes(config, probe, probe)
+    base, kinds = _baseline(tmp_path, config)
     assert len(kinds) > 10
     # real fsyncs are slow: the fsync'ed variant fails every third write, one mode each, in turn
     fsync = "fsync" in config
@@ -114,11 +119,8 @@ def _kill_at(config: str, path: str, at: int, opts: dict | None = None, first: i
 
 @pytest.mark.parametrize("config", list(CONFIGS))
 def test_kill_9_at_writes(tmp_path, config):
-    base = str(tmp_path / "base")
-    workload(config, base, 0, BASELINE)
-    probe = str(tmp_path / "probe")
-    shutil.copytree(base, probe)
-    n = len(_count_writes(config, probe, probe))
+    base, kinds = _baseline(tmp_path, config)
+    n = len(kinds)
     for at in sorted({1, n // 3, n // 2, (2 * n) // 3, n}):
         path = str(tmp_path / f"kill-{at}")
         shutil.copytree(base, path)
