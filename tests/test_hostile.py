@@ -44,8 +44,9 @@ OBS = spaces.Dict(
     }
 )
 ACT = spaces.Box(-1, 1, (2,), np.float32)
-# Address space a hostile store may make the process take on top of what it holds already: a crafted count that
-# reached an allocation (the 10**9-episode index alone is 7.5 GiB per column) fails under it with MemoryError.
+# Address space a hostile store may make the process take on top of what it holds already (room for the thread
+# stacks and malloc arenas zarr's I/O threads may reserve): a crafted count that reached an allocation (the
+# 10**9-episode index alone is 7.5 GiB per column) fails under it with MemoryError.
 MEMORY_HEADROOM = 2 << 30
 
 
@@ -99,10 +100,10 @@ def _vm_bytes() -> int:
 
 
 @contextlib.contextmanager
-def bounded_memory(headroom: int = MEMORY_HEADROOM) -> Iterator[None]:
-    """Cap the process's address space at what it maps now plus ``headroom`` (restored on exit)."""
+def bounded_memory() -> Iterator[None]:
+    """Cap the process's address space at what it maps now plus MEMORY_HEADROOM (restored on exit)."""
     soft, hard = resource.getrlimit(resource.RLIMIT_AS)
-    limit = _vm_bytes() + headroom
+    limit = _vm_bytes() + MEMORY_HEADROOM
     resource.setrlimit(resource.RLIMIT_AS, (limit if soft == resource.RLIM_INFINITY else min(limit, soft), hard))
     try:
         yield
@@ -174,7 +175,7 @@ def test_a_billion_episodes_in_record_and_array_metadata_fail_at_the_first_unwri
     """Even when the array shapes agree with the record, the index is read piece by piece, each piece's
     episode ids checked before the next is read: memory stays bounded by one piece."""
     _claim_a_billion_episodes(store)
-    with bounded_memory(256 << 20), pytest.raises(CorruptStoreError, match="index row of episode 4 holds episode_id 0"):
+    with bounded_memory(), pytest.raises(CorruptStoreError, match="index row of episode 4 holds episode_id 0"):
         EpisodeStore.open(store)
 
 
@@ -191,7 +192,7 @@ def test_a_reader_refreshing_onto_a_crafted_record_raises_and_keeps_its_view(sto
             body.update(generation=body["generation"] + 1, end_episode=n, num_transitions=n, array_rows=2 * n + 16)
             _write_commit(store, body)
             msg = r"commit\.json does not fit the store: array_rows 2000000016 exceeds"
-        with bounded_memory(256 << 20), pytest.raises(CorruptStoreError, match=msg):
+        with bounded_memory(), pytest.raises(CorruptStoreError, match=msg):
             reader.refresh()
         assert {k: v.tolist() for k, v in reader.episodes.items()} == {k: v.tolist() for k, v in view.items()}
         reader.episode(3)
@@ -266,7 +267,7 @@ def test_a_layout_path_out_of_the_store_is_refused_before_any_io(store, mode, es
     ],
 )
 def test_crafted_spaces_are_refused_before_allocating(d, msg):
-    with bounded_memory(256 << 20), pytest.raises(SchemaMismatchError, match=msg):
+    with bounded_memory(), pytest.raises(SchemaMismatchError, match=msg):
         space_from_json(d)
 
 
