@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import reprlib
+from typing import Any
+
 __all__ = [
     "StoreError",
     "NotAStoreError",
@@ -13,7 +16,22 @@ __all__ = [
     "ReadOnlyStoreError",
     "StoreLockedError",
     "EpisodeNotFoundError",
+    "short_repr",
 ]
+
+_REPR = reprlib.Repr()
+_REPR.maxstring = _REPR.maxother = 60
+
+
+def short_repr(value: Any) -> str:
+    """``repr`` cut short, for values read from a store in error messages: a crafted one may be huge.
+
+    Examples
+    --------
+    >>> short_repr(list(range(100)))
+    '[0, 1, 2, 3, 4, 5, ...]'
+    """
+    return _REPR.repr(value)
 
 
 class StoreError(Exception):

@@ -6,14 +6,19 @@ FORMAT.md is the prose version of this module; the two change together (and FORM
 from __future__ import annotations
 
 import json
+import math
 import zlib
 from collections.abc import Mapping
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, fields
+from typing import Any, NamedTuple, TypeGuard
 
 import numpy as np
+import zarr
+import zarr.codecs
+from zarr.core.chunk_key_encodings import DefaultChunkKeyEncoding
+from zarr.core.metadata import ArrayV3Metadata
 
-from her_store.errors import CorruptStoreError, FormatVersionError
+from her_store.errors import CorruptStoreError, FormatVersionError, NotAStoreError, SchemaMismatchError, short_repr
 from her_store.schema import Field, Schema
 
 __all__ = [
@@ -25,7 +30,10 @@ __all__ = [
     "ArraySpec",
     "Layout",
     "Commit",
+    "StoreAttrs",
     "check_attrs",
+    "parse_attrs",
+    "check_array",
 ]
 
 FORMAT_VERSION = 1
@@ -34,6 +42,8 @@ COMMIT_KEY = "commit.json"
 LOCK_KEY = "writer.lock"
 IMAGE_CHUNK_BYTES = 1 << 18
 PACK_CHUNK_BYTES = 1 << 28  # a pack's chunk file stays under 256 MiB whatever its row width
+# Counts in a commit record stay exact as JSON numbers everywhere (and far from int64 overflow in numpy sums).
+MAX_COUNT = (1 << 53) - 1
 
 # The episode-index table: one 1-D array per column under episodes/, position = id (or id % index_slots in a ring).
 INDEX_COLUMNS: dict[str, np.dtype] = {
@@ -83,17 +93,6 @@ class ArraySpec:
             "columns": [list(c) for c in self.columns],
             "compressed": self.compressed,
         }
-
-    @classmethod
-    def from_json(cls, d: Mapping[str, Any]) -> ArraySpec:
-        return cls(
-            d["path"],
-            np.dtype(d["dtype"]),
-            tuple(d["row_shape"]),
-            int(d["chunk_rows"]),
-            tuple((str(n), int(a), int(b)) for n, a, b in d["columns"]),
-            bool(d["compressed"]),
-        )
 
 
 def _image_chunk_rows(field: Field, chunk_rows: int) -> int:
@@ -150,26 +149,151 @@ class Layout:
         return [a.to_json() for a in self.arrays]
 
     @classmethod
-    def from_json(cls, d: list[Mapping[str, Any]]) -> Layout:
-        return cls(tuple(ArraySpec.from_json(a) for a in d))
+    def from_json(cls, d: Any, schema: Schema, where: str) -> Layout:
+        """The layout a store's attributes describe, checked against its schema.
+
+        Array paths become file names, so a layout is never taken as written: it must be exactly what
+        :meth:`build` makes of the schema, given which fields it compresses and the chunk rows it asked for (the
+        largest ``chunk_rows`` of its arrays). Anything else raises CorruptStoreError naming the first difference.
+        """
+        if not isinstance(d, list) or not d or not all(isinstance(a, Mapping) for a in d):
+            raise CorruptStoreError(f"{where}: {ATTRS_KEY}.layout is {short_repr(d)}, expected a list of arrays")
+        rows = [a.get("chunk_rows") for a in d]
+        if not all(_is_count(r) and r >= 1 for r in rows):
+            raise CorruptStoreError(
+                f"{where}: {ATTRS_KEY}.layout chunk_rows {short_repr(rows)} are not all positive integers"
+            )
+        names = {f"packs/{f.dtype.name}" for f in schema.fields} | {f"steps/{f.name}" for f in schema.fields}
+        for i, a in enumerate(d):
+            if not isinstance(a.get("path"), str) or a["path"] not in names:
+                raise CorruptStoreError(
+                    f"{where}: {ATTRS_KEY}.layout[{i}].path is {short_repr(a.get('path'))}, expected packs/<dtype> or "
+                    "steps/<field> for a dtype or field of the schema"
+                )
+        compressed = {a["path"][len("steps/") :] for a in d if a["path"].startswith("steps/")}
+        layout = cls.build(schema, compressed, max(rows))
+        expected = layout.to_json()
+        if d != expected:
+            i = next((i for i, (a, b) in enumerate(zip(d, expected)) if a != b), min(len(d), len(expected)))
+            found, want = (d[i] if i < len(d) else {}), (expected[i] if i < len(expected) else {})
+            key = next(k for k in [*want, *found] if found.get(k) != want.get(k))
+            raise CorruptStoreError(
+                f"{where}: {ATTRS_KEY}.layout[{i}].{key} is {short_repr(found.get(key))}, expected "
+                f"{short_repr(want.get(key))}: a layout must be what the schema gives (FORMAT.md, Arrays)"
+            )
+        return layout
+
+
+class StoreAttrs(NamedTuple):
+    """The root attributes of a store, each checked: what opening a store trusts."""
+
+    schema: Schema
+    layout: Layout
+    capacity: int | None
+    index_slots: int | None
+
+
+def _is_count(v: Any) -> TypeGuard[int]:
+    """A non-negative JSON integer small enough to stay exact (bools are not integers here)."""
+    return isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= MAX_COUNT
 
 
 def check_attrs(attrs: Mapping[str, Any], where: str) -> dict[str, Any]:
     """Return the her_store attributes of a root group, or raise naming what is wrong."""
-    from her_store.errors import NotAStoreError
-
     meta = attrs.get(ATTRS_KEY)
     if not isinstance(meta, Mapping):
         raise NotAStoreError(f"{where} is a Zarr group but not a her_store store (no {ATTRS_KEY!r} attribute)")
     version = meta.get("format_version")
-    if not isinstance(version, int):
-        raise CorruptStoreError(f"{where}: attribute {ATTRS_KEY}.format_version is {version!r}, expected an integer")
+    if not _is_count(version) or version < 1:
+        raise CorruptStoreError(
+            f"{where}: attribute {ATTRS_KEY}.format_version is {short_repr(version)}, expected an integer >= 1"
+        )
     if version > FORMAT_VERSION:
         raise FormatVersionError(
             f"{where} has format version {version}; this her_store reads versions up to {FORMAT_VERSION}: "
             "upgrade her_store (pip install -U her_store)"
         )
     return dict(meta)
+
+
+def parse_attrs(meta: Mapping[str, Any], where: str) -> StoreAttrs:
+    """Check every her_store attribute (FORMAT.md, Root attributes) and return what the store uses.
+
+    Parameters
+    ----------
+    meta : mapping
+        ``attributes["her_store"]`` of the root group.
+    where : str
+        The file they were read from, for messages.
+
+    Raises
+    ------
+    CorruptStoreError
+        Naming the attribute, the value found and what was expected.
+    """
+    missing = [k for k in ("schema", "layout", "capacity", "index_slots", "metadata", "created_at") if k not in meta]
+    if missing:
+        raise CorruptStoreError(f"{where}: attributes {ATTRS_KEY}.{missing} are missing; see FORMAT.md")
+    capacity, slots = meta["capacity"], meta["index_slots"]
+    if capacity is not None and not (_is_count(capacity) and capacity >= 1):
+        raise CorruptStoreError(
+            f"{where}: {ATTRS_KEY}.capacity is {short_repr(capacity)}, expected null or an integer >= 1"
+        )
+    ring = capacity is not None and _is_count(slots) and slots >= capacity
+    if not (ring or (capacity is None and slots is None)):
+        raise CorruptStoreError(
+            f"{where}: {ATTRS_KEY}.index_slots is {short_repr(slots)} with capacity {capacity}, expected null for an "
+            "unbounded store, else an integer >= capacity"
+        )
+    if not isinstance(meta["metadata"], Mapping):
+        raise CorruptStoreError(f"{where}: {ATTRS_KEY}.metadata is {short_repr(meta['metadata'])}, expected an object")
+    created = meta["created_at"]
+    if not (isinstance(created, (int, float)) and not isinstance(created, bool) and math.isfinite(created)):
+        raise CorruptStoreError(f"{where}: {ATTRS_KEY}.created_at is {short_repr(created)}, expected unix seconds")
+    try:
+        schema = Schema.from_json(meta["schema"])
+    except SchemaMismatchError as e:
+        raise CorruptStoreError(f"{where}: {ATTRS_KEY}.schema is invalid: {e}") from e
+    return StoreAttrs(schema, Layout.from_json(meta["layout"], schema, where), capacity, slots)
+
+
+def check_array(
+    array: Any, dtype: np.dtype, row_shape: tuple[int, ...], chunk_rows: int | None, raw: bool, where: str
+) -> None:
+    """Check a Zarr array's own metadata against what the layout says it is, before any row is read or written.
+
+    Row access trusts ``dtype``, the row shape and ``chunk_rows`` (``None``: any positive number of rows, as
+    for index columns), and finds chunks by the default ``/`` key encoding; a ``raw`` array is read and written
+    as bare little-endian chunk files, so it must have no codec but ``bytes``.
+    """
+    if not isinstance(array, zarr.Array):
+        raise CorruptStoreError(f"{where} is a {type(array).__name__}, expected an array")
+    rows = chunk_rows or (array.chunks[0] if array.chunks else 0)
+    if (
+        array.dtype != dtype
+        or len(array.shape) != 1 + len(row_shape)
+        or tuple(array.shape[1:]) != row_shape
+        or tuple(array.chunks) != (rows, *row_shape)
+        or rows < 1
+    ):
+        chunks = f"chunks of {chunk_rows} rows" if chunk_rows else "chunks of whole rows"
+        raise CorruptStoreError(
+            f"{where}: array of dtype {array.dtype}, shape {array.shape} and chunks {array.chunks}; expected dtype "
+            f"{dtype}, rows of shape {row_shape} and {chunks}"
+        )
+    meta = array.metadata
+    if not isinstance(meta, ArrayV3Metadata):
+        raise CorruptStoreError(f"{where}: Zarr v{meta.zarr_format} array metadata, expected v3")
+    encoding = meta.chunk_key_encoding
+    if not isinstance(encoding, DefaultChunkKeyEncoding) or encoding.separator != "/":
+        raise CorruptStoreError(f"{where}: chunk key encoding {encoding!r}, expected the default with '/'")
+    codecs = tuple(meta.codecs)
+    if raw and not (
+        len(codecs) == 1
+        and isinstance(codecs[0], zarr.codecs.BytesCodec)
+        and codecs[0].endian in (None, zarr.codecs.Endian.little)
+    ):
+        raise CorruptStoreError(f"{where}: codecs {codecs!r}, expected only little-endian bytes (uncompressed)")
 
 
 @dataclass(frozen=True)
@@ -212,18 +336,62 @@ class Commit:
 
     @classmethod
     def from_bytes(cls, raw: bytes, where: str) -> Commit:
+        """Parse and check a commit record: exactly the keys of FORMAT.md, its crc32, non-negative integers that
+        agree with each other. Anything else raises CorruptStoreError (FormatVersionError for a newer format)."""
+        names = [f.name for f in fields(cls)]
         try:
             body = json.loads(raw)
-            crc = body.pop("crc32")
-            ok = crc == zlib.crc32(json.dumps(body, sort_keys=True).encode())
-            version = body.pop("format_version")
-            commit = cls(**{k: int(v) for k, v in body.items()})
-        except (ValueError, KeyError, TypeError, AttributeError) as e:
+        except (ValueError, RecursionError) as e:
             raise CorruptStoreError(f"{where}: commit record {COMMIT_KEY} is unreadable ({e!r}); expected the JSON described in FORMAT.md") from e
-        if not ok:
+        keys = {*names, "format_version", "crc32"}
+        if not isinstance(body, dict) or body.keys() != keys:
+            got = sorted(body) if isinstance(body, dict) else short_repr(body)
+            raise CorruptStoreError(f"{where}: commit record {COMMIT_KEY} has keys {got}, expected {sorted(keys)}")
+        bad = {k: v for k, v in body.items() if not _is_count(v)}
+        if bad:
+            raise CorruptStoreError(
+                f"{where}: commit record {COMMIT_KEY} has {short_repr(bad)}, expected non-negative integers"
+            )
+        crc = body.pop("crc32")
+        if crc != zlib.crc32(json.dumps(body, sort_keys=True).encode()):
             raise CorruptStoreError(f"{where}: commit record {COMMIT_KEY} fails its crc32 check")
+        version = body.pop("format_version")
         if version > FORMAT_VERSION:
             raise FormatVersionError(f"{where}: commit record has format version {version}; this her_store reads up to {FORMAT_VERSION}")
-        if not (0 <= commit.first_episode <= commit.end_episode and 0 <= commit.write_row <= commit.array_rows):
+        commit = cls(**body)
+        live = commit.end_episode - commit.first_episode
+        # every live episode has >= 1 transition and owns its T + 1 rows, disjoint from the others'
+        consistent = 0 <= live <= commit.num_transitions and (live > 0 or commit.num_transitions == 0)
+        fits = commit.num_transitions + live <= commit.array_rows and commit.write_row <= commit.array_rows
+        if not (consistent and fits):
             raise CorruptStoreError(f"{where}: commit record {COMMIT_KEY} is inconsistent: {commit}")
         return commit
+
+    def check_fits(
+        self, capacity: int | None, index_slots: int | None, data_rows: int, index_rows: int, where: str
+    ) -> None:
+        """Check this record against the store's attributes and its arrays' real shapes: every row and index
+        position it makes the store read must exist, whatever the record claims.
+
+        Parameters
+        ----------
+        capacity, index_slots : int or None
+            The store's attributes.
+        data_rows, index_rows : int
+            The smallest first dimension of the data arrays, of the index columns.
+        where : str
+            The record's file, for messages.
+        """
+        problem = None
+        if self.array_rows > data_rows:
+            problem = f"array_rows {self.array_rows} exceeds the {data_rows} rows of the data arrays"
+        elif capacity is None and self.end_episode > index_rows:
+            problem = f"end_episode {self.end_episode} exceeds the {index_rows} rows of the index arrays"
+        elif index_slots is not None and index_slots > index_rows:
+            problem = f"the store's index_slots {index_slots} exceed the {index_rows} rows of the index arrays"
+        elif capacity is not None and self.num_transitions > capacity:
+            problem = f"num_transitions {self.num_transitions} exceeds capacity {capacity}"
+        elif capacity is not None and self.array_rows <= capacity:
+            problem = f"array_rows {self.array_rows} cannot hold an episode of capacity {capacity} transitions"
+        if problem:
+            raise CorruptStoreError(f"{where}: commit record {COMMIT_KEY} does not fit the store: {problem}")

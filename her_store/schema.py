@@ -10,13 +10,21 @@ from typing import Any
 import numpy as np
 from gymnasium import spaces
 
-from her_store.errors import EpisodeValidationError, SchemaMismatchError
+from her_store.errors import EpisodeValidationError, SchemaMismatchError, short_repr
 
 __all__ = ["GOAL_KEYS", "STEP_KEYS", "Field", "Schema", "conform", "space_from_json", "space_to_json"]
 
 GOAL_KEYS = ("observation", "achieved_goal", "desired_goal")
 STEP_KEYS = ("action", "reward", "terminated", "truncated")
 _SUPPORTED = (spaces.Box, spaces.Discrete, spaces.MultiBinary, spaces.MultiDiscrete)
+# Plain numeric dtypes only: a store never holds objects, strings or structured records.
+DTYPES = frozenset(
+    ("bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64", "float16", "float32", "float64")
+)
+# One row of one field; a 4K RGB frame is 25 MB. Bounds what reading a space from a store allocates.
+MAX_ROW_BYTES = 1 << 26
+_INT64_MAX = np.iinfo(np.int64).max
+_MAX_DICT_DEPTH = 8
 
 
 @dataclass(frozen=True)
@@ -86,7 +94,27 @@ def _space_field(name: str, space: spaces.Space, per_step: bool, role: str) -> F
         )
     if isinstance(space, spaces.Discrete):
         return Field(name, np.dtype("<i8"), (), per_step, role)
-    return Field(name, _le(space.dtype), tuple(int(s) for s in space.shape), per_step, role)
+    dtype = np.dtype(space.dtype)
+    return Field(name, _le(dtype), _row_shape(list(space.shape), dtype, f"field {name!r}"), per_step, role)
+
+
+def _row_shape(shape: Any, dtype: np.dtype, what: str) -> tuple[int, ...]:
+    """A field's row shape: positive dimensions, a plain numeric dtype, at most MAX_ROW_BYTES a row."""
+    if dtype.name not in DTYPES:
+        raise SchemaMismatchError(f"{what}: dtype {dtype} is not supported; expected one of {sorted(DTYPES)}")
+    if not isinstance(shape, list) or len(shape) > 32 or not all(_is_int(d) and d >= 1 for d in shape):
+        raise SchemaMismatchError(f"{what}: shape {short_repr(shape)} is not a list of positive integers")
+    if math.prod(shape) * dtype.itemsize > MAX_ROW_BYTES:
+        raise SchemaMismatchError(
+            f"{what}: rows of shape {tuple(shape)} and dtype {dtype} exceed {MAX_ROW_BYTES} bytes, the most a "
+            "field row may hold"
+        )
+    return tuple(shape)
+
+
+def _is_int(v: Any) -> bool:
+    """A JSON integer that fits int64 (bools are not integers here)."""
+    return isinstance(v, (int, np.integer)) and not isinstance(v, bool) and bool(-_INT64_MAX <= v <= _INT64_MAX)
 
 
 def _value_range(space: spaces.Space) -> tuple[Any, Any] | None:
@@ -157,9 +185,11 @@ class Schema:
                 f"field names {clashes} are used twice; observation keys and info keys must differ from "
                 f"each other and from {list(STEP_KEYS)}"
             )
-        bad = [n for n in names if not n or "/" in n or n.startswith("__") or n.startswith(".")]
+        bad = [n for n in names if not n or any(c in n for c in "/\\\0") or n.startswith(("__", "."))]
         if bad:
-            raise SchemaMismatchError(f"field names {bad} cannot be Zarr array names (no '/', no leading '__' or '.')")
+            raise SchemaMismatchError(
+                f"field names {bad} cannot be Zarr array names (no '/', backslash or NUL, no leading '__' or '.')"
+            )
         ag, dg = (observation_space.spaces[k] for k in ("achieved_goal", "desired_goal"))
         if ag.shape != dg.shape or ag.dtype != dg.dtype:
             raise SchemaMismatchError(
@@ -190,12 +220,33 @@ class Schema:
         }
 
     @classmethod
-    def from_json(cls, d: Mapping[str, Any]) -> Schema:
-        return cls(
-            space_from_json(d["observation_space"]),
-            space_from_json(d["action_space"]),
+    def from_json(cls, d: Any) -> Schema:
+        """Inverse of :meth:`to_json`, for JSON read from a store: anything but a valid schema raises
+        SchemaMismatchError naming the value (``fields``, when present, must be the fields of the spaces).
+
+        Examples
+        --------
+        >>> obs = spaces.Dict({k: spaces.Box(-1, 1, (3,)) for k in GOAL_KEYS})
+        >>> Schema.from_json(Schema(obs, spaces.Discrete(2)).to_json()).action_space
+        Discrete(2)
+        """
+        if not isinstance(d, Mapping) or not isinstance(d.get("info_spaces"), Mapping):
+            raise SchemaMismatchError(
+                f"schema {short_repr(d)} is not an object with observation_space, action_space and info_spaces"
+            )
+        if not all(isinstance(k, str) for k in d["info_spaces"]):
+            raise SchemaMismatchError(f"info_spaces keys {short_repr(list(d['info_spaces']))} are not all strings")
+        schema = cls(
+            space_from_json(d.get("observation_space")),
+            space_from_json(d.get("action_space")),
             {k: space_from_json(s) for k, s in d["info_spaces"].items()},
         )
+        if "fields" in d and d["fields"] != [f.to_json() for f in schema.fields]:
+            raise SchemaMismatchError(
+                f"schema fields {short_repr(d['fields'])} are not the fields of its spaces "
+                f"{short_repr([f.to_json() for f in schema.fields])}"
+            )
+        return schema
 
     def check_same(self, other: Schema, where: str) -> None:
         """Raise SchemaMismatchError naming the first difference between two schemas."""
@@ -282,9 +333,37 @@ def _floats_to_json(a: np.ndarray) -> Any:
 
 
 def _floats_from_json(v: Any, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
-    conv = (lambda x: float(x)) if np.issubdtype(dtype, np.floating) else (lambda x: x)
-    arr = np.array([conv(x) for x in v] if isinstance(v, list) else conv(v), dtype=np.float64)
-    return np.broadcast_to(arr, shape).astype(dtype) if arr.ndim == 0 else arr.reshape(shape).astype(dtype)
+    """Bounds written by :func:`_floats_to_json`: one number, or one per element; infinities as strings."""
+    values = v if isinstance(v, list) else [v]
+    if len(values) != (math.prod(shape) if isinstance(v, list) else 1) or not all(
+        _is_number(x) or x in ("inf", "-inf") for x in values
+    ):
+        raise SchemaMismatchError(
+            f"bounds {short_repr(v)} are not a number or {math.prod(shape)} numbers for shape {shape}"
+        )
+    arr = np.array([float(x) for x in values], dtype=np.float64)
+    return arr.reshape(shape).astype(dtype) if isinstance(v, list) else np.broadcast_to(arr[0], shape).astype(dtype)
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _dtype_from_json(v: Any, d: Any) -> np.dtype:
+    if not isinstance(v, str) or v not in DTYPES:
+        raise SchemaMismatchError(f"space {short_repr(d)}: dtype {short_repr(v)} is not one of {sorted(DTYPES)}")
+    return np.dtype(v)
+
+
+def _ints_from_json(v: Any, dtype: np.dtype, d: Any) -> np.ndarray:
+    """MultiDiscrete counts or starts: a (nested) list of integers of a row shape."""
+    arr = np.array(v) if isinstance(v, list) else np.zeros(0, object)
+    if arr.dtype.kind not in "iu" or arr.size == 0:
+        raise SchemaMismatchError(
+            f"MultiDiscrete space {short_repr(d)}: {short_repr(v)} is not a nested list of integers"
+        )
+    _row_shape(list(arr.shape), dtype, f"MultiDiscrete space {short_repr(d)}")
+    return arr
 
 
 def space_to_json(space: spaces.Space) -> dict[str, Any]:
@@ -322,27 +401,47 @@ def space_to_json(space: spaces.Space) -> dict[str, Any]:
     )
 
 
-def space_from_json(d: Mapping[str, Any]) -> spaces.Space:
-    """Inverse of :func:`space_to_json`.
+def space_from_json(d: Any) -> spaces.Space:
+    """Inverse of :func:`space_to_json`. JSON read from a store is untrusted: anything but a valid space of a
+    supported kind raises SchemaMismatchError naming the value, before any array of its shape is allocated.
 
     Examples
     --------
     >>> space_from_json({'type': 'Discrete', 'n': 3, 'start': 0})
     Discrete(3)
     """
-    kind = d.get("type")
+    return _space_from_json(d, 0)
+
+
+def _space_from_json(d: Any, depth: int) -> spaces.Space:
+    kind = d.get("type") if isinstance(d, Mapping) else None
     if kind == "Dict":
-        return spaces.Dict({k: space_from_json(s) for k, s in d["spaces"].items()})
-    if kind == "Box":
-        dtype = np.dtype(d["dtype"])
-        shape = tuple(d["shape"])
-        return spaces.Box(
-            _floats_from_json(d["low"], shape, dtype), _floats_from_json(d["high"], shape, dtype), shape, dtype
-        )
-    if kind == "Discrete":
-        return spaces.Discrete(d["n"], start=d.get("start", 0))
-    if kind == "MultiBinary":
-        return spaces.MultiBinary(d["n"])
-    if kind == "MultiDiscrete":
-        return spaces.MultiDiscrete(np.array(d["nvec"]), dtype=d.get("dtype", "int64"), start=np.array(d["start"]))
-    raise SchemaMismatchError(f"unknown space type {kind!r} in store metadata")
+        subs = d.get("spaces")
+        if not isinstance(subs, Mapping) or not all(isinstance(k, str) for k in subs) or depth >= _MAX_DICT_DEPTH:
+            raise SchemaMismatchError(
+                f"Dict space {short_repr(d)} needs 'spaces', an object of named spaces (nested at most "
+                f"{_MAX_DICT_DEPTH} deep)"
+            )
+        return spaces.Dict({k: _space_from_json(s, depth + 1) for k, s in subs.items()})
+    try:
+        if kind == "Box":
+            dtype = _dtype_from_json(d.get("dtype"), d)
+            shape = _row_shape(d.get("shape"), dtype, f"Box space {short_repr(d)}")
+            low, high = (_floats_from_json(d.get(k), shape, dtype) for k in ("low", "high"))
+            return spaces.Box(low, high, shape, dtype)
+        if kind == "Discrete":
+            n, start = d.get("n"), d.get("start", 0)
+            if not (_is_int(n) and _is_int(start)):
+                raise SchemaMismatchError(f"Discrete space {short_repr(d)}: n and start must be integers")
+            return spaces.Discrete(n, start=start)
+        if kind == "MultiBinary":
+            n = d.get("n")
+            _row_shape([n] if _is_int(n) else n, np.dtype("int8"), f"MultiBinary space {short_repr(d)}")
+            return spaces.MultiBinary(n)
+        if kind == "MultiDiscrete":
+            dtype = _dtype_from_json(d.get("dtype", "int64"), d)
+            nvec, start = _ints_from_json(d.get("nvec"), dtype, d), _ints_from_json(d.get("start"), dtype, d)
+            return spaces.MultiDiscrete(nvec, dtype=dtype, start=start)
+    except (ValueError, TypeError, OverflowError) as e:  # gymnasium's own checks of bounds, counts and dtypes
+        raise SchemaMismatchError(f"{kind} space {short_repr(d)} is invalid: {e}") from e
+    raise SchemaMismatchError(f"unknown space type {short_repr(kind)} in store metadata ({short_repr(d)})")

@@ -21,7 +21,7 @@ import time
 import uuid
 import warnings
 from collections.abc import Mapping
-from typing import Any, cast
+from typing import Any
 
 import fsspec
 import numpy as np
@@ -517,11 +517,6 @@ class RawChunkFile:
             at += take
         return out
 
-    def read_shape(self) -> tuple[int, ...]:
-        """The array's shape as its zarr.json says now."""
-        with open(os.path.join(self.root, self.path, "zarr.json"), "rb") as f:
-            return tuple(json.load(f)["shape"])
-
     def close(self) -> None:
         for fd in self._fds.values():
             os.close(fd)
@@ -575,16 +570,13 @@ class ZarrChunks:
             raise IndexError(f"rows {row0}..{row1} of {self.array.path} past its {self.array.shape[0]} rows")
         return np.asarray(self.array[row0:row1])
 
-    def read_shape(self) -> tuple[int, ...]:
-        return tuple(self.array.shape)
-
     def close(self) -> None:
         self._cache.clear()
 
 
-def chunk_io(location: Location, group: zarr.Group, path: str, compressed: bool) -> RawChunkFile | ZarrChunks:
-    """Row access to one array: raw files for uncompressed local arrays, whole chunks through zarr otherwise."""
-    array = cast(zarr.Array, group[path])
+def chunk_io(location: Location, array: zarr.Array, compressed: bool) -> RawChunkFile | ZarrChunks:
+    """Row access to one array, whose metadata the caller has checked against the layout (it names the files written):
+    raw files for uncompressed local arrays, whole chunks through zarr otherwise."""
     if location.is_local and not compressed:
-        return RawChunkFile(location.root, path, array.dtype, tuple(array.shape[1:]), int(array.chunks[0]))
+        return RawChunkFile(location.root, array.path, array.dtype, tuple(array.shape[1:]), int(array.chunks[0]))
     return ZarrChunks(array.with_config(ZARR_CONFIG), location)

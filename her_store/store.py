@@ -30,6 +30,7 @@ from her_store.errors import (
     SchemaMismatchError,
     StoreError,
     StoreExistsError,
+    short_repr,
 )
 from her_store.format import (
     ATTRS_KEY,
@@ -40,7 +41,9 @@ from her_store.format import (
     ArraySpec,
     Commit,
     Layout,
+    check_array,
     check_attrs,
+    parse_attrs,
 )
 from her_store.index import EpisodeIndex, IndexView
 from her_store.schema import Schema, conform
@@ -62,6 +65,7 @@ Durability = Literal["flush", "fsync"]
 LOCAL_CHUNK_ROWS = 1 << 20
 REMOTE_CHUNK_ROWS = 1 << 13
 INDEX_CHUNK_ROWS = 1 << 16
+INDEX_PIECE_ROWS = 1 << 16  # index rows read at a time at open and refresh, each piece checked before the next
 LOCAL_COMMIT_INTERVAL = 0.1
 REMOTE_COMMIT_INTERVAL = 2.0
 # a ring holds row space for capacity transitions plus one extra row per episode of >= 4 steps on average
@@ -135,6 +139,8 @@ class EpisodeStore:
             raise ValueError(f"mode must be 'r' (read) or 'a' (append), got {mode!r}")
         if durability not in ("flush", "fsync"):
             raise ValueError(f"durability must be 'flush' or 'fsync', got {durability!r}")
+        if location.is_local and os.path.lexists(location.root) and not os.path.isdir(location.root):
+            raise NotAStoreError(f"{location} is a file, not a store directory")
         self._loc = location
         self.mode = mode
         self.durability: Durability = durability
@@ -226,21 +232,24 @@ class EpisodeStore:
             index_chunk = min(index_chunk, slots)
 
         self = cls(loc, "a", durability, commit_interval)
-        try:
-            if loc.is_local:
-                os.makedirs(loc.root, exist_ok=True)
-            else:
-                loc.fs.makedirs(loc.root, exist_ok=True)
-        except (FileExistsError, NotADirectoryError) as e:
-            raise StoreExistsError(f"{loc} exists and is not a directory; a store is a directory (or a prefix)") from e
+        if loc.is_local:
+            os.makedirs(loc.root, exist_ok=True)
+        else:
+            loc.fs.makedirs(loc.root, exist_ok=True)
         self._lock = WriterLock(loc, LOCK_KEY, lease_ttl)
         self._lock.acquire()
         try:
             if loc.exists("zarr.json"):
-                if not _unfinished_create(loc):
+                if loc.exists(COMMIT_KEY):
                     raise StoreExistsError(
-                        f"{loc} already holds a Zarr node; open it with EpisodeStore.open({str(loc)!r}, mode='a') or "
+                        f"{loc} already holds a store; open it with EpisodeStore.open({str(loc)!r}, mode='a') or "
                         "her_store.open_store(...) to resume"
+                    )
+                if not _unfinished_create(loc):
+                    check_attrs(_open_root(loc, read_only=True).attrs.asdict(), str(loc))  # someone else's node?
+                    raise CorruptStoreError(
+                        f"{loc} holds her_store arrays with rows but no commit record {COMMIT_KEY}; it is damaged "
+                        "(nothing there was removed)"
                     )
                 loc.clear(keep=LOCK_KEY)  # nothing was ever committed there: finish the create from scratch
             attrs: dict[str, Any] = {
@@ -309,10 +318,7 @@ class EpisodeStore:
         """
         loc = Location(path_or_url, storage_options)
         self = cls(loc, mode, durability, commit_interval)
-        try:
-            root = zarr.open_group(loc.zarr_store(read_only=mode == "r"), mode="r" if mode == "r" else "r+")
-        except (FileNotFoundError, zarr.errors.GroupNotFoundError, zarr.errors.NodeTypeValidationError) as e:
-            raise NotAStoreError(f"{loc} is not a her_store store (no Zarr group there)") from e
+        root = _open_root(loc, read_only=mode == "r")
         attrs = check_attrs(root.attrs.asdict(), str(loc))
         if mode == "a":
             self._lock = WriterLock(loc, LOCK_KEY, lease_ttl)
@@ -339,15 +345,10 @@ class EpisodeStore:
     def _attach(self, root: zarr.Group, attrs: dict[str, Any], commit: Commit) -> None:
         self._root = root
         self._attrs = attrs
-        try:
-            self.schema = Schema.from_json(attrs["schema"])
-            self.layout = Layout.from_json(attrs["layout"])
-            self.capacity: int | None = attrs["capacity"]
-            slots = attrs["index_slots"]
-        except (KeyError, TypeError, ValueError) as e:
-            raise CorruptStoreError(f"{self._loc}: store attributes are incomplete ({e!r}); see FORMAT.md") from e
-        self._open_io()
+        # every name and number below becomes a file path, an allocation or an index: all are checked first
+        self.schema, self.layout, self.capacity, slots = parse_attrs(attrs, f"{self._loc}/zarr.json")
         self._index = EpisodeIndex(slots)
+        self._open_io()
         self._load_committed(commit)
         self._array_rows = self._commit.array_rows
         if self.mode == "a":
@@ -358,50 +359,101 @@ class EpisodeStore:
             )
 
     def _open_io(self) -> None:
-        """Row access to every array; a reader calls it again when the writer has grown the arrays."""
+        """Row access to every array, each checked against the layout first; a reader calls it again when the
+        writer has grown the arrays."""
         for w in (*self._arrays.values(), *self._index_io.values()):
             w.close()
+        data_rows, index_rows = [], []
         for spec in self.layout.arrays:
-            self._arrays[spec.path] = chunk_io(self._loc, self._root, spec.path, spec.compressed)
-        for name in INDEX_COLUMNS:
-            self._index_io[name] = chunk_io(self._loc, self._root, f"episodes/{name}", False)
-        self._index_rows = int(self._index_io["episode_id"].read_shape()[0])
+            array = self._checked_array(spec.path, spec.dtype, spec.row_shape, spec.chunk_rows, not spec.compressed)
+            self._arrays[spec.path] = chunk_io(self._loc, array, spec.compressed)
+            data_rows.append(array.shape[0])
+        for name, dtype in INDEX_COLUMNS.items():
+            array = self._checked_array(f"episodes/{name}", dtype, (), None, True)
+            self._index_io[name] = chunk_io(self._loc, array, False)
+            index_rows.append(array.shape[0])
+        self._data_rows = min(data_rows)
+        self._index_rows = min(index_rows)
+
+    def _checked_array(
+        self, path: str, dtype: np.dtype, row_shape: tuple[int, ...], chunk_rows: int | None, raw: bool
+    ) -> zarr.Array:
+        where = f"{self._loc}/{path}/zarr.json"
+        try:
+            array = self._root[path]
+        except (KeyError, ValueError, TypeError, AttributeError, OverflowError, RecursionError) as e:  # zarr's parse
+            raise CorruptStoreError(
+                f"{where} is missing or unreadable ({short_repr(e)}); expected the array FORMAT.md describes"
+            ) from e
+        check_array(array, dtype, row_shape, chunk_rows, raw, where)
+        return cast(zarr.Array, array)
 
     def _load_committed(self, commit: Commit) -> None:
-        """Load the index window of a commit. A reader racing a ring writer may read slots the writer reused
-        after that commit: it then retries with the newer commit rather than reporting corruption."""
-        for _ in range(8):
-            self._commit = commit
-            cols = EpisodeIndex.read(self._index_io, self._index.positions(commit.first_episode, commit.end_episode))
-            self._index.load(cols, commit.first_episode, commit.end_episode)
+        """Load the index window of a commit, checked against the arrays and the record; on error the handle keeps
+        what it had. A reader racing a ring writer may read slots the writer reused after that commit: it then
+        retries with the newer commit rather than reporting corruption."""
+        for attempt in range(8):
+            index = EpisodeIndex(self._index.slots)
             try:
-                self._check_index()
-                return
+                self._check_fits(commit)
+                columns = self._read_index(commit.first_episode, commit.end_episode)
+                self._check_index(commit, commit.first_episode, columns, 0)
             except CorruptStoreError:
                 newer = self._read_commit() if self.mode == "r" else commit
-                if newer.generation == commit.generation:
+                if attempt == 7 or newer.generation == commit.generation:
                     raise
                 commit = newer
-        self._check_index()
+            else:
+                index.load(columns, commit.first_episode, commit.end_episode)
+                self._index, self._commit = index, commit
+                return
 
-    def _check_index(self) -> None:
-        idx, c = self._index, self._commit
-        if len(idx) == 0:
-            return
-        ids, starts, lengths = idx.column("episode_id"), idx.column("start_row"), idx.column("length")
-        bad = np.flatnonzero(
-            (ids != np.arange(idx.first, idx.end)) | (lengths < 1) | (starts < 0) | (starts + lengths + 1 > c.array_rows)
-        )
+    def _check_fits(self, commit: Commit) -> None:
+        where = f"{self._loc}/{COMMIT_KEY}"
+        commit.check_fits(self.capacity, self._index.slots, self._data_rows, self._index_rows, where)
+
+    def _read_index(self, first: int, end: int) -> dict[str, np.ndarray]:
+        """Index rows of ids ``[first, end)``, read in pieces whose episode ids must be the expected ones before the
+        next piece is read: a record claiming more episodes than were written fails at the first piece that was
+        never written, rather than allocating for all of them."""
+        pieces = []
+        for a in range(first, end, INDEX_PIECE_ROWS):
+            b = min(a + INDEX_PIECE_ROWS, end)
+            piece = EpisodeIndex.read(self._index_io, self._index.positions(a, b))
+            wrong = np.flatnonzero(piece["episode_id"] != np.arange(a, b))
+            if wrong.size:
+                i = int(wrong[0])
+                raise CorruptStoreError(
+                    f"{self._loc}: the index row of episode {a + i} holds episode_id {int(piece['episode_id'][i])}; "
+                    f"{COMMIT_KEY} records episodes {first}..{end - 1}"
+                )
+            pieces.append(piece)
+        if not pieces:
+            return EpisodeIndex.read(self._index_io, [])
+        return {name: np.concatenate([p[name] for p in pieces]) for name in INDEX_COLUMNS}
+
+    def _check_index(self, commit: Commit, first: int, columns: Mapping[str, np.ndarray], transitions: int) -> None:
+        """Check the index rows of ids ``first, first + 1, ...`` against ``commit`` before they are used: each episode
+        owns ``length + 1`` rows of its own within the committed rows, and their lengths plus ``transitions`` (of
+        the live episodes before ``first``) sum to the record's num_transitions."""
+        starts, lengths = columns["start_row"], columns["length"]
+        # an unbounded store's rows end at write_row; a ring's lie anywhere in its array_rows
+        limit = commit.write_row if self.capacity is None else commit.array_rows
+        ends = starts + lengths + 1
+        bad = np.flatnonzero((lengths < 1) | (starts < 0) | (starts > limit) | (lengths > limit) | (ends > limit))
+        if not bad.size:  # with every row in range, the checks below cannot overflow
+            order = np.argsort(starts, kind="stable")
+            bad = np.sort(order[1:][starts[order[1:]] < ends[order[:-1]]])
         if bad.size:
             i = int(bad[0])
             raise CorruptStoreError(
-                f"{self._loc}: index row of episode {idx.first + i} is inconsistent with {COMMIT_KEY} "
-                f"(episode_id={int(ids[i])}, start_row={int(starts[i])}, length={int(lengths[i])}, "
-                f"array rows={c.array_rows})"
+                f"{self._loc}: the index row of episode {first + i} (start_row={int(starts[i])}, "
+                f"length={int(lengths[i])}) does not fit {COMMIT_KEY}: expected rows of its own below row {limit}"
             )
-        if idx.num_transitions != c.num_transitions:
+        total = transitions + int(lengths.sum())
+        if total != commit.num_transitions:
             raise CorruptStoreError(
-                f"{self._loc}: index lengths sum to {idx.num_transitions} transitions, {COMMIT_KEY} says {c.num_transitions}"
+                f"{self._loc}: index lengths sum to {total} transitions, {COMMIT_KEY} says {commit.num_transitions}"
             )
 
     # -- properties --------------------------------------------------------------------------------------
@@ -582,6 +634,11 @@ class EpisodeStore:
         """Pick up episodes committed since this handle last looked (another process's writer); returns how many.
 
         Cost is proportional to the new episodes, not to the store.
+
+        Raises
+        ------
+        CorruptStoreError
+            The new commit record, or the index rows it names, do not fit the store; the handle keeps what it saw.
         """
         self._require_open()
         if self.mode == "a":
@@ -590,14 +647,19 @@ class EpisodeStore:
         if commit.generation == self._commit.generation:
             return 0
         if commit.array_rows != self._array_rows or (self._index.slots is None and commit.end_episode > self._index_rows):
-            self._root = zarr.open_group(self._loc.zarr_store(read_only=True), mode="r")
+            self._root = _open_root(self._loc, read_only=True)
             self._open_io()
         idx = self._index
         old_end = idx.end
         new = None
         if idx.first <= commit.first_episode <= idx.end <= commit.end_episode:
-            new = EpisodeIndex.read(self._index_io, idx.positions(idx.end, commit.end_episode))
-        if new is not None and np.array_equal(new["episode_id"], np.arange(idx.end, commit.end_episode)):
+            self._check_fits(commit)
+            try:
+                new = self._read_index(idx.end, commit.end_episode)
+                self._check_index(commit, old_end, new, idx.transitions_between(commit.first_episode, old_end))
+            except CorruptStoreError:
+                new = None  # the ring reused those slots while they were read: reload the window below
+        if new is not None:
             idx.extend(new)
             idx.first = commit.first_episode
             self._commit = commit
@@ -811,6 +873,25 @@ def _default_codec(field: Any) -> Any:
     return zarr.codecs.BloscCodec(cname="lz4", clevel=5, shuffle="bitshuffle") if field.is_image else None
 
 
+def _open_root(loc: Location, read_only: bool) -> zarr.Group:
+    """The store's root group. A path holding anything else is not a store; a zarr.json zarr cannot parse is a
+    damaged one."""
+    try:
+        return zarr.open_group(loc.zarr_store(read_only=read_only), mode="r" if read_only else "r+", zarr_format=3)
+    except zarr.errors.ContainsArrayError as e:
+        raise NotAStoreError(f"{loc} holds a Zarr array, not a her_store store (a Zarr group)") from e
+    except (
+        FileNotFoundError,
+        NotADirectoryError,
+        FileExistsError,
+        zarr.errors.GroupNotFoundError,
+        zarr.errors.NodeTypeValidationError,
+    ) as e:
+        raise NotAStoreError(f"{loc} is not a her_store store (no Zarr group there)") from e
+    except (ValueError, TypeError, KeyError, AttributeError, OverflowError, RecursionError) as e:  # zarr's parse
+        raise CorruptStoreError(f"{loc}/zarr.json is not Zarr v3 group metadata ({short_repr(e)})") from e
+
+
 def open_store(
     path_or_url: str | os.PathLike[str],
     observation_space: spaces.Dict | None = None,
@@ -839,9 +920,8 @@ def open_store(
             raise NotAStoreError(f"{loc} holds no store; pass observation_space and action_space to create one")
         try:
             return EpisodeStore.create(path_or_url, observation_space, action_space, **kwargs)
-        except StoreExistsError:
-            if not loc.exists(COMMIT_KEY):  # someone else's Zarr node, not a store created meanwhile
-                raise
+        except StoreExistsError:  # created meanwhile by another process: resume it
+            pass
     open_kw = {k: kwargs[k] for k in ("storage_options", "durability", "commit_interval", "lease_ttl") if k in kwargs}
     store = EpisodeStore.open(path_or_url, mode="a", **open_kw)
     try:
