@@ -19,7 +19,7 @@ from typing import Any, cast
 import numpy as np
 import zarr
 
-from her_store.errors import EpisodeValidationError
+from her_store.errors import EpisodeValidationError, StoreError, StoreLockedError
 from her_store.format import COMMIT_KEY, INDEX_COLUMNS, ArraySpec, Commit, Layout
 from her_store.index import EpisodeIndex
 from her_store.schema import Schema
@@ -105,6 +105,9 @@ class Committer:
         self._stage_row0 = self.head
         self._stage_n = 0  # staged rows, a contiguous run from _stage_row0
         self._last_commit = time.monotonic()
+        # object storage with a fenced lease: commit records are PUT conditionally on the ETag of our last one
+        self._record_etag = location.etag(COMMIT_KEY) if lock.fences_writes else None
+        self._broken: str | None = None  # why this handle can no longer tell what is committed
 
     # -- state ----------------------------------------------------------------------------------------------
     @property
@@ -153,14 +156,15 @@ class Committer:
             if self.due:
                 self.commit()
         except BaseException:
-            # nothing of this episode was committed (a commit record is the last write of a commit), so undo all
-            # of it; evictions already committed stay, and so must those whose index rows were dropped on growth
-            idx.truncate(end)
-            if staged is not None:
-                self._stage_n = staged
-            self.head = head
-            idx.first = max(first, self.commit_record.first_episode, idx.base)
-            raise
+            if self.commit_record.end_episode <= end:
+                # nothing of this episode was committed (a commit record is the last write of a commit), so undo
+                # all of it; evictions already committed stay, and so must those whose index rows were dropped
+                idx.truncate(end)
+                if staged is not None:
+                    self._stage_n = staged
+                self.head = head
+                idx.first = max(first, self.commit_record.first_episode, idx.base)
+            raise  # (an interrupt after the record was in place: the episode is committed, and the interrupt goes on)
         return episode_id
 
     def _place(self, rows: int) -> int:
@@ -224,6 +228,8 @@ class Committer:
         checksummed episodes, and what was staged stays staged.
         """
         idx, old = self.index, self.commit_record
+        if self._broken is not None:
+            raise StoreError(self._broken)
         if not self.pending:
             return  # the record on disk is current
         self.lock.ensure_held()
@@ -235,24 +241,62 @@ class Committer:
             evicted = Commit(
                 gen, first, old.end_episode, old.write_row, idx.transitions_between(first, old.end_episode), old.array_rows
             )
-            self.location.write_atomic(COMMIT_KEY, evicted.to_bytes(), self.fsync)
-            self.commit_record = evicted  # a sampler of this process checks it after reading rows (live_first)
+            self._publish(evicted)  # a sampler of this process checks it after reading rows (live_first)
         if self._stage_n:
             for path, w in self.arrays.items():
                 w.write(self._stage_row0, self._stage[path][: self._stage_n])
         for w in self.arrays.values():
             w.flush(self.fsync)
         if idx.end > old.end_episode:
+            # again before the index: a writer frozen past its lease while writing data rows must not also
+            # replace index chunks that a writer which took over has committed (the record itself is fenced)
+            self.lock.ensure_held()
             self._ensure_index_rows(idx.end)
             idx.write(self.index_io, old.end_episode, idx.end)
             for w in self.index_io.values():
                 w.flush(self.fsync)
         new = Commit(gen + 1, idx.first, idx.end, self.head, idx.num_transitions, self.array_rows)
-        self.location.write_atomic(COMMIT_KEY, new.to_bytes(), self.fsync)
-        self.commit_record = new
-        self._stage_n = 0
-        self._stage_row0 = self.head
-        self._last_commit = time.monotonic()
+        try:
+            self._publish(new)
+        finally:
+            if self.commit_record is new:  # also when an interrupt arrived after the record was in place
+                self._stage_n = 0
+                self._stage_row0 = self.head
+                self._last_commit = time.monotonic()
+
+    def _publish(self, record: Commit) -> None:
+        """Replace the commit record. A write that raised may still have happened (a reply lost on the way back,
+        an interrupt just after the rename): the record is read back, and if it is in place the commit counts, so
+        that no generation or episode id is ever used twice. If that cannot be told, this handle stops writing."""
+        raw = record.to_bytes()
+        try:
+            etag = self.location.write_atomic(COMMIT_KEY, raw, self.fsync, if_match=self._record_etag)
+        except BaseException as e:
+            try:
+                found = self.location.read_bytes(COMMIT_KEY)
+            except BaseException as unknown:
+                self._broken = (
+                    f"{self.location}: a commit record write failed ({e!r}) and reading it back failed too "
+                    f"({unknown!r}), so whether generation {record.generation} was committed is unknown; reopen the "
+                    "store to continue"
+                )
+                raise StoreError(self._broken) from e
+            if found != raw:
+                theirs = None if found is None else Commit.from_bytes(found, str(self.location))
+                if self._record_etag is not None and theirs is not None and theirs != self.commit_record:
+                    raise StoreLockedError(
+                        f"{self.location}: another writer committed since this one's last commit (its lease was "
+                        "lost); this handle commits nothing more"
+                    ) from e
+                raise
+            self.commit_record = record
+            self._record_etag = self.location.etag(COMMIT_KEY) if self._record_etag is not None else None
+            if not isinstance(e, Exception):
+                raise  # an interrupt: the commit happened, and the interrupt goes on
+            return
+        self.commit_record = record
+        if self._record_etag is not None:
+            self._record_etag = etag or self.location.etag(COMMIT_KEY)
 
     def _ensure_index_rows(self, end: int) -> None:
         if self.index.slots is not None or end <= self.index_rows:

@@ -23,7 +23,9 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
+import zarr
 
+from her_store.errors import CorruptStoreError
 from her_store.format import ArraySpec
 from her_store.index import IndexView
 from her_store.storage import chunk_key, drop_page_cache
@@ -114,9 +116,17 @@ def _chunk_decoder(array: Any, spec: ArraySpec) -> Callable[[bytes], np.ndarray]
     else:
         return None
 
+    nbytes = int(np.prod(shape, dtype=np.int64)) * spec.dtype.itemsize
+
     def decode(raw: bytes) -> np.ndarray:
-        data = decompress(raw) if decompress is not None else raw
-        return np.frombuffer(data, spec.dtype).reshape(shape)
+        if decompress is None:
+            if len(raw) != nbytes:
+                raise ValueError(f"{len(raw)} bytes, expected {nbytes}")
+            return np.frombuffer(raw, spec.dtype).reshape(shape)
+        out = np.empty(shape, spec.dtype)
+        # into a buffer of the chunk's own size: a frame whose header claims more is refused, never allocated
+        decompress(raw, out=out.reshape(-1).view(np.uint8))
+        return out
 
     return decode
 
@@ -170,13 +180,19 @@ class CachedArray:
             self._end = max(self._end, end)
 
     def _load(self, chunk: int) -> np.ndarray:
-        if self._decode is not None and self._fetch is not None:
-            raw = self._fetch(chunk_key(self.spec.path, chunk, 1 + len(self.spec.row_shape)))
-            if raw is None:  # never written: fill value
-                return np.zeros((self.chunk_rows, *self.spec.row_shape), self.spec.dtype)
-            return self._decode(raw)
-        r0 = chunk * self.chunk_rows
-        return np.asarray(self.array[r0 : r0 + self.chunk_rows])
+        key = chunk_key(self.spec.path, chunk, 1 + len(self.spec.row_shape))
+        try:
+            if self._decode is not None and self._fetch is not None:
+                raw = self._fetch(key)
+                if raw is None:  # never written: fill value
+                    return np.zeros((self.chunk_rows, *self.spec.row_shape), self.spec.dtype)
+                return self._decode(raw)
+            r0 = chunk * self.chunk_rows
+            if r0 + self.chunk_rows > self.array.shape[0]:  # the writer grew the array since it was opened here
+                self.array = zarr.open_array(self.array.store_path.store, path=self.array.path, mode="r")
+            return np.asarray(self.array[r0 : r0 + self.chunk_rows])
+        except (ValueError, RuntimeError, TypeError) as e:  # what numcodecs and zarr raise for undecodable bytes
+            raise CorruptStoreError(f"chunk {key} cannot be decoded with its array's codecs ({e})") from e
 
     def _chunk(self, chunk: int) -> np.ndarray:
         with self._lock:

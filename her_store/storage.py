@@ -20,6 +20,7 @@ import threading
 import time
 import uuid
 import warnings
+import weakref
 from collections.abc import Mapping
 from typing import Any
 
@@ -29,7 +30,7 @@ import zarr
 import zarr.storage
 from zarr.core.array_spec import ArrayConfigParams
 
-from her_store.errors import StoreLockedError
+from her_store.errors import CorruptStoreError, StoreLockedError
 
 __all__ = ["Location", "WriterLock", "RawChunkFile", "ZarrChunks", "chunk_io", "ZARR_CONFIG"]
 
@@ -83,17 +84,17 @@ class Location:
         except FileNotFoundError:
             return None
 
-    def write_atomic(self, key: str, data: bytes, fsync: bool) -> None:
+    def write_atomic(self, key: str, data: bytes, fsync: bool, if_match: str | None = None) -> str | None:
         """Replace ``key`` so that a reader sees the old or the new bytes, never a mix.
 
         Local: temp file + ``os.replace`` (atomic on POSIX), with fsync of file and directory for power loss. A
         temp file that could not be written whole (a full disk) is removed and never renamed into place.
-        Object storage: a single PUT replaces an object whole.
+        Object storage: a single PUT replaces an object whole; with ``if_match`` only if the object still has that
+        ETag (the PUT fails otherwise). Returns the new object's ETag where the store reports one.
         """
         path = self.key_path(key)
         if not self.is_local:
-            self.fs.pipe_file(path, data)
-            return
+            return _etag_of(self.fs.pipe_file(path, data, **({"IfMatch": if_match} if if_match else {})))
         tmp = f"{path}.{os.getpid()}.tmp"
         try:
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
@@ -112,7 +113,21 @@ class Location:
             try:
                 fsync_file(os.path.dirname(path))
             except OSError as e:  # the new bytes are in place and visible: raising would report a write that happened
-                warnings.warn(f"{path} was replaced but its directory could not be fsync'ed ({e}); it may not survive a power loss", RuntimeWarning, stacklevel=2)
+                warnings.warn(
+                    f"{path} was replaced but its directory could not be fsync'ed ({e}); it may not survive a power loss",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
+        return None
+
+    def etag(self, key: str) -> str | None:
+        """The ETag of an object on object storage (None locally, or when the store reports none)."""
+        if self.is_local:
+            return None
+        try:
+            return self.fs.info(self.key_path(key)).get("ETag")
+        except FileNotFoundError:
+            return None
 
     def holds_chunks(self) -> bool:
         """Whether any chunk of data exists under the location (a key ``.../c/...``, the v3 chunk encoding)."""
@@ -122,15 +137,18 @@ class Location:
 
     def clear(self, keep: str) -> None:
         """Remove everything under the location but ``keep`` (an unfinished create being started again)."""
+        # the root zarr.json goes last: until then, a clear cut short leaves an unfinished create, still recognised
         if self.is_local:
-            for name in os.listdir(self.root):
+            for name in sorted(os.listdir(self.root), key=lambda n: n == "zarr.json"):
                 if name != keep:
                     full = os.path.join(self.root, name)
                     shutil.rmtree(full) if os.path.isdir(full) and not os.path.islink(full) else os.unlink(full)
             return
-        doomed = [k for k in self.fs.find(self.root) if k != self.key_path(keep)]
+        root_meta = self.key_path("zarr.json")
+        doomed = [k for k in self.fs.find(self.root) if k not in (self.key_path(keep), root_meta)]
         if doomed:
             self.fs.rm(doomed)
+        self.fs.rm_file(root_meta)
 
     def exists(self, key: str) -> bool:
         return bool(self.fs.exists(self.key_path(key)))
@@ -252,6 +270,8 @@ class WriterLock:
         self._mutex = threading.Lock()  # the renewal thread and a commit's check both write the lease
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._pid = os.getpid()
+        _LOCKS.add(self)
 
     def _record(self, expires: float | None = None) -> bytes:
         return json.dumps(
@@ -334,6 +354,12 @@ class WriterLock:
             return
         raise StoreLockedError(f"{self.location}: another writer took the stale lease {self.key} first")
 
+    @property
+    def fences_writes(self) -> bool:
+        """Whether this writer holds an object-storage lease on a store that honours If-Match, so that its commit
+        records can be written conditionally too (a writer that lost the lease then cannot replace them)."""
+        return not self.location.is_local and self._etag is not None
+
     def _if_match_honoured(self, path: str) -> bool:
         """Whether the store refuses a PUT whose If-Match names an ETag the lease does not have. S3 does; a store
         that silently ignored it would make every fenced write unconditional, so that is checked, not assumed."""
@@ -360,6 +386,10 @@ class WriterLock:
             h = json.loads(raw or b"")
             if h["host"] == socket.gethostname() and not _pid_alive(int(h["pid"])):
                 return True
+            if h["host"] == socket.gethostname() and int(h["pid"]) == os.getpid():
+                # this process's own lease: stale unless a handle here still holds it (a close whose release
+                # failed leaves one behind, which must not lock this process out for lease_ttl)
+                return not any(lock._held and lock._token == h.get("token") for lock in list(_LOCKS))
             return float(h["expires"]) < time.time()
         except (ValueError, KeyError, TypeError):
             return True
@@ -417,6 +447,16 @@ class WriterLock:
             with self._mutex, contextlib.suppress(Exception):
                 self._renew()
 
+    def _forked(self) -> None:
+        """In a child after fork: the lock is the parent's. Close the inherited flock fd (the flock stays the
+        parent's and is released when the parent dies) and never renew or release the parent's lease."""
+        if self._fd is not None:
+            with contextlib.suppress(OSError):
+                os.close(self._fd)
+            self._fd = None
+        self._held = False
+        self._thread = None
+
     def release(self) -> None:
         """Give the lock or lease up; idempotent. A lease another writer took over is left to it."""
         if self._fd is not None:
@@ -439,8 +479,19 @@ class WriterLock:
             return
         # an expired record rather than a delete: S3 ignores If-Match on DELETE, and a blind delete could remove a
         # lease another writer has just taken. If this write fails, the lease lapses after lease_ttl.
-        with contextlib.suppress(OSError):
+        try:
             fs.pipe_file(path, self._record(expires=0.0), IfMatch=self._etag)
+        except OSError as e:  # closing goes on: the lease lapses by itself, and this process can take it back
+            warnings.warn(
+                f"{self.location}: the writer lease {self.key} could not be released ({e}); other processes can take "
+                f"it over after lease_ttl={self.lease_ttl:g} s",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+
+
+_LOCKS: weakref.WeakSet[WriterLock] = weakref.WeakSet()
+os.register_at_fork(after_in_child=lambda: [lock._forked() for lock in list(_LOCKS) if lock._pid != os.getpid()])
 
 
 def chunk_key(path: str, chunk: int, ndim: int) -> str:
@@ -568,7 +619,10 @@ class ZarrChunks:
     def read(self, row0: int, row1: int) -> np.ndarray:
         if row1 > self.array.shape[0]:
             raise IndexError(f"rows {row0}..{row1} of {self.array.path} past its {self.array.shape[0]} rows")
-        return np.asarray(self.array[row0:row1])
+        try:
+            return np.asarray(self.array[row0:row1])
+        except (ValueError, RuntimeError, TypeError) as e:  # what numcodecs and zarr raise for undecodable bytes
+            raise CorruptStoreError(f"rows {row0}..{row1} of {self.array.path} cannot be decoded ({e})") from e
 
     def close(self) -> None:
         self._cache.clear()

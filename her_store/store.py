@@ -149,6 +149,7 @@ class EpisodeStore:
         if commit_interval is not None:
             self.commit_interval = commit_interval
         self._lock: WriterLock | None = None
+        self._pid = os.getpid()
         self._closed = False
         self._arrays: dict[str, RawChunkFile | ZarrChunks] = {}
         self._index_io: dict[str, RawChunkFile | ZarrChunks] = {}
@@ -507,7 +508,7 @@ class EpisodeStore:
         """The index as this handle should report it: a writer commits what it staged first."""
         self._require_open()
         if self._committer is not None:
-            self._committer.commit()
+            self._writing().commit()
         return self._index
 
     @property
@@ -559,7 +560,7 @@ class EpisodeStore:
         self._require_open()
         w = self._committer
         if w is not None and w.pending and (w.due or w.commit_record.end_episode == w.commit_record.first_episode):
-            w.commit()
+            self._writing().commit()
         return self._index.snapshot(self._committed.end_episode)
 
     @property
@@ -685,6 +686,11 @@ class EpisodeStore:
     def _writing(self) -> Committer:
         """The committer of a handle opened for appending (ReadOnlyStoreError otherwise)."""
         self._require_open()
+        if self._pid != os.getpid():
+            raise StoreError(
+                f"{self.url} was opened for appending by process {self._pid}; a forked child cannot write through "
+                "its handle (two processes would write one store): open the store in the child instead"
+            )
         if self._committer is None:
             raise ReadOnlyStoreError(f"{self.url} is open read-only (mode='r'); open it with mode='a' to append")
         return self._committer
@@ -758,14 +764,14 @@ class EpisodeStore:
         """Commit every staged episode now (and fsync with durability='fsync')."""
         self._require_open()
         if self._committer is not None:
-            self._committer.commit()
+            self._writing().commit()
 
     def close(self) -> None:
         """Commit what is staged, release the writer lock and file handles. Idempotent."""
         if self._closed:
             return
         try:
-            if self._committer is not None:
+            if self._committer is not None and self._pid == os.getpid():  # a forked child leaves the parent's alone
                 self._committer.commit()
         finally:
             for w in (*self._arrays.values(), *self._index_io.values()):

@@ -231,12 +231,17 @@ class StepWriter:
     def _finish_all(self, envs: list[int]) -> list[int]:
         """Append the ended episodes of ``envs``; one the store refuses is dropped, the others are still appended."""
         ids, dropped = [], []
-        for e in envs:
+        for k, e in enumerate(envs):
             try:
                 ids.append(self._finish(e))
             except Exception as err:  # noqa: BLE001  raised below, once every other env's episode is appended
                 dropped.append((e, self._t - int(self._start[e]), err))
                 self._start[e] = self._t
+            except BaseException:
+                # an interrupt: the ended episodes not appended yet are dropped, never merged with the next ones
+                for rest in envs[k:]:
+                    self._start[rest] = self._t
+                raise
         if not dropped:
             return ids
         message = "; ".join(

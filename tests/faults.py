@@ -107,6 +107,8 @@ class WriteFaults:
         self._patch(os, "fsync", p_fsync)
         self._patch(zlocal, "_put", p_put)
         self._patch(s3fs.S3FileSystem, "_pipe_file", p_pipe)
+        # a filesystem instance binds its sync methods (fs.pipe_file) to _pipe_file when it is made: new ones only
+        s3fs.S3FileSystem.clear_instance_cache()
         return self
 
     def _patch(self, owner: Any, name: str, fn: Callable[..., Any]) -> None:
@@ -114,9 +116,12 @@ class WriteFaults:
         setattr(owner, name, fn)
 
     def __exit__(self, *exc: object) -> None:
+        import s3fs
+
         for owner, name, fn in reversed(self._saved):
             setattr(owner, name, fn)
         self._saved.clear()
+        s3fs.S3FileSystem.clear_instance_cache()
 
 
 # -- the workloads ------------------------------------------------------------------------------------------------

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import os
 
 import pytest
 
@@ -14,11 +15,11 @@ from tests.conftest import assert_episode_equal, make_episode
 def _fail_commit_records(monkeypatch, times: int = 1) -> None:
     real, left = Location.write_atomic, {"n": times}
 
-    def write_atomic(self, key, data, fsync):
+    def write_atomic(self, key, data, fsync, if_match=None):
         if key == "commit.json" and left["n"] > 0:
             left["n"] -= 1
             raise OSError(errno.ENOSPC, "No space left on device")
-        return real(self, key, data, fsync)
+        return real(self, key, data, fsync, if_match)
 
     monkeypatch.setattr(Location, "write_atomic", write_atomic)
 
@@ -74,3 +75,61 @@ def test_sampling_a_writers_handle_commits_only_when_due(store_path, fetch):
         assert store._committer.commit_record.generation == generation
         store.commit_interval = 0
         assert len(store.snapshot()) == 50
+
+
+def test_an_interrupt_after_the_record_is_in_place_counts_the_commit(store_path, fetch, monkeypatch):
+    """Ctrl-C arriving just as the rename returns: the episode is committed, so the handle must know it; the
+    next append gets the next id and generation, and a reader sees both episodes intact."""
+    obs, act = fetch
+    eps = [make_episode(obs, act, 4 + i, seed=i) for i in range(3)]
+    store = EpisodeStore.create(store_path, obs, act, commit_interval=0)
+    store.append_episode(eps[0])
+    reader = EpisodeStore.open(store_path)
+    real = os.replace
+
+    def interrupted(src, dst):
+        real(src, dst)
+        monkeypatch.setattr(os, "replace", real)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(os, "replace", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        store.append_episode(eps[1])
+    assert store.append_episode(eps[2]) == 2
+    generation = store.commit_record.generation
+    store.close()
+    assert reader.refresh() == 2 and reader.commit_record.generation == generation
+    for i, e in enumerate(eps):
+        assert_episode_equal(reader.episode(i), e)
+
+
+def test_a_commit_record_write_that_raised_after_it_happened_counts(s3_url, fetch, monkeypatch):
+    """Object storage: the PUT of the record was applied and its reply lost. The append succeeds (the record is
+    read back), and no episode id or generation is used twice."""
+    import s3fs
+
+    url, opts = s3_url
+    obs, act = fetch
+    eps = [make_episode(obs, act, 4 + i, seed=i) for i in range(3)]
+    real, armed = s3fs.S3FileSystem._pipe_file, {"on": False}
+
+    async def reply_lost(self, path, data, *a, **k):
+        out = await real(self, path, data, *a, **k)
+        if armed["on"] and path.endswith("commit.json"):
+            armed["on"] = False
+            raise OSError("connection reset by peer")
+        return out
+
+    monkeypatch.setattr(s3fs.S3FileSystem, "_pipe_file", reply_lost)
+    s3fs.S3FileSystem.clear_instance_cache()  # instances bind their sync methods when made
+    store = EpisodeStore.create(url, obs, act, storage_options=opts, commit_interval=0)
+    store.append_episode(eps[0])
+    armed["on"] = True
+    assert store.append_episode(eps[1]) == 1
+    assert not armed["on"]
+    assert store.append_episode(eps[2]) == 2
+    store.close()
+    with EpisodeStore.open(url, storage_options=opts) as reader:
+        assert reader.end_episode == 3 and reader.commit_record.generation == 3
+        for i, e in enumerate(eps):
+            assert_episode_equal(reader.episode(i), e)

@@ -273,3 +273,62 @@ def test_a_writer_checks_its_lease_before_every_commit(s3_url, fetch):
         assert (store.first_episode, store.end_episode) == (0, 3)
         for i, e in enumerate(eps):
             assert_episode_equal(store.episode(i, verify=True), e)
+
+
+_FROZEN_MID_COMMIT = """
+import json, os, signal, sys
+sys.path.insert(0, sys.argv[3])
+import s3fs
+real = s3fs.S3FileSystem._pipe_file
+armed = [False]
+
+async def pipe(self, path, data, *a, **k):
+    if armed[0] and "/packs/" in path:  # past the commit's lease check, at its first data chunk
+        armed[0] = False
+        print("frozen", flush=True)
+        os.kill(os.getpid(), signal.SIGSTOP)
+    return await real(self, path, data, *a, **k)
+
+s3fs.S3FileSystem._pipe_file = pipe
+from her_store import EpisodeStore, StoreLockedError
+from tests.conftest import fetch_spaces, make_episode
+obs, act = fetch_spaces()
+a = EpisodeStore.open(sys.argv[1], mode="a", storage_options=json.loads(sys.argv[2]), lease_ttl=2.0, commit_interval=100)
+for i in range(2):
+    a.append_episode(make_episode(obs, act, 6, seed=100 + i))
+armed[0] = True
+try:
+    a.flush()
+    print("committed", flush=True)
+except StoreLockedError:
+    print("refused", flush=True)
+"""
+
+
+def test_a_writer_frozen_in_the_middle_of_a_commit_cannot_replace_the_next_writers_commits(s3_url, fetch):
+    """Frozen past its lease after its pre-commit check, writer A resumes inside its commit: the index and the
+    commit record are fenced, so B's commit record stands and the store opens; only rows of the data chunk A was
+    writing can be damaged (FORMAT.md, Locking), and those fail their crc32."""
+    url, opts = s3_url
+    obs, act = fetch
+    first = make_episode(obs, act, 5, seed=0)
+    with EpisodeStore.create(url, obs, act, storage_options=opts) as store:
+        store.append_episode(first)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    a = subprocess.Popen([sys.executable, "-c", _FROZEN_MID_COMMIT, url, json.dumps(opts), root], stdout=subprocess.PIPE, text=True)
+    assert a.stdout.readline().strip() == "frozen"
+    time.sleep(3.0)  # past A's lease_ttl
+    theirs = [make_episode(obs, act, 4, seed=200 + i) for i in range(3)]
+    with EpisodeStore.open(url, mode="a", storage_options=opts, commit_interval=0) as b:
+        assert [b.append_episode(e) for e in theirs] == [1, 2, 3]
+    os.kill(a.pid, signal.SIGCONT)
+    assert a.stdout.readline().strip() == "refused"
+    a.wait(timeout=60)
+    with EpisodeStore.open(url, storage_options=opts) as store:
+        assert store.end_episode == 4 and list(store.episodes["length"]) == [5, 4, 4, 4]
+        assert_episode_equal(store.episode(0), first)
+        for i, e in enumerate(theirs, 1):
+            try:
+                assert_episode_equal(store.episode(i), e)
+            except CorruptStoreError:
+                pass  # rows of the one data chunk A wrote while frozen: found by their crc32

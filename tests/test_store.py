@@ -500,3 +500,72 @@ def test_open_store_refuses_another_codec_for_a_compressed_field(store_path):
     open_store(store_path, obs, act).close()  # images get Blosc-LZ4 by default
     with pytest.raises(SchemaMismatchError, match="is stored with"):
         open_store(store_path, obs, act, compressors={"pixels": numcodecs.Zstd(level=3)})
+
+
+def test_a_forked_child_cannot_write_through_its_parents_handle(store_path, fetch):
+    """fork() after opening a writer (multiprocessing's default on Linux): the child is refused, the parent goes
+    on, and a child that outlives a killed writer does not keep the store locked."""
+    obs, act = fetch
+    store = EpisodeStore.create(store_path, obs, act, commit_interval=0)
+    store.append_episode(make_episode(obs, act, 5, seed=0))
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: report what happened through the pipe, never run the parent's test code
+        try:
+            store.append_episode(make_episode(obs, act, 4, seed=1))
+            os.write(write, b"appended")
+        except BaseException as e:
+            os.write(write, b"refused" if "forked child" in str(e) else repr(e).encode())
+        finally:
+            os._exit(0)
+    os.close(write)
+    assert os.read(read, 1000) == b"refused"
+    os.waitpid(pid, 0)
+    assert store.append_episode(make_episode(obs, act, 6, seed=2)) == 1
+    store.close()
+    with EpisodeStore.open(store_path) as r:
+        assert r.num_episodes == 2
+        assert_episode_equal(r.episode(1), make_episode(obs, act, 6, seed=2))
+    # the writer dies; a forked child of it lingers and must not keep the lock
+    code = (
+        "import os, sys, time\nfrom her_store import EpisodeStore\n"
+        "s = EpisodeStore.open(sys.argv[1], mode='a')\n"
+        "if os.fork() == 0:\n    time.sleep(30); os._exit(0)\n"
+        "print('ready', flush=True); time.sleep(60)\n"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", code, store_path], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "ready"
+    proc.kill()
+    proc.wait()
+    EpisodeStore.open(store_path, mode="a").close()
+
+
+def test_a_restart_of_an_unfinished_create_cut_short_anywhere_still_restarts(store_path, fetch, monkeypatch):
+    """open_store clears an unfinished create before creating anew; a clear cut short at any removal must leave
+    a path that the next open_store restarts (the root zarr.json goes last)."""
+    import shutil
+
+    obs, act = fetch
+    real_rmtree, real_unlink = shutil.rmtree, os.unlink
+    for cut in range(1, 4):
+        EpisodeStore.create(store_path, obs, act).close()
+        os.unlink(os.path.join(store_path, "commit.json"))
+        calls = {"n": 0}
+
+        def removal(real):
+            def remove(path, *a, **k):
+                calls["n"] += 1
+                if calls["n"] == cut:
+                    raise OSError(5, "Input/output error")
+                return real(path, *a, **k)
+
+            return remove
+
+        monkeypatch.setattr(shutil, "rmtree", removal(real_rmtree))
+        monkeypatch.setattr(os, "unlink", removal(real_unlink))
+        with pytest.raises(OSError):
+            open_store(store_path, obs, act)
+        monkeypatch.undo()
+        with open_store(store_path, obs, act) as store:
+            assert store.append_episode(make_episode(obs, act, 3, seed=cut)) == 0
+        real_rmtree(store_path)

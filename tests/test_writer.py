@@ -12,7 +12,7 @@ from gymnasium import spaces
 
 from her_store import EpisodeStore, EpisodeValidationError, StoreError, StoreLockedError
 from her_store.storage import Location
-from tests.conftest import assert_episode_equal, make_episode
+from tests.conftest import assert_episode_equal, fetch_spaces, make_episode
 
 
 def _drive(writer, per_env: list[list[dict]], info_style: str = "list") -> None:
@@ -379,3 +379,43 @@ def test_casts_that_keep_values_are_accepted(store_path):
             got = store.episode(i)
             np.testing.assert_array_equal(got["observation"][0], [np.nan, np.inf])
             assert_episode_equal(got, want)
+
+
+def test_an_interrupt_between_envs_drops_the_ended_episodes_not_yet_appended(tmp_path, monkeypatch):
+    """KeyboardInterrupt while env 1's ended episode is appended: envs 1 and 2 drop theirs (none is merged with
+    the next episode), and the loop can go on."""
+    obs, act = fetch_spaces()
+    store = EpisodeStore.create(str(tmp_path / "s"), obs, act, commit_interval=0)
+    w = store.writer(n_envs=3)
+    rng = np.random.default_rng(0)
+
+    def step(done: bool) -> list[int]:
+        o = {k: rng.standard_normal((3, *s.shape)).astype(np.float32) for k, s in obs.spaces.items()}
+        n = {k: rng.standard_normal((3, *s.shape)).astype(np.float32) for k, s in obs.spaces.items()}
+        a = rng.standard_normal((3, 4)).astype(np.float32)
+        return w.add(o, n, a, np.zeros(3, np.float32), np.zeros(3, bool), np.full(3, done))
+
+    for _ in range(3):
+        step(False)
+    real, calls = EpisodeStore._append_checked, {"n": 0}
+
+    def interrupted(self, *args):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise KeyboardInterrupt
+        return real(self, *args)
+
+    monkeypatch.setattr(EpisodeStore, "_append_checked", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        step(True)
+    monkeypatch.undo()
+    assert list(w.pending_steps) == [0, 0, 0]
+    for _ in range(2):
+        step(False)
+    step(True)
+    store.close()
+    with EpisodeStore.open(str(tmp_path / "s")) as r:
+        for i in range(r.first_episode, r.end_episode):
+            ep = r.episode(i)
+            assert int((ep["terminated"] | ep["truncated"]).sum()) == 1
+        assert sorted(r.episodes["length"].tolist()) == [3, 3, 3, 4]
