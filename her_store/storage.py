@@ -142,7 +142,8 @@ class Location:
             for name in sorted(os.listdir(self.root), key=lambda n: n == "zarr.json"):
                 if name != keep:
                     full = os.path.join(self.root, name)
-                    shutil.rmtree(full) if os.path.isdir(full) and not os.path.islink(full) else os.unlink(full)
+                    with contextlib.suppress(FileNotFoundError):  # a zarr temp file its own cleanup removed first
+                        shutil.rmtree(full) if os.path.isdir(full) and not os.path.islink(full) else os.unlink(full)
             return
         root_meta = self.key_path("zarr.json")
         doomed = [k for k in self.fs.find(self.root) if k not in (self.key_path(keep), root_meta)]
