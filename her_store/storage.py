@@ -492,7 +492,15 @@ class WriterLock:
 
 
 _LOCKS: weakref.WeakSet[WriterLock] = weakref.WeakSet()
-os.register_at_fork(after_in_child=lambda: [lock._forked() for lock in list(_LOCKS) if lock._pid != os.getpid()])
+
+
+def _after_fork_in_child() -> None:
+    for lock in list(_LOCKS):
+        if lock._pid != os.getpid():
+            lock._forked()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def chunk_key(path: str, chunk: int, ndim: int) -> str:

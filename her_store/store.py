@@ -849,7 +849,7 @@ def _check_creation_options(store: EpisodeStore, options: Mapping[str, Any]) -> 
                 )
         for name, spec in stored.items():
             if "compressors" in options:
-                have = [c.to_dict() for c in cast(zarr.Array, store._root[spec.path]).compressors]
+                have = [cast(Any, c).to_dict() for c in cast(zarr.Array, store._root[spec.path]).compressors]
                 want_codecs = [c.to_dict() for c in codecs[name]]
                 if have != want_codecs:
                     raise SchemaMismatchError(
