@@ -86,6 +86,29 @@ class StepWriter:
         """Steps staged per env for episodes that have not ended yet."""
         return self._t - self._start
 
+    def pending(self, env: int) -> dict[str, np.ndarray]:
+        """A copy of ``env``'s unfinished episode, in the shape :meth:`EpisodeStore.append_episode` takes.
+
+        Observation keys hold ``pending_steps[env] + 1`` rows (the last is that env's ``next_obs`` of the last
+        add), the other fields ``pending_steps[env]`` rows. An env with no staged step gives zero-row arrays (and
+        no observation row).
+
+        Examples
+        --------
+        >>> w.add(obs, next_obs, action, reward, terminated, truncated)  # doctest: +SKIP
+        >>> w.pending(0)["action"].shape  # doctest: +SKIP
+        (1, 4)
+        """
+        if not 0 <= env < self.n_envs:
+            raise IndexError(f"env {env} out of range for a writer of {self.n_envs} envs")
+        s, t = int(self._start[env]), self._t
+        out = {f.name: self._buf[f.name][s:t, env].copy() for f in self._fields}
+        if t > s:
+            last = self._conformed(self._last_next, "the last add's next_obs")
+            for k in self._obs_keys:
+                out[k] = np.concatenate([out[k], last[k][env : env + 1]])
+        return out
+
     def _checked(self, label: str, name: str, value: Any, shape: tuple[int, ...]) -> np.ndarray:
         """The slow path of add: conform a value to its field or refuse it with the field named.
 

@@ -419,3 +419,26 @@ def test_an_interrupt_between_envs_drops_the_ended_episodes_not_yet_appended(tmp
             ep = r.episode(i)
             assert int((ep["terminated"] | ep["truncated"]).sum()) == 1
         assert sorted(r.episodes["length"].tolist()) == [3, 3, 3, 4]
+
+
+def test_pending_gives_each_envs_unfinished_episode_as_append_episode_takes_it(store_path, fetch):
+    obs_space, act_space = fetch
+    eps = [make_episode(obs_space, act_space, 5, seed=s) for s in (1, 2)]
+    with EpisodeStore.create(store_path, obs_space, act_space) as store:
+        w = store.writer(n_envs=2)
+        assert all(len(v) == 0 for v in w.pending(0).values())
+        for t in range(3):
+            obs = {k: np.stack([e[k][t] for e in eps]) for k in obs_space.spaces}
+            nxt = {k: np.stack([e[k][t + 1] for e in eps]) for k in obs_space.spaces}
+            col = lambda name: np.stack([e[name][t] for e in eps])  # noqa: E731
+            w.add(obs, nxt, col("action"), col("reward"), col("terminated"), col("truncated"))
+        for env, ep in enumerate(eps):
+            got = w.pending(env)
+            for k in obs_space.spaces:
+                np.testing.assert_array_equal(got[k], ep[k][:4])
+            for k in ("action", "reward", "terminated", "truncated"):
+                np.testing.assert_array_equal(got[k], ep[k][:3])
+        got["action"][:] = 99  # a copy: the staged rows are untouched
+        assert not (w.pending(1)["action"] == 99).any()
+        with pytest.raises(IndexError, match="env 2 out of range"):
+            w.pending(2)
