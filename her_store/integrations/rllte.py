@@ -1,0 +1,306 @@
+"""rllte's HerReplayStorage over the disk store: the same constructor, add, sample and update, episodes on disk.
+
+Steps go to a :class:`~her_store.writer.StepWriter` (an episode is appended when its env reports terminated or
+truncated), batches come from a :class:`~her_store.sampler.HerSampler`. rllte itself need not be installed.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import weakref
+from collections.abc import Mapping, Sequence
+from typing import Any, NamedTuple, Self
+
+import numpy as np
+import torch
+from gymnasium import spaces
+
+from her_store.relabel import GoalStrategy, parse_strategy
+from her_store.sampler import HerSampler, RewardFn
+from her_store.store import EpisodeStore, open_store
+from her_store.writer import StepWriter
+
+__all__ = ["HerReplayBatch", "HerReplayStorage"]
+
+
+class HerReplayBatch(NamedTuple):
+    """One batch, with the fields of rllte's ``DictReplayBatch``: float32 tensors on the storage's device.
+
+    ``observations`` and ``next_observations`` map each observation key to ``(B, *shape)``; ``actions`` is
+    ``(B, *action shape)``; ``rewards``, ``terminateds`` and ``truncateds`` are ``(B, 1)``.
+    """
+
+    observations: dict[str, torch.Tensor]
+    actions: torch.Tensor
+    rewards: torch.Tensor
+    terminateds: torch.Tensor
+    truncateds: torch.Tensor
+    next_observations: dict[str, torch.Tensor]
+
+
+def _as_numpy(x: Any) -> np.ndarray:
+    """A tensor (on any device) or array-like as a numpy array."""
+    if isinstance(x, torch.Tensor):
+        return x.detach().cpu().numpy()
+    return np.asarray(x)
+
+
+def _as_flags(x: Any, name: str) -> np.ndarray:
+    """Termination flags as bool: rllte's envs hand them over as float tensors of 0.0 and 1.0."""
+    a = _as_numpy(x)
+    if a.dtype == bool:
+        return a
+    if not np.issubdtype(a.dtype, np.number) or not np.isin(a, (0, 1)).all():
+        raise ValueError(f"{name} must hold booleans or 0/1 (one per env), got {np.array2string(a, threshold=8)}")
+    return a != 0
+
+
+def _remove_store(sampler: HerSampler, store: EpisodeStore, tmpdir: str | None) -> None:
+    """Release the sampler and the store (committing what is staged); remove a temporary store's directory."""
+    try:
+        sampler.close()
+        store.close()
+    finally:
+        if tmpdir is not None:
+            shutil.rmtree(tmpdir, ignore_errors=True)
+
+
+class HerReplayStorage:
+    """rllte's ``HerReplayStorage`` with the episodes in a her_store store on disk.
+
+    The constructor, :meth:`add`, :meth:`sample` and :meth:`update` take what rllte's take; ``path`` makes the
+    storage persistent (an existing store there is resumed). Beyond rllte: the default ``reward_fn`` is the
+    ``compute_reward`` of the env the store's metadata names, the ``"random"`` strategy works, infos are kept
+    per env, and the data outlives the process.
+
+    Parameters
+    ----------
+    observation_space : gymnasium.spaces.Dict
+        With ``observation``, ``achieved_goal`` and ``desired_goal``.
+    action_space : gymnasium.spaces.Space
+        Box, Discrete, MultiBinary or MultiDiscrete.
+    device : str
+        Where sampled batches go.
+    storage_size : int
+        Capacity in transitions, summed over envs (rllte keeps ``storage_size`` per env): a ring that evicts the
+        oldest whole episodes. Fixed when the store is created; resuming a store needs the same value.
+    num_envs : int
+        Environments stepped together; each :meth:`add` carries one step of each.
+    batch_size : int
+        Transitions per :meth:`sample`.
+    goal_selection_strategy : {"future", "final", "episode", "random"} or callable
+        As :class:`~her_store.sampler.HerSampler`: SB3's formulas; ``random`` takes the achieved goal of any
+        stored transition.
+    num_goals : int
+        Relabelled transitions per real one: ``her_ratio = 1 - 1 / (num_goals + 1)``.
+    reward_fn : callable, optional
+        ``reward_fn(achieved_goal, desired_goal, infos)`` -> ``(n,)`` or ``(n, 1)`` rewards, vectorised
+        (``env.unwrapped.compute_reward``). Default: ``compute_reward`` of ``metadata["env_id"]`` when that id is
+        registered in this process; otherwise the constructor raises StoreError saying to pass one.
+    copy_info_dict : bool
+        Hand ``reward_fn`` one dict per relabelled transition holding its stored ``info_keys``.
+    path : str or PathLike, optional
+        Local directory or fsspec URL of the store. None: a fresh temporary directory, removed by :meth:`close`
+        or when the storage is garbage collected.
+    info_keys : sequence of str, optional
+        Numeric info entries stored per step (e.g. ``["is_success"]``), read from ``infos`` as a list of dicts
+        or a dict of per-env arrays. Default: none for a new store, the stored ones for an existing store.
+    metadata : mapping, optional
+        The store's dataset card, e.g. ``{"env_id": "FetchReach-v4"}`` (which also gives the default reward_fn).
+    storage_options : mapping, optional
+        fsspec options for a URL ``path``.
+    seed : int, optional
+        Seed of the sampler's generator.
+    commit_interval : float, optional
+        Seconds between group commits (see :meth:`EpisodeStore.create`); an ended episode is sampled from once
+        committed.
+
+    Attributes
+    ----------
+    store : EpisodeStore
+        The open store (read it, or hand it to other samplers).
+    writer : StepWriter
+        Assembles the steps of :meth:`add` into episodes.
+    sampler : HerSampler
+        Draws the batches of :meth:`sample`.
+
+    Examples
+    --------
+    >>> from her_store.integrations.rllte import HerReplayStorage
+    >>> storage = HerReplayStorage(env.observation_space, env.action_space, device="cuda", num_envs=8,
+    ...                            path="runs/fetch", metadata={"env_id": "FetchReach-v4"})  # doctest: +SKIP
+    >>> storage.add(obs, actions, rewards, terminateds, truncateds, infos, next_obs)  # doctest: +SKIP
+    >>> batch = storage.sample()  # doctest: +SKIP
+    >>> batch.observations["desired_goal"].shape, batch.rewards.shape  # doctest: +SKIP
+    (torch.Size([1024, 3]), torch.Size([1024, 1]))
+    """
+
+    def __init__(
+        self,
+        observation_space: spaces.Dict,
+        action_space: spaces.Space,
+        device: str | torch.device = "cpu",
+        storage_size: int = 1_000_000,
+        num_envs: int = 1,
+        batch_size: int = 1024,
+        goal_selection_strategy: GoalStrategy = "future",
+        num_goals: int = 4,
+        reward_fn: RewardFn | None = None,
+        copy_info_dict: bool = False,
+        path: str | os.PathLike[str] | None = None,
+        *,
+        info_keys: Sequence[str] | None = None,
+        metadata: Mapping[str, Any] | None = None,
+        storage_options: Mapping[str, Any] | None = None,
+        seed: int | None = None,
+        commit_interval: float | None = None,
+    ) -> None:
+        # checked before anything is created on disk
+        parse_strategy(goal_selection_strategy)
+        for name, value in (("num_envs", num_envs), ("batch_size", batch_size)):
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if isinstance(num_goals, bool) or not isinstance(num_goals, (int, np.integer)) or num_goals < 0:
+            raise ValueError(f"num_goals must be an int >= 0, got {num_goals!r}")
+        if reward_fn is not None and not callable(reward_fn):
+            raise TypeError(f"reward_fn must be callable(achieved_goal, desired_goal, infos), got {reward_fn!r}")
+        self.device = torch.device(device)
+        self.num_envs = int(num_envs)
+        self.batch_size = int(batch_size)
+        self.copy_info_dict = copy_info_dict
+        tmpdir = tempfile.mkdtemp(prefix="her_store-") if path is None else None
+        options: dict[str, Any] = {"capacity": storage_size, "storage_options": storage_options}
+        if info_keys is not None:
+            options["info_keys"] = list(info_keys)
+        if metadata is not None:
+            options["metadata"] = dict(metadata)
+        if commit_interval is not None:
+            options["commit_interval"] = commit_interval
+        try:
+            self.store = open_store(
+                os.path.join(tmpdir, "store") if tmpdir is not None else path, observation_space, action_space,
+                **options,
+            )
+        except BaseException:
+            if tmpdir is not None:
+                shutil.rmtree(tmpdir, ignore_errors=True)
+            raise
+        try:
+            if copy_info_dict and not self.store.info_keys:
+                raise ValueError(
+                    "copy_info_dict=True hands reward_fn the stored info entries, and the store keeps none: name them "
+                    "with info_keys=[...] when the store is created"
+                )
+            self.writer: StepWriter = self.store.writer(self.num_envs)
+            self.sampler = HerSampler(
+                self.store, self.batch_size, n_sampled_goal=int(num_goals),
+                goal_selection_strategy=goal_selection_strategy, reward_fn=reward_fn, device=self.device, seed=seed,
+                copy_info_dict=copy_info_dict,
+            )
+        except BaseException:
+            self.store.close()
+            if tmpdir is not None:
+                shutil.rmtree(tmpdir, ignore_errors=True)
+            raise
+        self.path = self.store.url
+        self._temporary = tmpdir is not None
+        self._finalizer = weakref.finalize(self, _remove_store, self.sampler, self.store, tmpdir)
+
+    def add(
+        self,
+        observations: Mapping[str, Any],
+        actions: Any,
+        rewards: Any,
+        terminateds: Any,
+        truncateds: Any,
+        infos: Sequence[Mapping[str, Any]] | Mapping[str, Any] | None,
+        next_observations: Mapping[str, Any],
+    ) -> None:
+        """Add one step of every env (torch tensors on any device, or arrays; ``num_envs`` leading).
+
+        ``next_observations`` holds the terminal observation of envs that ended on this step (rllte's
+        ``real_next_obs``). An env's episode is appended to the store when it is terminated or truncated.
+
+        Raises
+        ------
+        EpisodeValidationError
+            A missing observation key, a wrong shape or a value the store's dtype cannot hold, named by field;
+            nothing was added.
+        ValueError
+            Termination flags that are neither booleans nor 0/1.
+
+        Examples
+        --------
+        >>> storage.add(obs, actions, rewards, terms, truncs, infos, real_next_obs)  # doctest: +SKIP
+        """
+        obs = {k: _as_numpy(v) for k, v in observations.items()} if isinstance(observations, Mapping) else observations
+        nxt = (
+            {k: _as_numpy(v) for k, v in next_observations.items()}
+            if isinstance(next_observations, Mapping)
+            else next_observations
+        )
+        if isinstance(infos, Mapping):
+            infos = {k: _as_numpy(v) if isinstance(v, torch.Tensor) else v for k, v in infos.items()}
+        self.writer.add(
+            obs, nxt, _as_numpy(actions), _as_numpy(rewards), _as_flags(terminateds, "terminateds"),
+            _as_flags(truncateds, "truncateds"), infos,
+        )
+
+    def sample(self, step: int | None = None) -> HerReplayBatch:
+        """One batch of ``batch_size`` transitions from the committed episodes (``step`` is accepted, unused).
+
+        The first ``int(her_ratio * batch_size)`` rows are relabelled (rllte puts them last); their rewards are
+        recomputed with ``reward_fn``.
+
+        Raises
+        ------
+        StoreError
+            No episode has ended yet (rllte raises RuntimeError then).
+
+        Examples
+        --------
+        >>> batch = storage.sample(step)  # doctest: +SKIP
+        >>> q = critic(batch.observations, batch.actions)  # doctest: +SKIP
+        """
+        b = self.sampler.sample()
+        return HerReplayBatch(
+            observations={k: v.float() for k, v in b.observations.items()},
+            actions=b.actions.float(),
+            rewards=b.rewards,
+            terminateds=b.terminated,
+            truncateds=b.truncated,
+            next_observations={k: v.float() for k, v in b.next_observations.items()},
+        )
+
+    def update(self, *args: Any, **kwargs: Any) -> None:
+        """Nothing to update (rllte calls it after each gradient step)."""
+
+    def close(self) -> None:
+        """Store the unfinished episodes as truncated (a persistent store), commit, release the store.
+
+        A temporary store's directory is removed. Idempotent.
+
+        Examples
+        --------
+        >>> storage.close()  # doctest: +SKIP
+        """
+        if not self._finalizer.alive:
+            return
+        try:
+            if not self._temporary:
+                self.writer.flush_partial()
+        finally:
+            self._finalizer()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        where = "temporary" if self._temporary else repr(self.path)
+        return f"HerReplayStorage({where}, num_envs={self.num_envs}, batch_size={self.batch_size})"
+
