@@ -1,0 +1,317 @@
+"""The simple HER API (store_transition / sample / len over flat state vectors) with real hindsight relabelling.
+
+Flat states become the store's goal-style observations: ``observation`` is the state, ``achieved_goal`` its first
+``goal_dim`` entries, ``desired_goal`` the goal. Episodes are delimited by ``done`` and kept in a store on disk
+(through :class:`~her_store.integrations.rllte.HerReplayStorage`); batches are relabelled with the future strategy
+by :class:`~her_store.sampler.HerSampler`, the unfinished episode in the same way.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from collections.abc import Callable, Mapping
+from typing import Any, Self
+
+import numpy as np
+import torch
+from gymnasium import spaces
+
+from her_store.errors import NotAStoreError, SchemaMismatchError
+from her_store.integrations.rllte import HerReplayStorage, _as_flags, _as_numpy
+from her_store.relabel import GoalSelectionStrategy, select_goal_steps
+from her_store.sampler import RewardFn
+from her_store.store import EpisodeStore
+
+__all__ = ["HindsightExperienceReplay", "goal_reached_reward"]
+
+Batch = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+
+
+def goal_reached_reward(achieved_goal: Any, desired_goal: Any, info: Any = None, *, tolerance: float = 0.05) -> Any:
+    """0 where ``achieved_goal`` is within ``tolerance`` (Euclidean) of ``desired_goal``, else -1; vectorised.
+
+    Examples
+    --------
+    >>> goal_reached_reward(np.array([[0.0, 0.0], [1.0, 0.0]]), np.zeros((2, 2)))
+    array([ 0., -1.], dtype=float32)
+    """
+    d = np.linalg.norm(np.asarray(achieved_goal) - np.asarray(desired_goal), axis=-1)
+    return -(d > tolerance).astype(np.float32)
+
+
+def _vector(x: Any, size: int, name: str, expected: str) -> np.ndarray:
+    """A flat vector of ``size`` entries (a ``(1, size)`` row is accepted too)."""
+    a = _as_numpy(x)
+    if a.shape not in ((size,), (1, size)):
+        raise ValueError(f"{name} has shape {a.shape}, expected {expected}")
+    if not (np.issubdtype(a.dtype, np.floating) or np.issubdtype(a.dtype, np.integer) or a.dtype == bool):
+        raise TypeError(f"{name} has dtype {a.dtype}, expected numbers")
+    return a.reshape(1, size)
+
+
+def _scalar(x: Any, name: str) -> np.ndarray:
+    a = _as_numpy(x)
+    if a.size != 1:
+        raise ValueError(f"{name} must be a single value per transition, got shape {a.shape}")
+    return a.reshape(1)
+
+
+def _checked_rewards(r: Any, n: int) -> np.ndarray:
+    r = np.asarray(r, dtype=np.float32)
+    if r.size != n:
+        raise ValueError(f"reward_fn returned {r.size} values (shape {r.shape}) for {n} transitions; expected (n,)")
+    return r.reshape(n)
+
+
+class HindsightExperienceReplay:
+    """A HER replay buffer over flat state vectors, with the episodes on disk.
+
+    Transitions are grouped into episodes by ``done`` (the step with ``done`` true is an episode's last; its
+    ``next_state`` the episode's final state). Each step's ``state`` is taken to be the previous step's
+    ``next_state``. :meth:`sample` draws transitions uniformly from the stored ones, the unfinished episode
+    included; ``her_ratio = 1 - 1 / (n_sampled_goal + 1)`` of them get as goal the achieved goal of a state
+    reached later in the same episode (the future strategy, SB3's formulas) and a reward recomputed with
+    ``reward_fn``. ``goal_sampling_strategy`` is then applied to the goals; where it changes a goal the reward is
+    recomputed for the goal returned.
+
+    Parameters
+    ----------
+    state_dim, action_dim : int
+        Sizes of the flat state and action vectors.
+    buffer_size : int
+        Capacity in transitions: the oldest whole episodes are evicted first.
+    batch_size : int
+        Transitions per :meth:`sample`.
+    goal_sampling_strategy : callable, optional
+        ``goals -> goals`` on the batch's ``(batch_size, goal_dim)`` tensor of goals (after relabelling).
+    path : str or PathLike, optional
+        Where the store lives; an existing store there is resumed (its episodes are sampled). None: a temporary
+        directory removed by :meth:`close` or garbage collection.
+    reward_fn : callable, optional
+        ``reward_fn(achieved_goal, desired_goal, info)`` -> rewards ``(n,)``, vectorised over ``(n, goal_dim)``
+        arrays (``info`` is a list of empty dicts; an env's ``compute_reward`` fits). Default
+        :func:`goal_reached_reward` with ``tolerance``: 0 when the achieved goal is within ``tolerance`` of the
+        goal, else -1.
+    goal_dim : int, optional
+        Size of the goal. The achieved goal of a state is its first ``goal_dim`` entries (order your state so).
+        Default: the goal's size at the first :meth:`store_transition` (or the size stored at ``path``).
+    n_sampled_goal : int
+        Relabelled transitions per real one (4: 80 % of a batch).
+    tolerance : float
+        Success radius of the default ``reward_fn``.
+    device : str or torch.device
+        Where sampled tensors go.
+    seed : int, optional
+        Seed of the sampling generators.
+    storage_options : mapping, optional
+        fsspec options for a URL ``path``.
+
+    Examples
+    --------
+    >>> her = HindsightExperienceReplay(state_dim=10, action_dim=2, buffer_size=10_000, batch_size=64,
+    ...                                 goal_dim=3)  # doctest: +SKIP
+    >>> her.store_transition(state, action, reward, next_state, done, goal)  # doctest: +SKIP
+    >>> batch = her.sample()  # None until 64 transitions are stored  # doctest: +SKIP
+    >>> states, actions, rewards, next_states, dones, goals = batch  # doctest: +SKIP
+    """
+
+    def __init__(
+        self,
+        state_dim: int,
+        action_dim: int,
+        buffer_size: int,
+        batch_size: int,
+        goal_sampling_strategy: Callable[[torch.Tensor], Any] | None = None,
+        path: str | os.PathLike[str] | None = None,
+        reward_fn: RewardFn | None = None,
+        goal_dim: int | None = None,
+        *,
+        n_sampled_goal: int = 4,
+        tolerance: float = 0.05,
+        device: str | torch.device = "cpu",
+        seed: int | None = None,
+        storage_options: Mapping[str, Any] | None = None,
+    ) -> None:
+        for name, value in (("state_dim", state_dim), ("action_dim", action_dim), ("batch_size", batch_size)):
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if goal_sampling_strategy is not None and not callable(goal_sampling_strategy):
+            raise TypeError(f"goal_sampling_strategy must be a callable goals -> goals, got {goal_sampling_strategy!r}")
+        if reward_fn is not None and not callable(reward_fn):
+            raise TypeError(f"reward_fn must be callable(achieved_goal, desired_goal, info), got {reward_fn!r}")
+        self.state_dim, self.action_dim, self.batch_size = int(state_dim), int(action_dim), int(batch_size)
+        self.buffer_size = buffer_size
+        self.goal_sampling_strategy = goal_sampling_strategy
+        self.reward_fn: RewardFn = reward_fn or functools.partial(goal_reached_reward, tolerance=tolerance)
+        self.path = path
+        self.n_sampled_goal = n_sampled_goal
+        self.her_ratio = 1.0 - 1.0 / (n_sampled_goal + 1)
+        self.device = torch.device(device)
+        self._seed = seed
+        self._storage_options = storage_options
+        self._rng = np.random.default_rng(seed)
+        self.storage: HerReplayStorage | None = None
+        if path is not None:
+            stored = _stored_goal_dim(path, storage_options)
+            if stored is not None:
+                if goal_dim is not None and goal_dim != stored:
+                    raise SchemaMismatchError(f"{path} holds goals of size {stored}, got goal_dim={goal_dim}")
+                goal_dim = stored
+        if goal_dim is not None:
+            self._open(goal_dim)
+
+    @property
+    def goal_dim(self) -> int | None:
+        """Size of the goal (None until the first transition when it was not given)."""
+        return None if self.storage is None else self.storage.store.observation_space["desired_goal"].shape[0]
+
+    def _open(self, goal_dim: Any) -> None:
+        if isinstance(goal_dim, bool) or not isinstance(goal_dim, (int, np.integer)) or not 1 <= goal_dim:
+            raise ValueError(f"goal_dim must be a positive int, got {goal_dim!r}")
+        if goal_dim > self.state_dim:
+            raise ValueError(
+                f"goal_dim={goal_dim} exceeds state_dim={self.state_dim}: the achieved goal of a state is its first "
+                "goal_dim entries"
+            )
+        box = functools.partial(spaces.Box, -np.inf, np.inf, dtype=np.float32)
+        obs = spaces.Dict({"observation": box((self.state_dim,)), "achieved_goal": box((goal_dim,)),
+                           "desired_goal": box((goal_dim,))})
+        self.storage = HerReplayStorage(
+            obs, box((self.action_dim,)), device=self.device, storage_size=self.buffer_size,
+            batch_size=self.batch_size, num_goals=self.n_sampled_goal, reward_fn=self.reward_fn, path=self.path,
+            storage_options=self._storage_options, seed=self._seed,
+            commit_interval=0,  # an ended episode is committed at once, so len() counts it and sample() draws it
+        )
+
+    def store_transition(self, state: Any, action: Any, reward: Any, next_state: Any, done: Any, goal: Any) -> None:
+        """Store one transition; ``done`` ends the episode (it is then appended to the store).
+
+        Vectors may be numpy arrays, torch tensors or lists of shape ``(dim,)`` (or ``(1, dim)``).
+
+        Raises
+        ------
+        ValueError, TypeError
+            A wrong shape or dtype, named; nothing is stored.
+
+        Examples
+        --------
+        >>> her.store_transition(np.zeros(10), np.zeros(2), -1.0, np.ones(10), False, np.ones(3))  # doctest: +SKIP
+        """
+        if self.storage is None:
+            self._open(_as_numpy(goal).size)
+        assert self.storage is not None
+        gd = self.goal_dim
+        sd = f"({self.state_dim},) (state_dim)"
+        s = _vector(state, self.state_dim, "state", sd)
+        ns = _vector(next_state, self.state_dim, "next_state", sd)
+        g = _vector(goal, gd, "goal", f"({gd},) (goal_dim)")
+        a = _vector(action, self.action_dim, "action", f"({self.action_dim},) (action_dim)")
+        r, d = _scalar(reward, "reward"), _as_flags(_scalar(done, "done"), "done")
+        self.storage.add(
+            {"observation": s, "achieved_goal": s[:, :gd], "desired_goal": g}, a, r, d, np.zeros(1, bool), None,
+            {"observation": ns, "achieved_goal": ns[:, :gd], "desired_goal": g},
+        )
+
+    def __len__(self) -> int:
+        """Transitions stored: the committed episodes' and the unfinished episode's."""
+        if self.storage is None:
+            return 0
+        return self.storage.store.snapshot().num_transitions + int(self.storage.writer.pending_steps[0])
+
+    def sample(self) -> Batch | None:
+        """``(states, actions, rewards, next_states, dones, goals)`` of ``batch_size`` transitions, or None.
+
+        float32 tensors on the device: states and next states ``(B, state_dim)``, actions ``(B, action_dim)``,
+        rewards and dones ``(B, 1)``, goals ``(B, goal_dim)``. None until ``batch_size`` transitions are stored.
+
+        Raises
+        ------
+        ValueError
+            ``reward_fn`` or ``goal_sampling_strategy`` returned the wrong number of values or shape.
+
+        Examples
+        --------
+        >>> states, actions, rewards, next_states, dones, goals = her.sample()  # doctest: +SKIP
+        """
+        if self.storage is None:
+            return None
+        committed = self.storage.store.snapshot().num_transitions
+        pending = int(self.storage.writer.pending_steps[0])
+        B = self.batch_size
+        if committed + pending < B:
+            return None
+        n_pending = int(self._rng.binomial(B, pending / (committed + pending)))
+        parts = []
+        if n_pending < B:
+            b = self.storage.sampler.sample(B - n_pending)
+            parts.append((b.observations["observation"].numpy(force=True), b.actions.numpy(force=True),
+                          b.rewards.numpy(force=True).reshape(-1), b.next_observations["observation"].numpy(force=True),
+                          b.dones.numpy(force=True).reshape(-1), b.observations["desired_goal"].numpy(force=True)))
+        if n_pending:
+            parts.append(self._sample_pending(n_pending))
+        states, actions, rewards, next_states, dones, goals = (np.concatenate(c) for c in zip(*parts, strict=True))
+        goals_t = torch.from_numpy(goals)
+        if self.goal_sampling_strategy is not None:
+            goals_t = self._apply_strategy(goals_t, next_states, rewards)
+        t = functools.partial(torch.as_tensor, device=self.device)
+        return (t(states), t(actions), t(rewards.reshape(B, 1)), t(next_states), t(dones.reshape(B, 1)),
+                goals_t.to(self.device))
+
+    def _sample_pending(self, n: int) -> tuple[np.ndarray, ...]:
+        """``n`` transitions of the unfinished episode, the first ``int(her_ratio * n)`` relabelled (future)."""
+        assert self.storage is not None
+        ep = self.storage.writer.pending(0)
+        P = len(ep["action"])
+        t = self._rng.integers(0, P, n)
+        goals = ep["desired_goal"][t]
+        rewards = ep["reward"][t].astype(np.float32)
+        k = int(self.her_ratio * n)
+        if k:
+            j = select_goal_steps(GoalSelectionStrategy.FUTURE, t[:k], np.full(k, P), self._rng)
+            goals[:k] = ep["achieved_goal"][j + 1]
+            rewards[:k] = _checked_rewards(self.reward_fn(ep["achieved_goal"][t[:k] + 1], goals[:k], [{}] * k), k)
+        return (ep["observation"][t], ep["action"][t], rewards, ep["observation"][t + 1],
+                ep["terminated"][t].astype(np.float32), goals)
+
+    def _apply_strategy(self, goals: torch.Tensor, next_states: np.ndarray, rewards: np.ndarray) -> torch.Tensor:
+        """The user's goals -> goals, checked; rewards recomputed (in place) where a goal changed."""
+        assert self.goal_sampling_strategy is not None
+        out = self.goal_sampling_strategy(goals.clone())
+        new = torch.as_tensor(out, dtype=torch.float32).cpu()
+        if new.shape != goals.shape:
+            raise ValueError(f"goal_sampling_strategy returned shape {tuple(new.shape)}, expected {tuple(goals.shape)}")
+        changed = (new != goals).any(dim=1).numpy()
+        if changed.any():
+            n = int(changed.sum())
+            achieved = next_states[changed, : goals.shape[1]]
+            rewards[changed] = _checked_rewards(self.reward_fn(achieved, new.numpy()[changed], [{}] * n), n)
+        return new
+
+    def close(self) -> None:
+        """Store the unfinished episode as truncated (a persistent store), commit, release the store. Idempotent.
+
+        Examples
+        --------
+        >>> her.close()  # doctest: +SKIP
+        """
+        if self.storage is not None:
+            self.storage.close()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _stored_goal_dim(path: str | os.PathLike[str], storage_options: Mapping[str, Any] | None) -> int | None:
+    """Goal size of the store at ``path``, or None when there is none."""
+    try:
+        with EpisodeStore.open(path, "r", storage_options) as store:
+            shape = store.observation_space["desired_goal"].shape
+    except NotAStoreError:
+        return None
+    if shape is None or len(shape) != 1:
+        raise SchemaMismatchError(f"{path} holds goals of shape {shape}; this API stores flat goal vectors")
+    return int(shape[0])
