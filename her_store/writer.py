@@ -147,6 +147,8 @@ class StepWriter:
         terminated: Any,
         truncated: Any,
         infos: Sequence[Mapping[str, Any]] | Mapping[str, Any] | None = None,
+        *,
+        skip: Any = None,
     ) -> list[int]:
         """Stage one step of every env; append the episodes that ended. Returns the ids of appended episodes.
 
@@ -161,6 +163,10 @@ class StepWriter:
             ``(n_envs,)``.
         infos : list of dicts (SB3) or dict of arrays (gymnasium vector envs), optional
             Source of the store's info keys (missing entries are 0).
+        skip : bool array, optional
+            ``(n_envs,)``: envs whose values on this call are no transition, e.g. the step of a gymnasium vector env
+            (next-step autoreset) that resets the envs which ended on the previous step. Only an env between
+            episodes (no pending step) may be skipped; its values must still be valid for the store.
 
         Raises
         ------
@@ -216,14 +222,34 @@ class StepWriter:
             raise
         for name, rows, shape, _ in self._info_slots:
             rows[t][...] = self._checked(f"infos[{name!r}]", name, _info_column(infos, name, self.n_envs), shape)
+        if skip is not None:
+            skip = self._skip_mask(skip, t)
+            terminated, truncated = terminated & ~skip, truncated & ~skip
         ended = (terminated[0] or truncated[0]) if self.n_envs == 1 else (terminated | truncated).any()
-        if not ended:  # next_obs is not read unless an episode ends (or by flush_partial, which checks it then)
-            self._last_next = next_obs
-            self._t = t + 1
-            return []
-        self._last_next = self._conformed(next_obs, "next_obs")
+        # next_obs is not read unless an episode ends (or by flush_partial, which checks it then)
+        self._last_next = self._conformed(next_obs, "next_obs") if ended else next_obs
+        if skip is not None:
+            self._start[skip] = t + 1  # row t of a skipped env belongs to no episode
         self._t = t + 1
+        if not ended:
+            return []
         return self._finish_all([0] if self.n_envs == 1 else np.flatnonzero(terminated | truncated).tolist())
+
+    def _skip_mask(self, skip: Any, t: int) -> np.ndarray:
+        """``skip`` as a bool mask of the envs, refused if it is no such mask or names an env with pending steps."""
+        mask = np.asarray(skip)
+        if mask.shape != (self.n_envs,) or mask.dtype != np.bool_:
+            raise EpisodeValidationError(
+                f"skip must be a bool array of shape ({self.n_envs},), got {mask.dtype} {mask.shape}"
+            )
+        busy = np.flatnonzero(mask & (self._start < t))
+        if busy.size:
+            e = int(busy[0])
+            raise EpisodeValidationError(
+                f"skip names env {e}, which has {t - int(self._start[e])} pending steps; only an env between "
+                "episodes can skip a step"
+            )
+        return mask
 
     def _require_keys(self, label: str, m: Any) -> None:
         """Refuse an obs or next_obs that is no mapping or lacks an observation key (naming which)."""
@@ -291,19 +317,36 @@ class StepWriter:
         self.episode_ids.append(episode_id)
         return episode_id
 
-    def flush_partial(self) -> list[int]:
+    def flush_partial(self, envs: Sequence[int] | None = None) -> list[int]:
         """End every unfinished episode as truncated at its last step (what SB3's truncate_last_trajectory does).
 
         The final observation is the ``next_obs`` of that env's last add. Returns the appended episode ids.
         Raises as :meth:`add` does: if that ``next_obs`` is refused nothing changes; an episode the store cannot
         append is dropped.
+
+        Parameters
+        ----------
+        envs : sequence of int, optional
+            Only these envs' episodes (e.g. the envs a vector env resets); default every env.
+
+        Examples
+        --------
+        >>> w.flush_partial(envs=[0, 2])  # doctest: +SKIP
+        [7, 8]
         """
-        envs = np.flatnonzero(self._t > self._start).tolist()
-        if not envs:
+        chosen = np.ones(self.n_envs, bool)
+        if envs is not None:
+            chosen[:] = False
+            for e in envs:
+                if isinstance(e, (bool, np.bool_)) or not isinstance(e, (int, np.integer)) or not 0 <= e < self.n_envs:
+                    raise IndexError(f"env {e!r} out of range for a writer of {self.n_envs} envs")
+                chosen[e] = True
+        ending = np.flatnonzero(chosen & (self._t > self._start)).tolist()
+        if not ending:
             return []
         self._last_next = self._conformed(self._last_next, "the last add's next_obs")
-        self._buf["truncated"][self._t - 1, envs] = True
-        return self._finish_all(envs)
+        self._buf["truncated"][self._t - 1, ending] = True
+        return self._finish_all(ending)
 
 
 def _arrays(m: Any) -> Any:

@@ -442,3 +442,71 @@ def test_pending_gives_each_envs_unfinished_episode_as_append_episode_takes_it(s
         assert not (w.pending(1)["action"] == 99).any()
         with pytest.raises(IndexError, match="env 2 out of range"):
             w.pending(2)
+
+
+
+def _step(eps, t):
+    """obs, next_obs and the per-step columns of step ``t[e]`` of each env's episode ``eps[e]``."""
+    keys = [k for k in eps[0] if len(eps[0][k]) == len(eps[0]["action"]) + 1]
+    obs = {k: np.stack([ep[k][s] for ep, s in zip(eps, t)]) for k in keys}
+    nxt = {k: np.stack([ep[k][s + 1] for ep, s in zip(eps, t)]) for k in keys}
+    col = lambda name: np.stack([ep[name][s] for ep, s in zip(eps, t)])
+    return obs, nxt, col("action"), col("reward"), col("terminated"), col("truncated")
+
+
+def test_skip_leaves_an_env_between_episodes_out_of_that_step(store_path, fetch):
+    obs_space, act_space = fetch
+    a, b, c = (make_episode(obs_space, act_space, T, seed=s) for T, s in ((2, 1), (4, 2), (3, 3)))
+    # env 0: episode a, a skipped step (a vector env's autoreset step: it repeats a's last values), episode c;
+    # env 1: episode b, then skipped steps. Skipped values must not reach any episode.
+    plan = [((a, 0), (b, 0), False, False), ((a, 1), (b, 1), False, False), ((a, 1), (b, 2), True, False),
+            ((c, 0), (b, 3), False, False), ((c, 1), (b, 3), False, True), ((c, 2), (b, 3), False, True)]
+    with EpisodeStore.create(store_path, obs_space, act_space) as store:
+        w = store.writer(n_envs=2)
+        ids = []
+        for (e0, t0), (e1, t1), skip0, skip1 in plan:
+            ids += w.add(*_step([e0, e1], [t0, t1]), skip=np.array([skip0, skip1]))
+        assert ids == [0, 1, 2] and w.pending_steps.tolist() == [0, 0]
+        for i, want in enumerate((a, b, c)):
+            assert_episode_equal(dict(store.episode(i)), want)
+
+
+def test_skip_is_refused_for_an_env_in_an_episode_and_for_a_bad_mask(store_path, fetch):
+    obs_space, act_space = fetch
+    a, b = (make_episode(obs_space, act_space, 3, seed=s) for s in (1, 2))
+    with EpisodeStore.create(store_path, obs_space, act_space) as store:
+        w = store.writer(n_envs=2)
+        w.add(*_step([a, b], [0, 0]))
+        with pytest.raises(EpisodeValidationError, match="skip names env 1, which has 1 pending steps"):
+            w.add(*_step([a, b], [1, 1]), skip=np.array([False, True]))
+        for bad in (np.array([1, 0]), np.array([True]), np.ones((2, 1), bool)):
+            with pytest.raises(EpisodeValidationError, match=r"skip must be a bool array of shape \(2,\)"):
+                w.add(*_step([a, b], [1, 1]), skip=bad)
+        assert w.pending_steps.tolist() == [1, 1]  # nothing refused was staged
+        w.add(*_step([a, b], [1, 1]), skip=np.array([False, False]))
+        assert w.add(*_step([a, b], [2, 2])) == [0, 1]
+        assert_episode_equal(dict(store.episode(0)), a)
+        assert_episode_equal(dict(store.episode(1)), b)
+
+
+def test_flush_partial_of_some_envs_leaves_the_others_running(store_path, fetch):
+    obs_space, act_space = fetch
+    eps = [make_episode(obs_space, act_space, 4, seed=s) for s in (1, 2, 3)]
+    with EpisodeStore.create(store_path, obs_space, act_space) as store:
+        w = store.writer(n_envs=3)
+        for t in range(2):
+            w.add(*_step(eps, [t, t, t]))
+        for bad in ([3], [-1], [True], [0.0]):
+            with pytest.raises(IndexError, match="out of range for a writer of 3 envs"):
+                w.flush_partial(envs=bad)
+        assert w.flush_partial(envs=[1]) == [0]
+        assert w.pending_steps.tolist() == [2, 0, 2]
+        cut = {k: v[:3] if len(v) == 5 else v[:2].copy() for k, v in eps[1].items()}
+        cut["truncated"][-1] = True
+        assert_episode_equal(dict(store.episode(0)), cut)
+        for t in range(2, 4):
+            w.add(*_step(eps, [t, t, t]), skip=np.array([False, True, False]))
+        store.flush()
+        assert store.num_episodes == 3
+        assert_episode_equal(dict(store.episode(1)), eps[0])
+        assert_episode_equal(dict(store.episode(2)), eps[2])
