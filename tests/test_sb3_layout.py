@@ -1,0 +1,196 @@
+"""sb3_layout: a store's episodes materialised in SB3's HerReplayBuffer layout, checked against SB3's own buffer."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from gymnasium import spaces
+from stable_baselines3.her import HerReplayBuffer
+
+from her_store import EpisodeStore, open_store
+from her_store.integrations.sb3_layout import SB3Arrays, sb3_arrays
+from tests.conftest import fetch_spaces, make_episode, random_rows
+
+FIELDS = ("actions", "rewards", "dones", "timeouts", "ep_start", "ep_length")
+
+
+def _run(path, obs_space, act_space, n_envs, n_steps, buffer_size, seed, *, capacity=None, handle_timeout=True):
+    """Step SB3's HerReplayBuffer and a store's StepWriter with the same random steps; return both."""
+    rng = np.random.default_rng(seed)
+    sb3 = HerReplayBuffer(
+        buffer_size * n_envs,
+        obs_space,
+        act_space,
+        env=None,
+        n_envs=n_envs,
+        handle_timeout_termination=handle_timeout,
+    )
+    store = open_store(path, obs_space, act_space, capacity=capacity)
+    writer = store.writer(n_envs)
+    obs = {k: random_rows(s, n_envs, rng) for k, s in obs_space.spaces.items()}
+    for _ in range(n_steps):
+        nxt = {k: random_rows(s, n_envs, rng) for k, s in obs_space.spaces.items()}
+        action = random_rows(act_space, n_envs, rng)
+        reward = rng.standard_normal(n_envs).astype(np.float32)
+        done = rng.random(n_envs) < 0.15
+        timeout = done & (rng.random(n_envs) < 0.5)
+        infos = [{"TimeLimit.truncated": bool(t)} for t in timeout]
+        sb3.add({k: v.copy() for k, v in obs.items()}, nxt, action.copy(), reward, done, infos)
+        writer.add(obs, nxt, action, reward, done & ~timeout, timeout, infos)
+        obs = {k: random_rows(s, n_envs, rng) for k, s in obs_space.spaces.items()}  # the next episode's reset
+        for k in obs:  # an env that did not end goes on from its next observation
+            obs[k][~done] = nxt[k][~done]
+    return sb3, store, writer
+
+
+def _assert_same(got: SB3Arrays, sb3: HerReplayBuffer, rows: np.ndarray | None = None) -> None:
+    sel = slice(None) if rows is None else rows
+    assert got.pos == sb3.pos and got.full == sb3.full
+    np.testing.assert_array_equal(got.current_ep_start, sb3._current_ep_start)
+    for name in FIELDS:
+        want = getattr(sb3, name)
+        assert getattr(got, name).dtype == want.dtype and getattr(got, name).shape == want.shape, name
+        np.testing.assert_array_equal(getattr(got, name)[sel], want[sel], err_msg=name)
+    for attr in ("observations", "next_observations"):
+        for k, want in getattr(sb3, attr).items():
+            assert getattr(got, attr)[k].dtype == want.dtype and getattr(got, attr)[k].shape == want.shape
+            np.testing.assert_array_equal(getattr(got, attr)[k][sel], want[sel], err_msg=f"{attr}[{k!r}]")
+
+
+@pytest.mark.parametrize(
+    ("n_envs", "n_steps", "buffer_size"),
+    [(1, 60, 200), (3, 60, 200), (1, 137, 16), (3, 137, 16), (3, 64, 16), (2, 90, 5)],
+    ids=["1env", "3envs", "1env-ring", "3envs-ring", "3envs-exact-wrap", "2envs-ring-shorter-than-episodes"],
+)
+def test_every_array_equals_sb3s_own(tmp_path, n_envs, n_steps, buffer_size):
+    obs_space, act_space = fetch_spaces(4, 2, 3)
+    sb3, store, writer = _run(str(tmp_path / "s"), obs_space, act_space, n_envs, n_steps, buffer_size, seed=n_steps)
+    got = sb3_arrays(store, sb3.buffer_size, n_envs, [writer.pending(e) for e in range(n_envs)])
+    _assert_same(got, sb3)
+    assert got.full == (n_steps >= buffer_size)
+    if buffer_size == 5:  # some episodes outlived the ring: SB3's length % buffer_size rule was exercised
+        assert (store.episodes["length"] > 5).any()
+    else:
+        assert (got.ep_length > 0).any()
+    store.close()
+
+
+def test_discrete_actions_and_no_timeout_handling(tmp_path):
+    obs_space, _ = fetch_spaces(4, 2, 3)
+    act_space = spaces.Discrete(5)
+    sb3, store, writer = _run(str(tmp_path / "s"), obs_space, act_space, 2, 50, 20, seed=3, handle_timeout=False)
+    got = sb3_arrays(store, 20, 2, [writer.pending(e) for e in range(2)], handle_timeout_termination=False)
+    _assert_same(got, sb3)
+    assert got.actions.dtype == np.int64 and got.actions.shape == (20, 2, 1)
+    assert not got.timeouts.any() and got.dones.any()
+    store.close()
+
+
+def test_truncate_last_trajectory_matches_flush_partial(tmp_path):
+    """What load_replay_buffer does to SB3's buffer, flush_partial does to the store."""
+    obs_space, act_space = fetch_spaces(4, 2, 3)
+    sb3, store, writer = _run(str(tmp_path / "s"), obs_space, act_space, 3, 41, 16, seed=5)
+    assert writer.pending_steps.any()
+    with pytest.warns(UserWarning, match="truncated"):
+        sb3.truncate_last_trajectory()
+    writer.flush_partial()
+    _assert_same(sb3_arrays(store, 16, 3, [writer.pending(e) for e in range(3)]), sb3)
+    store.close()
+
+
+@pytest.mark.filterwarnings("ignore:The last trajectory")
+def test_a_reopened_store_gives_the_same_arrays(tmp_path):
+    obs_space, act_space = fetch_spaces(4, 2, 3)
+    path = str(tmp_path / "s")
+    sb3, store, writer = _run(path, obs_space, act_space, 2, 70, 24, seed=7)
+    writer.flush_partial()
+    sb3.truncate_last_trajectory()
+    store.close()
+    with EpisodeStore.open(path) as reader:
+        empty = [writer.pending(e) for e in range(2)]
+        _assert_same(sb3_arrays(reader, 24, 2, empty), sb3)
+
+
+@pytest.mark.filterwarnings("ignore:The last trajectory")
+def test_an_evicting_ring_keeps_every_sampleable_row(tmp_path):
+    """A capacity ring evicts whole episodes: rows SB3 can sample are all there when `steps` pins the position."""
+    obs_space, act_space = fetch_spaces(4, 2, 3)
+    n_envs, bs, n_steps = 2, 16, 120
+    sb3, store, writer = _run(
+        str(tmp_path / "s"), obs_space, act_space, n_envs, n_steps, bs, seed=11, capacity=n_envs * bs + 4
+    )
+    assert store.first_episode > 0
+    pending = [writer.pending(e) for e in range(n_envs)]
+    got = sb3_arrays(store, bs, n_envs, pending, steps=n_steps)
+    sampleable = sb3.ep_length > 0
+    np.testing.assert_array_equal(got.ep_length, sb3.ep_length)
+    assert got.pos == sb3.pos and got.full
+    for name in ("actions", "rewards", "dones", "timeouts", "ep_start"):
+        np.testing.assert_array_equal(getattr(got, name)[sampleable], getattr(sb3, name)[sampleable], err_msg=name)
+    for k in obs_space.spaces:
+        np.testing.assert_array_equal(got.next_observations[k][sampleable], sb3.next_observations[k][sampleable])
+    # rows of evicted episodes still in SB3's ring are zeros in the layout, never another episode's data
+    placed = got.rewards != 0
+    np.testing.assert_array_equal(got.rewards[placed], sb3.rewards[placed])
+    assert (sb3.rewards[~placed] != 0).any()
+    store.close()
+
+
+def test_empty_store_and_no_steps(tmp_path, fetch):
+    store = open_store(str(tmp_path / "s"), *fetch)
+    w = store.writer(2)
+    got = sb3_arrays(store, 8, 2, [w.pending(0), w.pending(1)])
+    assert got.pos == 0 and not got.full and not got.ep_length.any()
+    assert got.observations["observation"].shape == (8, 2, 10) and got.actions.shape == (8, 2, 4)
+    store.close()
+
+
+def test_bad_input_is_refused_and_the_store_is_intact(tmp_path, fetch):
+    obs_space, act_space = fetch
+    store = open_store(str(tmp_path / "s"), obs_space, act_space)
+    store.append_episode(make_episode(obs_space, act_space, 5, seed=1))  # appended whole: env_index -1
+    w = store.writer(1)
+    with pytest.raises(ValueError, match=r"env_index -1.*expected 0\.\.0"):
+        sb3_arrays(store, 8, 1, [w.pending(0)])
+    other = open_store(str(tmp_path / "t"), obs_space, act_space)
+    w2 = other.writer(3)
+    ep = make_episode(obs_space, act_space, 2, seed=2)
+    for t in range(2):
+        step = {k: np.repeat(ep[k][t : t + 1], 3, 0) for k in obs_space.spaces}
+        nxt = {k: np.repeat(ep[k][t + 1 : t + 2], 3, 0) for k in obs_space.spaces}
+        w2.add(
+            step,
+            nxt,
+            np.repeat(ep["action"][t : t + 1], 3, 0),
+            np.zeros(3, np.float32),
+            np.array([False, False, t == 1]),
+            np.zeros(3, bool),
+        )
+    pend = [w2.pending(e) for e in range(3)]
+    with pytest.raises(ValueError, match="env_index 2"):
+        sb3_arrays(other, 8, 2, pend[:2])
+    with pytest.raises(ValueError, match="sequence of 3 episodes"):
+        sb3_arrays(other, 8, 3, pend[:2])
+    with pytest.raises(ValueError, match="sequence of 3"):
+        sb3_arrays(other, 8, 3, pend[0])
+    with pytest.raises(ValueError, match="buffer_size must be a positive int"):
+        sb3_arrays(other, 0, 3, pend)
+    with pytest.raises(ValueError, match="n_envs must be a positive int"):
+        sb3_arrays(other, 8, True, pend)
+    with pytest.raises(ValueError, match=r"pending\[1\].*missing \['reward'\]"):
+        sb3_arrays(other, 8, 3, [pend[0], {k: v for k, v in pend[1].items() if k != "reward"}, pend[2]])
+    with pytest.raises(ValueError, match=r"pending\[0\]\['achieved_goal'\] has shape \(2, 3\), expected 3 rows"):
+        sb3_arrays(other, 8, 3, [{**pend[0], "achieved_goal": pend[0]["achieved_goal"][:2]}, *pend[1:]])
+    with pytest.raises(ValueError, match=r"pending\[0\]\['observation'\] has shape \(3, 9\)"):
+        sb3_arrays(other, 8, 3, [{**pend[0], "observation": pend[0]["observation"][:, :9]}, *pend[1:]])
+    with pytest.raises(ValueError, match=r"pending\[2\] must be a mapping"):
+        sb3_arrays(other, 8, 3, [*pend[:2], None])
+    with pytest.raises(ValueError, match=r"steps must be an int >= 2"):
+        sb3_arrays(other, 8, 3, pend, steps=1)
+    good = sb3_arrays(other, 8, 3, pend, steps=5)
+    assert good.pos == 5 and good.current_ep_start.tolist() == [3, 3, 5]
+    good.rewards[:] = 7  # the arrays are copies: the store does not change
+    assert other.num_episodes == 1 and not other.episode(0)["reward"].any()
+    assert store.num_episodes == 1
+    store.close()
+    other.close()
