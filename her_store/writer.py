@@ -109,6 +109,59 @@ class StepWriter:
                 out[k] = np.concatenate([out[k], last[k][env : env + 1]])
         return out
 
+    def restore_pending(self, episodes: Sequence[Mapping[str, Any]]) -> None:
+        """Stage unfinished episodes again, one per env as :meth:`pending` gave them, in a writer with none staged.
+
+        What a saved training run needs to carry its partial episodes into a new process: the next :meth:`add`
+        continues them, :meth:`flush_partial` ends them as truncated. An env's entry with zero steps stages
+        nothing for it.
+
+        Raises
+        ------
+        ValueError
+            Not one entry per env, or the writer already has staged steps (nothing changes).
+        EpisodeValidationError
+            An entry that :meth:`EpisodeStore.append_episode` would refuse (keys, shapes, dtypes, values), named
+            by env (nothing changes).
+
+        Examples
+        --------
+        >>> saved = [w.pending(e) for e in range(w.n_envs)]  # doctest: +SKIP
+        >>> store.writer(w.n_envs).restore_pending(saved)  # doctest: +SKIP
+        """
+        if len(episodes) != self.n_envs:
+            raise ValueError(f"restore_pending takes one episode per env ({self.n_envs}), got {len(episodes)}")
+        if self.pending_steps.any():
+            raise ValueError(
+                f"the writer has staged steps for envs {np.flatnonzero(self.pending_steps).tolist()}; restore_pending "
+                "needs a writer with none"
+            )
+        checked: list[tuple[int, dict[str, np.ndarray]]] = []
+        for e, episode in enumerate(episodes):
+            action = episode.get("action") if isinstance(episode, Mapping) else None
+            if action is not None and len(np.asarray(action)) == 0:
+                checked.append((0, {}))
+                continue
+            try:
+                checked.append(self.store.validate_episode(episode))
+            except EpisodeValidationError as err:
+                raise EpisodeValidationError(f"pending episode of env {e}: {err}") from None
+        n = max(T for T, _ in checked)
+        if n >= self._steps:
+            self._steps = 1 << n.bit_length()
+            self._buf = {f.name: np.zeros((self._steps, self.n_envs, *f.shape), f.dtype) for f in self._fields}
+            self._slots()
+        last = {k: np.zeros((self.n_envs, *self._buf[k].shape[2:]), self._buf[k].dtype) for k in self._obs_keys}
+        for e, (T, data) in enumerate(checked):
+            self._start[e] = n - T
+            if T:
+                for f in self._fields:
+                    self._buf[f.name][n - T : n, e] = data[f.name][:T]
+                for k in self._obs_keys:
+                    last[k][e] = data[k][T]
+        self._t = n
+        self._last_next = last
+
     def _checked(self, label: str, name: str, value: Any, shape: tuple[int, ...]) -> np.ndarray:
         """The slow path of add: conform a value to its field or refuse it with the field named.
 

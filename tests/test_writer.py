@@ -510,3 +510,53 @@ def test_flush_partial_of_some_envs_leaves_the_others_running(store_path, fetch)
         assert store.num_episodes == 3
         assert_episode_equal(dict(store.episode(1)), eps[0])
         assert_episode_equal(dict(store.episode(2)), eps[2])
+
+
+def test_restore_pending_carries_unfinished_episodes_into_a_new_writer(store_path, fetch):
+    obs_space, act_space = fetch
+    eps = [make_episode(obs_space, act_space, 6, seed=s, terminated=True) for s in (11, 12)]
+    with EpisodeStore.create(store_path, obs_space, act_space) as store:
+        w = store.writer(n_envs=2)
+        for t in range(3):
+            w.add(*_step(eps, [t, t]))
+        saved = [w.pending(0), w.pending(1)]
+        fresh = store.writer(n_envs=2)
+        fresh.restore_pending(saved)
+        np.testing.assert_array_equal(fresh.pending_steps, [3, 3])
+        for t in range(3, 6):  # continuing gives the episodes an uninterrupted writer gives
+            fresh.add(*_step(eps, [t, t]))
+        table = store.episodes
+        assert list(table["env_index"]) == [0, 1]
+        for e in range(2):
+            assert_episode_equal(store.episode(int(table["episode_id"][e])), eps[e])
+        other = store.writer(n_envs=2)
+        other.restore_pending([saved[0], {k: v[:0] for k, v in saved[1].items()}])  # env 1 had nothing staged
+        np.testing.assert_array_equal(other.pending_steps, [3, 0])
+        (eid,) = other.flush_partial()
+        got = store.episode(eid)
+        np.testing.assert_array_equal(got["observation"], eps[0]["observation"][:4])
+        assert list(got["truncated"]) == [False, False, True]
+
+
+def test_restore_pending_refuses_a_busy_writer_and_bad_episodes(store_path, fetch):
+    obs_space, act_space = fetch
+    eps = [make_episode(obs_space, act_space, 4, seed=s) for s in (1, 2)]
+    with EpisodeStore.create(store_path, obs_space, act_space) as store:
+        w = store.writer(n_envs=2)
+        w.add(*_step(eps, [0, 0]))
+        saved = [w.pending(0), w.pending(1)]
+        with pytest.raises(ValueError, match=r"staged steps for envs \[0, 1\]"):
+            w.restore_pending(saved)
+        fresh = store.writer(n_envs=2)
+        with pytest.raises(ValueError, match=r"one episode per env \(2\), got 1"):
+            fresh.restore_pending(saved[:1])
+        bad = dict(saved[1], action=np.zeros((1, 7), np.float32))
+        with pytest.raises(EpisodeValidationError, match="pending episode of env 1: field 'action' has shape"):
+            fresh.restore_pending([saved[0], bad])
+        assert not fresh.pending_steps.any()
+        long = {k: np.concatenate([v] * 1500) for k, v in saved[0].items()}  # more steps than the staging buffer
+        long.update({k: long[k][:1501] for k in obs_space.spaces})
+        fresh.restore_pending([long, saved[1]])
+        np.testing.assert_array_equal(fresh.pending_steps, [1500, 1])
+        assert fresh.flush_partial() == [0, 1]
+        assert store.episode(0)["action"].shape == (1500, 4)
