@@ -1,0 +1,249 @@
+"""rllte's HerReplayStorage over the disk store: real PointGoal envs, real stores in tmp_path, torch tensors in."""
+
+from __future__ import annotations
+
+import gc
+import os
+import tempfile
+
+import numpy as np
+import pytest
+import torch
+from gymnasium import spaces
+
+from her_store import EpisodeStore, StepWriter
+from her_store.envs import ENV_ID, PointGoalEnv
+from her_store.errors import EpisodeValidationError, SchemaMismatchError, StoreError
+from her_store.integrations.rllte import HerReplayBatch, HerReplayStorage
+from tests.conftest import fetch_spaces
+
+ENV = PointGoalEnv()
+OBS, ACT = ENV.observation_space, ENV.action_space
+
+
+def stack(obs: list[dict]) -> dict[str, torch.Tensor]:
+    return {k: torch.as_tensor(np.stack([o[k] for o in obs])) for k in OBS.spaces}
+
+
+def collect(storage: HerReplayStorage, steps: int, seed: int = 0, episode_steps: int = 5) -> None:
+    """Step ``storage.num_envs`` PointGoal envs with random actions, handing rllte-style tensors to ``add``."""
+    n = storage.num_envs
+    envs = [PointGoalEnv(max_episode_steps=episode_steps + i) for i in range(n)]
+    obs = [env.reset(seed=seed + i)[0] for i, env in enumerate(envs)]
+    rng = np.random.default_rng(seed)
+    for _ in range(steps):
+        actions = rng.uniform(-1, 1, (n, 2)).astype(np.float32)
+        results = [env.step(a) for env, a in zip(envs, actions, strict=True)]
+        nxt = [r[0] for r in results]
+        storage.add(
+            stack(obs), torch.as_tensor(actions), torch.tensor([r[1] for r in results]),
+            torch.tensor([float(r[2]) for r in results]), torch.tensor([float(r[3]) for r in results]),
+            [r[4] for r in results], stack(nxt),
+        )
+        obs = [env.reset()[0] if r[2] or r[3] else o for env, r, o in zip(envs, results, nxt, strict=True)]
+
+
+def stored_rows(store: EpisodeStore) -> dict[bytes, tuple[np.ndarray, int]]:
+    """Observation bytes -> (the episode's next achieved goals from that step on, step) for every stored row."""
+    rows = {}
+    for i in range(store.first_episode, store.end_episode):
+        ep = store.episode(i)
+        for t in range(len(ep["action"])):
+            rows[ep["observation"][t].tobytes()] = (ep["achieved_goal"][t + 1 :], t)
+    return rows
+
+
+@pytest.fixture
+def storage(tmp_path):
+    s = HerReplayStorage(OBS, ACT, num_envs=2, batch_size=64, storage_size=500, path=tmp_path / "s", seed=0,
+                         metadata={"env_id": ENV_ID})
+    yield s
+    s.close()
+
+
+def test_batch_shapes_dtypes_and_future_goals(storage):
+    collect(storage, 23)
+    batch = storage.sample(step=100)
+    assert isinstance(batch, HerReplayBatch)
+    assert batch._fields == ("observations", "actions", "rewards", "terminateds", "truncateds", "next_observations")
+    B = 64
+    assert {k: tuple(v.shape) for k, v in batch.observations.items()} == {
+        "observation": (B, 4), "achieved_goal": (B, 2), "desired_goal": (B, 2)}
+    assert batch.actions.shape == (B, 2)
+    for t in (batch.rewards, batch.terminateds, batch.truncateds):
+        assert t.shape == (B, 1) and t.dtype == torch.float32 and t.device.type == "cpu"
+    rows = stored_rows(storage.store)
+    n_her = int(0.8 * B)
+    desired = batch.observations["desired_goal"].numpy()
+    np.testing.assert_array_equal(desired, batch.next_observations["desired_goal"].numpy())
+    for i in range(n_her):  # each relabelled goal is an achieved goal reached later in the sampled episode
+        future, _ = rows[batch.observations["observation"][i].numpy().tobytes()]
+        assert (future == desired[i]).all(axis=1).any()
+    # rewards recomputed with the env's compute_reward (the default, from the store's env_id)
+    want = ENV.compute_reward(batch.next_observations["achieved_goal"].numpy()[:n_her], desired[:n_her], None)
+    np.testing.assert_array_equal(batch.rewards.numpy()[:n_her, 0], want)
+    assert storage.update(batch, step=1) is None
+
+
+def test_reward_fn_shape_n1_and_wrong_count(tmp_path):
+    calls = []
+
+    def column(ag, dg, infos):
+        calls.append(len(infos))
+        return np.full((len(ag), 1), 7.0)
+
+    s = HerReplayStorage(OBS, ACT, batch_size=10, reward_fn=column, path=tmp_path / "a", storage_size=100)
+    collect(s, 6)
+    b = s.sample()
+    assert b.rewards.shape == (10, 1) and (b.rewards[:8] == 7.0).all() and calls == [8]
+    s.sampler.reward_fn = lambda ag, dg, infos: np.zeros(3)
+    with pytest.raises(ValueError, match=r"reward_fn returned 3 values .* for 8 transitions"):
+        s.sample()
+    s.close()
+
+
+def test_random_strategy_takes_goals_from_any_episode(tmp_path):
+    s = HerReplayStorage(OBS, ACT, num_envs=2, batch_size=200, goal_selection_strategy="random",
+                         reward_fn=ENV.compute_reward, path=tmp_path / "r", seed=1)
+    collect(s, 30)
+    b = s.sample()
+    achieved = {g.tobytes() for i in range(s.store.end_episode) for g in s.store.episode(i)["achieved_goal"][1:]}
+    rows = stored_rows(s.store)
+    goals = b.observations["desired_goal"].numpy()[:160]
+    assert all(g.tobytes() in achieved for g in goals)
+    own = sum(any((rows[o.tobytes()][0] == g).all(axis=1))
+              for o, g in zip(b.observations["observation"].numpy()[:160], goals, strict=True))
+    assert own < 160  # not restricted to the transition's own episode
+    s.close()
+
+
+def test_copy_info_dict_hands_per_transition_infos(tmp_path):
+    seen = []
+
+    def reward(ag, dg, infos):
+        seen.extend(infos)
+        return ENV.compute_reward(ag, dg, None)
+
+    s = HerReplayStorage(OBS, ACT, num_envs=2, batch_size=50, reward_fn=reward, copy_info_dict=True,
+                         info_keys=["is_success"], path=tmp_path / "i")
+    collect(s, 12)
+    s.sample()
+    assert len(seen) == 40 and all(set(d) == {"is_success"} for d in seen)
+    stored = np.concatenate([s.store.episode(i)["is_success"] for i in range(s.store.end_episode)])
+    assert {float(d["is_success"]) for d in seen} <= set(stored.tolist())
+    s.close()
+    with pytest.raises(ValueError, match="info_keys"):
+        HerReplayStorage(OBS, ACT, copy_info_dict=True, reward_fn=reward, path=tmp_path / "j")
+
+
+def test_resume_keeps_episodes_and_ends_unfinished_ones(tmp_path):
+    path = tmp_path / "run"
+    s = HerReplayStorage(OBS, ACT, num_envs=2, batch_size=8, path=path, storage_size=500, metadata={"env_id": ENV_ID})
+    collect(s, 13)  # envs of 5 and 6 steps: 2 + 2 episodes ended, 3 and 1 steps unfinished
+    assert s.writer.pending_steps.tolist() == [3, 1]
+    s.close()
+    s.close()
+    with HerReplayStorage(OBS, ACT, num_envs=2, batch_size=8, path=path, storage_size=500) as again:
+        table = again.store.episodes
+        assert sorted(table["length"].tolist()) == [1, 3, 5, 5, 6, 6]
+        assert table["truncated"].all()  # the unfinished ones were closed as truncated
+        assert again.sample().rewards.shape == (8, 1)  # reward_fn from the stored env_id
+        assert "run" in repr(again)
+
+
+def test_temporary_store_removed_at_close_and_by_gc():
+    s = HerReplayStorage(OBS, ACT, batch_size=4, reward_fn=ENV.compute_reward)
+    where = os.path.dirname(s.path)
+    collect(s, 6)
+    assert "temporary" in repr(s) and os.path.isdir(where)
+    s.close()
+    assert not os.path.exists(where)
+    s = HerReplayStorage(OBS, ACT, batch_size=4, reward_fn=ENV.compute_reward)
+    where = os.path.dirname(s.path)
+    del s
+    gc.collect()
+    assert not os.path.exists(where)
+
+
+def test_no_reward_fn_and_no_env_id_says_how_to_pass_one(tmp_path, monkeypatch):
+    with pytest.raises(StoreError, match=r"reward_fn=env.unwrapped.compute_reward"):
+        HerReplayStorage(OBS, ACT, path=tmp_path / "n")
+    assert not EpisodeStore.open(tmp_path / "n").num_episodes  # the store was created, then released
+    (tmp_path / "tmp").mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
+    with pytest.raises(StoreError, match="reward_fn"):
+        HerReplayStorage(OBS, ACT)
+    assert os.listdir(tmp_path / "tmp") == []  # no temporary directory left behind
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"observation_space": spaces.Box(-1, 1, (4,))}, SchemaMismatchError, "must be a gymnasium Dict"),
+        ({"observation_space": spaces.Dict({"observation": spaces.Box(-1, 1, (4,))})}, SchemaMismatchError,
+         "missing"),
+        ({"goal_selection_strategy": "nearest"}, ValueError, "'nearest' is not one of"),
+        ({"num_envs": 0}, ValueError, "num_envs must be a positive int"),
+        ({"batch_size": 2.5}, ValueError, "batch_size must be a positive int"),
+        ({"num_goals": -1}, ValueError, "num_goals must be an int >= 0"),
+        ({"reward_fn": "sparse"}, TypeError, "reward_fn must be callable"),
+    ],
+)
+def test_bad_construction_creates_nothing(tmp_path, kwargs, error, match):
+    args = {"observation_space": OBS, "action_space": ACT, "reward_fn": ENV.compute_reward, "path": tmp_path / "x"}
+    with pytest.raises(error, match=match):
+        HerReplayStorage(**{**args, **kwargs})
+    assert not (tmp_path / "x").exists() or not os.listdir(tmp_path / "x")
+
+
+def test_store_at_path_with_other_spaces_or_capacity_is_refused_intact(tmp_path, storage):
+    collect(storage, 12)
+    storage.close()
+    path = tmp_path / "s"
+    other_obs, other_act = fetch_spaces()
+    with pytest.raises(SchemaMismatchError, match="observation_space differs"):
+        HerReplayStorage(other_obs, ACT, path=path, storage_size=500)
+    with pytest.raises(SchemaMismatchError, match="action_space differs"):
+        HerReplayStorage(OBS, other_act, path=path, storage_size=500)
+    with pytest.raises(SchemaMismatchError, match="capacity"):
+        HerReplayStorage(OBS, ACT, path=path)
+    with EpisodeStore.open(path) as store:
+        assert store.num_episodes == 5 and len(store) == 24  # the unfinished one was ended at close
+
+
+def test_bad_steps_are_refused_and_change_nothing(storage):
+    collect(storage, 3)
+    obs = {k: torch.zeros(2, *s.shape) for k, s in OBS.spaces.items()}
+    ok = (obs, torch.zeros(2, 2), torch.zeros(2), torch.zeros(2), torch.zeros(2), [{}, {}], obs)
+    cases = [
+        ((obs, torch.zeros(3, 2), *ok[2:]), EpisodeValidationError, r"action has shape \(3, 2\)"),
+        ((obs, *ok[1:3], torch.tensor([0.5, 0.0]), *ok[4:]), ValueError, "terminateds must hold booleans or 0/1"),
+        ((obs, *ok[1:4], np.array(["a", "b"]), *ok[5:]), ValueError,
+         "truncateds must hold"),
+        (({"observation": obs["observation"]}, *ok[1:]), EpisodeValidationError, "no key 'achieved_goal'"),
+        (({**obs, "observation": torch.zeros(2, 5)}, *ok[1:]), EpisodeValidationError, "observation"),
+    ]
+    for args, error, match in cases:
+        with pytest.raises(error, match=match):
+            storage.add(*args)
+        assert storage.writer.pending_steps.tolist() == [3, 3]
+    storage.add(*ok)  # numpy infos list, float flags: accepted
+    assert storage.writer.pending_steps.tolist() == [4, 4]
+
+
+def test_sample_before_any_episode_raises(storage):
+    collect(storage, 2)
+    with pytest.raises(StoreError, match="no committed episode"):
+        storage.sample()
+
+
+def test_gymnasium_vector_infos_and_numpy_inputs(tmp_path):
+    s = HerReplayStorage(OBS, ACT, num_envs=2, batch_size=16, reward_fn=ENV.compute_reward, path=tmp_path / "v",
+                         info_keys=["is_success"])
+    obs = {k: np.zeros((2, *sp.shape), np.float32) for k, sp in OBS.spaces.items()}
+    for t in range(3):
+        infos = {"is_success": torch.tensor([1.0, 0.0]), "_is_success": np.array([True, True])}
+        s.add(obs, np.zeros((2, 2)), np.zeros(2), np.zeros(2, bool), np.array([t == 2] * 2), infos, obs)
+    assert s.store.episode(0)["is_success"].tolist() == [1.0] * 3
+    assert isinstance(s.writer, StepWriter)
+    s.close()
