@@ -1,0 +1,502 @@
+"""Env wrappers: SB2's goal-env flattener for gymnasium, and recorders writing every finished episode into a store.
+
+:class:`GoalEnvFlattener` is stable-baselines (v2)'s ``HERGoalEnvWrapper`` for gymnasium: a goal env's Dict
+observation as one flat vector (``observation``, ``achieved_goal``, ``desired_goal``), reversibly.
+:class:`RecordEpisodes` (one env) and :class:`RecordVectorEpisodes` (a gymnasium vector env) turn any policy's
+rollouts into a her_store dataset through the store's :class:`~her_store.writer.StepWriter`.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import gymnasium as gym
+import numpy as np
+from gymnasium import spaces
+from gymnasium.vector import AutoresetMode, VectorEnv, VectorWrapper
+
+from her_store.errors import SchemaMismatchError
+from her_store.schema import GOAL_KEYS, Schema
+from her_store.store import EpisodeStore, open_store
+
+__all__ = ["GoalEnvFlattener", "RecordEpisodes", "RecordVectorEpisodes"]
+
+_FLAT_KINDS = (spaces.Box, spaces.MultiBinary, spaces.Discrete)
+
+
+def _kind(space: spaces.Space) -> type[spaces.Space] | None:
+    return next((k for k in _FLAT_KINDS if isinstance(space, k)), None)
+
+
+def _flat_space(keys: Sequence[str], subs: Sequence[spaces.Space]) -> spaces.Space:
+    """SB2's rule: one type for every sub-space; Box -> Box, MultiBinary -> MultiBinary, Discrete -> MultiDiscrete."""
+    for k, s in zip(keys, subs):
+        if _kind(s) is None:
+            raise TypeError(
+                f"observation_space[{k!r}] is {type(s).__name__}; GoalEnvFlattener flattens Box, MultiBinary and "
+                "Discrete sub-spaces"
+            )
+    if len({_kind(s) for s in subs}) > 1:
+        kinds = ", ".join(f"{k!r} is {type(s).__name__}" for k, s in zip(keys, subs))
+        raise TypeError(
+            f"GoalEnvFlattener needs sub-spaces of one type (as SB2's HERGoalEnvWrapper), got {kinds}; the flat "
+            "space would have to change the values of some of them"
+        )
+    if isinstance(subs[0], spaces.Box):
+        dtype = np.result_type(*(s.dtype for s in subs))
+        low = np.concatenate([np.ravel(s.low) for s in subs]).astype(dtype)
+        high = np.concatenate([np.ravel(s.high) for s in subs]).astype(dtype)
+        return spaces.Box(low, high, dtype=dtype)
+    if isinstance(subs[0], spaces.MultiBinary):
+        return spaces.MultiBinary(sum(int(np.prod(s.shape)) for s in subs))
+    discrete = [s for s in subs if isinstance(s, spaces.Discrete)]
+    return spaces.MultiDiscrete(
+        [int(s.n) for s in discrete],
+        dtype=np.result_type(*(s.dtype for s in discrete)),
+        start=[int(s.start) for s in discrete],
+    )
+
+
+class GoalEnvFlattener(gym.ObservationWrapper):
+    """A goal env whose Dict observations become one flat vector: SB2's ``HERGoalEnvWrapper`` for gymnasium.
+
+    The flat vector holds ``observation``, ``achieved_goal`` and ``desired_goal`` in that order (SB2's), each
+    flattened, then any other keys of the Dict in its order. The achieved goal is kept, so the transformation is
+    reversible: :meth:`convert_obs_to_dict` gives back the Dict exactly, with each key's shape and dtype.
+
+    Every sub-space must be of one type (SB2's rule), and the flat space's type follows it: Box sub-spaces give a
+    Box (bounds concatenated, the dtype that holds every sub-space's), MultiBinary give a MultiBinary, Discrete give
+    a MultiDiscrete with one entry per key (its ``n`` and ``start``). Other or mixed types raise TypeError.
+
+    Parameters
+    ----------
+    env : gymnasium.Env
+        With a Dict observation space holding ``observation``, ``achieved_goal`` and ``desired_goal``.
+
+    Attributes
+    ----------
+    keys : tuple of str
+        The Dict's keys in the order of the flat vector.
+    obs_dim, goal_dim : int
+        Entries of the flat vector taken by ``observation`` and by each goal (SB2's names).
+
+    Examples
+    --------
+    >>> import gymnasium as gym, her_store
+    >>> env = GoalEnvFlattener(gym.make("her_store/PointGoal-v0"))
+    >>> obs, info = env.reset(seed=0)
+    >>> obs.shape, env.observation_space.shape
+    ((8,), (8,))
+    >>> goals = env.convert_obs_to_dict(obs)
+    >>> float(env.compute_reward(goals["achieved_goal"], goals["desired_goal"], info))
+    -1.0
+    """
+
+    def __init__(self, env: gym.Env) -> None:
+        super().__init__(env)
+        space = env.observation_space
+        if not isinstance(space, spaces.Dict):
+            raise TypeError(
+                f"GoalEnvFlattener needs a Dict observation space with keys {list(GOAL_KEYS)}, got "
+                f"{type(space).__name__}"
+            )
+        missing = [k for k in GOAL_KEYS if k not in space.spaces]
+        if missing:
+            raise ValueError(
+                f"the observation space has no {missing}; GoalEnvFlattener needs the keys {list(GOAL_KEYS)}"
+            )
+        self.keys: tuple[str, ...] = (*GOAL_KEYS, *(k for k in space.spaces if k not in GOAL_KEYS))
+        subs = [space.spaces[k] for k in self.keys]
+        self.observation_space = _flat_space(self.keys, subs)
+        self._shapes = tuple(tuple(s.shape) for s in subs)  # a Discrete's shape is (): one entry
+        self._dtypes = tuple(np.dtype(s.dtype) for s in subs)
+        self._sizes = tuple(int(np.prod(shape)) for shape in self._shapes)
+        ends = np.cumsum(self._sizes).tolist()
+        self._slices = tuple(slice(end - size, end) for end, size in zip(ends, self._sizes))
+        self.obs_dim, self.goal_dim = self._sizes[0], self._sizes[1]
+
+    def observation(self, observation: Mapping[str, Any]) -> np.ndarray:
+        return self.convert_dict_to_obs(observation)
+
+    def convert_dict_to_obs(self, obs_dict: Mapping[str, Any]) -> np.ndarray:
+        """The flat vector of a Dict observation, or of a batch of them (any leading axes, the same for every key).
+
+        Raises
+        ------
+        ValueError
+            A key is missing, or a value's shape is not ``(*batch, *the key's shape)`` with one batch for all keys.
+        TypeError
+            A value's dtype does not cast to the flat space's within its kind (floats for a MultiBinary space).
+
+        Examples
+        --------
+        >>> env.convert_dict_to_obs({k: np.zeros((32, 2 if "goal" in k else 4)) for k in env.keys}).shape
+        (32, 8)
+        """
+        if not isinstance(obs_dict, Mapping):
+            raise TypeError(f"obs_dict must be a mapping of {list(self.keys)} to arrays, got {type(obs_dict).__name__}")
+        missing = [k for k in self.keys if k not in obs_dict]
+        if missing:
+            raise ValueError(f"obs_dict has no {missing}; expected the keys {list(self.keys)}")
+        dtype = self.observation_space.dtype
+        batch: tuple[int, ...] | None = None
+        parts = []
+        for k, shape, size in zip(self.keys, self._shapes, self._sizes):
+            v = np.asarray(obs_dict[k])
+            lead = v.ndim - len(shape)
+            if lead < 0 or v.shape[lead:] != shape:
+                raise ValueError(f"obs_dict[{k!r}] has shape {v.shape}, expected (*batch, {', '.join(map(str, shape))})")
+            if batch is None:
+                batch = v.shape[:lead]
+            elif v.shape[:lead] != batch:
+                raise ValueError(
+                    f"obs_dict[{k!r}] has batch shape {v.shape[:lead]}, obs_dict[{self.keys[0]!r}] has {batch}"
+                )
+            if not np.can_cast(v.dtype, dtype, casting="same_kind"):
+                raise TypeError(f"obs_dict[{k!r}] has dtype {v.dtype}, which does not cast to the flat {dtype}")
+            parts.append(v.reshape(*batch, size))
+        return np.concatenate(parts, axis=-1, dtype=dtype)
+
+    def convert_obs_to_dict(self, observations: Any) -> dict[str, np.ndarray]:
+        """The Dict observation of a flat vector (or of a batch: any leading axes), each key in its shape and dtype.
+
+        Raises
+        ------
+        ValueError
+            The last axis is not the flat space's size.
+        TypeError
+            The dtype does not cast to the flat space's within its kind.
+
+        Examples
+        --------
+        >>> {k: v.shape for k, v in env.convert_obs_to_dict(np.zeros((32, 8), np.float32)).items()}
+        {'observation': (32, 4), 'achieved_goal': (32, 2), 'desired_goal': (32, 2)}
+        """
+        v = np.asarray(observations)
+        size, dtype = sum(self._sizes), self.observation_space.dtype
+        if v.ndim < 1 or v.shape[-1] != size:
+            raise ValueError(f"observations have shape {v.shape}, expected (*batch, {size})")
+        if not np.can_cast(v.dtype, dtype, casting="same_kind"):
+            raise TypeError(f"observations have dtype {v.dtype}, which does not cast to the flat {dtype}")
+        batch = v.shape[:-1]
+        return {
+            k: v[..., sl].reshape(*batch, *shape).astype(sub_dtype, copy=False)
+            for k, sl, shape, sub_dtype in zip(self.keys, self._slices, self._shapes, self._dtypes)
+        }
+
+    def compute_reward(self, achieved_goal: Any, desired_goal: Any, info: Any) -> Any:
+        """The wrapped goal env's ``compute_reward`` (goals are not flattened)."""
+        return self.env.get_wrapper_attr("compute_reward")(achieved_goal, desired_goal, info)
+
+
+def _open(
+    store: EpisodeStore | str | os.PathLike[str],
+    observation_space: spaces.Space,
+    action_space: spaces.Space,
+    env_id: str | None,
+    options: Mapping[str, Any],
+) -> tuple[EpisodeStore, bool]:
+    """The store to record into and whether the recorder opened it (and so closes it).
+
+    A path is opened or created with the env's spaces (:func:`open_store`); a store given open must have them. The
+    env id goes into the card of an empty store that has none; a card naming another env id is refused.
+    """
+    if isinstance(store, EpisodeStore):
+        if options:
+            raise TypeError(
+                f"store options {sorted(options)} apply only when the recorder opens the store from a path; "
+                f"{store.url} is open already"
+            )
+        Schema(observation_space, action_space, store.schema.info_spaces).check_same(store.schema, store.url)
+        owned = False
+    elif isinstance(store, (str, os.PathLike)):
+        store, owned = open_store(store, observation_space, action_space, **options), True
+    else:
+        raise TypeError(f"store must be an EpisodeStore or a path, got {type(store).__name__}")
+    try:
+        stored = store.metadata.get("env_id")
+        if env_id is not None and stored is None and store.num_episodes == 0:
+            store.update_metadata(env_id=env_id)
+        elif env_id is not None and stored is not None and stored != env_id:
+            raise SchemaMismatchError(f"{store.url} holds episodes of env {stored!r}, this env is {env_id!r}")
+    except BaseException:
+        if owned:
+            store.close()
+        raise
+    return store, owned
+
+
+class _Recorder:
+    """Steps of ``n_envs`` envs fed to one StepWriter: the last observations kept, a step the store refuses handled.
+
+    A refused step cannot be part of any recorded episode, so the episodes it belonged to are dropped (never
+    spliced): their envs sit out (``skip``) until those episodes end.
+    """
+
+    def __init__(self, store: EpisodeStore, owned: bool, n_envs: int) -> None:
+        self.store, self.owned, self.n_envs = store, owned, n_envs
+        self.writer = store.writer(n_envs)
+        self.episode_ids: list[int] = []
+        self.last_obs: dict[str, np.ndarray] | None = None
+        self.lost = np.zeros(n_envs, bool)  # envs whose current episode lost a refused step
+        self.closed = False
+
+    def reset(self, obs: Mapping[str, Any], envs: np.ndarray | None) -> None:
+        """After ``envs`` (a mask; None: all) were reset: end their unfinished episodes as truncated, keep ``obs``."""
+        chosen = np.ones(self.n_envs, bool) if envs is None else envs
+        try:
+            self.episode_ids += self.writer.flush_partial(np.flatnonzero(chosen).tolist())
+        except Exception:
+            pending = self.writer.pending_steps > 0
+            if (pending & chosen).any():  # refused, not dropped: no one else can end them
+                self.writer = self.store.writer(self.n_envs)
+                self.lost |= pending & ~chosen
+            raise
+        finally:
+            if self.last_obs is None or envs is None:
+                self.last_obs = {k: np.array(v) for k, v in obs.items()}
+            else:
+                for k, v in self.last_obs.items():
+                    v[chosen] = obs[k][chosen]
+            self.lost &= ~chosen
+
+    def step(
+        self,
+        next_obs: Mapping[str, Any],
+        action: Any,
+        reward: Any,
+        terminated: np.ndarray,
+        truncated: np.ndarray,
+        infos: Any,
+        obs: Mapping[str, Any],
+        skip: np.ndarray,
+    ) -> None:
+        """Stage one step of every env but ``skip``; ``obs`` is what the envs start their next step from."""
+        if self.last_obs is None:
+            raise gym.error.ResetNeeded("the recorder needs a reset before the first step")
+        done = terminated | truncated
+        skipped = skip | self.lost
+        before = self.writer.pending_steps
+        try:
+            self.episode_ids += self.writer.add(
+                self.last_obs, next_obs, action, reward, terminated, truncated, infos, skip=skipped
+            )
+        except Exception:
+            if not np.array_equal(self.writer.pending_steps, np.where(done | skipped, 0, before + 1)):
+                # the step was refused: the episodes it belonged to can no longer be recorded whole
+                self.writer = self.store.writer(self.n_envs)
+                self.lost |= ~skip
+            raise
+        finally:
+            self.lost &= ~done
+            self.last_obs = {k: np.array(v) for k, v in obs.items()}
+
+    def close(self) -> None:
+        """End the unfinished episodes as truncated; commit; close the store if the recorder opened it."""
+        if self.closed:
+            return
+        self.closed = True
+        try:
+            if self.last_obs is not None:
+                self.episode_ids += self.writer.flush_partial()
+        finally:
+            if self.owned:
+                self.store.close()
+            else:
+                self.store.flush()
+
+
+def _env_id(env: gym.Env | VectorEnv) -> str | None:
+    spec = getattr(env, "spec", None)
+    return None if spec is None else spec.id
+
+
+class RecordEpisodes(gym.Wrapper):
+    """Write every episode of a running env into a her_store store, whatever policy drives it.
+
+    Each step is staged in the store's :class:`~her_store.writer.StepWriter`; an episode is appended when the env
+    reports ``terminated`` or ``truncated`` (its final observation is the one that step returned), with the info
+    keys the store declares. An episode still running when the env is reset or closed is ended as truncated at its
+    last step: every step the env produced is kept, and a truncated end lets HER bootstrap from it as from a time
+    limit. Wrap the goal env itself (Dict observations), inside any flattening wrapper.
+
+    Parameters
+    ----------
+    env : gymnasium.Env
+        A goal env; for a vector env use :class:`RecordVectorEpisodes`.
+    store : EpisodeStore or path
+        A store opened for appending, whose spaces must be the env's; or a path or URL, opened or created with
+        :func:`~her_store.store.open_store` with the env's spaces (and then closed by :meth:`close`).
+    **store_options
+        For a path: passed to :func:`~her_store.store.open_store` (``capacity``, ``info_keys``, ``metadata``, ...).
+
+    Attributes
+    ----------
+    store : EpisodeStore
+        The store written to.
+    episode_ids : list of int
+        The ids of the episodes recorded so far.
+
+    Raises
+    ------
+    SchemaMismatchError
+        The store's spaces (or its card's env_id) are not the env's.
+
+    Examples
+    --------
+    >>> env = RecordEpisodes(gym.make("her_store/PointGoal-v0"), "runs/rollouts", info_keys=["is_success"])
+    >>> obs, info = env.reset(seed=0)
+    >>> for _ in range(100):
+    ...     obs, reward, terminated, truncated, info = env.step(env.action_space.sample())
+    ...     if terminated or truncated:
+    ...         obs, info = env.reset()
+    >>> env.close()  # the unfinished episode is ended as truncated; the store is committed and closed
+    >>> env.episode_ids  # two 50-step episodes
+    [0, 1]
+    """
+
+    def __init__(self, env: gym.Env, store: EpisodeStore | str | os.PathLike[str], **store_options: Any) -> None:
+        if not isinstance(env, gym.Env):
+            raise TypeError(
+                f"RecordEpisodes wraps a gymnasium.Env, got {type(env).__name__}; wrap a vector env with "
+                "RecordVectorEpisodes (one writer for all its envs)"
+            )
+        super().__init__(env)
+        store, owned = _open(store, env.observation_space, env.action_space, _env_id(env), store_options)
+        self._recorder = _Recorder(store, owned, 1)
+        self.store = store
+
+    @property
+    def episode_ids(self) -> list[int]:
+        return self._recorder.episode_ids
+
+    def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None) -> tuple[Any, dict[str, Any]]:
+        obs, info = self.env.reset(seed=seed, options=options)
+        self._recorder.reset(_one(obs), None)
+        return obs, info
+
+    def step(self, action: Any) -> tuple[Any, Any, bool, bool, dict[str, Any]]:
+        obs, reward, terminated, truncated, info = self.env.step(action)
+        batch = _one(obs)
+        self._recorder.step(
+            batch,
+            np.asarray(action)[None],
+            np.asarray(reward)[None],
+            np.array([terminated], bool),
+            np.array([truncated], bool),
+            [info],
+            batch,
+            np.zeros(1, bool),
+        )
+        return obs, reward, terminated, truncated, info
+
+    def close(self) -> None:
+        try:
+            self._recorder.close()
+        finally:
+            super().close()
+
+
+def _one(obs: Mapping[str, Any]) -> dict[str, np.ndarray]:
+    """One env's observation as a batch of one."""
+    return {k: np.asarray(v)[None] for k, v in obs.items()}
+
+
+class RecordVectorEpisodes(VectorWrapper):
+    """Write every episode of every env of a gymnasium vector env into one her_store store.
+
+    A store has one writer (a lock), so the recorder wraps the whole vector env, sync or async, in the process that
+    steps it, and feeds one :class:`~her_store.writer.StepWriter` of ``num_envs`` envs. Episodes end and are
+    appended as with :class:`RecordEpisodes`, each with its env's index in the store's episode table. The vector
+    env's autoreset mode is read from its metadata: next-step (gymnasium's default: the step after an env's last
+    is its reset, and is not recorded), same-step (the final observation and info of an ended episode come from
+    ``infos["final_obs"]`` and ``infos["final_info"]``) and disabled (reset ended envs with
+    ``options={"reset_mask": ...}``). Episodes running when envs are reset or the recorder is closed are ended as
+    truncated at their last step.
+
+    Parameters
+    ----------
+    env : gymnasium.vector.VectorEnv
+        Of goal envs (Dict observations).
+    store : EpisodeStore or path
+        As for :class:`RecordEpisodes`: a store open for appending with the envs' single spaces, or a path.
+    **store_options
+        For a path: passed to :func:`~her_store.store.open_store`.
+
+    Examples
+    --------
+    >>> envs = gym.make_vec("her_store/PointGoal-v0", num_envs=4, vectorization_mode="async")
+    >>> envs = RecordVectorEpisodes(envs, "runs/rollouts", info_keys=["is_success"])
+    >>> obs, infos = envs.reset(seed=0)
+    >>> for _ in range(200):
+    ...     obs, rewards, terminated, truncated, infos = envs.step(envs.action_space.sample())
+    >>> envs.close()
+    >>> len(envs.episode_ids)
+    16
+    """
+
+    def __init__(self, env: VectorEnv, store: EpisodeStore | str | os.PathLike[str], **store_options: Any) -> None:
+        if not isinstance(env, VectorEnv):
+            raise TypeError(
+                f"RecordVectorEpisodes wraps a gymnasium vector env, got {type(env).__name__}; wrap a single env with "
+                "RecordEpisodes"
+            )
+        super().__init__(env)
+        self.autoreset_mode = AutoresetMode(env.metadata.get("autoreset_mode", AutoresetMode.NEXT_STEP))
+        store, owned = _open(
+            store, env.single_observation_space, env.single_action_space, _env_id(env), store_options
+        )
+        self._recorder = _Recorder(store, owned, env.num_envs)
+        self._autoreset = np.zeros(env.num_envs, bool)  # next-step mode: envs whose next step is their reset
+        self.store = store
+
+    @property
+    def episode_ids(self) -> list[int]:
+        return self._recorder.episode_ids
+
+    def reset(
+        self, *, seed: int | list[int | None] | None = None, options: dict[str, Any] | None = None
+    ) -> tuple[Any, dict[str, Any]]:
+        mask = None if options is None else options.get("reset_mask")  # read first: the vector env pops it
+        obs, infos = self.env.reset(seed=seed, options=options)
+        envs = None if mask is None else np.asarray(mask, bool)
+        self._autoreset[slice(None) if envs is None else envs] = False
+        self._recorder.reset(obs, envs)
+        return obs, infos
+
+    def step(self, actions: Any) -> tuple[Any, Any, Any, Any, dict[str, Any]]:
+        obs, rewards, terminated, truncated, infos = self.env.step(actions)
+        terminated, truncated = np.asarray(terminated, bool), np.asarray(truncated, bool)
+        done = terminated | truncated
+        next_obs, step_infos = obs, infos
+        if self.autoreset_mode == AutoresetMode.SAME_STEP and done.any():
+            next_obs, step_infos = self._final(obs, infos, done)
+        skip = self._autoreset.copy()
+        if self.autoreset_mode == AutoresetMode.NEXT_STEP:
+            self._autoreset = done
+        self._recorder.step(next_obs, actions, rewards, terminated, truncated, step_infos, obs, skip)
+        return obs, rewards, terminated, truncated, infos
+
+    def _final(
+        self, obs: Mapping[str, np.ndarray], infos: Mapping[str, Any], done: np.ndarray
+    ) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+        """Same-step autoreset: ended envs' rows of ``obs`` and of the store's info keys replaced by their final ones."""
+        next_obs = {k: np.array(v) for k, v in obs.items()}
+        for i in np.flatnonzero(done).tolist():  # once per ended episode
+            for k, v in next_obs.items():
+                v[i] = infos["final_obs"][i][k]
+        final = infos.get("final_info", {})
+        step_infos = dict(infos)
+        for key in self._recorder.store.info_keys:
+            now, last = np.asarray(infos.get(key, 0)), np.asarray(final.get(key, 0))
+            ended = done.reshape(-1, *[1] * (max(now.ndim, last.ndim) - 1))
+            step_infos[key] = np.where(ended, last, now)
+        return next_obs, step_infos
+
+    def close(self, **kwargs: Any) -> None:
+        try:
+            self._recorder.close()
+        finally:
+            super().close(**kwargs)
