@@ -8,6 +8,7 @@ relabelling (her_ratio split, future/final/episode formulas, rewards from the en
 
 from __future__ import annotations
 
+import copy
 import os
 import shutil
 import tempfile
@@ -22,6 +23,7 @@ from gymnasium import spaces
 
 from her_store.errors import NotAStoreError, StoreError
 from her_store.integrations import require
+from her_store.integrations.sb3_layout import SB3Arrays, sb3_arrays
 from her_store.relabel import GoalSelectionStrategy, GoalStrategy, parse_strategy
 from her_store.store import EpisodeStore, open_store
 
@@ -36,6 +38,11 @@ _GOAL_KEYS = ("observation", "achieved_goal", "desired_goal")
 # info entries SB3 and gymnasium use for their own bookkeeping: never stored as info keys
 _RESERVED_INFO = ("TimeLimit.truncated", "terminal_observation", "episode", "_final_observation", "_final_info")
 _HANDLE_VERSION = 1
+_LOCK_FILE = "writer.lock"  # the writer's lock (FORMAT.md): never copied with a store
+_FALSE = np.zeros(1, bool)
+_FALSE.flags.writeable = False
+_TRUE = np.ones(1, bool)
+_TRUE.flags.writeable = False
 _NO_EPISODE = (
     "Unable to sample before the end of the first episode. We recommend choosing a value for learning_starts that is "
     "greater than the maximum number of timesteps in the environment."
@@ -196,10 +203,47 @@ class ZarrHerReplayBuffer(_her.HerReplayBuffer):
             raise ValueError(f"n_sampled_goal must be an int >= 0, got {n_sampled_goal!r}")
         if info_keys is not None and not copy_info_dict:
             raise ValueError("info_keys is only used with copy_info_dict=True; pass copy_info_dict=True or drop it")
-        # BaseBuffer's attributes, set here because super().__init__ (which allocates the RAM arrays) is skipped
+        self._configure(
+            buffer_size, observation_space, action_space, n_envs, device, handle_timeout_termination, n_sampled_goal,
+            _strategy(goal_selection_strategy), copy_info_dict, storage_options, relabel_terminated, prefetch,
+            io_threads, None if info_keys is None else tuple(info_keys),
+        )
+        self.env = env
+        # SB3 seeds numpy's global generator (set_random_seed); the sampler's seed is drawn from it, so a seeded
+        # model samples the same batches
+        self._seed = int(np.random.randint(0, 2**31 - 1))
+        if path is None:
+            self._res.tmpdir = tempfile.mkdtemp(prefix="her_store_sb3_")
+            self.url = os.path.join(self._res.tmpdir, "store")
+        else:
+            self.url = os.fspath(path)
+        if not self.copy_info_dict or self.info_keys is not None:
+            self._open()
+        elif path is not None:
+            self._resume_if_present()
+
+    def _configure(
+        self,
+        buffer_size: int,
+        observation_space: spaces.Dict,
+        action_space: spaces.Space,
+        n_envs: int,
+        device: th.device | str,
+        handle_timeout_termination: bool,
+        n_sampled_goal: int,
+        goal_selection_strategy: GoalStrategy,
+        copy_info_dict: bool,
+        storage_options: Mapping[str, Any] | None,
+        relabel_terminated: bool,
+        prefetch: int,
+        io_threads: int,
+        info_keys: tuple[str, ...] | None,
+    ) -> None:
+        """Set the configuration (BaseBuffer's attributes too: super().__init__, which allocates the RAM arrays,
+        is skipped) and the state of a buffer that has not opened its store yet."""
         self.observation_space = observation_space
         self.action_space = action_space
-        self.obs_shape = {k: s.shape for k, s in observation_space.spaces.items()}
+        self.obs_shape = _preprocessing.get_obs_shape(observation_space)
         self.action_dim = _preprocessing.get_action_dim(action_space)
         self.total_capacity = int(buffer_size)
         self.buffer_size = max(int(buffer_size) // int(n_envs), 1)
@@ -207,73 +251,93 @@ class ZarrHerReplayBuffer(_her.HerReplayBuffer):
         self.device = _utils.get_device(device)
         self.optimize_memory_usage = False
         self.handle_timeout_termination = bool(handle_timeout_termination)
-        self.env = env
         self.copy_info_dict = bool(copy_info_dict)
         self.n_sampled_goal = int(n_sampled_goal)
         self.her_ratio = 1 - (1.0 / (self.n_sampled_goal + 1))
-        self.goal_selection_strategy = _strategy(goal_selection_strategy)
-        self.path = None if path is None else os.fspath(path)
+        self.goal_selection_strategy = goal_selection_strategy
         self.storage_options = None if storage_options is None else dict(storage_options)
         self.relabel_terminated = bool(relabel_terminated)
         self.prefetch = int(prefetch)
         self.io_threads = int(io_threads)
-        self.info_keys = None if info_keys is None else tuple(info_keys)
-        # SB3 seeds numpy's global generator (set_random_seed); the sampler's seed is drawn from it, so a seeded
-        # model samples the same batches
-        self._seed = int(np.random.randint(0, 2**31 - 1))
+        self.info_keys = info_keys
         self._added = 0
         self._res = _Resources()
         self._finalizer = weakref.finalize(self, self._res.close)
         self._writer: Any = None
-        if self.path is None:
-            self._res.tmpdir = tempfile.mkdtemp(prefix="her_store_sb3_")
-            self.url = os.path.join(self._res.tmpdir, "store")
-        else:
-            self.url = self.path
-        if not self.copy_info_dict or self.info_keys is not None:
-            self._open(self.info_keys or ())
-        elif self.path is not None:
-            self._resume_if_present()
+        self._layout: SB3Arrays | None = None
+        # from a loaded handle, applied when the store opens: (unfinished episodes, store's end_episode at save)
+        self._restore: tuple[list[dict[str, np.ndarray]], int] | None = None
+        self._sampler_state: dict[str, Any] | None = None
 
     # -- the store -----------------------------------------------------------------------------------------
     @property
     def store(self) -> EpisodeStore | None:
         return self._res.store
 
-    def _open(self, info_keys: Sequence[str] | None) -> EpisodeStore:
-        """Create or resume the store (``info_keys=None``: the stored ones), then a writer for ``n_envs``."""
+    def _open(self) -> EpisodeStore:
+        """Create or resume the store, then a writer for ``n_envs`` (with the saved unfinished episodes, if any)."""
         kwargs: dict[str, Any] = {"capacity": self.total_capacity}
-        if info_keys is not None:
-            kwargs["info_keys"] = list(info_keys)
+        if self.copy_info_dict:  # else a resumed store keeps its info keys (missing entries are stored as 0)
+            kwargs["info_keys"] = list(self.info_keys or ())
         if self.storage_options is not None:
             kwargs["storage_options"] = self.storage_options
         store = open_store(self.url, self.observation_space, self.action_space, **kwargs)
         self._res.store = store
         self._writer = store.writer(self.n_envs)
-        self.info_keys = store.info_keys
+        if self.copy_info_dict:
+            self.info_keys = store.info_keys
         if self._added == 0:  # a resumed store: SB3's row counter as if its transitions had been added here
             self._added = -(-len(store) // self.n_envs)
+        if self._restore is not None:
+            pending, end_episode = self._restore
+            self._restore = None
+            if store.end_episode == end_episode:
+                self._writer.restore_pending(pending)
+            else:
+                warnings.warn(
+                    f"{store.url} holds episodes committed after this buffer was saved (episode ids {end_episode}.."
+                    f"{store.end_episode - 1}); the unfinished episodes the saved buffer held are dropped, as the "
+                    "run that continued after the save has ended them",
+                    stacklevel=3,
+                )
         return store
 
     def _resume_if_present(self) -> None:
-        """With inferred info keys: resume an existing store now (its info keys are known), else wait for add."""
+        """With inferred info keys: resume an existing store now, with its info keys; else wait for the first add."""
         try:
-            EpisodeStore.open(self.url, mode="r", storage_options=self.storage_options).close()
+            probe = EpisodeStore.open(self.url, mode="r", storage_options=self.storage_options)
         except NotAStoreError:
             return
-        self._open(None)
+        try:
+            self.info_keys = probe.info_keys
+        finally:
+            probe.close()
+        self._open()
 
     def _require_store(self) -> EpisodeStore:
+        """The open store; opened now if it was deferred (a loaded handle), RuntimeError if it does not exist yet
+        and waits for the first add to learn its info keys."""
         store = self._res.store
-        if store is None:
-            if self._writer is not None:
-                raise StoreError(f"the buffer's store {self.url} is closed")
-            return self._open(self.info_keys)
-        return store
+        if store is not None:
+            return store
+        if self._writer is not None:
+            raise StoreError(f"the buffer's store {self.url} is closed")
+        if self.copy_info_dict and self.info_keys is None:
+            self._resume_if_present()
+            if self._res.store is None:
+                raise RuntimeError(_NO_EPISODE)
+            return self._res.store
+        return self._open()
 
     def close(self) -> None:
-        """Commit what is staged and release the store (and remove a temporary one). Unfinished episodes are lost
-        unless :meth:`truncate_last_trajectory` ended them first or a saved handle holds them."""
+        """Commit what is staged and release the store (and remove a temporary one).
+
+        Unfinished episodes are not appended (call :meth:`truncate_last_trajectory` first to keep them). Idempotent.
+
+        Examples
+        --------
+        >>> model.replay_buffer.close()  # doctest: +SKIP
+        """
         self._finalizer()
 
     # -- SB3's interface -----------------------------------------------------------------------------------
@@ -291,39 +355,49 @@ class ZarrHerReplayBuffer(_her.HerReplayBuffer):
         ``done`` is SB3's (terminated or truncated); ``infos[i]["TimeLimit.truncated"]`` tells a truncation.
         """
         writer = self._writer
-        if writer is None:
-            self._open(self.info_keys if self.info_keys is not None else _numeric_info_keys(infos))
+        if writer is None or self._res.store is None:
+            if self.copy_info_dict and self.info_keys is None and writer is None:
+                self._resume_if_present()
+                if self._res.store is None:
+                    self.info_keys = tuple(_numeric_info_keys(infos))
+            self._require_store()
             writer = self._writer
-        done = np.asarray(done)
-        if done.dtype != bool:
-            done = done.astype(bool)
+        if not isinstance(done, np.ndarray) or done.dtype != bool:
+            done = np.asarray(done).astype(bool)
         if self.n_envs == 1:
-            timeout = bool(done[0]) and bool(infos[0].get("TimeLimit.truncated", False))
-            truncated = np.array([timeout])
-            terminated = done & ~truncated
+            if done[0] and infos[0].get("TimeLimit.truncated", False):
+                terminated, truncated = _FALSE, _TRUE
+            else:
+                terminated, truncated = done, _FALSE
         else:
             truncated = done & np.array([bool(info.get("TimeLimit.truncated", False)) for info in infos])
             terminated = done & ~truncated
         writer.add(obs, next_obs, action, reward, terminated, truncated, infos if self.info_keys else None)
         self._added += 1
+        self._layout = None
 
     def sample(self, batch_size: int, env: Any = None) -> Any:  # type: ignore[override]
         """A batch as SB3's DictReplayBufferSamples; ``env`` (a VecNormalize) normalises observations and rewards.
 
         The first ``int(her_ratio * batch_size)`` rows are relabelled (SB3 puts them last; the order carries no
         meaning for training).
+
+        Examples
+        --------
+        >>> batch = model.replay_buffer.sample(256)  # doctest: +SKIP
+        >>> batch.observations["desired_goal"].shape, batch.rewards.shape  # doctest: +SKIP
+        (torch.Size([256, 3]), torch.Size([256, 1]))
         """
         sampler = self._sampler(batch_size)
         try:
             batch = sampler.sample(batch_size)
         except StoreError as e:
-            store = self._res.store
-            if store is not None and store.num_transitions == 0:
+            if self.store is not None and self.store.num_transitions == 0:
                 raise RuntimeError(_NO_EPISODE) from e
             raise
         dones = batch.dones if self.handle_timeout_termination else th.maximum(batch.dones, batch.truncated)
+        dev = self.device
         if env is None:
-            dev = self.device
             obs = {k: v.to(dev) for k, v in batch.observations.items()}
             next_obs = {k: v.to(dev) for k, v in batch.next_observations.items()}
             rewards = batch.rewards.to(dev)
@@ -335,9 +409,9 @@ class ZarrHerReplayBuffer(_her.HerReplayBuffer):
             rewards = self.to_torch(self._normalize_reward(batch.rewards.numpy(), env))
         return _types.DictReplayBufferSamples(
             observations=obs,
-            actions=batch.actions.reshape(batch_size, self.action_dim).to(self.device),
+            actions=batch.actions.reshape(batch_size, self.action_dim).to(dev),
             next_observations=next_obs,
-            dones=dones.to(self.device),
+            dones=dones.to(dev),
             rewards=rewards,
         )
 
@@ -351,14 +425,7 @@ class ZarrHerReplayBuffer(_her.HerReplayBuffer):
         ref = weakref.ref(self)
         success_fn = None
         if self.relabel_terminated and self.env is not None and self.env.has_attr("compute_terminated"):
-            terminated_fn = _env_method(ref, "compute_terminated")
-
-            def success_fn(achieved: np.ndarray, desired: np.ndarray, infos: Any) -> np.ndarray:
-                out = np.asarray(terminated_fn(achieved, desired, infos), bool)
-                if out.size == 1:  # a non-vectorised compute_terminated answers once for the batch
-                    return np.broadcast_to(out.reshape(()), (len(achieved),))
-                return out
-
+            success_fn = _terminated_fn(_env_method(ref, "compute_terminated"))
         sampler = HerSampler(
             store,
             batch_size,
@@ -372,26 +439,38 @@ class ZarrHerReplayBuffer(_her.HerReplayBuffer):
             success_fn=success_fn,
             io_threads=self.io_threads,
         )
+        if self._sampler_state is not None:
+            sampler.load_state_dict(self._sampler_state)
+            self._sampler_state = None
         self._res.sampler = sampler
         return sampler
 
     @property
     def pos(self) -> int:  # type: ignore[override]
-        """SB3's insert position: add() calls since the start (or :meth:`reset`), modulo ``buffer_size``."""
+        """SB3's insert row: add() calls since the start (or :meth:`reset`) modulo ``buffer_size``; a resumed
+        store counts as ``ceil(transitions / n_envs)`` calls."""
         return self._added % self.buffer_size
 
     @property
     def full(self) -> bool:  # type: ignore[override]
-        """SB3's flag: ``buffer_size`` add() calls since the start (or :meth:`reset`)."""
+        """SB3's flag: at least ``buffer_size`` add() calls since the start (or :meth:`reset`)."""
         return self._added >= self.buffer_size
 
     def size(self) -> int:
-        """SB3's size: ``buffer_size`` when full, else ``pos`` (rows of ``n_envs`` transitions)."""
+        """SB3's size: ``buffer_size`` when full, else ``pos`` (rows of ``n_envs`` transitions).
+
+        Examples
+        --------
+        >>> model.replay_buffer.size()  # doctest: +SKIP
+        1000
+        """
         return self.buffer_size if self.full else self.pos
 
     def reset(self) -> None:
-        """Restart ``pos`` and ``full`` as SB3's reset does; the stored episodes are kept."""
+        """Restart ``pos``, ``full`` and ``size()`` as SB3's reset does; the stored episodes stay (and are sampled,
+        as SB3's HER buffer still samples its old episodes after a reset)."""
         self._added = 0
+        self._layout = None
 
     def set_env(self, env: Any) -> None:
         """Set the VecEnv whose ``compute_reward`` relabels (SB3 calls it after loading a saved buffer)."""
@@ -403,9 +482,9 @@ class ZarrHerReplayBuffer(_her.HerReplayBuffer):
         """End every unfinished episode as truncated at its last step and append it, warning as SB3 does.
 
         With ``handle_timeout_termination`` its last transition still bootstraps (SB3 marks it a timeout);
-        without, it is terminal.
+        without, it is terminal. SB3 calls it after loading a saved buffer.
         """
-        if self._writer is None:  # no add yet
+        if self._writer is None and self._restore is None:  # nothing added, nothing saved
             return
         self._require_store()
         if self._writer.pending_steps.any():
@@ -416,6 +495,135 @@ class ZarrHerReplayBuffer(_her.HerReplayBuffer):
                 stacklevel=2,
             )
             self._writer.flush_partial()
+            self._layout = None
+
+    # -- SB3's arrays, for inspection ---------------------------------------------------------------------
+    def _arrays(self) -> SB3Arrays:
+        """SB3's arrays built from the store (a full read of the ring: inspection only), kept until the next add."""
+        if self._layout is None:
+            store = self._require_store()
+            pending = [self._writer.pending(e) for e in range(self.n_envs)]
+            self._layout = sb3_arrays(
+                store, self.buffer_size, self.n_envs, pending,
+                handle_timeout_termination=self.handle_timeout_termination,
+            )
+        return self._layout
+
+    observations = property(lambda self: self._arrays().observations, doc="SB3's ``observations`` arrays (read).")
+    next_observations = property(lambda self: self._arrays().next_observations, doc="SB3's ``next_observations``.")
+    actions = property(lambda self: self._arrays().actions, doc="SB3's ``actions``: (buffer_size, n_envs, dim).")
+    rewards = property(lambda self: self._arrays().rewards, doc="SB3's ``rewards``: (buffer_size, n_envs).")
+    dones = property(lambda self: self._arrays().dones, doc="SB3's ``dones``: (buffer_size, n_envs).")
+    timeouts = property(lambda self: self._arrays().timeouts, doc="SB3's ``timeouts``: (buffer_size, n_envs).")
+    ep_start = property(lambda self: self._arrays().ep_start, doc="SB3's ``ep_start``: (buffer_size, n_envs).")
+    ep_length = property(lambda self: self._arrays().ep_length, doc="SB3's ``ep_length``: (buffer_size, n_envs).")
+    _current_ep_start = property(lambda self: self._arrays().current_ep_start, doc="SB3's ``_current_ep_start``.")
+
+    # -- the handle ----------------------------------------------------------------------------------------
+    def _state(self) -> dict[str, Any]:
+        """The handle: where the store is, the configuration, the unfinished episodes, counters; never the data."""
+        store = self._res.store
+        restore = self._restore
+        if store is not None:
+            store.flush()
+            writer = self._writer
+            pending = [writer.pending(e) for e in range(self.n_envs)] if writer.pending_steps.any() else None
+            restore = None if pending is None else (pending, store.end_episode)
+        sampler = self._res.sampler
+        return {
+            "her_store_handle": _HANDLE_VERSION,
+            "url": self.url,
+            "config": {
+                "buffer_size": self.total_capacity,
+                "observation_space": self.observation_space,
+                "action_space": self.action_space,
+                "n_envs": self.n_envs,
+                "device": str(self.device),
+                "handle_timeout_termination": self.handle_timeout_termination,
+                "n_sampled_goal": self.n_sampled_goal,
+                "goal_selection_strategy": self.goal_selection_strategy,
+                "copy_info_dict": self.copy_info_dict,
+                "storage_options": self.storage_options,
+                "relabel_terminated": self.relabel_terminated,
+                "prefetch": self.prefetch,
+                "io_threads": self.io_threads,
+                "info_keys": self.info_keys,
+            },
+            "restore": restore,
+            "added": self._added,
+            "seed": self._seed,
+            "sampler": sampler.state_dict() if sampler is not None else self._sampler_state,
+        }
+
+    def __getstate__(self) -> dict[str, Any]:
+        """The pickle of the buffer is its handle (SB3's save_replay_buffer pickles the buffer): a few KB.
+
+        Staged episodes are committed first. A temporary store (``path=None``) is kept on disk from then on, so
+        that the handle can reopen it.
+        """
+        state = self._state()
+        self._res.keep_tmpdir = True
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        """Rebuild from a handle; the store is opened at first use (SB3 calls set_env, then
+        truncate_last_trajectory), with ``env`` None as SB3's HerReplayBuffer after unpickling."""
+        if not isinstance(state, dict) or state.get("her_store_handle") != _HANDLE_VERSION:
+            raise StoreError(
+                f"not a ZarrHerReplayBuffer handle of version {_HANDLE_VERSION} (got "
+                f"{state.get('her_store_handle') if isinstance(state, dict) else type(state).__name__})"
+            )
+        self._configure(**state["config"])
+        self.env = None
+        self.url = state["url"]
+        self._seed = state["seed"]
+        self._restore = state["restore"]
+        self._added = state["added"]
+        self._sampler_state = state["sampler"]
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> ZarrHerReplayBuffer:
+        """An independent buffer: the store copied into a fresh temporary directory (removed at close), the
+        unfinished episodes and counters copied, ``env`` None as after SB3's deepcopy (call set_env).
+
+        Raises
+        ------
+        StoreError
+            The store is on object storage (copy it with the storage's own tools and open a buffer on the copy).
+        """
+        state = copy.deepcopy(self._state(), memo)
+        tmpdir = tempfile.mkdtemp(prefix="her_store_sb3_")
+        url = os.path.join(tmpdir, "store")
+        if self._res.store is not None or os.path.isdir(self.url):
+            if "://" in self.url and not self.url.startswith("file://"):
+                shutil.rmtree(tmpdir)
+                raise StoreError(
+                    f"copy.deepcopy copies a buffer's store to a local temporary directory; {self.url} is on object "
+                    "storage: copy it with the storage's tools and open a buffer on the copy (path=...)"
+                )
+            shutil.copytree(self.url, url, ignore=shutil.ignore_patterns(_LOCK_FILE))
+        state["url"] = url
+        new = type(self).__new__(type(self))
+        new.__setstate__(state)
+        new._res.tmpdir = tmpdir
+        return new
+
+
+def _terminated_fn(call: Callable[[np.ndarray, np.ndarray, Any], np.ndarray]) -> Callable[..., np.ndarray]:
+    """``compute_terminated`` as the sampler's ``success_fn``: one bool per transition (a non-vectorised one that
+    answers once for the batch is broadcast)."""
+
+    def success(achieved: np.ndarray, desired: np.ndarray, infos: Any) -> np.ndarray:
+        out = np.asarray(call(achieved, desired, infos), bool)
+        if out.size == 1:
+            return np.broadcast_to(out.reshape(()), (len(achieved),))
+        if out.size != len(achieved):
+            raise ValueError(
+                f"compute_terminated returned {out.size} values (shape {out.shape}) for {len(achieved)} transitions; "
+                "expected one per transition (or one for all)"
+            )
+        return out.reshape(-1)
+
+    return success
 
 
 def _check_spaces(observation_space: Any, action_space: Any) -> None:
