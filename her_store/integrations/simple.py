@@ -68,8 +68,9 @@ class HindsightExperienceReplay:
     """A HER replay buffer over flat state vectors, with the episodes on disk.
 
     Transitions are grouped into episodes by ``done`` (the step with ``done`` true is an episode's last; its
-    ``next_state`` the episode's final state). Each step's ``state`` is taken to be the previous step's
-    ``next_state``. :meth:`sample` draws transitions uniformly from the stored ones, the unfinished episode
+    ``next_state`` the episode's final state). A ``state`` that is not the previous transition's ``next_state``
+    also starts a new episode (the one before is stored as truncated): a reset without ``done`` (a time limit)
+    does not merge two episodes. :meth:`sample` draws transitions uniformly from the stored ones, the unfinished episode
     included; ``her_ratio = 1 - 1 / (n_sampled_goal + 1)`` of them get as goal the achieved goal of a state
     reached later in the same episode (the future strategy, SB3's formulas) and a reward recomputed with
     ``reward_fn``. ``goal_sampling_strategy`` is then applied to the goals; where it changes a goal the reward is
@@ -152,6 +153,7 @@ class HindsightExperienceReplay:
         self._storage_options = storage_options
         self._rng = np.random.default_rng(seed)
         self.storage: HerReplayStorage | None = None
+        self._last_next = np.empty(0, np.float32)  # the next_state of the last transition stored
         if path is not None:
             stored = _stored_goal_dim(path, storage_options)
             if stored is not None:
@@ -208,10 +210,14 @@ class HindsightExperienceReplay:
         g = _vector(goal, gd, "goal", f"({gd},) (goal_dim)")
         a = _vector(action, self.action_dim, "action", f"({self.action_dim},) (action_dim)")
         r, d = _scalar(reward, "reward"), _as_flags(_scalar(done, "done"), "done")
+        writer = self.storage.writer
+        if writer.pending_steps[0] and not np.array_equal(s.astype(np.float32), self._last_next):
+            writer.flush_partial()  # a jump (a reset without done): the episode so far ends, truncated
         self.storage.add(
             {"observation": s, "achieved_goal": s[:, :gd], "desired_goal": g}, a, r, d, np.zeros(1, bool), None,
             {"observation": ns, "achieved_goal": ns[:, :gd], "desired_goal": g},
         )
+        self._last_next = ns.astype(np.float32)
 
     def __len__(self) -> int:
         """Transitions stored: the committed episodes' and the unfinished episode's."""

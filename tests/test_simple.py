@@ -1,0 +1,231 @@
+"""The simple HER API over the disk store: episodes by done, future goals of the same episode, recomputed rewards."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from her_store import EpisodeStore
+from her_store.envs import PointGoalEnv
+from her_store.errors import SchemaMismatchError
+from her_store.integrations.rllte import HerReplayStorage
+from her_store.integrations.simple import HindsightExperienceReplay, goal_reached_reward
+
+FAR = np.array([-1000.0, -1000.0])  # the goal every stored transition has: a relabelled goal is never it
+STORED_REWARD = 5.0  # what every stored transition's reward is: a recomputed one is 0 or -1
+
+
+def state(ep: int, t: int) -> np.ndarray:
+    """A state whose achieved goal (first 2 entries) names its episode and step."""
+    return np.array([ep * 100 + t, ep, 0.5, t], np.float32)
+
+
+def fill(her: HindsightExperienceReplay, lengths: list[int], first_ep: int = 0, unfinished: int = 0) -> None:
+    """Episodes of the given lengths, then ``unfinished`` steps of one more."""
+    for i, L in enumerate([*lengths, unfinished]):
+        ep = first_ep + i
+        for t in range(L):
+            done = t == L - 1 and i < len(lengths)
+            her.store_transition(state(ep, t), [t, -t], STORED_REWARD, state(ep, t + 1), done, FAR)
+
+
+def check_batch(batch, B: int, tolerance: float = 0.05) -> np.ndarray:
+    """Check a batch's shapes and HER semantics; returns which rows were relabelled."""
+    states, actions, rewards, next_states, dones, goals = (x.numpy() for x in batch)
+    assert [x.shape for x in (states, actions, rewards, next_states, dones, goals)] == [
+        (B, 4), (B, 2), (B, 1), (B, 4), (B, 1), (B, 2)]
+    assert all(x.dtype == torch.float32 for x in batch)
+    np.testing.assert_array_equal(next_states[:, 3], states[:, 3] + 1)  # t + 1 of the same episode
+    np.testing.assert_array_equal(actions[:, 0], states[:, 3])
+    relabelled = (goals != FAR).any(axis=1)
+    # a relabelled goal is the achieved goal of a state reached later in the same episode: step j + 1 >= t + 1
+    g_ep, g_step = goals[relabelled, 1], goals[relabelled, 0] - 100 * goals[relabelled, 1]
+    np.testing.assert_array_equal(g_ep, states[relabelled, 1])
+    assert (g_step >= states[relabelled, 3] + 1).all()
+    np.testing.assert_array_equal(goals[relabelled], np.stack([100 * g_ep + g_step, g_ep], 1))
+    want = goal_reached_reward(next_states[relabelled, :2], goals[relabelled], tolerance=tolerance)
+    np.testing.assert_array_equal(rewards[relabelled, 0], want)
+    assert (rewards[~relabelled] == STORED_REWARD).all()
+    return relabelled
+
+
+def test_none_until_batch_size_then_relabelled_future_goals(tmp_path):
+    her = HindsightExperienceReplay(4, 2, 1000, 64, path=tmp_path / "s", seed=0)
+    assert len(her) == 0 and her.sample() is None and her.goal_dim is None
+    fill(her, [], unfinished=40)  # no episode ended yet: the unfinished one counts and is sampled
+    assert len(her) == 40 and her.sample() is None and her.goal_dim == 2
+    fill(her, [30], first_ep=1, unfinished=0)  # its first state is no next_state of episode 0: a new episode
+    assert len(her) == 70
+    table = her.storage.store.episodes
+    assert table["length"].tolist() == [40, 30] and table["truncated"].tolist() == [True, False]
+    relabelled = check_batch(her.sample(), 64)
+    assert int(0.8 * 64) - 1 <= relabelled.sum() <= int(0.8 * 64)
+    her.close()
+
+
+def test_batches_mix_ended_and_unfinished_episodes(tmp_path):
+    her = HindsightExperienceReplay(4, 2, 1000, 64, path=tmp_path / "s", seed=1)
+    fill(her, [20, 20, 20, 20], unfinished=20)  # the unfinished episode is id 4
+    assert len(her) == 100
+    episodes = np.concatenate([her.sample()[0][:, 1].numpy() for _ in range(16)])
+    counts = np.bincount(episodes.astype(int), minlength=5)
+    assert (counts > 120).all() and counts.sum() == 1024  # each ~205 of 1024
+    for _ in range(5):
+        check_batch(her.sample(), 64)
+    states, _, _, next_states, dones, _ = (x.numpy() for x in her.sample())
+    np.testing.assert_array_equal(dones[:, 0], (next_states[:, 3] == 20) & (states[:, 1] < 4))
+    assert dones.any()
+    her.close()
+
+
+def test_goal_sampling_strategy_applied_on_top_and_rewards_follow(tmp_path):
+    seen = []
+
+    def shift(goals: torch.Tensor) -> torch.Tensor:
+        seen.append(goals.clone())
+        return goals + torch.tensor([0.0, 0.01])  # within the default tolerance of 0.05
+
+    her = HindsightExperienceReplay(4, 2, 1000, 32, shift, path=tmp_path / "s", seed=2)
+    fill(her, [10, 10, 10, 10])
+    _, _, rewards, next_states, _, goals = her.sample()
+    np.testing.assert_allclose(goals.numpy(), seen[0].numpy() + [0, 0.01], rtol=1e-6)
+    want = goal_reached_reward(next_states[:, :2].numpy(), goals.numpy())
+    np.testing.assert_array_equal(rewards[:, 0].numpy(), want)  # every goal changed, every reward recomputed
+    assert (rewards == 0).sum() > 0  # relabelled goals reached (j = t) stay rewarded
+    her.goal_sampling_strategy = lambda g: g
+    relabelled = check_batch(her.sample(), 32)
+    assert relabelled.any()
+    her.goal_sampling_strategy = lambda g: g[:3]
+    with pytest.raises(ValueError, match=r"goal_sampling_strategy returned shape \(3, 2\), expected \(32, 2\)"):
+        her.sample()
+    her.close()
+
+
+def test_custom_reward_fn_and_wrong_count(tmp_path):
+    def reward(ag, dg, info):
+        assert len(info) == len(ag)
+        return np.full((len(ag), 1), 3.0)
+
+    her = HindsightExperienceReplay(4, 2, 1000, 40, path=tmp_path / "s", reward_fn=reward, goal_dim=2, seed=3)
+    fill(her, [20], unfinished=20)
+    r = her.sample()[2].numpy()[:, 0]
+    assert set(r.tolist()) == {3.0, STORED_REWARD}
+    her.reward_fn = lambda ag, dg, info: np.zeros(2)
+    her.storage.sampler.reward_fn = her.reward_fn
+    for _ in range(3):  # the ended episode's rows (through the sampler) and the unfinished one's
+        with pytest.raises(ValueError, match="reward_fn returned 2 values"):
+            her.sample()
+    her.goal_sampling_strategy = lambda g: g + 1
+    her.storage.sampler.reward_fn = reward
+    her.reward_fn = lambda ag, dg, info: np.zeros(len(ag) + 1)
+    fill(her, [], first_ep=5, unfinished=0)
+    with pytest.raises(ValueError, match="reward_fn returned"):
+        her.sample()
+    assert len(her) == 40  # nothing lost
+    her.close()
+
+
+def test_resume_keeps_episodes(tmp_path):
+    path = tmp_path / "run"
+    with HindsightExperienceReplay(4, 2, 1000, 16, path=path) as her:
+        fill(her, [10, 10], unfinished=5)
+    again = HindsightExperienceReplay(4, 2, 1000, 16, path=path, seed=4)
+    assert again.goal_dim == 2 and len(again) == 25  # the unfinished episode was stored, ended, at close
+    with EpisodeStore.open(path) as store:
+        assert store.episodes["length"].tolist() == [10, 10, 5]
+        assert store.episodes["truncated"].tolist() == [False, False, True]
+    fill(again, [6], first_ep=3)
+    assert len(again) == 31
+    check_batch(again.sample(), 16)
+    again.close()
+    with pytest.raises(SchemaMismatchError, match="goals of size 2, got goal_dim=3"):
+        HindsightExperienceReplay(4, 2, 1000, 16, path=path, goal_dim=3)
+    with pytest.raises(SchemaMismatchError, match="observation_space differs"):
+        HindsightExperienceReplay(5, 2, 1000, 16, path=path)
+    with pytest.raises(SchemaMismatchError, match="action_space differs"):
+        HindsightExperienceReplay(4, 3, 1000, 16, path=path)
+    with pytest.raises(SchemaMismatchError, match="capacity"):
+        HindsightExperienceReplay(4, 2, 999, 16, path=path)
+    with EpisodeStore.open(path) as store:
+        assert len(store) == 31
+
+
+def test_store_made_by_someone_else(tmp_path):
+    env = PointGoalEnv()
+    storage = HerReplayStorage(env.observation_space, env.action_space, reward_fn=env.compute_reward,
+                               path=tmp_path / "p")
+    storage.close()
+    with pytest.raises(SchemaMismatchError, match="observation_space differs"):
+        HindsightExperienceReplay(4, 2, 1_000_000, 16, path=tmp_path / "p")
+    with pytest.raises(SchemaMismatchError, match="goals of shape"):
+        bad = {k: s for k, s in env.observation_space.spaces.items()}
+        from gymnasium import spaces
+
+        bad["desired_goal"] = bad["achieved_goal"] = spaces.Box(-1, 1, (2, 2))
+        HerReplayStorage(spaces.Dict(bad), env.action_space, reward_fn=env.compute_reward, path=tmp_path / "q").close()
+        HindsightExperienceReplay(4, 2, 1_000_000, 16, path=tmp_path / "q")
+
+
+def test_bad_transitions_are_refused_and_change_nothing(tmp_path):
+    her = HindsightExperienceReplay(4, 2, 1000, 8, path=tmp_path / "s")
+    fill(her, [3], unfinished=2)
+    s, a = state(9, 0), np.zeros(2)
+    cases = [
+        ((np.zeros(5), a, 0.0, s, False, FAR), ValueError, r"state has shape \(5,\), expected \(4,\) \(state_dim\)"),
+        ((s, a, 0.0, np.zeros((2, 4)), False, FAR), ValueError, "next_state has shape"),
+        ((s, np.zeros(3), 0.0, s, False, FAR), ValueError, r"action has shape \(3,\), expected \(2,\)"),
+        ((s, a, 0.0, s, False, np.zeros(3)), ValueError, r"goal has shape \(3,\), expected \(2,\) \(goal_dim\)"),
+        ((s, a, [0.0, 1.0], s, False, FAR), ValueError, "reward must be a single value"),
+        ((s, a, 0.0, s, [True, False], FAR), ValueError, "done must be a single value"),
+        ((s, a, 0.0, s, 0.5, FAR), ValueError, "done must hold booleans or 0/1"),
+        ((np.array(["a"] * 4), a, 0.0, s, False, FAR), TypeError, "state has dtype <U1, expected numbers"),
+        ((s, a, np.float64(1e300), s, False, FAR), ValueError, "reward"),
+    ]
+    for args, error, match in cases:
+        with pytest.raises(error, match=match):
+            her.store_transition(*args)
+        assert len(her) == 5
+    her.store_transition(torch.as_tensor(s), torch.zeros(1, 2), torch.tensor(1.0), s, torch.tensor(1.0), FAR)
+    assert len(her) == 6 and her.storage.writer.pending_steps.tolist() == [0]
+    her.close()
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"state_dim": 0}, ValueError, "state_dim must be a positive int"),
+        ({"batch_size": 1.5}, ValueError, "batch_size must be a positive int"),
+        ({"goal_dim": 5}, ValueError, "goal_dim=5 exceeds state_dim=4"),
+        ({"goal_dim": 0}, ValueError, "goal_dim must be a positive int"),
+        ({"goal_sampling_strategy": "future"}, TypeError, "goal_sampling_strategy must be a callable"),
+        ({"reward_fn": 1}, TypeError, "reward_fn must be callable"),
+        ({"buffer_size": 0}, ValueError, "capacity must be a positive int"),
+    ],
+)
+def test_bad_construction(tmp_path, kwargs, error, match):
+    args = {"state_dim": 4, "action_dim": 2, "buffer_size": 100, "batch_size": 8, "goal_dim": 2,
+            "path": tmp_path / "x"}
+    with pytest.raises(error, match=match):
+        HindsightExperienceReplay(**{**args, **kwargs})
+
+
+def test_goal_larger_than_state_at_first_transition():
+    her = HindsightExperienceReplay(4, 2, 100, 8)
+    with pytest.raises(ValueError, match="goal_dim=6 exceeds state_dim=4"):
+        her.store_transition(np.zeros(4), np.zeros(2), 0.0, np.zeros(4), False, np.zeros(6))
+    assert len(her) == 0
+    her.store_transition(np.zeros(4), np.zeros(2), 0.0, np.zeros(4), False, np.zeros(3))
+    assert her.goal_dim == 3 and len(her) == 1
+    her.close()
+
+
+def test_same_seed_same_batches(tmp_path):
+    out = []
+    for name in ("a", "b"):
+        her = HindsightExperienceReplay(4, 2, 1000, 32, path=tmp_path / name, seed=7)
+        fill(her, [15, 15], unfinished=4)
+        out.append([x.numpy() for x in her.sample()])
+        her.close()
+    for x, y in zip(*out, strict=True):
+        np.testing.assert_array_equal(x, y)
