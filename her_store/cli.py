@@ -1,4 +1,7 @@
-"""The ``her-store`` command: ``demo`` (collect, commit, reopen, read back) and ``info`` (what a store holds)."""
+"""The ``her-store`` command: ``demo`` (collect, commit, reopen, read back), ``info`` (what a store holds) and ``train``.
+
+``train`` (an SB3 agent with HER on a store) is imported only when asked for: this module never imports SB3.
+"""
 
 from __future__ import annotations
 
@@ -12,7 +15,7 @@ import numpy as np
 
 from her_store.store import EpisodeStore, open_store
 
-__all__ = ["main", "collect", "describe"]
+__all__ = ["collect", "describe", "main"]
 
 
 def _print_table(title: str, rows: list[tuple[str, str]]) -> None:
@@ -68,7 +71,7 @@ def collect(store: EpisodeStore, env_id: str, n_envs: int, steps: int, seed: int
     for i, env in enumerate(envs):
         env.action_space.seed(seed + i)
     writer = store.writer(n_envs)
-    stack = lambda dicts: {k: np.stack([d[k] for d in dicts]) for k in dicts[0]}  # noqa: E731
+    stack = lambda dicts: {k: np.stack([d[k] for d in dicts]) for k in dicts[0]}
     bar = _progress(steps, "collecting", progress)
     for _ in range(steps):
         actions = np.stack([env.action_space.sample() for env in envs])
@@ -133,6 +136,12 @@ def cmd_info(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_train(args: argparse.Namespace) -> int:
+    from her_store.integrations.train import main as train_main
+
+    return train_main(args.train_args)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``her-store``.
 
@@ -153,7 +162,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     i = sub.add_parser("info", help="summarise a store")
     i.add_argument("path")
     i.set_defaults(func=cmd_info)
-    args = p.parse_args(argv)
+    # train's options are parsed by its own parser (her_store.integrations.train), imported only when it runs
+    t = sub.add_parser("train", add_help=False, help="train an SB3 agent with HER on a store; run again to resume")
+    t.set_defaults(func=cmd_train)
+    args, rest = p.parse_known_args(argv)
+    if args.command != "train" and rest:
+        p.error(f"unrecognized arguments: {' '.join(rest)}")
+    args.train_args = rest
     return int(args.func(args))
 
 

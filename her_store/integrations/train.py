@@ -1,0 +1,646 @@
+"""The training job: an SB3 off-policy agent with HER on a disk store, checkpointed and resumable (``her-store train``).
+
+A run lives in a run directory (``--out``): ``run.json`` (the options that define the run), ``checkpoints/``
+(the model and the replay buffer's handle, each checkpoint written under a temporary name and renamed into place)
+and, unless ``--store`` says otherwise, ``store/`` (the episodes). Running the same command again resumes: the
+model of the last checkpoint, every episode the store committed (even those newer than the checkpoint) and the
+steps still to go.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import time
+import warnings
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+from gymnasium import spaces
+
+from her_store.errors import NotAStoreError, StoreError
+from her_store.integrations import require
+from her_store.store import EpisodeStore
+
+__all__ = [
+    "DEFAULT_ENV",
+    "OFF_POLICY_ALGOS",
+    "TrainConfig",
+    "TrainResult",
+    "build_parser",
+    "evaluate",
+    "latest_checkpoint",
+    "main",
+    "save_checkpoint",
+    "train",
+]
+
+DEFAULT_ENV = "her_store/BitFlipping-v0"
+"""SB3's BitFlippingEnv (discrete actions for DQN, the continuous variant for the others), registered on import."""
+
+OFF_POLICY_ALGOS = {"dqn": "DQN", "sac": "SAC", "td3": "TD3", "ddpg": "DDPG"}
+"""``--algo`` names and the stable-baselines3 classes they train (HER needs an off-policy algorithm)."""
+
+_ON_POLICY = {"ppo", "a2c", "trpo", "recurrentppo", "ars"}
+GOAL_KEYS = ("observation", "achieved_goal", "desired_goal")
+DEFAULT_N_BITS = 10
+
+# Defaults per algorithm, on top of SB3's own; --algo-kwargs overrides them. DQN's are those of SB3's HER test on
+# BitFlippingEnv (train every step on small batches, short epsilon schedule, slow target updates).
+_ALGO_DEFAULTS: dict[str, dict[str, Any]] = {
+    "dqn": {
+        "learning_rate": 5e-4,
+        "train_freq": 1,
+        "learning_starts": 100,
+        "batch_size": 32,
+        "exploration_final_eps": 0.02,
+        "target_update_interval": 500,
+    },
+    "sac": {"learning_starts": 200, "batch_size": 256},
+    "td3": {"learning_starts": 200, "batch_size": 256},
+    "ddpg": {"learning_starts": 200, "batch_size": 256},
+}
+
+# The options that define a run: resuming with a different value would mix two runs in one directory.
+_RUN_KEYS = ("env", "algo", "store", "capacity", "strategy", "n_sampled_goal", "seed", "n_envs", "algo_kwargs")
+
+
+def _register_default_env() -> None:
+    import gymnasium as gym
+
+    if DEFAULT_ENV not in gym.registry:
+        gym.register(
+            DEFAULT_ENV,
+            entry_point="stable_baselines3.common.envs:BitFlippingEnv",
+            kwargs={"n_bits": DEFAULT_N_BITS},
+            disable_env_checker=True,
+        )
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """What a training run does; every field is a command-line option of ``her-store train``.
+
+    Parameters
+    ----------
+    env : str
+        A registered gymnasium goal env id (Dict observations with ``observation``, ``achieved_goal`` and
+        ``desired_goal``, and ``compute_reward``). Default: SB3's BitFlippingEnv, continuous for SAC/TD3/DDPG.
+    algo : str
+        ``dqn``, ``sac``, ``td3`` or ``ddpg``.
+    out : str
+        The run directory (checkpoints, ``run.json`` and, by default, the store).
+    store : str or None
+        Where the episodes go: a path or an fsspec URL. None: ``<out>/store``.
+    steps : int
+        Total environment steps of the run (resumed runs count the steps already done).
+    capacity : int
+        Replay capacity in transitions (the store is a ring of whole episodes that size).
+    strategy : str
+        Goal selection strategy: ``future``, ``final``, ``episode`` or ``random``.
+    n_sampled_goal : int
+        Relabelled goals per real transition (her_ratio = 1 - 1/(n_sampled_goal + 1)).
+    seed : int
+        Seed of the run; a resumed run reseeds with ``seed + steps done`` so it does not replay the same draws.
+    n_envs : int
+        Environments stepped together (a DummyVecEnv).
+    eval_episodes : int
+        Episodes of the deterministic policy run at the end to measure the success rate.
+    checkpoint_every : int
+        Steps between checkpoints (one is also written at the end, and on Ctrl-C).
+    algo_kwargs : dict
+        Extra constructor arguments of the algorithm (override the job's defaults).
+    storage_options : dict or None
+        fsspec options of a store URL (credentials, endpoint).
+    device : str
+        Torch device of the model and of sampled batches.
+    threads : int
+        Torch intra-op threads (the small networks of HER tasks run fastest on one; 0 leaves torch's default).
+    progress : bool
+        Show a progress bar.
+
+    Examples
+    --------
+    >>> cfg = TrainConfig(out="runs/bits", steps=3_000)
+    >>> cfg.algo, cfg.strategy
+    ('dqn', 'future')
+    """
+
+    env: str = DEFAULT_ENV
+    algo: str = "dqn"
+    out: str = "her_store_run"
+    store: str | None = None
+    steps: int = 5_000
+    capacity: int = 1_000_000
+    strategy: str = "future"
+    n_sampled_goal: int = 4
+    seed: int = 0
+    n_envs: int = 1
+    eval_episodes: int = 50
+    checkpoint_every: int = 1_000
+    algo_kwargs: dict[str, Any] = field(default_factory=dict)
+    storage_options: dict[str, Any] | None = None
+    device: str = "auto"
+    threads: int = 1
+    progress: bool = True
+
+    @property
+    def store_location(self) -> str:
+        """The store's path or URL."""
+        return self.store if self.store is not None else os.path.join(self.out, "store")
+
+
+@dataclass(frozen=True)
+class TrainResult:
+    """What a run reached, as its summary table shows it.
+
+    Examples
+    --------
+    >>> result = train(TrainConfig(out="runs/bits"))  # doctest: +SKIP
+    >>> result.success_rate >= 0.9  # doctest: +SKIP
+    True
+    """
+
+    steps: int
+    resumed_from: int | None
+    success_rate: float
+    train_success_rate: float | None
+    episodes: int
+    transitions: int
+    store_bytes: int | None
+    rss_bytes: int
+    peak_rss_bytes: int
+    seconds: float
+    store: str
+    checkpoint: str
+
+    def rows(self) -> list[tuple[str, str]]:
+        """The summary table's rows: label, value."""
+        return [
+            ("success rate (deterministic)", f"{self.success_rate:.1%}"),
+            ("success rate (last 100 training episodes)",
+             "n/a" if self.train_success_rate is None else f"{self.train_success_rate:.1%}"),
+            ("steps", f"{self.steps:,}" + ("" if self.resumed_from is None else f" (resumed from {self.resumed_from:,})")),
+            ("episodes stored", f"{self.episodes:,}"),
+            ("transitions stored", f"{self.transitions:,}"),
+            ("store bytes on disk", "n/a" if self.store_bytes is None else _mib(self.store_bytes)),
+            ("process resident memory (now / peak)", f"{_mib(self.rss_bytes)} / {_mib(self.peak_rss_bytes)}"),
+            ("wall time", f"{self.seconds:.1f} s"),
+            ("store", self.store),
+            ("last checkpoint", self.checkpoint),
+        ]
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:,.1f} MiB"
+
+
+# -- checking the options ----------------------------------------------------------------------------------------
+def _algo_class(name: str) -> type:
+    key = name.lower()
+    if key in _ON_POLICY:
+        raise ValueError(
+            f"--algo {name} is an on-policy algorithm; HER replays past transitions, so it needs an off-policy one: "
+            f"{', '.join(OFF_POLICY_ALGOS)}"
+        )
+    if key not in OFF_POLICY_ALGOS:
+        raise ValueError(f"--algo {name} is not an algorithm this job trains; expected one of {', '.join(OFF_POLICY_ALGOS)}")
+    sb3 = require("stable_baselines3", "train")
+    return getattr(sb3, OFF_POLICY_ALGOS[key])
+
+
+def _env_factory(cfg: TrainConfig) -> Callable[[], Any]:
+    """A function making one env of the run, after checking once that it is a goal env the algorithm can drive."""
+    import gymnasium as gym
+
+    _register_default_env()
+    kwargs: dict[str, Any] = {}
+    if cfg.env == DEFAULT_ENV and cfg.algo.lower() != "dqn":
+        kwargs["continuous"] = True
+
+    def make() -> Any:
+        return gym.make(cfg.env, **kwargs)
+
+    try:
+        env = make()
+    except gym.error.Error as e:  # NameNotFound, VersionNotFound, a bad module:name
+        raise ValueError(f"--env {cfg.env}: {e}") from None
+    try:
+        obs_space, act_space = env.observation_space, env.action_space
+        missing = [k for k in GOAL_KEYS if not isinstance(obs_space, spaces.Dict) or k not in obs_space.spaces]
+        if missing:
+            raise ValueError(
+                f"--env {cfg.env} is not a goal env: HER needs Dict observations with keys {', '.join(GOAL_KEYS)}; "
+                f"its observation space is {obs_space} (missing {', '.join(missing)})"
+            )
+        if not callable(getattr(env.unwrapped, "compute_reward", None)):
+            raise TypeError(f"--env {cfg.env} is not a goal env: it has no compute_reward(achieved_goal, desired_goal, info)")
+        discrete = cfg.algo.lower() == "dqn"
+        if discrete and not isinstance(act_space, spaces.Discrete):
+            raise ValueError(f"--algo dqn needs a Discrete action space; --env {cfg.env} has {act_space} (try --algo sac)")
+        if not discrete and not isinstance(act_space, spaces.Box):
+            raise ValueError(f"--algo {cfg.algo} needs a Box action space; --env {cfg.env} has {act_space} (try --algo dqn)")
+    finally:
+        env.close()
+    return make
+
+
+def _check_numbers(cfg: TrainConfig) -> None:
+    for name, least in (("steps", 1), ("capacity", 1), ("n_envs", 1), ("checkpoint_every", 1), ("n_sampled_goal", 1),
+                        ("eval_episodes", 0), ("threads", 0)):
+        if getattr(cfg, name) < least:
+            raise ValueError(f"--{name.replace('_', '-')} must be at least {least}, got {getattr(cfg, name)}")
+    if cfg.strategy not in ("future", "final", "episode", "random"):
+        raise ValueError(f"--strategy {cfg.strategy} is not a goal selection strategy; expected future, final, episode or random")
+
+
+# -- the run directory -------------------------------------------------------------------------------------------
+def _run_record(cfg: TrainConfig) -> dict[str, Any]:
+    record = {k: getattr(cfg, k) for k in _RUN_KEYS}
+    record["store"] = cfg.store_location
+    return record
+
+
+def _write_atomic(path: str, data: bytes) -> None:
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _check_run_dir(cfg: TrainConfig) -> None:
+    """Write ``run.json`` on the first run; on later ones, refuse options that would make it another run."""
+    os.makedirs(cfg.out, exist_ok=True)
+    path = os.path.join(cfg.out, "run.json")
+    record = _run_record(cfg)
+    if not os.path.exists(path):
+        _write_atomic(path, json.dumps(record, indent=1).encode())
+        return
+    try:
+        with open(path) as f:
+            saved = json.load(f)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{path} is not a run record of her-store train ({e}); pick another --out") from None
+    if not isinstance(saved, dict):
+        raise TypeError(f"{path} is not a run record of her-store train; pick another --out")
+    for k in _RUN_KEYS:
+        if saved.get(k) != record[k]:
+            raise ValueError(
+                f"{cfg.out} holds a run with --{k.replace('_', '-')} {saved.get(k)!r}, not {record[k]!r}; "
+                f"run it with the same options to resume, or pick another --out"
+            )
+
+
+def _checkpoint_dir(out: str) -> str:
+    return os.path.join(out, "checkpoints")
+
+
+def latest_checkpoint(out: str) -> tuple[int, str] | None:
+    """The step and directory of the newest complete checkpoint of a run directory, or None.
+
+    Checkpoints are written as ``checkpoints/.step-<N>.tmp`` and renamed to ``checkpoints/step-<N>`` when complete,
+    so a directory without the temporary prefix is whole; leftovers of a killed write are removed here.
+
+    Examples
+    --------
+    >>> latest_checkpoint("runs/bits")  # doctest: +SKIP
+    (3000, 'runs/bits/checkpoints/step-000003000')
+    """
+    root = _checkpoint_dir(out)
+    if not os.path.isdir(root):
+        return None
+    best: tuple[int, str] | None = None
+    for name in os.listdir(root):
+        path = os.path.join(root, name)
+        if name.startswith("."):
+            shutil.rmtree(path, ignore_errors=True)
+        elif name.startswith("step-") and name[5:].isdigit() and (best is None or int(name[5:]) > best[0]):
+            best = (int(name[5:]), path)
+    return best
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def save_checkpoint(model: Any, out: str) -> str:
+    """Save ``model`` and its replay buffer's handle as the run's newest checkpoint, atomically; return its directory.
+
+    Both files go to a temporary directory, are fsynced, and the directory is renamed into place: a process killed
+    at any moment leaves the previous checkpoint whole. Older checkpoints are removed afterwards.
+
+    Examples
+    --------
+    >>> save_checkpoint(model, "runs/bits")  # doctest: +SKIP
+    'runs/bits/checkpoints/step-000001000'
+    """
+    root = _checkpoint_dir(out)
+    os.makedirs(root, exist_ok=True)
+    name = f"step-{model.num_timesteps:09d}"
+    final = os.path.join(root, name)
+    if os.path.isdir(final):
+        return final
+    tmp = os.path.join(root, f".{name}.tmp-{os.getpid()}")
+    os.makedirs(tmp)
+    model.save(os.path.join(tmp, "model.zip"))
+    model.save_replay_buffer(os.path.join(tmp, "replay_buffer.pkl"))
+    for f in os.listdir(tmp):
+        with open(os.path.join(tmp, f), "rb+") as fh:
+            os.fsync(fh.fileno())
+    _fsync_dir(tmp)
+    os.rename(tmp, final)
+    _fsync_dir(root)
+    for other in os.listdir(root):
+        if other.startswith("step-") and other != name:
+            shutil.rmtree(os.path.join(root, other), ignore_errors=True)
+    return final
+
+
+# -- measuring ---------------------------------------------------------------------------------------------------
+def _store_contents(cfg: TrainConfig) -> tuple[int, int, str] | None:
+    """(episodes, transitions, url) committed in the run's store, or None when there is no store yet."""
+    try:
+        with EpisodeStore.open(cfg.store_location, "r", cfg.storage_options) as store:
+            return store.num_episodes, store.num_transitions, store.url
+    except NotAStoreError:
+        return None
+
+
+def _bytes_on_disk(cfg: TrainConfig) -> int | None:
+    loc = cfg.store_location
+    if "://" not in loc or loc.startswith("file://"):
+        path = loc.removeprefix("file://")
+        # allocated blocks, not apparent sizes: chunk files are sparse until rows are written
+        return sum(os.stat(os.path.join(d, f)).st_blocks * 512 for d, _, fs in os.walk(path) for f in fs)
+    import fsspec
+
+    try:
+        fs, root = fsspec.core.url_to_fs(loc, **(cfg.storage_options or {}))
+        return int(fs.du(root))
+    except (OSError, NotImplementedError, ValueError):
+        return None
+
+
+def _memory() -> tuple[int, int]:
+    """Resident memory of this process now and at its peak, in bytes."""
+    try:
+        with open("/proc/self/status") as f:
+            fields = dict(line.split(":", 1) for line in f if ":" in line)
+        return int(fields["VmRSS"].split()[0]) * 1024, int(fields["VmHWM"].split()[0]) * 1024
+    except (OSError, KeyError, ValueError):
+        import resource
+
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
+        return peak, peak
+
+
+def evaluate(model: Any, make_env: Callable[[], Any], episodes: int, seed: int) -> float:
+    """Success rate of the deterministic policy over ``episodes`` episodes (``info["is_success"]`` at the end).
+
+    Examples
+    --------
+    >>> evaluate(model, lambda: gym.make("her_store/PointGoal-v0"), 20, seed=0)  # doctest: +SKIP
+    0.95
+    """
+    if episodes == 0:
+        return float("nan")
+    env = make_env()
+    successes = []
+    try:
+        for i in range(episodes):
+            obs, info = env.reset(seed=seed + i)
+            done = False
+            while not done:
+                action, _ = model.predict(obs, deterministic=True)
+                obs, _, terminated, truncated, info = env.step(action)
+                done = terminated or truncated
+            successes.append(float(info.get("is_success", 0.0)))
+    finally:
+        env.close()
+    return float(np.mean(successes))
+
+
+# -- the job -----------------------------------------------------------------------------------------------------
+def _checkpoint_callback(out: str, every: int) -> Any:
+    from stable_baselines3.common.callbacks import BaseCallback
+
+    class Checkpoints(BaseCallback):
+        def __init__(self) -> None:
+            super().__init__()
+            self.last = 0
+
+        def _on_training_start(self) -> None:
+            self.last = self.num_timesteps
+
+        def _on_step(self) -> bool:
+            if self.num_timesteps - self.last >= every:
+                save_checkpoint(self.model, out)
+                self.last = self.num_timesteps
+            return True
+
+    return Checkpoints()
+
+
+def train(cfg: TrainConfig, log: Callable[[str], None] = print) -> TrainResult:
+    """Train (or resume) the run ``cfg`` describes; return what it reached.
+
+    Parameters
+    ----------
+    cfg : TrainConfig
+        The run.
+    log : callable
+        Where the job's messages go (one line each).
+
+    Raises
+    ------
+    ValueError
+        An option the job cannot use (an unknown or non-goal env, an on-policy algorithm, a run directory that
+        holds another run, ...), named in the message.
+    StoreError
+        The store cannot be used (another writer holds it, its spaces are not the env's, ...).
+
+    Examples
+    --------
+    >>> result = train(TrainConfig(out="runs/bits", steps=3_000))  # doctest: +SKIP
+    >>> print(f"{result.success_rate:.0%}")  # doctest: +SKIP
+    98%
+    """
+    t0 = time.perf_counter()
+    _check_numbers(cfg)
+    algo_cls = _algo_class(cfg.algo)
+    make_env = _env_factory(cfg)
+    require("stable_baselines3", "train")
+    from stable_baselines3.common.vec_env import DummyVecEnv
+    from torch import set_num_threads
+
+    from her_store.integrations.sb3 import ZarrHerReplayBuffer
+
+    if cfg.threads:
+        set_num_threads(cfg.threads)
+    _check_run_dir(cfg)
+    before = _store_contents(cfg)
+    ckpt = latest_checkpoint(cfg.out)
+    env = DummyVecEnv([make_env] * cfg.n_envs)
+    resumed_from = None
+    if ckpt is not None:
+        model = algo_cls.load(os.path.join(ckpt[1], "model.zip"), env=env, device=cfg.device)
+        # load() built a buffer on the store from the saved kwargs; the checkpoint's handle replaces it (sampler
+        # state, unfinished episodes), and it must release the store's writer lock first
+        model.replay_buffer.close()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            model.load_replay_buffer(os.path.join(ckpt[1], "replay_buffer.pkl"))
+        for w in caught:  # what became of the checkpoint's unfinished episodes: one line each, not a warning dump
+            log(f"note: {' '.join(str(w.message).split())}")
+        resumed_from = model.num_timesteps
+        model.set_random_seed(cfg.seed + model.num_timesteps)
+        log(f"resuming from step {model.num_timesteps:,}, {0 if before is None else before[0]:,} episodes in the store")
+    else:
+        if before is not None and before[0]:
+            log(f"starting at step 0 (no checkpoint yet); the store already holds {before[0]:,} episodes, kept")
+        kwargs = {**_ALGO_DEFAULTS[cfg.algo.lower()], **cfg.algo_kwargs}
+        model = algo_cls(
+            "MultiInputPolicy",
+            env,
+            buffer_size=cfg.capacity,
+            replay_buffer_class=ZarrHerReplayBuffer,
+            replay_buffer_kwargs={
+                "path": cfg.store_location,
+                "storage_options": cfg.storage_options,
+                "n_sampled_goal": cfg.n_sampled_goal,
+                "goal_selection_strategy": cfg.strategy,
+            },
+            seed=cfg.seed,
+            device=cfg.device,
+            **kwargs,
+        )
+    remaining = cfg.steps - model.num_timesteps
+    checkpoint = ckpt[1] if ckpt is not None else "none"
+    try:
+        if remaining > 0:
+            model.learn(
+                remaining,
+                callback=_checkpoint_callback(cfg.out, cfg.checkpoint_every),
+                reset_num_timesteps=False,
+                progress_bar=cfg.progress,
+            )
+        else:
+            log(f"the run already did {model.num_timesteps:,} of its {cfg.steps:,} steps; evaluating only")
+    except KeyboardInterrupt:
+        checkpoint = save_checkpoint(model, cfg.out)
+        model.replay_buffer.close()
+        log(f"interrupted at step {model.num_timesteps:,}; checkpoint saved, run the same command to resume")
+        raise
+    checkpoint = save_checkpoint(model, cfg.out)
+    success = evaluate(model, make_env, cfg.eval_episodes, cfg.seed + 1_000_000)
+    train_success = float(np.mean(model.ep_success_buffer)) if len(model.ep_success_buffer) else None
+    model.replay_buffer.close()
+    env.close()
+    episodes, transitions, url = _store_contents(cfg) or (0, 0, cfg.store_location)
+    rss, peak = _memory()
+    return TrainResult(
+        steps=model.num_timesteps,
+        resumed_from=resumed_from,
+        success_rate=success,
+        train_success_rate=train_success,
+        episodes=episodes,
+        transitions=transitions,
+        store_bytes=_bytes_on_disk(cfg),
+        rss_bytes=rss,
+        peak_rss_bytes=peak,
+        seconds=time.perf_counter() - t0,
+        store=url,
+        checkpoint=checkpoint,
+    )
+
+
+# -- command line ------------------------------------------------------------------------------------------------
+def _json_object(text: str) -> dict[str, Any]:
+    try:
+        value = json.loads(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"not JSON ({e}): {text!r}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object like '{{\"learning_rate\": 0.001}}', got {text!r}")
+    return value
+
+
+def build_parser(prog: str = "her-store train") -> argparse.ArgumentParser:
+    """The options of ``her-store train`` (and ``tools/train.py``).
+
+    Examples
+    --------
+    >>> build_parser().parse_args(["--algo", "sac", "--steps", "5000"]).algo
+    'sac'
+    """
+    d = TrainConfig()
+    p = argparse.ArgumentParser(
+        prog=prog,
+        description="Train an SB3 off-policy agent with HER on a disk-backed episode store; run again to resume.",
+    )
+    p.add_argument("--env", default=d.env,
+                   help="registered gymnasium goal env id (default: SB3's BitFlippingEnv, "
+                        f"{DEFAULT_N_BITS} bits, continuous actions for sac/td3/ddpg)")
+    p.add_argument("--algo", default=d.algo, help=f"off-policy algorithm: {', '.join(OFF_POLICY_ALGOS)} (default: dqn)")
+    p.add_argument("--out", default=d.out, help=f"run directory: checkpoints, run.json, the store (default: ./{d.out})")
+    p.add_argument("--store", default=None, help="store path or fsspec URL (default: <out>/store)")
+    p.add_argument("--storage-options", type=_json_object, default=None, help="fsspec options of a store URL, as JSON")
+    p.add_argument("--steps", type=int, default=d.steps, help=f"total environment steps (default: {d.steps:,})")
+    p.add_argument("--capacity", type=int, default=d.capacity, help="replay capacity in transitions (default: 1,000,000)")
+    p.add_argument("--strategy", default=d.strategy, help="goal selection: future, final, episode, random (default: future)")
+    p.add_argument("--n-sampled-goal", type=int, default=d.n_sampled_goal, help="relabelled goals per transition (default: 4)")
+    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--n-envs", type=int, default=d.n_envs, help="environments stepped together (default: 1)")
+    p.add_argument("--eval-episodes", type=int, default=d.eval_episodes,
+                   help=f"episodes of the deterministic policy measuring the success rate (default: {d.eval_episodes})")
+    p.add_argument("--checkpoint-every", type=int, default=d.checkpoint_every,
+                   help=f"steps between checkpoints (default: {d.checkpoint_every:,})")
+    p.add_argument("--algo-kwargs", type=_json_object, default={},
+                   help="extra algorithm arguments as JSON, e.g. '{\"learning_rate\": 0.001}'")
+    p.add_argument("--device", default=d.device, help="torch device (default: auto)")
+    p.add_argument("--threads", type=int, default=d.threads,
+                   help="torch intra-op threads (default: 1, fastest for small networks; 0: torch's default)")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    return p
+
+
+def main(argv: Sequence[str] | None = None, prog: str = "her-store train") -> int:
+    """Run ``her-store train`` with ``argv``; print the summary table; return the exit status.
+
+    Bad options and unusable stores print one line naming the problem and return 2 (no traceback).
+
+    Examples
+    --------
+    >>> main(["--steps", "3000", "--out", "runs/bits"])  # doctest: +SKIP
+    0
+    """
+    from her_store.cli import _print_table
+
+    args = build_parser(prog).parse_args(argv)
+    cfg = TrainConfig(
+        env=args.env, algo=args.algo.lower(), out=args.out, store=args.store, steps=args.steps,
+        capacity=args.capacity, strategy=args.strategy, n_sampled_goal=args.n_sampled_goal, seed=args.seed,
+        n_envs=args.n_envs, eval_episodes=args.eval_episodes, checkpoint_every=args.checkpoint_every,
+        algo_kwargs=args.algo_kwargs, storage_options=args.storage_options, device=args.device,
+        threads=args.threads, progress=not args.quiet,
+    )
+    try:
+        result = train(cfg, log=lambda msg: print(msg, flush=True))
+    except (ValueError, TypeError, ImportError, StoreError, OSError) as e:
+        print(f"{prog}: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    _print_table(f"her-store train: {cfg.env}, {cfg.algo.upper()}+HER ({cfg.strategy})", result.rows())
+    return 0
