@@ -182,7 +182,7 @@ class GoalEnvFlattener(gym.ObservationWrapper):
             raise TypeError(f"observations have dtype {v.dtype}, which does not cast to the flat {dtype}")
         batch = v.shape[:-1]
         return {
-            k: v[..., sl].reshape(*batch, *shape).astype(sub_dtype, copy=False)
+            k: v[..., sl].reshape((*batch, *shape)).astype(sub_dtype, copy=False)
             for k, sl, shape, sub_dtype in zip(self.keys, self._slices, self._shapes, self._dtypes)
         }
 

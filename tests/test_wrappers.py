@@ -1,0 +1,436 @@
+"""integrations.wrappers: GoalEnvFlattener round trips, and recorders whose episodes equal what the envs produced."""
+
+from __future__ import annotations
+
+import gymnasium as gym
+import numpy as np
+import pytest
+from gymnasium import spaces
+from gymnasium.vector import AsyncVectorEnv, AutoresetMode, SyncVectorEnv
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from stable_baselines3.common.envs import BitFlippingEnv
+
+from her_store import EpisodeStore, EpisodeValidationError, ReadOnlyStoreError, SchemaMismatchError, open_store
+from her_store.envs import ENV_ID, PointGoalEnv
+from her_store.integrations.wrappers import GoalEnvFlattener, RecordEpisodes, RecordVectorEpisodes
+from tests.conftest import GOAL_KEYS, assert_episode_equal, random_rows
+
+
+class SpaceEnv(gym.Env):
+    """A goal env of any observation space: observations are samples of it; the goal is reached at random."""
+
+    def __init__(self, observation_space: spaces.Dict) -> None:
+        self.observation_space = observation_space
+        self.action_space = spaces.Discrete(2)
+
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)
+        self.observation_space.seed(seed)
+        return self.observation_space.sample(), {}
+
+    def step(self, action):
+        return self.observation_space.sample(), 0.0, bool(action), False, {}
+
+    def compute_reward(self, achieved_goal, desired_goal, info):
+        return -np.any(np.asarray(achieved_goal) != np.asarray(desired_goal), axis=-1).astype(np.float32)
+
+
+def goal_dict(**subs: spaces.Space) -> spaces.Dict:
+    return spaces.Dict({k: subs[k] for k in (*GOAL_KEYS, *sorted(set(subs) - set(GOAL_KEYS)))})
+
+
+# -- GoalEnvFlattener ----------------------------------------------------------------------------------------------
+
+
+def test_box_spaces_flatten_in_sb2_key_order_and_reset_step_return_flat_vectors():
+    env = GoalEnvFlattener(gym.make(ENV_ID))
+    assert env.keys == GOAL_KEYS and (env.obs_dim, env.goal_dim) == (4, 2)
+    space = env.observation_space
+    assert isinstance(space, spaces.Box) and space.dtype == np.float32 and space.shape == (8,)
+    np.testing.assert_array_equal(space.low, [-np.inf] * 4 + [-1.0] * 4)
+    obs, info = env.reset(seed=3)
+    raw = env.unwrapped._obs()
+    np.testing.assert_array_equal(obs, np.concatenate([raw[k] for k in GOAL_KEYS]))
+    assert space.contains(obs)
+    obs, reward, *_ = env.step(np.ones(2, np.float32))
+    goals = env.convert_obs_to_dict(obs)
+    assert env.compute_reward(goals["achieved_goal"], goals["desired_goal"], info) == reward
+    # compute_reward through the wrapper, batched over leading axes
+    batch = env.convert_obs_to_dict(np.stack([obs, np.concatenate([obs[:4], obs[4:6], obs[4:6]])]))
+    np.testing.assert_array_equal(env.compute_reward(batch["achieved_goal"], batch["desired_goal"], None), [-1, 0])
+
+
+@st.composite
+def box_spaces(draw):
+    dtypes = [np.float32, np.float64, np.uint8, np.int16]
+    shapes = st.lists(st.integers(1, 3), min_size=1, max_size=3).map(tuple)
+    goal_shape, goal_dtype = draw(shapes), draw(st.sampled_from(dtypes))
+    subs = {"observation": (draw(shapes), draw(st.sampled_from(dtypes)))}
+    subs.update(achieved_goal=(goal_shape, goal_dtype), desired_goal=(goal_shape, goal_dtype))
+    if draw(st.booleans()):
+        subs["extra"] = (draw(shapes), draw(st.sampled_from(dtypes)))
+    made = {}
+    for k, (shape, dtype) in subs.items():
+        lo, hi = (-5, 5) if np.dtype(dtype).kind in "fi" else (0, 200)
+        made[k] = spaces.Box(lo, hi, shape, dtype)
+    return goal_dict(**made), draw(st.lists(st.integers(0, 3), max_size=2).map(tuple))
+
+
+@settings(max_examples=40, deadline=None)
+@given(box_spaces(), st.integers(0, 2**31))
+def test_box_round_trip_is_exact_for_any_shapes_dtypes_and_batch(case, seed):
+    obs_space, batch = case
+    env = GoalEnvFlattener(SpaceEnv(obs_space))
+    rng = np.random.default_rng(seed)
+    n = int(np.prod(batch))
+    obs = {k: random_rows(s, n, rng).reshape(*batch, *s.shape) for k, s in obs_space.spaces.items()}
+    flat = env.convert_dict_to_obs(obs)
+    assert flat.shape == (*batch, env.observation_space.shape[0]) and flat.dtype == env.observation_space.dtype
+    back = env.convert_obs_to_dict(flat)
+    assert list(back) == [*GOAL_KEYS, *(["extra"] if "extra" in obs_space.spaces else [])]
+    for k, v in obs.items():
+        assert back[k].dtype == obs_space[k].dtype and back[k].shape == v.shape, k
+        np.testing.assert_array_equal(back[k], v, err_msg=k)
+    np.testing.assert_array_equal(env.convert_dict_to_obs(back), flat)
+    if not batch:
+        assert env.observation_space.contains(flat)
+
+
+def test_multibinary_spaces_become_one_multibinary_and_the_bit_flipping_env_runs_through():
+    env = GoalEnvFlattener(BitFlippingEnv(n_bits=4))
+    assert env.observation_space == spaces.MultiBinary(12) and env.observation_space.dtype == np.int8
+    obs, _ = env.reset(seed=0)
+    assert obs.dtype == np.int8 and env.observation_space.contains(obs)
+    np.testing.assert_array_equal(env.convert_obs_to_dict(obs)["desired_goal"], np.ones(4, np.int8))
+    bits = np.random.default_rng(0).integers(0, 2, (5, 3, 12)).astype(np.int8)
+    d = env.convert_obs_to_dict(bits)
+    assert d["observation"].shape == (5, 3, 4) and d["observation"].dtype == np.int8
+    np.testing.assert_array_equal(env.convert_dict_to_obs(d), bits)
+    flat = bits.reshape(15, 12)
+    got = env.compute_reward(flat[:, 4:8], flat[:, 8:], None)
+    np.testing.assert_array_equal(got, -(flat[:, 4:8] != flat[:, 8:]).any(axis=1).astype(np.float32))
+
+
+def test_discrete_spaces_become_one_entry_each_of_a_multidiscrete():
+    env = GoalEnvFlattener(BitFlippingEnv(n_bits=3, discrete_obs_space=True))
+    assert env.observation_space == spaces.MultiDiscrete([8, 8, 8]) and (env.obs_dim, env.goal_dim) == (1, 1)
+    obs, _ = env.reset(seed=1)
+    assert obs.shape == (3,) and obs[2] == 7 and env.observation_space.contains(obs)
+    d = env.convert_obs_to_dict(obs)
+    assert d["desired_goal"].shape == () and int(d["desired_goal"]) == 7
+    shifted = GoalEnvFlattener(SpaceEnv(goal_dict(observation=spaces.Discrete(5, start=-2),
+                                                  achieved_goal=spaces.Discrete(3, start=10),
+                                                  desired_goal=spaces.Discrete(3, start=10))))
+    assert shifted.observation_space == spaces.MultiDiscrete([5, 3, 3], start=[-2, 10, 10])
+    batch = {"observation": np.array([[-2, 2]]), "achieved_goal": np.array([[10, 12]]),
+             "desired_goal": np.array([[11, 11]])}
+    flat = shifted.convert_dict_to_obs(batch)
+    np.testing.assert_array_equal(flat, [[[-2, 10, 11], [2, 12, 11]]])
+    back = shifted.convert_obs_to_dict(flat)
+    for k, v in batch.items():
+        np.testing.assert_array_equal(back[k], v)
+    assert all(shifted.observation_space.contains(row) for row in flat[0])
+
+
+@pytest.mark.parametrize(
+    "space, error, message",
+    [
+        (spaces.Box(-1, 1, (6,)), TypeError, "needs a Dict observation space"),
+        (spaces.Dict({"observation": spaces.Box(-1, 1, (2,)), "desired_goal": spaces.Box(-1, 1, (2,))}), ValueError,
+         r"has no \['achieved_goal'\]"),
+        (goal_dict(observation=spaces.Box(-1, 1, (2,)), achieved_goal=spaces.MultiBinary(2),
+                   desired_goal=spaces.MultiBinary(2)), TypeError,
+         "sub-spaces of one type .*'observation' is Box, 'achieved_goal' is MultiBinary"),
+        (goal_dict(observation=spaces.MultiDiscrete([2, 3]), achieved_goal=spaces.Discrete(2),
+                   desired_goal=spaces.Discrete(2)), TypeError,
+         r"observation_space\['observation'\] is MultiDiscrete; GoalEnvFlattener flattens Box, MultiBinary"),
+    ],
+)
+def test_spaces_that_cannot_be_flattened_are_refused_by_name(space, error, message):
+    with pytest.raises(error, match=message):
+        GoalEnvFlattener(SpaceEnv(space))
+
+
+def test_bad_values_to_convert_are_refused_by_name():
+    env = GoalEnvFlattener(gym.make(ENV_ID))
+    good = {"observation": np.zeros((2, 4)), "achieved_goal": np.zeros((2, 2)), "desired_goal": np.zeros((2, 2))}
+    cases = [
+        ([good], TypeError, "obs_dict must be a mapping"),
+        ({k: v for k, v in good.items() if k != "desired_goal"}, ValueError, r"obs_dict has no \['desired_goal'\]"),
+        ({**good, "achieved_goal": np.zeros((2, 3))}, ValueError,
+         r"obs_dict\['achieved_goal'\] has shape \(2, 3\), expected \(\*batch, 2\)"),
+        ({**good, "desired_goal": np.zeros(2)}, ValueError, r"obs_dict\['desired_goal'\] has batch shape \(\)"),
+        ({**good, "observation": np.zeros((2, 4), complex)}, TypeError, "has dtype complex128, which does not cast"),
+    ]
+    for value, error, message in cases:
+        with pytest.raises(error, match=message):
+            env.convert_dict_to_obs(value)
+    with pytest.raises(ValueError, match=r"observations have shape \(3, 7\), expected \(\*batch, 8\)"):
+        env.convert_obs_to_dict(np.zeros((3, 7)))
+    with pytest.raises(ValueError, match=r"shape \(\), expected"):
+        env.convert_obs_to_dict(np.float32(0))
+    bits = GoalEnvFlattener(BitFlippingEnv(n_bits=2))
+    with pytest.raises(TypeError, match="dtype float64, which does not cast to the flat int8"):
+        bits.convert_obs_to_dict(np.zeros(6))
+
+
+# -- recording: references logged by the envs themselves --------------------------------------------------------------
+
+
+class Log(gym.Wrapper):
+    """Logs what the env returns, episode by episode: the reference every recorded episode is compared with."""
+
+    def __init__(self, env: gym.Env, log: list) -> None:
+        super().__init__(env)
+        self.log = log
+
+    def reset(self, **kwargs):
+        obs, info = self.env.reset(**kwargs)
+        self.log.append({"obs": [obs], "action": [], "reward": [], "terminated": [], "truncated": [], "info": []})
+        return obs, info
+
+    def step(self, action):
+        obs, reward, terminated, truncated, info = self.env.step(action)
+        for k, v in zip(("obs", "action", "reward", "terminated", "truncated", "info"),
+                        (obs, action, reward, terminated, truncated, info)):
+            self.log[-1][k].append(v)
+        return obs, reward, terminated, truncated, info
+
+
+def logged_episodes(log: list, info_keys=("is_success",)) -> list[dict]:
+    """The logged episodes with steps, in the store's episode shape; one cut short is ended as truncated."""
+    out = []
+    for e in log:
+        if not e["action"]:
+            continue
+        ep = {k: np.stack([np.asarray(o[k]) for o in e["obs"]]) for k in e["obs"][0]}
+        ep["action"] = np.stack([np.asarray(a) for a in e["action"]])
+        ep["reward"] = np.asarray(e["reward"], np.float32)
+        ep["terminated"] = np.asarray(e["terminated"], bool)
+        ep["truncated"] = np.asarray(e["truncated"], bool)
+        ep["truncated"][-1] |= not ep["terminated"][-1]
+        for k in info_keys:
+            ep[k] = np.asarray([i.get(k, 0) for i in e["info"]], np.float32)
+        out.append(ep)
+    return out
+
+
+def stored(path, env_index=None) -> list[dict]:
+    with EpisodeStore.open(path) as store:
+        table = store.episodes
+        ids = table["episode_id"] if env_index is None else table["episode_id"][table["env_index"] == env_index]
+        return [dict(store.episode(i)) for i in ids]
+
+
+def assert_same_episodes(got: list[dict], want: list[dict]) -> None:
+    assert len(got) == len(want), (len(got), len(want))
+    for g, w in zip(got, want):
+        w = {k: v.astype(g[k].dtype) if k == "action" else v for k, v in w.items()}
+        assert_episode_equal(g, w)
+
+
+@pytest.mark.parametrize("kind", ["point", "bits", "bits-discrete"])
+def test_every_episode_of_a_single_env_is_recorded_as_the_env_produced_it(tmp_path, kind):
+    log: list = []
+    if kind == "point":
+        env = Log(gym.make(ENV_ID, max_episode_steps=6), log)
+    else:
+        env = Log(BitFlippingEnv(n_bits=2, max_steps=4, discrete_obs_space=kind == "bits-discrete"), log)
+    env = RecordEpisodes(env, tmp_path / "run", info_keys=["is_success"], commit_interval=0)
+    assert env.store.metadata["env_id"] == (ENV_ID if kind == "point" else "BitFlippingEnv-v0")
+    env.action_space.seed(0)
+    env.reset(seed=0)
+    for t in range(40):
+        _, _, terminated, truncated, _ = env.step(env.action_space.sample())
+        if terminated or truncated or t == 17:  # step 17: a reset mid-episode ends it as truncated
+            env.reset()
+    env.close()  # the unfinished episode too
+    want = logged_episodes(log)
+    assert env.episode_ids == list(range(len(want))) and sum(len(w["action"]) for w in want) == 40
+    assert any(w["terminated"].any() for w in want) == (kind != "point")
+    assert_same_episodes(stored(tmp_path / "run"), want)
+    env.close()  # idempotent
+
+
+def make_point(k: int, log: list | None = None):
+    def make():
+        env = PointGoalEnv(max_episode_steps=k)
+        return env if log is None else Log(env, log)
+
+    return make
+
+
+@pytest.mark.parametrize("mode", [AutoresetMode.NEXT_STEP, AutoresetMode.SAME_STEP])
+def test_every_episode_of_each_env_of_sync_and_async_vector_envs_is_recorded(tmp_path, mode):
+    lengths = (3, 4, 6)
+    logs: list[list] = [[] for _ in lengths]
+    sync = SyncVectorEnv([make_point(k, log) for k, log in zip(lengths, logs)], autoreset_mode=mode)
+    runs = {"sync": sync, "async": AsyncVectorEnv([make_point(k) for k in lengths], autoreset_mode=mode)}
+    for name, venv in runs.items():
+        envs = RecordVectorEpisodes(venv, tmp_path / name, info_keys=["is_success"])
+        assert envs.autoreset_mode == mode
+        rng = np.random.default_rng(0)
+        envs.reset(seed=5)
+        for _ in range(17):
+            envs.step(rng.uniform(-1, 1, (3, 2)).astype(np.float32))
+        envs.close()
+    for i, log in enumerate(logs):
+        want = logged_episodes(log)
+        assert len(want) >= 3
+        assert_same_episodes(stored(tmp_path / "sync", env_index=i), want)
+        assert_same_episodes(stored(tmp_path / "async", env_index=i), want)
+
+
+def test_disabled_autoreset_records_what_masked_resets_end(tmp_path):
+    logs: list[list] = [[], []]
+    venv = SyncVectorEnv([make_point(k, log) for k, log in zip((2, 5), logs)], autoreset_mode="Disabled")
+    envs = RecordVectorEpisodes(venv, tmp_path / "run", info_keys=["is_success"])
+    envs.reset(seed=1)
+    for t in range(9):
+        _, _, terminated, truncated, _ = envs.step(np.full((2, 2), 0.5, np.float32))
+        done = terminated | truncated
+        if t == 3:  # env 1 reset mid-episode, with env 0 which just ended
+            done[1] = True
+        if done.any():
+            envs.reset(options={"reset_mask": done})
+    envs.close()
+    for i, log in enumerate(logs):
+        assert_same_episodes(stored(tmp_path / "run", env_index=i), logged_episodes(log))
+    assert len(logged_episodes(logs[1])) == 2  # the first cut short at step 4 by the masked reset
+
+
+def test_recorders_inside_a_sync_vector_env_share_one_open_store(tmp_path):
+    logs: list[list] = [[], []]
+    obs_space, act_space = PointGoalEnv().observation_space, PointGoalEnv().action_space
+    with open_store(tmp_path / "run", obs_space, act_space) as store:
+        fns = [lambda k=k, log=log: RecordEpisodes(Log(PointGoalEnv(max_episode_steps=k), log), store)
+               for k, log in zip((2, 3), logs)]
+        venv = SyncVectorEnv(fns)
+        venv.reset(seed=0)
+        for _ in range(7):
+            venv.step(np.zeros((2, 2), np.float32))
+        venv.close()
+        assert store.metadata == {}  # envs made without a registered id leave no env_id
+    order = lambda e: (len(e["action"]), float(e["observation"][0, 0]))  # env 0: 2 or 1 steps, env 1: 3
+    got = sorted(stored(tmp_path / "run"), key=order)
+    want = sorted(logged_episodes(logs[0], ()) + logged_episodes(logs[1], ()), key=order)
+    assert [len(e["action"]) for e in want] == [1, 2, 2, 3, 3]
+    assert_same_episodes(got, want)
+
+
+# -- what training scripts do ------------------------------------------------------------------------------------------
+
+
+def test_sb3_trains_on_the_flattened_env_and_every_step_it_took_is_in_the_store(tmp_path):
+    from stable_baselines3 import SAC
+
+    env = GoalEnvFlattener(RecordEpisodes(gym.make(ENV_ID, max_episode_steps=8), tmp_path / "run"))
+    model = SAC("MlpPolicy", env, buffer_size=100, learning_starts=30, batch_size=16, seed=0,
+                policy_kwargs={"net_arch": [16]})
+    model.learn(total_timesteps=60)
+    env.close()
+    episodes = stored(tmp_path / "run")
+    flat = np.concatenate([env.convert_dict_to_obs({k: ep[k][:-1] for k in GOAL_KEYS}) for ep in episodes])
+    rb = model.replay_buffer
+    assert len(flat) == 60 and rb.pos == 60
+    np.testing.assert_array_equal(rb.observations[:60, 0], flat)
+    np.testing.assert_allclose(rb.actions[:60, 0], np.concatenate([ep["action"] for ep in episodes]), atol=1e-6)
+    np.testing.assert_array_equal(rb.rewards[:60, 0], np.concatenate([ep["reward"] for ep in episodes]))
+
+
+# -- bad inputs ------------------------------------------------------------------------------------------------------
+
+
+def test_a_store_that_does_not_fit_the_env_is_refused_and_left_intact(tmp_path):
+    path = tmp_path / "bits"
+    bits = BitFlippingEnv(n_bits=3)
+    with RecordEpisodes(bits, path) as env:
+        env.reset(seed=0)
+        for _ in range(3):
+            env.step(0)
+    n = len(stored(path))
+    assert n >= 1
+    with pytest.raises(SchemaMismatchError, match="observation_space differs"):
+        RecordEpisodes(gym.make(ENV_ID), path)
+    with pytest.raises(SchemaMismatchError, match="holds episodes of env 'BitFlippingEnv-v0', this env is 'other-v0'"):
+        other = BitFlippingEnv(n_bits=3)
+        other.spec = gym.envs.registration.EnvSpec("other-v0", "no-entry-point")
+        RecordEpisodes(other, path)
+    with open_store(path) as store:
+        with pytest.raises(SchemaMismatchError, match="action_space differs"):
+            RecordEpisodes(BitFlippingEnv(n_bits=3, continuous=True), store)
+        with pytest.raises(TypeError, match=r"store options \['capacity'\] apply only when the recorder opens"):
+            RecordEpisodes(bits, store, capacity=10)
+    with pytest.raises(SchemaMismatchError, match="capacity=None"):
+        RecordEpisodes(bits, path, capacity=10)
+    with EpisodeStore.open(path) as store, pytest.raises(ReadOnlyStoreError):
+        RecordEpisodes(bits, store)
+    with pytest.raises(TypeError, match="store must be an EpisodeStore or a path, got int"):
+        RecordEpisodes(bits, 3)
+    with pytest.raises(TypeError, match="wrap a vector env with RecordVectorEpisodes"):
+        RecordEpisodes(SyncVectorEnv([lambda: BitFlippingEnv(n_bits=3)]), path)
+    with pytest.raises(TypeError, match="wrap a single env with RecordEpisodes"):
+        RecordVectorEpisodes(bits, path)
+    assert len(stored(path)) == n  # nothing lost, nothing added
+
+
+class Corrupt(gym.Wrapper):
+    """At step ``at`` (counted over the env's life) reports a value no float32 holds, in the info or the obs."""
+
+    def __init__(self, env, at: int, where: str) -> None:
+        super().__init__(env)
+        self.at, self.where, self.t = at, where, 0
+
+    def step(self, action):
+        obs, reward, terminated, truncated, info = self.env.step(action)
+        self.t += 1
+        if self.t == self.at:
+            if self.where == "info":
+                info = {**info, "is_success": 1e39}
+            else:
+                obs = {**obs, "observation": np.full(4, 1e39)}
+        return obs, reward, terminated, truncated, info
+
+
+def test_a_refused_step_drops_the_episodes_it_belonged_to_and_recording_goes_on(tmp_path):
+    logs: list[list] = [[], []]
+    fns = [lambda: Corrupt(Log(PointGoalEnv(max_episode_steps=4), logs[0]), 6, "info"),
+           lambda: Log(PointGoalEnv(max_episode_steps=3), logs[1])]
+    envs = RecordVectorEpisodes(SyncVectorEnv(fns), tmp_path / "run", info_keys=["is_success"])
+    envs.reset(seed=0)
+    for t in range(16):
+        if t == 6:  # env 0's step 6 (its second episode: t=4 was its reset); env 1 ends its second episode
+            with pytest.raises(EpisodeValidationError, match=r"infos\['is_success'\]"):
+                envs.step(np.zeros((2, 2), np.float32))
+        else:
+            envs.step(np.zeros((2, 2), np.float32))
+    envs.close()
+    want0, want1 = logged_episodes(logs[0]), logged_episodes(logs[1])
+    assert_same_episodes(stored(tmp_path / "run", env_index=0), want0[:1] + want0[2:])
+    assert_same_episodes(stored(tmp_path / "run", env_index=1), want1[:1] + want1[2:])
+
+
+def test_an_observation_refused_at_reset_drops_that_episode_only(tmp_path):
+    log: list = []
+    env = RecordEpisodes(Corrupt(Log(PointGoalEnv(max_episode_steps=5), log), 7, "obs"), tmp_path / "run")
+    env.reset(seed=0)
+    for t in range(1, 13):
+        _, _, terminated, truncated, _ = env.step(np.zeros(2, np.float32))
+        if t == 7:  # mid-episode: the step's obs is only checked when the episode ends
+            with pytest.raises(EpisodeValidationError, match=r"next_obs\['observation'\]"):
+                env.reset()
+        if terminated or truncated or t == 7:
+            env.reset()  # after the refused reset nothing is pending any more
+    env.close()
+    want = logged_episodes(log, ())
+    assert [len(w["action"]) for w in want] == [5, 2, 5]
+    assert_same_episodes(stored(tmp_path / "run"), [want[0], *want[2:]])
+
+
+def test_a_vector_env_must_be_reset_before_it_is_recorded(tmp_path):
+    envs = RecordVectorEpisodes(SyncVectorEnv([make_point(3)]), tmp_path / "run")
+    with pytest.raises(gym.error.ResetNeeded, match="needs a reset"):
+        envs.step(np.zeros((1, 2), np.float32))
+    envs.close()
+    assert stored(tmp_path / "run") == []
