@@ -1,0 +1,445 @@
+"""ZarrHerReplayBuffer: SB3's HerReplayBuffer contract over a disk store, with real SB3 training runs."""
+
+from __future__ import annotations
+
+import copy
+import gc
+import os
+import pickle
+import time
+import warnings
+
+import gymnasium as gym
+import numpy as np
+import pytest
+import torch as th
+from gymnasium import spaces
+from stable_baselines3 import DDPG, DQN, SAC, TD3
+from stable_baselines3.common.envs import BitFlippingEnv
+from stable_baselines3.common.vec_env import DummyVecEnv, SubprocVecEnv, VecNormalize
+from stable_baselines3.her import GoalSelectionStrategy as SB3Strategy
+from stable_baselines3.her import HerReplayBuffer
+
+from her_store import EpisodeStore, EpisodeValidationError, SchemaMismatchError, StoreError
+from her_store.envs import PointGoalEnv
+from her_store.integrations.sb3 import ZarrHerReplayBuffer
+
+
+class RecordingPointGoal(PointGoalEnv):
+    """PointGoal that records the infos compute_reward gets and has a vectorised compute_terminated."""
+
+    def __init__(self, max_episode_steps: int = 5) -> None:
+        super().__init__(max_episode_steps=max_episode_steps)
+        self.reward_infos: list = []
+
+    def compute_reward(self, achieved_goal, desired_goal, info):
+        self.reward_infos.append(info)
+        return super().compute_reward(achieved_goal, desired_goal, info)
+
+    def compute_terminated(self, achieved_goal, desired_goal, info):
+        return np.linalg.norm(np.asarray(achieved_goal) - np.asarray(desired_goal), axis=-1) < 0.5
+
+
+def _venv(n_envs: int = 1, T: int = 5, cls=DummyVecEnv, **kw):
+    return cls([lambda: RecordingPointGoal(T) for _ in range(n_envs)], **kw)
+
+
+def _buffer(venv, buffer_size: int = 1000, **kw) -> ZarrHerReplayBuffer:
+    return ZarrHerReplayBuffer(
+        buffer_size, venv.observation_space, venv.action_space, env=venv, n_envs=venv.num_envs, **kw
+    )
+
+
+def _collect(buffers, venv, steps: int, seed: int = 0) -> None:
+    """Step ``venv`` with random actions and add every step to each buffer as SB3's _store_transition does."""
+    venv.seed(seed)
+    rng = np.random.default_rng(seed)
+    obs = venv.reset()
+    for _ in range(steps):
+        action = rng.uniform(-1, 1, (venv.num_envs, 2)).astype(np.float32)
+        new_obs, reward, done, infos = venv.step(action)
+        next_obs = copy.deepcopy(new_obs)
+        for i, d in enumerate(done):
+            if d:
+                for k in next_obs:
+                    next_obs[k][i] = infos[i]["terminal_observation"][k]
+        for b in buffers:
+            b.add(obs, next_obs, action, reward, done, infos)
+        obs = new_obs
+
+
+def _rows_by_obs(store: EpisodeStore) -> dict[bytes, tuple[int, int]]:
+    """(episode id, step) of every stored transition, keyed by its observation and desired goal."""
+    out = {}
+    for eid in store.episodes["episode_id"]:
+        ep = store.episode(int(eid))
+        for t in range(len(ep["action"])):
+            out[ep["observation"][t].tobytes() + ep["desired_goal"][t].tobytes()] = (int(eid), t)
+    return out
+
+
+def _learn(cls, env, steps: int = 60, **kw):
+    kwargs = {"learning_starts": 30, "batch_size": 16, "policy_kwargs": {"net_arch": [32, 32]}, "seed": 0, "train_freq": 4}
+    model = cls("MultiInputPolicy", env, replay_buffer_class=ZarrHerReplayBuffer, **{**kwargs, **kw})
+    model.learn(steps)
+    return model
+
+
+# -- training runs -----------------------------------------------------------------------------------------
+@pytest.mark.parametrize("algo", [SAC, TD3, DDPG])
+def test_continuous_algorithms_train_into_the_store(tmp_path, algo):
+    env = BitFlippingEnv(n_bits=4, continuous=True, max_steps=4)
+    model = _learn(algo, env, replay_buffer_kwargs={"path": tmp_path / "rb", "goal_selection_strategy": "future"})
+    rb = model.replay_buffer
+    assert isinstance(rb, ZarrHerReplayBuffer) and rb.env is model.get_env()
+    stored = len(rb.store) + int(rb._writer.pending_steps.sum())
+    assert stored == model.num_timesteps == 60 == rb.size()
+    assert rb.store.num_episodes >= 60 // 4
+    rb.close()
+    with EpisodeStore.open(tmp_path / "rb") as store:  # committed, readable by anyone
+        assert store.num_episodes >= 15
+        ep = store.episode(store.first_episode)
+        assert ep["observation"].dtype == np.int8 and ep["action"].shape[1] == 4
+
+
+def test_dqn_trains_on_image_observations_and_samples_sb3_shapes(tmp_path):
+    env = BitFlippingEnv(n_bits=4, image_obs_space=True, max_steps=4)
+    model = _learn(
+        DQN, env, steps=40, learning_starts=20, batch_size=8, learning_rate=1e-3,
+        replay_buffer_kwargs={"path": str(tmp_path / "rb"), "goal_selection_strategy": SB3Strategy.FINAL},
+    )
+    rb = model.replay_buffer
+    batch = rb.sample(8)
+    assert batch.observations["observation"].shape == (8, 1, 36, 36)
+    assert batch.observations["observation"].dtype == th.uint8
+    assert batch.actions.shape == (8, 1) and batch.rewards.shape == (8, 1) and batch.dones.shape == (8, 1)
+    assert batch.discounts is None
+    # final: the relabelled goal is the episode's last achieved goal, whose reward env.compute_reward gives
+    n = int(rb.her_ratio * 8)
+    ag, dg = batch.next_observations["achieved_goal"].numpy(), batch.observations["desired_goal"].numpy()
+    want = env.compute_reward(ag[:n], dg[:n], None)
+    np.testing.assert_array_equal(batch.rewards[:n, 0].numpy(), want)
+
+
+@pytest.mark.parametrize("cls", [DummyVecEnv, SubprocVecEnv])
+def test_several_envs_keep_their_episodes_apart(tmp_path, cls):
+    kw = {"start_method": "fork"} if cls is SubprocVecEnv else {}
+    venv = _venv(2, T=5, cls=cls, **kw)
+    try:
+        model = SAC(
+            "MultiInputPolicy", venv, replay_buffer_class=ZarrHerReplayBuffer, learning_starts=20, batch_size=16,
+            buffer_size=1000,
+            policy_kwargs={"net_arch": [32, 32]}, seed=0, train_freq=4, replay_buffer_kwargs={"path": tmp_path / "rb"},
+        )
+        model.learn(40)  # 20 steps of 2 envs
+        rb = model.replay_buffer
+        table = rb.store.episodes
+        assert sorted(np.bincount(table["env_index"]).tolist()) == [4, 4]
+        assert set(table["length"].tolist()) == {5} and table["truncated"].all()
+        assert rb.pos == 20 and rb.buffer_size == 500 and rb.size() == 20
+        assert rb.sample(16).observations["observation"].shape == (16, 4)
+    finally:
+        venv.close()
+
+
+# -- relabelling agrees with SB3's semantics ---------------------------------------------------------------
+@pytest.mark.parametrize("strategy", ["future", "final", "episode", "random", "FUTURE"])
+def test_relabelled_goals_rewards_and_dones_follow_sb3(tmp_path, strategy):
+    venv = _venv(2, T=6)
+    rb = _buffer(venv, path=tmp_path / "rb", goal_selection_strategy=strategy, n_sampled_goal=4)
+    _collect([rb], venv, 40)
+    where = _rows_by_obs(rb.store)
+    batch = rb.sample(200)
+    n = int(rb.her_ratio * 200)
+    assert n == 160
+    obs = {k: v.numpy() for k, v in batch.observations.items()}
+    nxt = {k: v.numpy() for k, v in batch.next_observations.items()}
+    np.testing.assert_array_equal(nxt["desired_goal"], obs["desired_goal"])
+    np.testing.assert_array_equal(batch.rewards[:, 0].numpy(), venv.env_method(
+        "compute_reward", nxt["achieved_goal"], obs["desired_goal"], None, indices=[0])[0])
+    assert not batch.dones.any()  # every episode was truncated: dones = done * (1 - timeout)
+    table = rb.store.episodes
+    relabelled_away = 0
+    for i in range(200):
+        key = obs["observation"][i].tobytes()
+        eid, t = next(v for k, v in where.items() if k.startswith(key))
+        ep = rb.store.episode(eid)
+        goal = obs["desired_goal"][i]
+        if i >= n:  # real transitions keep their goal
+            np.testing.assert_array_equal(goal, ep["desired_goal"][t])
+            continue
+        L = int(table["length"][table["episode_id"] == eid][0])
+        steps = np.flatnonzero((ep["achieved_goal"][1:] == goal).all(axis=1))
+        if strategy.lower() == "final":
+            assert L - 1 in steps
+        elif strategy.lower() == "future":
+            assert (steps >= t).any()
+        elif strategy == "episode":
+            assert steps.size
+        else:
+            relabelled_away += steps.size == 0  # random: a goal from anywhere in the store
+    if strategy == "random":
+        assert relabelled_away > n // 2
+
+
+def test_handle_timeout_termination_false_makes_truncations_terminal(tmp_path):
+    venv = _venv(1, T=4)
+    rb = _buffer(venv, path=tmp_path / "rb", handle_timeout_termination=False, n_sampled_goal=0)
+    _collect([rb], venv, 40)
+    where = _rows_by_obs(rb.store)
+    batch = rb.sample(100)
+    for i in range(100):
+        key = batch.observations["observation"][i].numpy().tobytes()
+        _, t = next(v for k, v in where.items() if k.startswith(key))
+        assert batch.dones[i, 0] == float(t == 3)
+
+
+def test_sample_normalises_with_vec_normalize(tmp_path):
+    venv = _venv(1, T=5)
+    rb = _buffer(venv, path=tmp_path / "rb", n_sampled_goal=1)
+    _collect([rb], venv, 30)
+    norm = VecNormalize(venv, norm_obs_keys=["observation", "desired_goal", "achieved_goal"])
+    for k in norm.obs_rms:
+        norm.obs_rms[k].mean[:] = 0.5
+        norm.obs_rms[k].var[:] = 4.0
+    norm.ret_rms.var = np.array(4.0)
+    batch = rb.sample(64, env=norm)
+    stored = {rb.store.episode(int(e))["observation"][t].tobytes()
+              for e in rb.store.episodes["episode_id"] for t in range(5)}
+    raw = norm.unnormalize_obs({k: v.numpy() for k, v in batch.observations.items()})
+    for row in raw["observation"]:
+        assert row.astype(np.float32).tobytes() in stored or np.any(
+            [np.allclose(row, np.frombuffer(s, np.float32), atol=1e-5) for s in stored])
+    assert set(np.round(batch.rewards.numpy().ravel(), 4)) <= {0.0, -0.5}
+
+
+def test_copy_info_dict_stores_numeric_infos_and_passes_them_to_compute_reward(tmp_path):
+    venv = _venv(1, T=5)
+    rb = _buffer(venv, path=tmp_path / "rb", copy_info_dict=True)
+    assert rb.store is None  # created at the first add, when the info keys are seen
+    _collect([rb], venv, 20)
+    assert rb.info_keys == ("is_success",) and rb.store.info_keys == ("is_success",)
+    ep = rb.store.episode(0)
+    assert ep["is_success"].shape == (5,)
+    env0 = venv.envs[0]
+    env0.reward_infos.clear()
+    rb.sample(10)
+    (infos,) = env0.reward_infos
+    assert len(infos) == 8 and all(set(i) == {"is_success"} for i in infos)
+    rb.close()
+    again = _buffer(venv, path=tmp_path / "rb", copy_info_dict=True)  # resumed: info keys from the store
+    assert again.info_keys == ("is_success",) and len(again.store) == 20
+
+
+def test_relabel_terminated_uses_compute_terminated(tmp_path):
+    venv = _venv(1, T=5)
+    rb = _buffer(venv, path=tmp_path / "rb", relabel_terminated=True, goal_selection_strategy="final")
+    _collect([rb], venv, 30)
+    batch = rb.sample(100)
+    n = int(rb.her_ratio * 100)
+    ag, dg = batch.next_observations["achieved_goal"].numpy(), batch.observations["desired_goal"].numpy()
+    want = np.linalg.norm(ag - dg, axis=-1) < 0.5
+    np.testing.assert_array_equal(batch.dones[:n, 0].numpy().astype(bool), want[:n])
+    assert not batch.dones[n:].any()
+
+
+# -- SB3's attributes and counters ---------------------------------------------------------------------------
+def test_arrays_read_as_sb3s_own_buffer_after_the_same_adds(tmp_path):
+    venv = _venv(2, T=4)
+    ours = _buffer(venv, buffer_size=40, path=tmp_path / "rb")
+    theirs = HerReplayBuffer(40, venv.observation_space, venv.action_space, env=venv, n_envs=2)
+    _collect([ours, theirs], venv, 13)
+    assert (ours.pos, ours.full, ours.size()) == (theirs.pos, theirs.full, theirs.size()) == (13, False, 13)
+    for name in ("actions", "rewards", "dones", "timeouts", "ep_start", "ep_length", "_current_ep_start"):
+        np.testing.assert_array_equal(getattr(ours, name), getattr(theirs, name), err_msg=name)
+    for k in theirs.observations:
+        np.testing.assert_array_equal(ours.observations[k], theirs.observations[k])
+        np.testing.assert_array_equal(ours.next_observations[k], theirs.next_observations[k])
+    _collect([ours, theirs], venv, 12, seed=1)  # the ring wraps (20 rows per env)
+    assert (ours.pos, ours.full, ours.size()) == (theirs.pos, theirs.full, theirs.size()) == (5, True, 20)
+    assert len(ours.store) <= 40
+    ours.reset()
+    theirs.reset()
+    assert (ours.pos, ours.full, ours.size()) == (theirs.pos, theirs.full, theirs.size()) == (0, False, 0)
+    assert len(ours.store) > 0  # reset keeps the stored episodes
+
+
+def test_device_may_be_reassigned(tmp_path):
+    venv = _venv(1)
+    rb = _buffer(venv, path=tmp_path / "rb", device="cpu")
+    _collect([rb], venv, 10)
+    rb.device = th.device("meta")
+    batch = rb.sample(4)
+    assert batch.actions.device.type == "meta" and batch.observations["observation"].device.type == "meta"
+
+
+# -- save, load, copy ----------------------------------------------------------------------------------------
+def test_save_and_load_replay_buffer_write_a_small_handle_and_resume(tmp_path):
+    env = BitFlippingEnv(n_bits=4, continuous=True, max_steps=4)
+    model = _learn(SAC, env, steps=42, replay_buffer_kwargs={"path": str(tmp_path / "rb")})
+    rb = model.replay_buffer
+    pending = rb._writer.pending(0)
+    T = len(pending["action"])
+    assert T > 0
+    committed = len(rb.store)
+    t0 = time.perf_counter()
+    model.save_replay_buffer(tmp_path / "handle")
+    assert time.perf_counter() - t0 < 0.5
+    assert os.path.getsize(tmp_path / "handle.pkl") < 8_000
+    model.save(tmp_path / "model")
+    rb.close()
+    del model, rb
+    gc.collect()
+
+    loaded = SAC.load(tmp_path / "model", env=env)  # builds a buffer on the same path: resumes, never wipes
+    assert len(loaded.replay_buffer.store) == committed
+    with pytest.warns(UserWarning, match="last trajectory in the replay buffer will be truncated"):
+        loaded.load_replay_buffer(tmp_path / "handle")
+    rb = loaded.replay_buffer
+    assert len(rb.store) == committed + T and rb.pos == loaded.num_timesteps
+    last = rb.store.episode(rb.store.end_episode - 1)
+    np.testing.assert_array_equal(last["action"], pending["action"])
+    assert last["truncated"].tolist() == [False] * (T - 1) + [True]
+    loaded.learn(20, reset_num_timesteps=False)
+    assert len(rb.store) + int(rb._writer.pending_steps.sum()) == loaded.num_timesteps == rb.pos
+
+
+def test_a_handle_loads_without_env_and_holds_no_data(tmp_path):
+    venv = _venv(1, T=5)
+    rb = _buffer(venv, buffer_size=10_000, path=tmp_path / "rb")
+    _collect([rb], venv, 200)
+    small = len(pickle.dumps(rb))
+    _collect([rb], venv, 2003, seed=1)
+    blob = pickle.dumps(rb)
+    assert len(blob) < small + 1000  # the handle does not grow with the data (3 pending steps)
+    rb.close()
+    back = pickle.loads(blob)
+    assert back.env is None and (back.pos, back.full) == (2203, False) and back.store is None
+    with pytest.warns(UserWarning, match="will be truncated"):
+        back.truncate_last_trajectory()
+    assert len(back.store) == 2203 and back.store.num_episodes == 441
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        back.truncate_last_trajectory()  # nothing unfinished: no warning
+    with pytest.raises(ValueError, match="needs a VecEnv to call compute_reward"):
+        back.sample(4)
+    back.set_env(venv)
+    with pytest.raises(ValueError, match="already initialized"):
+        back.set_env(venv)
+    assert back.sample(4).rewards.shape == (4, 1)
+
+
+def test_a_handle_whose_store_moved_on_drops_its_pending_steps(tmp_path):
+    venv = _venv(1, T=5)
+    rb = _buffer(venv, path=tmp_path / "rb")
+    _collect([rb], venv, 7)
+    blob = pickle.dumps(rb)  # 2 steps pending
+    _collect([rb], venv, 5, seed=1)  # the run continues: that episode ends
+    rb.close()
+    back = pickle.loads(blob)
+    with pytest.warns(UserWarning, match="unfinished episodes the saved buffer held are dropped"):
+        back.truncate_last_trajectory()
+    assert back.store.num_episodes == 2
+
+
+def test_a_temporary_store_is_removed_at_close_unless_a_handle_was_saved(tmp_path):
+    venv = _venv(1)
+    rb = _buffer(venv)
+    _collect([rb], venv, 10)
+    where = os.path.dirname(rb.url)
+    rb.close()
+    assert not os.path.exists(where)
+    rb = _buffer(venv)
+    _collect([rb], venv, 10)
+    blob = pickle.dumps(rb)
+    del rb
+    gc.collect()
+    back = pickle.loads(blob)
+    back.set_env(venv)
+    assert back.sample(4).rewards.shape == (4, 1) and len(back.store) == 10
+    back.close()
+
+
+def test_deepcopy_is_an_independent_buffer_in_a_new_temporary_store(tmp_path):
+    venv = _venv(1)
+    rb = _buffer(venv, path=tmp_path / "rb")
+    _collect([rb], venv, 10)
+    twin = copy.deepcopy(rb)
+    assert twin.env is None and twin.url != rb.url and twin.pos == 10
+    twin.set_env(venv)
+    _collect([twin], venv, 5, seed=3)
+    assert len(twin.store) == 15 and len(rb.store) == 10
+    assert twin.sample(4).rewards.shape == (4, 1)
+    where = os.path.dirname(twin.url)
+    twin.close()
+    assert not os.path.exists(where) and len(rb.store) == 10
+    remote = _buffer(venv, path="memory://sb3-deepcopy-test")
+    with pytest.raises(StoreError, match="on object storage"):
+        copy.deepcopy(remote)
+    remote.close()
+
+
+# -- refused inputs, the store intact ----------------------------------------------------------------------
+def test_bad_spaces_and_options_are_refused(tmp_path):
+    box = spaces.Box(-1, 1, (2,), np.float32)
+    with pytest.raises(TypeError, match="Dict observation space"):
+        ZarrHerReplayBuffer(10, box, box)
+    with pytest.raises(ValueError, match=r"no \['desired_goal'\] key"):
+        ZarrHerReplayBuffer(10, spaces.Dict({"observation": box, "achieved_goal": box}), box)
+    mixed = spaces.Dict({"observation": box, "achieved_goal": box, "desired_goal": spaces.Box(-1, 1, (3,))})
+    with pytest.raises(ValueError, match="same shape and dtype"):
+        ZarrHerReplayBuffer(10, mixed, box)
+    venv = _venv(1)
+    for kw, match in [
+        ({"optimize_memory_usage": True}, "optimize_memory_usage"),
+        ({"goal_selection_strategy": "nearest"}, "is not one of"),
+        ({"n_sampled_goal": -1}, "n_sampled_goal"),
+        ({"info_keys": ["x"]}, "only used with copy_info_dict"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            _buffer(venv, path=tmp_path / "never", **kw)
+    with pytest.raises(ValueError, match="buffer_size"):
+        _buffer(venv, buffer_size=0)
+    assert not os.path.exists(tmp_path / "never")
+
+
+def test_a_store_of_other_spaces_or_capacity_is_refused_and_kept(tmp_path):
+    venv = _venv(1)
+    rb = _buffer(venv, path=tmp_path / "rb")
+    _collect([rb], venv, 10)
+    rb.close()
+    other = BitFlippingEnv(n_bits=4, continuous=True)
+    with pytest.raises(SchemaMismatchError):
+        ZarrHerReplayBuffer(1000, other.observation_space, other.action_space, path=tmp_path / "rb")
+    with pytest.raises(SchemaMismatchError, match="capacity"):
+        _buffer(venv, buffer_size=500, path=tmp_path / "rb")
+    with EpisodeStore.open(tmp_path / "rb") as store:
+        assert store.num_episodes == 2
+
+
+def test_bad_steps_are_refused_and_change_nothing(tmp_path):
+    venv = _venv(1)
+    rb = _buffer(venv, path=tmp_path / "rb")
+    with pytest.raises(RuntimeError, match="Unable to sample before the end of the first episode"):
+        rb.sample(4)
+    _collect([rb], venv, 7)
+    obs = venv.reset()
+    action = np.zeros((1, 2), np.float32)
+    reward, done, infos = np.zeros(1, np.float32), np.zeros(1, bool), [{}]
+    with pytest.raises(EpisodeValidationError, match="observation"):
+        rb.add({**obs, "observation": np.zeros((1, 5), np.float32)}, obs, action, reward, done, infos)
+    with pytest.raises(EpisodeValidationError, match="action"):
+        rb.add(obs, obs, np.zeros((1, 3), np.float32), reward, done, infos)
+    with pytest.raises(EpisodeValidationError, match="desired_goal"):
+        rb.add({k: v for k, v in obs.items() if k != "desired_goal"}, obs, action, reward, done, infos)
+    assert rb._writer.pending_steps.tolist() == [2] and len(rb.store) == 5 and rb.pos == 7
+
+
+def test_the_integration_is_an_sb3_her_buffer_and_takes_sb3_names():
+    env = gym.make("her_store/PointGoal-v0")
+    rb = ZarrHerReplayBuffer(100, env.observation_space, env.action_space, goal_selection_strategy=SB3Strategy.EPISODE)
+    assert isinstance(rb, HerReplayBuffer) and rb.goal_selection_strategy.value == "episode"
+    assert rb.her_ratio == pytest.approx(0.8) and rb.size() == 0
+    rb.truncate_last_trajectory()  # nothing added: nothing to do
+    rb.close()
+    rb.close()
