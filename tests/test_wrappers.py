@@ -188,17 +188,18 @@ class Log(gym.Wrapper):
     def reset(self, **kwargs):
         obs, info = self.env.reset(**kwargs)
         self.log.append({"obs": [obs], "action": [], "reward": [], "terminated": [], "truncated": [], "info": []})
-        return obs, info
+        return obs, {**info, "t": 0}
 
     def step(self, action):
         obs, reward, terminated, truncated, info = self.env.step(action)
+        info = {**info, "t": len(self.log[-1]["action"]) + 1}  # an info that differs between a step and a reset
         for k, v in zip(("obs", "action", "reward", "terminated", "truncated", "info"),
                         (obs, action, reward, terminated, truncated, info)):
             self.log[-1][k].append(v)
         return obs, reward, terminated, truncated, info
 
 
-def logged_episodes(log: list, info_keys=("is_success",)) -> list[dict]:
+def logged_episodes(log: list, info_keys=("is_success", "t")) -> list[dict]:
     """The logged episodes with steps, in the store's episode shape; one cut short is ended as truncated."""
     out = []
     for e in log:
@@ -237,7 +238,7 @@ def test_every_episode_of_a_single_env_is_recorded_as_the_env_produced_it(tmp_pa
         env = Log(gym.make(ENV_ID, max_episode_steps=6), log)
     else:
         env = Log(BitFlippingEnv(n_bits=2, max_steps=4, discrete_obs_space=kind == "bits-discrete"), log)
-    env = RecordEpisodes(env, tmp_path / "run", info_keys=["is_success"], commit_interval=0)
+    env = RecordEpisodes(env, tmp_path / "run", info_keys=["is_success", "t"], commit_interval=0)
     assert env.store.metadata["env_id"] == (ENV_ID if kind == "point" else "BitFlippingEnv-v0")
     env.action_space.seed(0)
     env.reset(seed=0)
@@ -266,9 +267,9 @@ def test_every_episode_of_each_env_of_sync_and_async_vector_envs_is_recorded(tmp
     lengths = (3, 4, 6)
     logs: list[list] = [[] for _ in lengths]
     sync = SyncVectorEnv([make_point(k, log) for k, log in zip(lengths, logs)], autoreset_mode=mode)
-    runs = {"sync": sync, "async": AsyncVectorEnv([make_point(k) for k in lengths], autoreset_mode=mode)}
+    runs = {"sync": sync, "async": AsyncVectorEnv([make_point(k, []) for k in lengths], autoreset_mode=mode)}
     for name, venv in runs.items():
-        envs = RecordVectorEpisodes(venv, tmp_path / name, info_keys=["is_success"])
+        envs = RecordVectorEpisodes(venv, tmp_path / name, info_keys=["is_success", "t"])
         assert envs.autoreset_mode == mode
         rng = np.random.default_rng(0)
         envs.reset(seed=5)
@@ -285,7 +286,7 @@ def test_every_episode_of_each_env_of_sync_and_async_vector_envs_is_recorded(tmp
 def test_disabled_autoreset_records_what_masked_resets_end(tmp_path):
     logs: list[list] = [[], []]
     venv = SyncVectorEnv([make_point(k, log) for k, log in zip((2, 5), logs)], autoreset_mode="Disabled")
-    envs = RecordVectorEpisodes(venv, tmp_path / "run", info_keys=["is_success"])
+    envs = RecordVectorEpisodes(venv, tmp_path / "run", info_keys=["is_success", "t"])
     envs.reset(seed=1)
     for t in range(9):
         _, _, terminated, truncated, _ = envs.step(np.full((2, 2), 0.5, np.float32))
@@ -397,7 +398,7 @@ def test_a_refused_step_drops_the_episodes_it_belonged_to_and_recording_goes_on(
     logs: list[list] = [[], []]
     fns = [lambda: Corrupt(Log(PointGoalEnv(max_episode_steps=4), logs[0]), 6, "info"),
            lambda: Log(PointGoalEnv(max_episode_steps=3), logs[1])]
-    envs = RecordVectorEpisodes(SyncVectorEnv(fns), tmp_path / "run", info_keys=["is_success"])
+    envs = RecordVectorEpisodes(SyncVectorEnv(fns), tmp_path / "run", info_keys=["is_success", "t"])
     envs.reset(seed=0)
     for t in range(16):
         if t == 6:  # env 0's step 6 (its second episode: t=4 was its reset); env 1 ends its second episode
