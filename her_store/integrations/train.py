@@ -251,7 +251,7 @@ def _env_factory(cfg: TrainConfig) -> Callable[[], Any]:
 
 
 def _check_numbers(cfg: TrainConfig) -> None:
-    for name, least in (("steps", 1), ("capacity", 1), ("n_envs", 1), ("checkpoint_every", 1), ("n_sampled_goal", 1),
+    for name, least in (("steps", 1), ("capacity", 1), ("n_envs", 1), ("checkpoint_every", 1), ("n_sampled_goal", 0),
                         ("eval_episodes", 0), ("threads", 0)):
         if getattr(cfg, name) < least:
             raise ValueError(f"--{name.replace('_', '-')} must be at least {least}, got {getattr(cfg, name)}")
@@ -306,7 +306,8 @@ def latest_checkpoint(out: str) -> tuple[int, str] | None:
     """The step and directory of the newest complete checkpoint of a run directory, or None.
 
     Checkpoints are written as ``checkpoints/.step-<N>.tmp`` and renamed to ``checkpoints/step-<N>`` when complete,
-    so a directory without the temporary prefix is whole; leftovers of a killed write are removed here.
+    so a directory without the temporary prefix is whole (leftovers of a killed write are ignored here and removed
+    by the next :func:`save_checkpoint`).
 
     Examples
     --------
@@ -318,11 +319,8 @@ def latest_checkpoint(out: str) -> tuple[int, str] | None:
         return None
     best: tuple[int, str] | None = None
     for name in os.listdir(root):
-        path = os.path.join(root, name)
-        if name.startswith("."):
-            shutil.rmtree(path, ignore_errors=True)
-        elif name.startswith("step-") and name[5:].isdigit() and (best is None or int(name[5:]) > best[0]):
-            best = (int(name[5:]), path)
+        if name.startswith("step-") and name[5:].isdigit() and (best is None or int(name[5:]) > best[0]):
+            best = (int(name[5:]), os.path.join(root, name))
     return best
 
 
@@ -338,7 +336,8 @@ def save_checkpoint(model: Any, out: str) -> str:
     """Save ``model`` and its replay buffer's handle as the run's newest checkpoint, atomically; return its directory.
 
     Both files go to a temporary directory, are fsynced, and the directory is renamed into place: a process killed
-    at any moment leaves the previous checkpoint whole. Older checkpoints are removed afterwards.
+    at any moment leaves the previous checkpoint whole. Older checkpoints and leftovers of killed writes are removed
+    afterwards (the caller's buffer holds the store's writer lock, so no other run of this directory is writing).
 
     Examples
     --------
@@ -362,7 +361,7 @@ def save_checkpoint(model: Any, out: str) -> str:
     os.rename(tmp, final)
     _fsync_dir(root)
     for other in os.listdir(root):
-        if other.startswith("step-") and other != name:
+        if other.startswith((".step-", "step-")) and other != name:
             shutil.rmtree(os.path.join(root, other), ignore_errors=True)
     return final
 

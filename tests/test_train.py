@@ -1,0 +1,173 @@
+"""The training job (her_store.integrations.train, tools/train.py): real SB3 runs on real stores, kill -9 and resume."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from her_store import EpisodeStore, StoreError
+from her_store.cli import main as cli_main
+from her_store.integrations import train as job
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# DQN trains from the start (learning_starts 50) but on every 4th step: fast enough for the suite
+FAST = ["--algo-kwargs", '{"learning_starts": 50, "train_freq": 4}', "--quiet"]
+
+
+def run_main(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    code = job.main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_default_run_trains_stores_checkpoints_and_resumes(tmp_path, capsys):
+    out_dir = str(tmp_path / "run")
+    code, out, err = run_main(capsys, "--out", out_dir, "--steps", "300", "--eval-episodes", "3", *FAST)
+    assert code == 0, err
+    assert "success rate (deterministic)" in out and "episodes stored" in out and "resident memory" in out
+    with EpisodeStore.open(os.path.join(out_dir, "store")) as store:
+        first = store.num_episodes
+        # every finished episode is in the store; only the last one of the single env may be unfinished
+        assert 300 - 10 <= store.num_transitions <= 300
+        assert store.episodes["length"].max() <= job.DEFAULT_N_BITS
+        kept = store.episode(store.first_episode)
+    assert job.latest_checkpoint(out_dir)[0] == 300
+    assert sorted(os.listdir(job.latest_checkpoint(out_dir)[1])) == ["model.zip", "replay_buffer.pkl"]
+    with open(os.path.join(out_dir, "run.json")) as f:
+        record = json.load(f)
+    assert record["algo"] == "dqn" and record["env"] == job.DEFAULT_ENV and record["seed"] == 0
+
+    # a checkpoint write killed half-way is ignored, then cleaned up by the next checkpoint
+    leftover = os.path.join(out_dir, "checkpoints", ".step-000000350.tmp-1")
+    os.makedirs(leftover)
+    # the same command with more steps resumes: the checkpoint's model, the store's episodes, the rest of the steps
+    code, out, err = run_main(capsys, "--out", out_dir, "--steps", "400", "--eval-episodes", "2", *FAST)
+    assert code == 0, err
+    assert f"resuming from step 300, {first} episodes in the store" in out
+    assert re.search(r"steps\s*│\s*400 \(resumed from 300\)", out)
+    with EpisodeStore.open(os.path.join(out_dir, "store")) as store:
+        assert store.num_episodes > first
+        again = store.episode(kept.id)
+        assert all(np.array_equal(again[k], kept[k]) for k in kept)
+    assert job.latest_checkpoint(out_dir)[0] == 400
+    assert os.listdir(os.path.join(out_dir, "checkpoints")) == ["step-000000400"]
+
+    # nothing left to do: evaluate only, through the her-store command
+    assert cli_main(["train", "--out", out_dir, "--steps", "400", "--eval-episodes", "1", *FAST]) == 0
+    assert "already did 400 of its 400 steps" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--env", "NoSuchEnv-v9"], "--env NoSuchEnv-v9: "),
+        (["--env", "CartPole-v1"], "--env CartPole-v1 is not a goal env"),
+        (["--algo", "ppo"], "--algo ppo is an on-policy algorithm"),
+        (["--algo", "a2c"], "needs an off-policy one: dqn, sac, td3, ddpg"),
+        (["--algo", "rainbow"], "--algo rainbow is not an algorithm this job trains"),
+        (["--env", "her_store/PointGoal-v0"], "--algo dqn needs a Discrete action space"),
+        (["--env", "her_store/PointGoal-v0", "--algo", "sac", "--strategy", "nearest"], "--strategy nearest is not"),
+        (["--steps", "0"], "--steps must be at least 1, got 0"),
+        (["--eval-episodes", "-1"], "--eval-episodes must be at least 0"),
+    ],
+)
+def test_bad_options_say_one_line_and_exit_nonzero(tmp_path, capsys, argv, message):
+    code, out, err = run_main(capsys, "--out", str(tmp_path / "run"), *argv)
+    assert code == 2
+    assert err.count("\n") == 1 and err.startswith("her-store train: error: ") and message in err, err
+    assert "Traceback" not in out + err
+    assert not os.path.exists(tmp_path / "run" / "store")
+
+
+def test_bad_json_and_other_runs_options_are_refused(tmp_path, capsys):
+    with pytest.raises(SystemExit) as e:
+        job.main(["--algo-kwargs", "{not json"])
+    assert e.value.code == 2 and "not JSON" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        job.main(["--algo-kwargs", "[1, 2]"])
+    assert "expected a JSON object" in capsys.readouterr().err
+
+    out_dir = tmp_path / "run"
+    out_dir.mkdir()
+    (out_dir / "run.json").write_text(json.dumps({**job._run_record(job.TrainConfig(out=str(out_dir))), "seed": 7}))
+    code, _, err = run_main(capsys, "--out", str(out_dir), "--quiet")
+    assert code == 2 and "holds a run with --seed 7, not 0" in err
+    (out_dir / "run.json").write_text("[]")
+    assert run_main(capsys, "--out", str(out_dir))[2].count("is not a run record") == 1
+    (out_dir / "run.json").write_text("{")
+    assert "is not a run record" in run_main(capsys, "--out", str(out_dir))[2]
+
+
+def test_a_store_of_another_env_is_refused_and_kept(tmp_path, capsys):
+    store_path = str(tmp_path / "point")
+    assert cli_main(["demo", store_path, "--steps", "60", "--n-envs", "1", "--quiet"]) == 0
+    capsys.readouterr()
+    with EpisodeStore.open(store_path) as store:
+        before = store.num_episodes
+    code, _, err = run_main(capsys, "--out", str(tmp_path / "run"), "--store", store_path, *FAST)
+    assert code == 2 and err.startswith("her-store train: error: ") and "Traceback" not in err
+    with EpisodeStore.open(store_path) as store:
+        assert store.num_episodes == before
+
+
+def test_a_checkpoint_killed_half_way_is_ignored(tmp_path):
+    root = tmp_path / "checkpoints"
+    (root / "step-000000100").mkdir(parents=True)
+    (root / ".step-000000200.tmp-123").mkdir()
+    (root / ".step-000000200.tmp-123" / "model.zip").write_bytes(b"partial")
+    (root / "notes").mkdir()
+    assert job.latest_checkpoint(str(tmp_path)) == (100, str(root / "step-000000100"))
+    assert job.latest_checkpoint(str(tmp_path / "none")) is None
+
+
+def _episodes(path: str) -> int:
+    try:
+        with EpisodeStore.open(path) as store:
+            return store.num_episodes
+    except StoreError:  # not created yet
+        return 0
+
+
+def test_kill_9_then_the_same_command_resumes(tmp_path):
+    out_dir = str(tmp_path / "run")
+    store_path = os.path.join(out_dir, "store")
+    cmd = [sys.executable, os.path.join(ROOT, "tools", "train.py"), "--out", out_dir, "--steps", "800",
+           "--checkpoint-every", "100", "--eval-episodes", "2", *FAST]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and proc.poll() is None:
+            ckpt = job.latest_checkpoint(out_dir)
+            if ckpt is not None and _episodes(store_path) > 0:
+                break
+            time.sleep(0.02)
+        assert proc.poll() is None, proc.communicate()[0]
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    with EpisodeStore.open(store_path) as store:
+        killed_with = store.num_episodes
+        kept = store.episode(store.first_episode)
+    step = job.latest_checkpoint(out_dir)[0]
+    assert 100 <= step < 800
+
+    done = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert f"resuming from step {step:,}, {killed_with:,} episodes in the store" in done.stdout
+    assert "Traceback" not in done.stdout + done.stderr
+    assert re.search(rf"steps\s*│\s*800 \(resumed from {step:,}\)", done.stdout)
+    with EpisodeStore.open(store_path) as store:
+        assert store.num_episodes > killed_with
+        again = store.episode(kept.id)
+        assert all(np.array_equal(again[k], kept[k]) for k in kept)
+    assert job.latest_checkpoint(out_dir)[0] == 800
