@@ -25,6 +25,8 @@ from her_store.store import EpisodeStore
 
 __all__ = ["HindsightExperienceReplay", "goal_reached_reward"]
 
+_NOT_TRUNCATED = np.zeros(1, bool)  # the simple API has no time limits: done is termination
+
 Batch = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 
 
@@ -45,9 +47,19 @@ def _vector(x: Any, size: int, name: str, expected: str) -> np.ndarray:
     a = _as_numpy(x)
     if a.shape not in ((size,), (1, size)):
         raise ValueError(f"{name} has shape {a.shape}, expected {expected}")
-    if not (np.issubdtype(a.dtype, np.floating) or np.issubdtype(a.dtype, np.integer) or a.dtype == bool):
+    if a.dtype.kind not in "fiub":
         raise TypeError(f"{name} has dtype {a.dtype}, expected numbers")
-    return a.reshape(1, size)
+    return _float32(a.reshape(1, size))
+
+
+def _float32(a: np.ndarray) -> np.ndarray:
+    """``a`` as float32, the stored dtype, which takes the writer's fast path; a value float32 cannot hold is
+    left as it is for the writer to refuse."""
+    if a.dtype == np.float32 or a.dtype.kind not in "fiu":
+        return a
+    with np.errstate(over="ignore"):
+        narrowed = a.astype(np.float32)
+    return narrowed if np.isfinite(narrowed).all() else a
 
 
 def _scalar(x: Any, name: str) -> np.ndarray:
@@ -209,13 +221,13 @@ class HindsightExperienceReplay:
         ns = _vector(next_state, self.state_dim, "next_state", sd)
         g = _vector(goal, gd, "goal", f"({gd},) (goal_dim)")
         a = _vector(action, self.action_dim, "action", f"({self.action_dim},) (action_dim)")
-        r, d = _scalar(reward, "reward"), _as_flags(_scalar(done, "done"), "done")
+        r, d = _float32(_scalar(reward, "reward")), _as_flags(_scalar(done, "done"), "done")
         writer = self.storage.writer
         if writer.pending_steps[0] and not np.array_equal(s.astype(np.float32), self._last_next):
             writer.flush_partial()  # a jump (a reset without done): the episode so far ends, truncated
-        self.storage.add(
-            {"observation": s, "achieved_goal": s[:, :gd], "desired_goal": g}, a, r, d, np.zeros(1, bool), None,
-            {"observation": ns, "achieved_goal": ns[:, :gd], "desired_goal": g},
+        writer.add(
+            {"observation": s, "achieved_goal": s[:, :gd], "desired_goal": g},
+            {"observation": ns, "achieved_goal": ns[:, :gd], "desired_goal": g}, a, r, d, _NOT_TRUNCATED,
         )
         self._last_next = ns.astype(np.float32)
 
