@@ -138,8 +138,11 @@ def test_copy_info_dict_hands_per_transition_infos(tmp_path):
 
 def test_resume_keeps_episodes_and_ends_unfinished_ones(tmp_path):
     path = tmp_path / "run"
-    s = HerReplayStorage(OBS, ACT, num_envs=2, batch_size=8, path=path, storage_size=500, metadata={"env_id": ENV_ID})
-    collect(s, 13)  # envs of 5 and 6 steps: 2 + 2 episodes ended, 3 and 1 steps unfinished
+    s = HerReplayStorage(OBS, ACT, num_envs=2, batch_size=8, path=path, storage_size=500, metadata={"env_id": ENV_ID},
+                         commit_interval=0)
+    collect(s, 13)
+    with EpisodeStore.open(path) as reader:  # committed as each episode ended
+        assert reader.num_episodes == 4  # envs of 5 and 6 steps: 2 + 2 episodes ended, 3 and 1 steps unfinished
     assert s.writer.pending_steps.tolist() == [3, 1]
     s.close()
     s.close()
@@ -173,6 +176,8 @@ def test_no_reward_fn_and_no_env_id_says_how_to_pass_one(tmp_path, monkeypatch):
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
     with pytest.raises(StoreError, match="reward_fn"):
         HerReplayStorage(OBS, ACT)
+    with pytest.raises(SchemaMismatchError, match="Dict"):
+        HerReplayStorage(spaces.Box(-1, 1, (3,)), ACT, reward_fn=ENV.compute_reward)
     assert os.listdir(tmp_path / "tmp") == []  # no temporary directory left behind
 
 
@@ -247,3 +252,4 @@ def test_gymnasium_vector_infos_and_numpy_inputs(tmp_path):
     assert s.store.episode(0)["is_success"].tolist() == [1.0] * 3
     assert isinstance(s.writer, StepWriter)
     s.close()
+
