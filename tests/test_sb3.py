@@ -20,7 +20,7 @@ from stable_baselines3.common.vec_env import DummyVecEnv, SubprocVecEnv, VecNorm
 from stable_baselines3.her import GoalSelectionStrategy as SB3Strategy
 from stable_baselines3.her import HerReplayBuffer
 
-from her_store import EpisodeStore, EpisodeValidationError, SchemaMismatchError, StoreError
+from her_store import EpisodeStore, EpisodeValidationError, NotAStoreError, SchemaMismatchError, StoreError
 from her_store.envs import PointGoalEnv
 from her_store.integrations.sb3 import ZarrHerReplayBuffer
 
@@ -443,3 +443,76 @@ def test_the_integration_is_an_sb3_her_buffer_and_takes_sb3_names():
     rb.truncate_last_trajectory()  # nothing added: nothing to do
     rb.close()
     rb.close()
+
+
+def test_a_closed_buffer_refuses_use_and_a_handle_of_a_removed_store_says_so(tmp_path):
+    venv = _venv(1)
+    rb = _buffer(venv, path=tmp_path / "rb")
+    _collect([rb], venv, 5)
+    blob = pickle.dumps(rb)
+    rb.close()
+    obs = venv.reset()
+    with pytest.raises(StoreError, match="is closed"):
+        rb.add(obs, obs, np.zeros((1, 2), np.float32), np.zeros(1, np.float32), np.zeros(1, bool), [{}])
+    with pytest.raises(StoreError, match="is closed"):
+        rb.sample(4)
+    import shutil
+
+    shutil.rmtree(tmp_path / "rb")
+    back = pickle.loads(blob)
+    back.set_env(venv)
+    with pytest.raises(NotAStoreError, match="loaded from a handle"):
+        back.sample(4)
+    assert not os.path.exists(tmp_path / "rb")  # no empty store made in its place
+    with pytest.raises(ValueError, match="infos must be a list of 1 dicts"):
+        _buffer(venv, path=tmp_path / "other").add(obs, obs, np.zeros((1, 2), np.float32), 0, False, None)
+
+
+def test_prefetching_sampler_and_default_relabelled_dones(tmp_path):
+    env = BitFlippingEnv(n_bits=3, continuous=True, max_steps=3)  # no compute_terminated: reward 0 means done
+    model = _learn(SAC, env, steps=40, replay_buffer_kwargs={
+        "path": tmp_path / "rb", "prefetch": 2, "io_threads": 2, "relabel_terminated": True,
+        "goal_selection_strategy": "future"})
+    batch = model.replay_buffer.sample(16)
+    n = int(model.replay_buffer.her_ratio * 16)
+    np.testing.assert_array_equal(batch.dones[:n].numpy(), (batch.rewards[:n].numpy() == 0).astype(np.float32))
+
+
+KILLED_RUN = """
+import sys
+from stable_baselines3 import SAC
+from stable_baselines3.common.envs import BitFlippingEnv
+from her_store.integrations.sb3 import ZarrHerReplayBuffer
+env = BitFlippingEnv(n_bits=4, continuous=True, max_steps=4)
+model = SAC("MultiInputPolicy", env, replay_buffer_class=ZarrHerReplayBuffer, learning_starts=10**9,
+            replay_buffer_kwargs={"path": sys.argv[1]}, policy_kwargs={"net_arch": [8]})
+model.learn(10**7)
+"""
+
+
+def test_a_killed_run_resumes_from_its_last_commit(tmp_path):
+    import signal
+    import subprocess
+    import sys
+
+    path = str(tmp_path / "rb")
+    proc = subprocess.Popen([sys.executable, "-c", KILLED_RUN, path])
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            try:
+                with EpisodeStore.open(path) as store:
+                    if store.num_episodes >= 5:
+                        break
+            except NotAStoreError:
+                pass
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGKILL)
+    finally:
+        proc.wait()
+    env = BitFlippingEnv(n_bits=4, continuous=True, max_steps=4)
+    model = _learn(SAC, env, steps=20, learning_starts=10, replay_buffer_kwargs={"path": path})
+    store = model.replay_buffer.store
+    assert store.num_episodes >= 10
+    for eid in range(store.first_episode, store.end_episode):
+        store.episode(eid)  # every committed episode intact (crc checked)

@@ -36,7 +36,7 @@ __all__ = ["ZarrHerReplayBuffer"]
 
 _GOAL_KEYS = ("observation", "achieved_goal", "desired_goal")
 # info entries SB3 and gymnasium use for their own bookkeeping: never stored as info keys
-_RESERVED_INFO = ("TimeLimit.truncated", "terminal_observation", "episode", "_final_observation", "_final_info")
+_TIMEOUT_KEY = "TimeLimit.truncated"  # SB3's truncation flag: stored as the step's truncated field, not as an info
 _HANDLE_VERSION = 1
 _LOCK_FILE = "writer.lock"  # the writer's lock (FORMAT.md): never copied with a store
 _FALSE = np.zeros(1, bool)
@@ -268,6 +268,7 @@ class ZarrHerReplayBuffer(_her.HerReplayBuffer):
         # from a loaded handle, applied when the store opens: (unfinished episodes, store's end_episode at save)
         self._restore: tuple[list[dict[str, np.ndarray]], int] | None = None
         self._sampler_state: dict[str, Any] | None = None
+        self._must_exist = False  # a loaded handle of a store that existed: never create an empty one in its place
 
     # -- the store -----------------------------------------------------------------------------------------
     @property
@@ -281,6 +282,15 @@ class ZarrHerReplayBuffer(_her.HerReplayBuffer):
             kwargs["info_keys"] = list(self.info_keys or ())
         if self.storage_options is not None:
             kwargs["storage_options"] = self.storage_options
+        if self._must_exist:
+            try:
+                EpisodeStore.open(self.url, mode="r", storage_options=self.storage_options).close()
+            except NotAStoreError as e:
+                raise NotAStoreError(
+                    f"this buffer was loaded from a handle of the store {self.url}, which holds no store any more "
+                    f"({e}); a handle holds no data: restore the store there, or build a new buffer"
+                ) from e
+            self._must_exist = False
         store = open_store(self.url, self.observation_space, self.action_space, **kwargs)
         self._res.store = store
         self._writer = store.writer(self.n_envs)
@@ -362,15 +372,17 @@ class ZarrHerReplayBuffer(_her.HerReplayBuffer):
                     self.info_keys = tuple(_numeric_info_keys(infos))
             self._require_store()
             writer = self._writer
+        if not isinstance(infos, (list, tuple)) or len(infos) != self.n_envs:
+            raise ValueError(f"infos must be a list of {self.n_envs} dicts (one per env, as SB3 passes), got {infos!r:.80}")
         if not isinstance(done, np.ndarray) or done.dtype != bool:
             done = np.asarray(done).astype(bool)
         if self.n_envs == 1:
-            if done[0] and infos[0].get("TimeLimit.truncated", False):
+            if done[0] and infos[0].get(_TIMEOUT_KEY, False):
                 terminated, truncated = _FALSE, _TRUE
             else:
                 terminated, truncated = done, _FALSE
         else:
-            truncated = done & np.array([bool(info.get("TimeLimit.truncated", False)) for info in infos])
+            truncated = done & np.array([bool(info.get(_TIMEOUT_KEY, False)) for info in infos])
             terminated = done & ~truncated
         writer.add(obs, next_obs, action, reward, terminated, truncated, infos if self.info_keys else None)
         self._added += 1
@@ -550,6 +562,7 @@ class ZarrHerReplayBuffer(_her.HerReplayBuffer):
                 "info_keys": self.info_keys,
             },
             "restore": restore,
+            "exists": store is not None or self._must_exist,
             "added": self._added,
             "seed": self._seed,
             "sampler": sampler.state_dict() if sampler is not None else self._sampler_state,
@@ -578,6 +591,7 @@ class ZarrHerReplayBuffer(_her.HerReplayBuffer):
         self.url = state["url"]
         self._seed = state["seed"]
         self._restore = state["restore"]
+        self._must_exist = state["exists"]
         self._added = state["added"]
         self._sampler_state = state["sampler"]
 
@@ -659,7 +673,7 @@ def _numeric_info_keys(infos: Sequence[Mapping[str, Any]]) -> list[str]:
     """The info entries of env 0 that are numeric scalars (bool, int, float), minus SB3's bookkeeping."""
     keys = []
     for k, v in infos[0].items():
-        if k in _RESERVED_INFO or not isinstance(k, str):
+        if k == _TIMEOUT_KEY or not isinstance(k, str):
             continue
         if isinstance(v, (bool, int, float, np.bool_, np.integer, np.floating)) or (
             isinstance(v, np.ndarray) and v.ndim == 0 and v.dtype.kind in "biuf"
