@@ -276,6 +276,7 @@ def test_every_episode_of_each_env_of_sync_and_async_vector_envs_is_recorded(tmp
         for _ in range(17):
             envs.step(rng.uniform(-1, 1, (3, 2)).astype(np.float32))
         envs.close()
+        assert len(envs.episode_ids) == sum(len(logged_episodes(log)) for log in logs)
     for i, log in enumerate(logs):
         want = logged_episodes(log)
         assert len(want) >= 3
@@ -354,11 +355,13 @@ def test_a_store_that_does_not_fit_the_env_is_refused_and_left_intact(tmp_path):
     assert n >= 1
     with pytest.raises(SchemaMismatchError, match="observation_space differs"):
         RecordEpisodes(gym.make(ENV_ID), path)
+    other = BitFlippingEnv(n_bits=3)
+    other.spec = gym.envs.registration.EnvSpec("other-v0", "no-entry-point")
     with pytest.raises(SchemaMismatchError, match="holds episodes of env 'BitFlippingEnv-v0', this env is 'other-v0'"):
-        other = BitFlippingEnv(n_bits=3)
-        other.spec = gym.envs.registration.EnvSpec("other-v0", "no-entry-point")
         RecordEpisodes(other, path)
     with open_store(path) as store:
+        with pytest.raises(SchemaMismatchError, match="this env is 'other-v0'"):
+            RecordEpisodes(other, store)
         with pytest.raises(SchemaMismatchError, match="action_space differs"):
             RecordEpisodes(BitFlippingEnv(n_bits=3, continuous=True), store)
         with pytest.raises(TypeError, match=r"store options \['capacity'\] apply only when the recorder opens"):
@@ -377,7 +380,7 @@ def test_a_store_that_does_not_fit_the_env_is_refused_and_left_intact(tmp_path):
 
 
 class Corrupt(gym.Wrapper):
-    """At step ``at`` (counted over the env's life) reports a value no float32 holds, in the info or the obs."""
+    """At step ``at`` (counted over the env's life) reports a value the store refuses, in the info or the obs."""
 
     def __init__(self, env, at: int, where: str) -> None:
         super().__init__(env)
@@ -386,11 +389,11 @@ class Corrupt(gym.Wrapper):
     def step(self, action):
         obs, reward, terminated, truncated, info = self.env.step(action)
         self.t += 1
-        if self.t == self.at:
-            if self.where == "info":
-                info = {**info, "is_success": 1e39}
-            else:
-                obs = {**obs, "observation": np.full(4, 1e39)}
+        if self.t == self.at and self.where == "info":
+            info = {**info, "is_success": 1e39}  # no float32 holds it
+        elif self.t == self.at:  # a float64 no float32 holds, or a bit of 2 (a vector env would cast the float)
+            bad = obs["observation"]
+            obs = {**obs, "observation": np.full(bad.shape, 2 if bad.dtype == np.int8 else 1e39)}
         return obs, reward, terminated, truncated, info
 
 
@@ -435,3 +438,47 @@ def test_a_vector_env_must_be_reset_before_it_is_recorded(tmp_path):
         envs.step(np.zeros((1, 2), np.float32))
     envs.close()
     assert stored(tmp_path / "run") == []
+
+
+def test_a_masked_reset_whose_episode_is_refused_drops_the_running_episodes_of_the_other_envs(tmp_path):
+    logs: list[list] = [[], []]
+    fns = [lambda: Corrupt(Log(BitFlippingEnv(n_bits=8, max_steps=5), logs[0]), 2, "obs"),
+           lambda: Log(BitFlippingEnv(n_bits=8, max_steps=3), logs[1])]
+    envs = RecordVectorEpisodes(SyncVectorEnv(fns, autoreset_mode="Disabled"), tmp_path / "run")
+    envs.reset(seed=0)
+    for t in range(12):
+        _, _, terminated, truncated, _ = envs.step(np.zeros(2, np.int64))
+        done = terminated | truncated
+        if t == 1:  # env 0's bad observation is checked when its episode is ended: env 1's is cut short too
+            with pytest.raises(EpisodeValidationError, match=r"next_obs\['observation'\]"):
+                envs.reset(options={"reset_mask": np.array([True, False])})
+        elif done.any():
+            envs.reset(options={"reset_mask": done})
+    envs.close()
+    for i, log in enumerate(logs):
+        want = logged_episodes(log, ())
+        assert [len(w["action"]) for w in want][:3] == [[2, 5, 5], [3, 3, 3]][i]
+        assert_same_episodes(stored(tmp_path / "run", env_index=i), want[1:])
+
+
+def test_episodes_longer_than_the_capacity_raise_and_are_dropped_whether_ended_by_the_env_or_a_reset(tmp_path):
+    log: list = []
+    env = RecordEpisodes(Log(PointGoalEnv(max_episode_steps=5), log), tmp_path / "run", capacity=3)
+    env.reset(seed=0)
+    step = lambda: env.step(np.zeros(2, np.float32))
+    for _ in range(4):
+        step()
+    with pytest.raises(EpisodeValidationError, match="episode of 5 steps dropped"):
+        step()  # truncated by the env at its capacity + 2
+    env.reset()
+    step(), step()
+    env.reset()  # 2 steps: recorded
+    for _ in range(4):
+        step()
+    with pytest.raises(EpisodeValidationError, match="episode of 4 steps dropped"):
+        env.reset()
+    step(), step(), step()
+    env.close()
+    want = logged_episodes(log, ())
+    assert [len(w["action"]) for w in want] == [5, 2, 4, 3] and env.episode_ids == [0, 1]
+    assert_same_episodes(stored(tmp_path / "run"), want[3:])  # the ring of 3 transitions evicted the 2-step one
