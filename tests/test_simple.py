@@ -218,6 +218,10 @@ def test_goal_larger_than_state_at_first_transition():
     her.store_transition(np.zeros(4), np.zeros(2), 0.0, np.zeros(4), False, np.zeros(3))
     assert her.goal_dim == 3 and len(her) == 1
     her.close()
+    with HindsightExperienceReplay(2, 1, 100, 1) as scalars:  # size-1 vectors may be scalars
+        scalars.store_transition([0.0, 1.0], 0.5, 0.0, [1.0, 1.0], True, 1.0)
+        _, actions, _, _, dones, goals = scalars.sample()
+        assert actions.tolist() == [[0.5]] and goals.shape == (1, 1) and dones.tolist() == [[1.0]]
 
 
 def test_same_seed_same_batches(tmp_path):

@@ -43,9 +43,9 @@ def goal_reached_reward(achieved_goal: Any, desired_goal: Any, info: Any = None,
 
 
 def _vector(x: Any, size: int, name: str, expected: str) -> np.ndarray:
-    """A flat vector of ``size`` entries (a ``(1, size)`` row is accepted too)."""
+    """A flat vector of ``size`` entries (a ``(1, size)`` row, or a scalar for size 1, is accepted too)."""
     a = _as_numpy(x)
-    if a.shape not in ((size,), (1, size)):
+    if a.shape not in ((size,), (1, size)) and not (size == 1 and a.ndim == 0):
         raise ValueError(f"{name} has shape {a.shape}, expected {expected}")
     if a.dtype.kind not in "fiub":
         raise TypeError(f"{name} has dtype {a.dtype}, expected numbers")
