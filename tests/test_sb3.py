@@ -105,7 +105,7 @@ def test_continuous_algorithms_train_into_the_store(tmp_path, algo):
 def test_dqn_trains_on_image_observations_and_samples_sb3_shapes(tmp_path):
     env = BitFlippingEnv(n_bits=4, image_obs_space=True, max_steps=4)
     model = _learn(
-        DQN, env, steps=40, learning_starts=20, batch_size=8, learning_rate=1e-3,
+        DQN, env, steps=28, learning_starts=20, batch_size=8, learning_rate=1e-3,
         replay_buffer_kwargs={"path": str(tmp_path / "rb"), "goal_selection_strategy": SB3Strategy.FINAL},
     )
     rb = model.replay_buffer
@@ -516,3 +516,27 @@ def test_a_killed_run_resumes_from_its_last_commit(tmp_path):
     assert store.num_episodes >= 10
     for eid in range(store.first_episode, store.end_episode):
         store.episode(eid)  # every committed episode intact (crc checked)
+
+
+class ScalarTerminated(RecordingPointGoal):
+    """compute_terminated that is not vectorised (one answer for the whole batch), or answers with a wrong size."""
+
+    wrong_size = False
+
+    def compute_terminated(self, achieved_goal, desired_goal, info):
+        return np.ones(3, bool) if self.wrong_size else True
+
+
+def test_a_compute_terminated_answering_once_is_broadcast_and_a_wrong_size_refused(tmp_path):
+    venv = DummyVecEnv([ScalarTerminated])
+    rb = _buffer(venv, path=tmp_path / "rb", relabel_terminated=True)
+    _collect([rb], venv, 10)
+    batch = rb.sample(10)
+    assert batch.dones[:8].all() and not batch.dones[8:].any()
+    venv.envs[0].wrong_size = True
+    with pytest.raises(ValueError, match="compute_terminated returned 3 values"):
+        rb.sample(10)
+    fresh = _buffer(venv, path=tmp_path / "fresh", copy_info_dict=True)
+    with pytest.raises(RuntimeError, match="Unable to sample before the end of the first episode"):
+        fresh.sample(4)
+    assert fresh.store is None and not os.path.exists(tmp_path / "fresh")

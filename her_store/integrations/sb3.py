@@ -273,6 +273,7 @@ class ZarrHerReplayBuffer(_her.HerReplayBuffer):
     # -- the store -----------------------------------------------------------------------------------------
     @property
     def store(self) -> EpisodeStore | None:
+        """The open store (None until it is opened or created, and after :meth:`close`)."""
         return self._res.store
 
     def _open(self) -> EpisodeStore:
@@ -480,12 +481,23 @@ class ZarrHerReplayBuffer(_her.HerReplayBuffer):
 
     def reset(self) -> None:
         """Restart ``pos``, ``full`` and ``size()`` as SB3's reset does; the stored episodes stay (and are sampled,
-        as SB3's HER buffer still samples its old episodes after a reset)."""
+        as SB3's HER buffer still samples its old episodes after a reset).
+
+        Examples
+        --------
+        >>> rb.reset(); rb.size()  # doctest: +SKIP
+        0
+        """
         self._added = 0
         self._layout = None
 
     def set_env(self, env: Any) -> None:
-        """Set the VecEnv whose ``compute_reward`` relabels (SB3 calls it after loading a saved buffer)."""
+        """Set the VecEnv whose ``compute_reward`` relabels (SB3 calls it after loading a saved buffer).
+
+        Examples
+        --------
+        >>> rb = pickle.load(open("rb_handle.pkl", "rb")); rb.set_env(vec_env)  # doctest: +SKIP
+        """
         if self.env is not None:
             raise ValueError("Trying to set env of already initialized environment.")
         self.env = env
@@ -495,6 +507,10 @@ class ZarrHerReplayBuffer(_her.HerReplayBuffer):
 
         With ``handle_timeout_termination`` its last transition still bootstraps (SB3 marks it a timeout);
         without, it is terminal. SB3 calls it after loading a saved buffer.
+
+        Examples
+        --------
+        >>> model.replay_buffer.truncate_last_trajectory()  # doctest: +SKIP
         """
         if self._writer is None and self._restore is None:  # nothing added, nothing saved
             return
