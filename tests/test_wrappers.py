@@ -359,6 +359,8 @@ def test_a_store_that_does_not_fit_the_env_is_refused_and_left_intact(tmp_path):
     other.spec = gym.envs.registration.EnvSpec("other-v0", "no-entry-point")
     with pytest.raises(SchemaMismatchError, match="holds episodes of env 'BitFlippingEnv-v0', this env is 'other-v0'"):
         RecordEpisodes(other, path)
+    with RecordEpisodes(other, tmp_path / "named", metadata={"env_id": "named-v0"}) as named:
+        assert named.store.metadata == {"env_id": "named-v0"}  # a card given explicitly wins over the env's id
     with open_store(path) as store:
         with pytest.raises(SchemaMismatchError, match="this env is 'other-v0'"):
             RecordEpisodes(other, store)

@@ -118,6 +118,7 @@ class GoalEnvFlattener(gym.ObservationWrapper):
         self.obs_dim, self.goal_dim = self._sizes[0], self._sizes[1]
 
     def observation(self, observation: Mapping[str, Any]) -> np.ndarray:
+        """What reset and step return: :meth:`convert_dict_to_obs` of the env's observation."""
         return self.convert_dict_to_obs(observation)
 
     def convert_dict_to_obs(self, obs_dict: Mapping[str, Any]) -> np.ndarray:
@@ -212,6 +213,7 @@ def _open(
         Schema(observation_space, action_space, store.schema.info_spaces).check_same(store.schema, store.url)
         owned = False
     elif isinstance(store, (str, os.PathLike)):
+        env_id = dict(options.get("metadata") or {}).get("env_id", env_id)  # a card given explicitly wins
         store, owned = open_store(store, observation_space, action_space, **options), True
     else:
         raise TypeError(f"store must be an EpisodeStore or a path, got {type(store).__name__}")
@@ -322,6 +324,12 @@ class RecordEpisodes(gym.Wrapper):
     last step: every step the env produced is kept, and a truncated end lets HER bootstrap from it as from a time
     limit. Wrap the goal env itself (Dict observations), inside any flattening wrapper.
 
+    A step the store refuses (a value its space cannot hold) raises; the episode it belonged to is not recorded
+    (never spliced around the gap), and recording resumes with the env's next episode. An episode the store cannot
+    append (longer than its capacity) raises and is dropped. Inside the env fns of a ``SyncVectorEnv`` several
+    recorders may share one open store; an ``AsyncVectorEnv``'s workers cannot write the parent's store (one writer
+    per store): wrap the vector env with :class:`RecordVectorEpisodes` instead.
+
     Parameters
     ----------
     env : gymnasium.Env
@@ -335,9 +343,7 @@ class RecordEpisodes(gym.Wrapper):
     Attributes
     ----------
     store : EpisodeStore
-        The store written to.
-    episode_ids : list of int
-        The ids of the episodes recorded so far.
+        The store written to (sample it with a HerSampler while recording).
 
     Raises
     ------
@@ -370,6 +376,7 @@ class RecordEpisodes(gym.Wrapper):
 
     @property
     def episode_ids(self) -> list[int]:
+        """The ids of the episodes recorded so far."""
         return self._recorder.episode_ids
 
     def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None) -> tuple[Any, dict[str, Any]]:
@@ -454,6 +461,7 @@ class RecordVectorEpisodes(VectorWrapper):
 
     @property
     def episode_ids(self) -> list[int]:
+        """The ids of the episodes recorded so far, of every env."""
         return self._recorder.episode_ids
 
     def reset(
