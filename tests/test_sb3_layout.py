@@ -183,6 +183,8 @@ def test_bad_input_is_refused_and_the_store_is_intact(tmp_path, fetch):
         sb3_arrays(other, 8, 3, [{**pend[0], "achieved_goal": pend[0]["achieved_goal"][:2]}, *pend[1:]])
     with pytest.raises(ValueError, match=r"pending\[0\]\['observation'\] has shape \(3, 9\)"):
         sb3_arrays(other, 8, 3, [{**pend[0], "observation": pend[0]["observation"][:, :9]}, *pend[1:]])
+    with pytest.raises(ValueError, match=r"pending\[1\]\['action'\] has shape \(2, 3\), expected 2 actions of 4"):
+        sb3_arrays(other, 8, 3, [pend[0], {**pend[1], "action": pend[1]["action"][:, :3]}, pend[2]])
     with pytest.raises(ValueError, match=r"pending\[2\] must be a mapping"):
         sb3_arrays(other, 8, 3, [*pend[:2], None])
     with pytest.raises(ValueError, match=r"steps must be an int >= 2"):
