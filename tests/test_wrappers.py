@@ -273,8 +273,10 @@ def test_every_episode_of_each_env_of_sync_and_async_vector_envs_is_recorded(tmp
         assert envs.autoreset_mode == mode
         rng = np.random.default_rng(0)
         envs.reset(seed=5)
-        for _ in range(17):
+        for t in range(24):
             envs.step(rng.uniform(-1, 1, (3, 2)).astype(np.float32))
+            if t == 16:  # a reset of every env ends the running episodes as truncated
+                envs.reset(seed=9)
         envs.close()
         assert len(envs.episode_ids) == sum(len(logged_episodes(log)) for log in logs)
     for i, log in enumerate(logs):
