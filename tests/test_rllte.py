@@ -125,7 +125,8 @@ def test_copy_info_dict_hands_per_transition_infos(tmp_path):
         return ENV.compute_reward(ag, dg, None)
 
     s = HerReplayStorage(OBS, ACT, num_envs=2, batch_size=50, reward_fn=reward, copy_info_dict=True,
-                         info_keys=["is_success"], path=tmp_path / "i")
+                         info_keys=["is_success"], path=tmp_path / "i", storage_size=None)
+    assert s.store.capacity is None  # unbounded
     collect(s, 12)
     s.sample()
     assert len(seen) == 40 and all(set(d) == {"is_success"} for d in seen)
@@ -189,6 +190,7 @@ def test_no_reward_fn_and_no_env_id_says_how_to_pass_one(tmp_path, monkeypatch):
          "missing"),
         ({"goal_selection_strategy": "nearest"}, ValueError, "'nearest' is not one of"),
         ({"num_envs": 0}, ValueError, "num_envs must be a positive int"),
+        ({"storage_size": 0}, ValueError, "storage_size must be a positive int"),
         ({"batch_size": 2.5}, ValueError, "batch_size must be a positive int"),
         ({"num_goals": -1}, ValueError, "num_goals must be an int >= 0"),
         ({"reward_fn": "sparse"}, TypeError, "reward_fn must be callable"),

@@ -200,7 +200,9 @@ def test_bad_transitions_are_refused_and_change_nothing(tmp_path):
         ({"goal_dim": 0}, ValueError, "goal_dim must be a positive int"),
         ({"goal_sampling_strategy": "future"}, TypeError, "goal_sampling_strategy must be a callable"),
         ({"reward_fn": 1}, TypeError, "reward_fn must be callable"),
-        ({"buffer_size": 0}, ValueError, "capacity must be a positive int"),
+        ({"buffer_size": 0}, ValueError, "buffer_size must be a positive int"),
+        ({"n_sampled_goal": -1}, ValueError, "n_sampled_goal must be an int >= 0"),
+        ({"tolerance": float("nan")}, ValueError, "tolerance must be a number >= 0"),
     ],
 )
 def test_bad_construction(tmp_path, kwargs, error, match):
@@ -222,6 +224,15 @@ def test_goal_larger_than_state_at_first_transition():
         scalars.store_transition([0.0, 1.0], 0.5, 0.0, [1.0, 1.0], True, 1.0)
         _, actions, _, _, dones, goals = scalars.sample()
         assert actions.tolist() == [[0.5]] and goals.shape == (1, 1) and dones.tolist() == [[1.0]]
+
+
+def test_nan_states_do_not_split_episodes():
+    with HindsightExperienceReplay(2, 1, 100, 4, goal_dim=1) as her:
+        for t in range(3):
+            her.store_transition([t, np.nan], 0.0, -1.0, [t + 1, np.nan], False, 9.0)
+        assert her.storage.writer.pending_steps.tolist() == [3]
+        her.store_transition([0, np.nan], 0.0, -1.0, [1, np.nan], False, 9.0)  # a jump back: a new episode
+        assert her.storage.writer.pending_steps.tolist() == [1] and len(her) == 4
 
 
 def test_same_seed_same_batches(tmp_path):

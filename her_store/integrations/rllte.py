@@ -83,9 +83,10 @@ class HerReplayStorage:
         Box, Discrete, MultiBinary or MultiDiscrete.
     device : str
         Where sampled batches go.
-    storage_size : int
+    storage_size : int or None
         Capacity in transitions, summed over envs (rllte keeps ``storage_size`` per env): a ring that evicts the
-        oldest whole episodes. Fixed when the store is created; resuming a store needs the same value.
+        oldest whole episodes; None grows without bound. Fixed when the store is created; resuming a store needs
+        the same value.
     num_envs : int
         Environments stepped together; each :meth:`add` carries one step of each.
     batch_size : int
@@ -159,8 +160,10 @@ class HerReplayStorage:
     ) -> None:
         # checked before anything is created on disk
         parse_strategy(goal_selection_strategy)
-        for name, value in (("num_envs", num_envs), ("batch_size", batch_size)):
-            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+        for name, value in (("storage_size", storage_size), ("num_envs", num_envs), ("batch_size", batch_size)):
+            if (value is not None or name != "storage_size") and (
+                isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1
+            ):
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
         if isinstance(num_goals, bool) or not isinstance(num_goals, (int, np.integer)) or num_goals < 0:
             raise ValueError(f"num_goals must be an int >= 0, got {num_goals!r}")

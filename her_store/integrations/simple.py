@@ -97,7 +97,8 @@ class HindsightExperienceReplay:
     batch_size : int
         Transitions per :meth:`sample`.
     goal_sampling_strategy : callable, optional
-        ``goals -> goals`` on the batch's ``(batch_size, goal_dim)`` tensor of goals (after relabelling).
+        ``goals -> goals`` on the batch's ``(batch_size, goal_dim)`` float32 tensor of goals on ``device`` (after
+        relabelling).
     path : str or PathLike, optional
         Where the store lives; an existing store there is resumed (its episodes are sampled). None: a temporary
         directory removed by :meth:`close` or garbage collection.
@@ -108,7 +109,8 @@ class HindsightExperienceReplay:
         goal, else -1.
     goal_dim : int, optional
         Size of the goal. The achieved goal of a state is its first ``goal_dim`` entries (order your state so).
-        Default: the goal's size at the first :meth:`store_transition` (or the size stored at ``path``).
+        Default: the goal's size at the first :meth:`store_transition` (or the size stored at ``path``); the
+        store is then created (or opened) at that first transition.
     n_sampled_goal : int
         Relabelled transitions per real one (4: 80 % of a batch).
     tolerance : float
@@ -146,19 +148,24 @@ class HindsightExperienceReplay:
         seed: int | None = None,
         storage_options: Mapping[str, Any] | None = None,
     ) -> None:
-        for name, value in (("state_dim", state_dim), ("action_dim", action_dim), ("batch_size", batch_size)):
+        sizes = {"state_dim": state_dim, "action_dim": action_dim, "buffer_size": buffer_size, "batch_size": batch_size}
+        for name, value in sizes.items():
             if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if isinstance(n_sampled_goal, bool) or not isinstance(n_sampled_goal, (int, np.integer)) or n_sampled_goal < 0:
+            raise ValueError(f"n_sampled_goal must be an int >= 0, got {n_sampled_goal!r}")
+        if not isinstance(tolerance, (int, float, np.number)) or not tolerance >= 0:
+            raise ValueError(f"tolerance must be a number >= 0, got {tolerance!r}")
         if goal_sampling_strategy is not None and not callable(goal_sampling_strategy):
             raise TypeError(f"goal_sampling_strategy must be a callable goals -> goals, got {goal_sampling_strategy!r}")
         if reward_fn is not None and not callable(reward_fn):
             raise TypeError(f"reward_fn must be callable(achieved_goal, desired_goal, info), got {reward_fn!r}")
         self.state_dim, self.action_dim, self.batch_size = int(state_dim), int(action_dim), int(batch_size)
-        self.buffer_size = buffer_size
+        self.buffer_size = int(buffer_size)
         self.goal_sampling_strategy = goal_sampling_strategy
         self.reward_fn: RewardFn = reward_fn or functools.partial(goal_reached_reward, tolerance=tolerance)
         self.path = path
-        self.n_sampled_goal = n_sampled_goal
+        self.n_sampled_goal = int(n_sampled_goal)
         self.her_ratio = 1.0 - 1.0 / (n_sampled_goal + 1)
         self.device = torch.device(device)
         self._seed = seed
@@ -192,7 +199,7 @@ class HindsightExperienceReplay:
         obs = spaces.Dict({"observation": box((self.state_dim,)), "achieved_goal": box((goal_dim,)),
                            "desired_goal": box((goal_dim,))})
         self.storage = HerReplayStorage(
-            obs, box((self.action_dim,)), device=self.device, storage_size=self.buffer_size,
+            obs, box((self.action_dim,)), storage_size=self.buffer_size,
             batch_size=self.batch_size, num_goals=self.n_sampled_goal, reward_fn=self.reward_fn, path=self.path,
             storage_options=self._storage_options, seed=self._seed,
             commit_interval=0,  # an ended episode is committed at once, so len() counts it and sample() draws it
@@ -223,7 +230,7 @@ class HindsightExperienceReplay:
         a = _vector(action, self.action_dim, "action", f"({self.action_dim},) (action_dim)")
         r, d = _float32(_scalar(reward, "reward")), _as_flags(_scalar(done, "done"), "done")
         writer = self.storage.writer
-        if writer.pending_steps[0] and not np.array_equal(s.astype(np.float32), self._last_next):
+        if writer.pending_steps[0] and not np.array_equal(s.astype(np.float32), self._last_next, equal_nan=True):
             writer.flush_partial()  # a jump (a reset without done): the episode so far ends, truncated
         writer.add(
             {"observation": s, "achieved_goal": s[:, :gd], "desired_goal": g},
@@ -263,18 +270,17 @@ class HindsightExperienceReplay:
         parts = []
         if n_pending < B:
             b = self.storage.sampler.sample(B - n_pending)
-            parts.append((b.observations["observation"].numpy(force=True), b.actions.numpy(force=True),
-                          b.rewards.numpy(force=True).reshape(-1), b.next_observations["observation"].numpy(force=True),
-                          b.dones.numpy(force=True).reshape(-1), b.observations["desired_goal"].numpy(force=True)))
+            parts.append((b.observations["observation"].numpy(), b.actions.numpy(), b.rewards.numpy().reshape(-1),
+                          b.next_observations["observation"].numpy(), b.dones.numpy().reshape(-1),
+                          b.observations["desired_goal"].numpy()))
         if n_pending:
             parts.append(self._sample_pending(n_pending))
         states, actions, rewards, next_states, dones, goals = (np.concatenate(c) for c in zip(*parts, strict=True))
-        goals_t = torch.from_numpy(goals)
+        t = functools.partial(torch.as_tensor, device=self.device)
+        goals_t = t(goals)
         if self.goal_sampling_strategy is not None:
             goals_t = self._apply_strategy(goals_t, next_states, rewards)
-        t = functools.partial(torch.as_tensor, device=self.device)
-        return (t(states), t(actions), t(rewards.reshape(B, 1)), t(next_states), t(dones.reshape(B, 1)),
-                goals_t.to(self.device))
+        return t(states), t(actions), t(rewards.reshape(B, 1)), t(next_states), t(dones.reshape(B, 1)), goals_t
 
     def _sample_pending(self, n: int) -> tuple[np.ndarray, ...]:
         """``n`` transitions of the unfinished episode, the first ``int(her_ratio * n)`` relabelled (future)."""
@@ -296,14 +302,14 @@ class HindsightExperienceReplay:
         """The user's goals -> goals, checked; rewards recomputed (in place) where a goal changed."""
         assert self.goal_sampling_strategy is not None
         out = self.goal_sampling_strategy(goals.clone())
-        new = torch.as_tensor(out, dtype=torch.float32).cpu()
+        new = torch.as_tensor(out, dtype=torch.float32, device=goals.device)
         if new.shape != goals.shape:
             raise ValueError(f"goal_sampling_strategy returned shape {tuple(new.shape)}, expected {tuple(goals.shape)}")
-        changed = (new != goals).any(dim=1).numpy()
+        changed = (new != goals).any(dim=1).cpu().numpy()
         if changed.any():
             n = int(changed.sum())
             achieved = next_states[changed, : goals.shape[1]]
-            rewards[changed] = _checked_rewards(self.reward_fn(achieved, new.numpy()[changed], [{}] * n), n)
+            rewards[changed] = _checked_rewards(self.reward_fn(achieved, new.cpu().numpy()[changed], [{}] * n), n)
         return new
 
     def close(self) -> None:
