@@ -3,6 +3,7 @@
     python tools/bench.py            # full run
     python tools/bench.py --quick    # about 30 s
     python tools/bench.py --only add append resume
+    python tools/bench.py --only sb3_train sb3_add sb3_sample sb3_save   # the SB3 integration against SB3 itself
 
 Every figure is a median over repeated, interleaved rounds (her_store and the baselines alternate, so a noisy
 machine slows all alike). SB3 and TorchRL are optional: without them their columns say "not installed".
@@ -27,9 +28,9 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from gymnasium import spaces  # noqa: E402
+from gymnasium import spaces
 
-from her_store import EpisodeStore  # noqa: E402
+from her_store import EpisodeStore
 
 OBS = spaces.Dict(
     {
@@ -175,13 +176,15 @@ def fetch_reward(achieved_goal, desired_goal, info):
 _FILLED: dict[str, Any] = {}
 
 
-def filled_store(workdir: str, n_transitions: int) -> str:
-    """A store of FetchReach-shaped 50-step episodes (built once per run)."""
-    path = os.path.join(workdir, f"fetch{n_transitions}")
+def filled_store(workdir: str, n_transitions: int, capacity: int | None = None) -> str:
+    """A store of FetchReach-shaped 50-step episodes (built once per run); ``capacity`` as EpisodeStore.create's."""
+    path = os.path.join(workdir, f"fetch{n_transitions}" + ("" if capacity is None else f"-ring{capacity}"))
     if path not in _FILLED:
         rng = np.random.default_rng(3)
         pool = [fetch_episode(rng) for _ in range(256)]
-        with EpisodeStore.create(path, OBS, ACT, metadata={"env_id": "FetchReach-shaped"}) as store:
+        with EpisodeStore.create(
+            path, OBS, ACT, capacity=capacity, metadata={"env_id": "FetchReach-shaped"}
+        ) as store:
             for i in range(n_transitions // EP_LEN):
                 store.append_episode(pool[i % len(pool)] if i >= len(pool) else pool[i])
         _FILLED[path] = True
@@ -219,7 +222,7 @@ def torchrl_filled(n_transitions: int):
     rb = HERReplayBuffer(reward_fn=reward_fn, storage=LazyMemmapStorage(n_transitions))
     block = 50_000
     rng = np.random.default_rng(4)
-    t = lambda a: torch.from_numpy(np.ascontiguousarray(a))  # noqa: E731
+    t = lambda a: torch.from_numpy(np.ascontiguousarray(a))
     for lo in range(0, n_transitions, block):
         n = min(block, n_transitions - lo)
         o = {k: rng.standard_normal((n, s.shape[0])).astype(np.float32) for k, s in OBS.spaces.items()}
@@ -267,11 +270,11 @@ def bench_sample_warm(workdir: str, quick: bool) -> dict[str, Any]:
     for B in (256, 1024):
         ours, sb3, torchrl = [], [], []
         for _ in range(rounds):  # interleaved, so drift in the machine's speed hits all alike
-            ours.append(_time_batches(lambda: sampler.sample(B), 20))
+            ours.append(_time_batches(lambda B=B: sampler.sample(B), 20))
             if rb is not None:
-                sb3.append(_time_batches(lambda: rb.sample(B, env=None), 20))
+                sb3.append(_time_batches(lambda B=B: rb.sample(B, env=None), 20))
             if trl is not None:
-                torchrl.append(_time_batches(lambda: trl.sample(B), 2))
+                torchrl.append(_time_batches(lambda B=B: trl.sample(B), 2))
         out[f"B={B} her_store"] = B / statistics.median(ours)
         if sb3:
             out[f"B={B} sb3"] = B / statistics.median(sb3)
@@ -313,8 +316,7 @@ def _disk_random_reads_per_s(workdir: str, size: int, threads: int, n: int) -> d
     if not os.path.exists(path) or os.path.getsize(path) != size:
         with open(path, "wb") as f:
             block = np.random.default_rng(0).integers(0, 255, 1 << 24, np.uint8).tobytes()
-            for _ in range(size >> 24):
-                f.write(block)
+            f.writelines(block for _ in range(size >> 24))
             f.flush()
             os.fsync(f.fileno())
     fd = os.open(path, os.O_RDONLY)
@@ -323,7 +325,7 @@ def _disk_random_reads_per_s(workdir: str, size: int, threads: int, n: int) -> d
     try:
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
         pages = size // 4096
-        parts = lambda a: np.array_split(a, threads)  # noqa: E731
+        parts = lambda a: np.array_split(a, threads)
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         offs = rng.choice(pages, n, replace=False) * 4096
         t = time.perf_counter()
@@ -337,7 +339,7 @@ def _disk_random_reads_per_s(workdir: str, size: int, threads: int, n: int) -> d
         idx = rng.choice(pages, n, replace=False) * 4096
         t = time.perf_counter()
         with ThreadPoolExecutor(threads) as ex:
-            list(ex.map(lambda p: view[p].sum(), parts(idx)))
+            list(ex.map(lambda p, v=view: v[p].sum(), parts(idx)))
         out["mmap"] = n / (time.perf_counter() - t)
         del view
         m.close()
@@ -478,6 +480,147 @@ def bench_images(workdir: str, quick: bool) -> dict[str, Any]:
     return out
 
 
+# -- SB3 integration: ZarrHerReplayBuffer against SB3's own HerReplayBuffer -------------------------------------
+def _sb3_missing() -> dict[str, Any] | None:
+    try:
+        import stable_baselines3  # noqa: F401
+    except ImportError:
+        return {"skipped": 'stable-baselines3 not installed (pip install -e ".[bench]")'}
+    return None
+
+
+def bench_sb3_train(workdir: str, quick: bool) -> dict[str, Any]:
+    """SAC+HER on her_store/PointGoal-v0, same seed: wall time with ZarrHerReplayBuffer / with SB3's HerReplayBuffer."""
+    if (missing := _sb3_missing()) is not None:
+        return missing
+    import gymnasium as gym
+    import torch
+    from stable_baselines3 import SAC, HerReplayBuffer
+
+    from her_store.integrations.sb3 import ZarrHerReplayBuffer
+    from her_store.integrations.train import evaluate
+
+    steps = 1_500 if quick else 5_000
+    torch.set_num_threads(1)  # both runs alike; a small MLP is fastest on one thread
+    make_env = lambda: gym.make("her_store/PointGoal-v0")
+    out: dict[str, Any] = {"steps": steps}
+    times: dict[str, list[float]] = {"her_store": [], "sb3": []}
+    for r in range(1 if quick else 2):
+        for name, cls, extra in (
+            ("her_store", ZarrHerReplayBuffer, {"path": os.path.join(workdir, f"sac{r}")}),
+            ("sb3", HerReplayBuffer, {}),
+        ):
+            model = SAC(
+                "MultiInputPolicy", make_env(), replay_buffer_class=cls, learning_starts=200, seed=0, device="cpu",
+                replay_buffer_kwargs={"n_sampled_goal": 4, "goal_selection_strategy": "future", **extra},
+            )
+            t = time.perf_counter()
+            model.learn(steps)
+            times[name].append(time.perf_counter() - t)
+            if r == 0:
+                out[f"{name} success rate (deterministic, 50 episodes)"] = evaluate(model, make_env, 50, seed=10_000)
+                out[f"{name} success rate (last 100 training episodes)"] = float(np.mean(model.ep_success_buffer))
+            if name == "her_store":
+                model.replay_buffer.close()
+    for name, ts in times.items():
+        out[f"{name} seconds"] = statistics.median(ts)
+    out["ratio her_store / sb3 (time)"] = out["her_store seconds"] / out["sb3 seconds"]
+    out["target"] = "ratio <= 1.1"
+    return out
+
+
+def _zarr_buffer(path: str, capacity: int):
+    """ZarrHerReplayBuffer over the store at ``path`` (created or resumed), relabelling through a VecEnv as SB3's."""
+    from stable_baselines3.common.vec_env import DummyVecEnv
+
+    from her_store.integrations.sb3 import ZarrHerReplayBuffer
+
+    return ZarrHerReplayBuffer(capacity, OBS, ACT, env=DummyVecEnv([FetchLikeEnv]), device="cpu", n_envs=1, path=path)
+
+
+def bench_sb3_add(workdir: str, quick: bool) -> dict[str, Any]:
+    """ZarrHerReplayBuffer.add vs SB3 HerReplayBuffer.add, both called as SB3's algorithms call them; transitions/s."""
+    if (missing := _sb3_missing()) is not None:
+        return missing
+    n = 20_000 if quick else 200_000
+    block = 2_000
+    steps = step_stream(n)
+    sb3_steps = [(o, no, a, r, te | tr, [{"TimeLimit.truncated": bool(tr[0])}]) for o, no, a, r, te, tr in steps]
+    rb = sb3_buffer(n + 10)
+    ours = _zarr_buffer(os.path.join(workdir, "sb3_add"), n + 10)
+    spent = {"her_store": 0.0, "sb3": 0.0}
+    for lo in range(0, n, block):  # alternating blocks: a drift in the machine's speed slows both alike
+        for name, buf in (("her_store", ours), ("sb3", rb)):
+            t = time.perf_counter()
+            for st in sb3_steps[lo : lo + block]:
+                buf.add(*st)
+            spent[name] += time.perf_counter() - t
+    ours.close()
+    shutil.rmtree(os.path.join(workdir, "sb3_add"))
+    out = {k: n / v for k, v in spent.items()}
+    out["ratio"] = out["her_store"] / out["sb3"]
+    out["target"] = ">= 1x SB3"
+    return out
+
+
+_SB3_PAIR: dict[int, tuple[Any, Any]] = {}
+
+
+def _sb3_pair(workdir: str, n: int) -> tuple[Any, Any]:
+    """(ZarrHerReplayBuffer, SB3 HerReplayBuffer), each holding n FetchReach-shaped transitions (built once per run)."""
+    if n not in _SB3_PAIR:
+        _SB3_PAIR[n] = (_zarr_buffer(filled_store(workdir, n, capacity=n), n), sb3_filled(n))
+    return _SB3_PAIR[n]
+
+
+def bench_sb3_sample(workdir: str, quick: bool) -> dict[str, Any]:
+    """ZarrHerReplayBuffer.sample(256) vs SB3 HerReplayBuffer.sample(256), warm, as SB3's train() calls it."""
+    if (missing := _sb3_missing()) is not None:
+        return missing
+    n = 100_000 if quick else 1_000_000
+    ours, rb = _sb3_pair(workdir, n)
+    ours.sample(256)  # opens the sampler and maps the chunk files
+    rounds: dict[str, list[float]] = {"her_store": [], "sb3": []}
+    for _ in range(5 if quick else 9):
+        rounds["her_store"].append(_time_batches(lambda: ours.sample(256), 20))
+        rounds["sb3"].append(_time_batches(lambda: rb.sample(256), 20))
+    out: dict[str, Any] = {"stored transitions": n}
+    out.update({f"{k} transitions/s": 256 / statistics.median(v) for k, v in rounds.items()})
+    out["ratio"] = out["her_store transitions/s"] / out["sb3 transitions/s"]
+    out["target"] = ">= 2x SB3"
+    return out
+
+
+def bench_sb3_save(workdir: str, quick: bool) -> dict[str, Any]:
+    """save_replay_buffer (SB3's save_to_pkl) and load_from_pkl of a full buffer: seconds and bytes, vs SB3's pickle."""
+    if (missing := _sb3_missing()) is not None:
+        return missing
+    from stable_baselines3.common.save_util import load_from_pkl, save_to_pkl
+
+    n = 100_000 if quick else 1_000_000
+    ours, rb = _sb3_pair(workdir, n)
+    out: dict[str, Any] = {"stored transitions": n}
+    for name, buf in (("her_store", ours), ("sb3", rb)):
+        path = os.path.join(workdir, f"{name}_buffer.pkl")
+        t = time.perf_counter()
+        save_to_pkl(path, buf)
+        out[f"{name} save seconds"] = time.perf_counter() - t
+        out[f"{name} pickle bytes"] = os.path.getsize(path)
+        if name == "her_store":
+            buf.close()  # the loaded handle reopens the store and needs its writer lock
+        t = time.perf_counter()
+        loaded = load_from_pkl(path)
+        if name == "her_store":
+            loaded.set_env(buf.env)
+            loaded.truncate_last_trajectory()  # as load_replay_buffer: opens the store
+            loaded.close()
+        out[f"{name} load seconds"] = time.perf_counter() - t
+        os.remove(path)
+    _SB3_PAIR.pop(n)
+    out["her_store store bytes on disk"] = _disk_usage(filled_store(workdir, n, capacity=n))
+    return out
+
+
 BENCHES: dict[str, Callable[[str, bool], dict[str, Any]]] = {
     "add": bench_add,
     "append": bench_append,
@@ -486,6 +629,10 @@ BENCHES: dict[str, Callable[[str, bool], dict[str, Any]]] = {
     "sample_cold": bench_sample_cold,
     "memory": bench_memory,
     "images": bench_images,
+    "sb3_train": bench_sb3_train,
+    "sb3_add": bench_sb3_add,
+    "sb3_sample": bench_sb3_sample,
+    "sb3_save": bench_sb3_save,
 }
 
 
