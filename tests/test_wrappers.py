@@ -275,7 +275,7 @@ def test_every_episode_of_each_env_of_sync_and_async_vector_envs_is_recorded(tmp
         envs.reset(seed=5)
         for t in range(24):
             envs.step(rng.uniform(-1, 1, (3, 2)).astype(np.float32))
-            if t == 16:  # a reset of every env ends the running episodes as truncated
+            if t == 13:  # env 1 has just ended; a reset of every env ends the running episodes as truncated
                 envs.reset(seed=9)
         envs.close()
         assert len(envs.episode_ids) == sum(len(logged_episodes(log)) for log in logs)
