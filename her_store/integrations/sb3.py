@@ -260,7 +260,8 @@ class ZarrHerReplayBuffer(_her.HerReplayBuffer):
         self.prefetch = int(prefetch)
         self.io_threads = int(io_threads)
         self.info_keys = info_keys
-        self._added = 0
+        self._added = 0  # add() calls over the store's life: SB3's row counter before it wraps
+        self._reset_at = 0  # the value of _added at the last reset()
         self._res = _Resources()
         self._finalizer = weakref.finalize(self, self._res.close)
         self._writer: Any = None
@@ -297,8 +298,8 @@ class ZarrHerReplayBuffer(_her.HerReplayBuffer):
         self._writer = store.writer(self.n_envs)
         if self.copy_info_dict:
             self.info_keys = store.info_keys
-        if self._added == 0:  # a resumed store: SB3's row counter as if its transitions had been added here
-            self._added = -(-len(store) // self.n_envs)
+        if self._added == 0:  # a resumed store: SB3's row counter as if its episodes had been added here
+            self._added = _column_steps(store, self.n_envs)
         if self._restore is not None:
             pending, end_episode = self._restore
             self._restore = None
@@ -461,13 +462,13 @@ class ZarrHerReplayBuffer(_her.HerReplayBuffer):
     @property
     def pos(self) -> int:  # type: ignore[override]
         """SB3's insert row: add() calls since the start (or :meth:`reset`) modulo ``buffer_size``; a resumed
-        store counts as ``ceil(transitions / n_envs)`` calls."""
-        return self._added % self.buffer_size
+        store counts as many calls as its longest env column of live episodes."""
+        return (self._added - self._reset_at) % self.buffer_size
 
     @property
     def full(self) -> bool:  # type: ignore[override]
         """SB3's flag: at least ``buffer_size`` add() calls since the start (or :meth:`reset`)."""
-        return self._added >= self.buffer_size
+        return self._added - self._reset_at >= self.buffer_size
 
     def size(self) -> int:
         """SB3's size: ``buffer_size`` when full, else ``pos`` (rows of ``n_envs`` transitions).
@@ -488,7 +489,7 @@ class ZarrHerReplayBuffer(_her.HerReplayBuffer):
         >>> rb.reset(); rb.size()  # doctest: +SKIP
         0
         """
-        self._added = 0
+        self._reset_at = self._added
         self._layout = None
 
     def set_env(self, env: Any) -> None:
@@ -533,7 +534,7 @@ class ZarrHerReplayBuffer(_her.HerReplayBuffer):
             pending = [self._writer.pending(e) for e in range(self.n_envs)]
             self._layout = sb3_arrays(
                 store, self.buffer_size, self.n_envs, pending,
-                handle_timeout_termination=self.handle_timeout_termination,
+                handle_timeout_termination=self.handle_timeout_termination, steps=self._added,
             )
         return self._layout
 
@@ -580,6 +581,7 @@ class ZarrHerReplayBuffer(_her.HerReplayBuffer):
             "restore": restore,
             "exists": store is not None or self._must_exist,
             "added": self._added,
+            "reset_at": self._reset_at,
             "seed": self._seed,
             "sampler": sampler.state_dict() if sampler is not None else self._sampler_state,
         }
@@ -609,6 +611,7 @@ class ZarrHerReplayBuffer(_her.HerReplayBuffer):
         self._restore = state["restore"]
         self._must_exist = state["exists"]
         self._added = state["added"]
+        self._reset_at = state["reset_at"]
         self._sampler_state = state["sampler"]
 
     def __deepcopy__(self, memo: dict[int, Any]) -> ZarrHerReplayBuffer:
@@ -683,6 +686,16 @@ def _strategy(strategy: Any) -> GoalStrategy:
     if isinstance(strategy, _her.GoalSelectionStrategy):
         return GoalSelectionStrategy(strategy.name.lower())
     return parse_strategy(strategy)
+
+
+def _column_steps(store: EpisodeStore, n_envs: int) -> int:
+    """The add() calls a resumed store stands for: the most transitions one env's live episodes hold (an episode
+    of no env in ``range(n_envs)``, e.g. one appended whole, counts as its share of ``n_envs`` columns)."""
+    table = store.episodes
+    env, lengths = table["env_index"], table["length"].astype(np.int64)
+    ours = (env >= 0) & (env < n_envs)
+    columns = np.bincount(env[ours], lengths[ours], minlength=n_envs)
+    return int(columns.max()) + -(-int(lengths[~ours].sum()) // n_envs)
 
 
 def _numeric_info_keys(infos: Sequence[Mapping[str, Any]]) -> list[str]:
