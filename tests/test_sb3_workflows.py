@@ -137,7 +137,7 @@ def _key(obs, action, next_obs) -> bytes:
         "random",
         GoalSelectionStrategy.RANDOM,
     ],
-    ids=lambda s: f"{type(s).__name__}-{getattr(s, 'name', s)}",
+    ids=lambda s: f"{type(s).__module__.split('.')[0]}-{getattr(s, 'name', s)}",
 )
 def test_every_goal_strategy(tmp_path, strategy):
     """Relabelled goals follow the strategy's rule (SB3's formulas; random: any goal of the buffer)."""
@@ -216,6 +216,13 @@ def test_save_load_learn_goes_on_appending_to_the_store(tmp_path):
     for column in ("episode_id", "length", "crc32", "env_index"):
         np.testing.assert_array_equal(after[column][: len(before[column])], before[column], err_msg=column)
     assert model.num_timesteps == 120
+    buffer = model.replay_buffer  # SB3's attributes of the resumed buffer: every stored step, at the rows SB3 uses
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        buffer.truncate_last_trajectory()
+    n = buffer.store.num_transitions
+    assert (buffer.pos, buffer.full) == (n % buffer.buffer_size, n >= buffer.buffer_size)
+    assert (buffer.ep_length > 0).sum() == n and buffer._current_ep_start[0] == buffer.pos
 
 
 def test_save_and_load_replay_buffer_into_a_new_model(tmp_path):
