@@ -153,6 +153,17 @@ def test_resume_keeps_episodes_and_ends_unfinished_ones(tmp_path):
         assert table["truncated"].all()  # the unfinished ones were closed as truncated
         assert again.sample().rewards.shape == (8, 1)  # reward_fn from the stored env_id
         assert "run" in repr(again)
+    again.close()
+    with pytest.raises(StoreError, match="is closed"):
+        again.sample()
+    with pytest.raises(StoreError, match="is closed"):
+        collect(again, 1)
+    lost = HerReplayStorage(OBS, ACT, num_envs=2, path=path, storage_size=500)
+    collect(lost, 2)
+    del lost  # garbage collection ends the unfinished episodes as close() does
+    gc.collect()
+    with EpisodeStore.open(path) as store:
+        assert store.episodes["length"].tolist()[-2:] == [2, 2]
 
 
 def test_temporary_store_removed_at_close_and_by_gc():

@@ -17,6 +17,7 @@ import numpy as np
 import torch
 from gymnasium import spaces
 
+from her_store.errors import StoreError
 from her_store.relabel import GoalStrategy, parse_strategy
 from her_store.sampler import HerSampler, RewardFn
 from her_store.store import EpisodeStore, open_store
@@ -57,14 +58,19 @@ def _as_flags(x: Any, name: str) -> np.ndarray:
     return a != 0
 
 
-def _remove_store(sampler: HerSampler, store: EpisodeStore, tmpdir: str | None) -> None:
-    """Release the sampler and the store (committing what is staged); remove a temporary store's directory."""
+def _release(writer: StepWriter, sampler: HerSampler, store: EpisodeStore, tmpdir: str | None) -> None:
+    """End a persistent store's unfinished episodes as truncated, release the sampler and the store (committing
+    what is staged); remove a temporary store's directory. Run by close() or at garbage collection."""
     try:
-        sampler.close()
-        store.close()
+        if tmpdir is None:
+            writer.flush_partial()
     finally:
-        if tmpdir is not None:
-            shutil.rmtree(tmpdir, ignore_errors=True)
+        try:
+            sampler.close()
+            store.close()
+        finally:
+            if tmpdir is not None:
+                shutil.rmtree(tmpdir, ignore_errors=True)
 
 
 class HerReplayStorage:
@@ -209,7 +215,7 @@ class HerReplayStorage:
             raise
         self.path = self.store.url
         self._temporary = tmpdir is not None
-        self._finalizer = weakref.finalize(self, _remove_store, self.sampler, self.store, tmpdir)
+        self._finalizer = weakref.finalize(self, _release, self.writer, self.sampler, self.store, tmpdir)
 
     def add(
         self,
@@ -244,6 +250,7 @@ class HerReplayStorage:
             if isinstance(next_observations, Mapping)
             else next_observations
         )
+        self._require_open()
         if isinstance(infos, Mapping):
             infos = {k: _as_numpy(v) if isinstance(v, torch.Tensor) else v for k, v in infos.items()}
         self.writer.add(
@@ -267,6 +274,7 @@ class HerReplayStorage:
         >>> batch = storage.sample(step)  # doctest: +SKIP
         >>> q = critic(batch.observations, batch.actions)  # doctest: +SKIP
         """
+        self._require_open()
         b = self.sampler.sample()
         return HerReplayBatch(
             observations={k: v.float() for k, v in b.observations.items()},
@@ -283,19 +291,17 @@ class HerReplayStorage:
     def close(self) -> None:
         """Store the unfinished episodes as truncated (a persistent store), commit, release the store.
 
-        A temporary store's directory is removed. Idempotent.
+        A temporary store's directory is removed. Idempotent; garbage collection does the same.
 
         Examples
         --------
         >>> storage.close()  # doctest: +SKIP
         """
+        self._finalizer()
+
+    def _require_open(self) -> None:
         if not self._finalizer.alive:
-            return
-        try:
-            if not self._temporary:
-                self.writer.flush_partial()
-        finally:
-            self._finalizer()
+            raise StoreError(f"this HerReplayStorage ({self.path}) is closed")
 
     def __enter__(self) -> Self:
         return self
