@@ -194,13 +194,13 @@ def test_bad_transitions_are_refused_and_change_nothing(tmp_path):
 @pytest.mark.parametrize(
     ("kwargs", "error", "match"),
     [
-        ({"state_dim": 0}, ValueError, "state_dim must be a positive int"),
-        ({"batch_size": 1.5}, ValueError, "batch_size must be a positive int"),
+        ({"state_dim": 0}, ValueError, "state_dim must be an int >= 1"),
+        ({"batch_size": 1.5}, ValueError, "batch_size must be an int >= 1"),
         ({"goal_dim": 5}, ValueError, "goal_dim=5 exceeds state_dim=4"),
-        ({"goal_dim": 0}, ValueError, "goal_dim must be a positive int"),
+        ({"goal_dim": 0}, ValueError, "goal_dim must be an int >= 1"),
         ({"goal_sampling_strategy": "future"}, TypeError, "goal_sampling_strategy must be a callable"),
         ({"reward_fn": 1}, TypeError, "reward_fn must be callable"),
-        ({"buffer_size": 0}, ValueError, "buffer_size must be a positive int"),
+        ({"buffer_size": 0}, ValueError, "buffer_size must be an int >= 1"),
         ({"n_sampled_goal": -1}, ValueError, "n_sampled_goal must be an int >= 0"),
         ({"tolerance": float("nan")}, ValueError, "tolerance must be a number >= 0"),
     ],

@@ -48,6 +48,11 @@ def _as_numpy(x: Any) -> np.ndarray:
     return np.asarray(x)
 
 
+def _check_int(name: str, value: Any, low: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low:
+        raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
+
+
 def _as_flags(x: Any, name: str) -> np.ndarray:
     """Termination flags as bool: rllte's envs hand them over as float tensors of 0.0 and 1.0."""
     a = _as_numpy(x)
@@ -149,7 +154,7 @@ class HerReplayStorage:
         observation_space: spaces.Dict,
         action_space: spaces.Space,
         device: str | torch.device = "cpu",
-        storage_size: int = 1_000_000,
+        storage_size: int | None = 1_000_000,
         num_envs: int = 1,
         batch_size: int = 1024,
         goal_selection_strategy: GoalStrategy = "future",
@@ -166,13 +171,11 @@ class HerReplayStorage:
     ) -> None:
         # checked before anything is created on disk
         parse_strategy(goal_selection_strategy)
-        for name, value in (("storage_size", storage_size), ("num_envs", num_envs), ("batch_size", batch_size)):
-            if (value is not None or name != "storage_size") and (
-                isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1
-            ):
-                raise ValueError(f"{name} must be a positive int, got {value!r}")
-        if isinstance(num_goals, bool) or not isinstance(num_goals, (int, np.integer)) or num_goals < 0:
-            raise ValueError(f"num_goals must be an int >= 0, got {num_goals!r}")
+        if storage_size is not None:
+            _check_int("storage_size", storage_size, 1)
+        _check_int("num_envs", num_envs, 1)
+        _check_int("batch_size", batch_size, 1)
+        _check_int("num_goals", num_goals, 0)
         if reward_fn is not None and not callable(reward_fn):
             raise TypeError(f"reward_fn must be callable(achieved_goal, desired_goal, infos), got {reward_fn!r}")
         self.device = torch.device(device)

@@ -18,7 +18,7 @@ import torch
 from gymnasium import spaces
 
 from her_store.errors import NotAStoreError, SchemaMismatchError
-from her_store.integrations.rllte import HerReplayStorage, _as_flags, _as_numpy
+from her_store.integrations.rllte import HerReplayStorage, _as_flags, _as_numpy, _check_int
 from her_store.relabel import GoalSelectionStrategy, select_goal_steps
 from her_store.sampler import RewardFn
 from her_store.store import EpisodeStore
@@ -150,10 +150,8 @@ class HindsightExperienceReplay:
     ) -> None:
         sizes = {"state_dim": state_dim, "action_dim": action_dim, "buffer_size": buffer_size, "batch_size": batch_size}
         for name, value in sizes.items():
-            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
-                raise ValueError(f"{name} must be a positive int, got {value!r}")
-        if isinstance(n_sampled_goal, bool) or not isinstance(n_sampled_goal, (int, np.integer)) or n_sampled_goal < 0:
-            raise ValueError(f"n_sampled_goal must be an int >= 0, got {n_sampled_goal!r}")
+            _check_int(name, value, 1)
+        _check_int("n_sampled_goal", n_sampled_goal, 0)
         if not isinstance(tolerance, (int, float, np.number)) or not tolerance >= 0:
             raise ValueError(f"tolerance must be a number >= 0, got {tolerance!r}")
         if goal_sampling_strategy is not None and not callable(goal_sampling_strategy):
@@ -188,8 +186,7 @@ class HindsightExperienceReplay:
         return None if self.storage is None else self.storage.store.observation_space["desired_goal"].shape[0]
 
     def _open(self, goal_dim: Any) -> None:
-        if isinstance(goal_dim, bool) or not isinstance(goal_dim, (int, np.integer)) or not 1 <= goal_dim:
-            raise ValueError(f"goal_dim must be a positive int, got {goal_dim!r}")
+        _check_int("goal_dim", goal_dim, 1)
         if goal_dim > self.state_dim:
             raise ValueError(
                 f"goal_dim={goal_dim} exceeds state_dim={self.state_dim}: the achieved goal of a state is its first "
