@@ -11,7 +11,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from stable_baselines3.common.envs import BitFlippingEnv
 
-from her_store import EpisodeStore, EpisodeValidationError, ReadOnlyStoreError, SchemaMismatchError, open_store
+from her_store import (
+    EpisodeStore,
+    EpisodeValidationError,
+    ReadOnlyStoreError,
+    SchemaMismatchError,
+    StoreError,
+    open_store,
+)
 from her_store.envs import ENV_ID, PointGoalEnv
 from her_store.integrations.wrappers import GoalEnvFlattener, RecordEpisodes, RecordVectorEpisodes
 from tests.conftest import GOAL_KEYS, assert_episode_equal, random_rows
@@ -486,3 +493,19 @@ def test_episodes_longer_than_the_capacity_raise_and_are_dropped_whether_ended_b
     want = logged_episodes(log, ())
     assert [len(w["action"]) for w in want] == [5, 2, 4, 3] and env.episode_ids == [0, 1]
     assert_same_episodes(stored(tmp_path / "run"), want[3:])  # the ring of 3 transitions evicted the 2-step one
+
+
+def test_a_store_given_open_is_left_to_its_owner(tmp_path):
+    point = PointGoalEnv(max_episode_steps=2)
+    zero = np.zeros(2, np.float32)
+    with open_store(tmp_path / "run", point.observation_space, point.action_space) as store:
+        done = RecordEpisodes(point, store)
+        done.reset(seed=0)
+        done.step(zero), done.step(zero)
+        running = RecordEpisodes(PointGoalEnv(), store)
+        running.reset(seed=1)
+        running.step(zero)
+    assert len(stored(tmp_path / "run")) == 1
+    done.close()  # its episode ended: nothing left to write to the closed store
+    with pytest.raises(StoreError, match="episode of 1 steps dropped .*is closed"):
+        running.close()

@@ -296,7 +296,10 @@ class _Recorder:
             self.last_obs = {k: np.array(v) for k, v in obs.items()}
 
     def close(self) -> None:
-        """End the unfinished episodes as truncated; commit; close the store if the recorder opened it."""
+        """End the unfinished episodes as truncated; close (and so commit) the store if the recorder opened it.
+
+        A store given open is its owner's to commit and close.
+        """
         if self.closed:
             return
         self.closed = True
@@ -306,8 +309,6 @@ class _Recorder:
         finally:
             if self.owned:
                 self.store.close()
-            else:
-                self.store.flush()
 
 
 def _env_id(env: gym.Env | VectorEnv) -> str | None:
