@@ -39,7 +39,7 @@ def goal_reached_reward(achieved_goal: Any, desired_goal: Any, info: Any = None,
     array([ 0., -1.], dtype=float32)
     """
     d = np.linalg.norm(np.asarray(achieved_goal) - np.asarray(desired_goal), axis=-1)
-    return -(d > tolerance).astype(np.float32)
+    return (d <= tolerance).astype(np.float32) - 1
 
 
 def _vector(x: Any, size: int, name: str, expected: str) -> np.ndarray:
