@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import gc
+
 import gymnasium as gym
 import numpy as np
 import pytest
@@ -509,3 +511,17 @@ def test_a_store_given_open_is_left_to_its_owner(tmp_path):
     done.close()  # its episode ended: nothing left to write to the closed store
     with pytest.raises(StoreError, match="episode of 1 steps dropped .*is closed"):
         running.close()
+
+
+def test_a_recorder_never_closed_ends_its_episode_and_closes_its_store_when_collected(tmp_path):
+    log: list = []
+    env = RecordEpisodes(Log(PointGoalEnv(), log), tmp_path / "run", commit_interval=60)
+    env.reset(seed=0)
+    for _ in range(3):
+        env.step(np.zeros(2, np.float32))
+    del env
+    gc.collect()
+    point = PointGoalEnv()
+    with open_store(tmp_path / "run", point.observation_space, point.action_space):  # the lock was released
+        pass
+    assert_same_episodes(stored(tmp_path / "run"), logged_episodes(log, ()))

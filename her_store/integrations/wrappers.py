@@ -9,6 +9,7 @@ rollouts into a her_store dataset through the store's :class:`~her_store.writer.
 from __future__ import annotations
 
 import os
+import weakref
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -243,7 +244,6 @@ class _Recorder:
         self.episode_ids: list[int] = []
         self.last_obs: dict[str, np.ndarray] | None = None
         self.lost = np.zeros(n_envs, bool)  # envs whose current episode lost a refused step
-        self.closed = False
 
     def reset(self, obs: Mapping[str, Any], envs: np.ndarray | None) -> None:
         """After ``envs`` (a mask; None: all) were reset: end their unfinished episodes as truncated, keep ``obs``."""
@@ -300,9 +300,6 @@ class _Recorder:
 
         A store given open is its owner's to commit and close.
         """
-        if self.closed:
-            return
-        self.closed = True
         try:
             if self.last_obs is not None:
                 self.episode_ids += self.writer.flush_partial()
@@ -323,7 +320,8 @@ class RecordEpisodes(gym.Wrapper):
     reports ``terminated`` or ``truncated`` (its final observation is the one that step returned), with the info
     keys the store declares. An episode still running when the env is reset or closed is ended as truncated at its
     last step: every step the env produced is kept, and a truncated end lets HER bootstrap from it as from a time
-    limit. Wrap the goal env itself (Dict observations), inside any flattening wrapper.
+    limit. Wrap the goal env itself (Dict observations), inside any flattening wrapper. A wrapper that is never
+    closed does the same when it is garbage collected or the interpreter exits.
 
     A step the store refuses (a value its space cannot hold) raises; the episode it belonged to is not recorded
     (never spliced around the gap), and recording resumes with the env's next episode. An episode the store cannot
@@ -373,6 +371,7 @@ class RecordEpisodes(gym.Wrapper):
         super().__init__(env)
         store, owned = _open(store, env.observation_space, env.action_space, _env_id(env), store_options)
         self._recorder = _Recorder(store, owned, 1)
+        self._close = weakref.finalize(self, self._recorder.close)  # once: by close, garbage collection or exit
         self.store = store
 
     @property
@@ -401,8 +400,9 @@ class RecordEpisodes(gym.Wrapper):
         return obs, reward, terminated, truncated, info
 
     def close(self) -> None:
+        """End the unfinished episode as truncated, close the store if the wrapper opened it, close the env."""
         try:
-            self._recorder.close()
+            self._close()
         finally:
             super().close()
 
@@ -457,6 +457,7 @@ class RecordVectorEpisodes(VectorWrapper):
             store, env.single_observation_space, env.single_action_space, _env_id(env), store_options
         )
         self._recorder = _Recorder(store, owned, env.num_envs)
+        self._close = weakref.finalize(self, self._recorder.close)
         self._autoreset = np.zeros(env.num_envs, bool)  # next-step mode: envs whose next step is their reset
         self.store = store
 
@@ -505,7 +506,8 @@ class RecordVectorEpisodes(VectorWrapper):
         return next_obs, step_infos
 
     def close(self, **kwargs: Any) -> None:
+        """End the unfinished episodes as truncated, close the store if the wrapper opened it, close the envs."""
         try:
-            self._recorder.close()
+            self._close()
         finally:
             super().close(**kwargs)
