@@ -246,6 +246,8 @@ class HindsightExperienceReplay:
 
         float32 tensors on the device: states and next states ``(B, state_dim)``, actions ``(B, action_dim)``,
         rewards and dones ``(B, 1)``, goals ``(B, goal_dim)``. None until ``batch_size`` transitions are stored.
+        ``dones`` are the stored ``done`` flags, also for relabelled goals (as SB3: reaching a relabelled goal does
+        not end the episode). Each call copies the unfinished episode's steps once (``writer.pending``).
 
         Raises
         ------
