@@ -540,3 +540,23 @@ def test_a_compute_terminated_answering_once_is_broadcast_and_a_wrong_size_refus
     with pytest.raises(RuntimeError, match="Unable to sample before the end of the first episode"):
         fresh.sample(4)
     assert fresh.store is None and not os.path.exists(tmp_path / "fresh")
+
+
+def test_every_finished_episode_is_sampled_and_a_seeded_buffer_draws_the_same_batches(tmp_path):
+    venv = _venv(1, T=5)
+    batches = []
+    for run in range(2):
+        np.random.seed(7)  # what SB3's set_random_seed does
+        rb = _buffer(venv, path=tmp_path / f"rb{run}", n_sampled_goal=0)
+        rb.store.commit_interval = 1e6  # no commit by time
+        _collect([rb], venv, 10)
+        first = rb.sample(50)
+        _collect([rb], venv, 5, seed=1)  # a third episode ends
+        later = rb.sample(200)
+        seen = {rb.store.episode(2)["observation"][t].tobytes() for t in range(5)}  # (reading commits too)
+        assert any(row.numpy().tobytes() in seen for row in later.observations["observation"])
+        batches.append((first, later))
+    for a, b in zip(*batches):
+        for k in a.observations:
+            np.testing.assert_array_equal(a.observations[k], b.observations[k])
+        np.testing.assert_array_equal(a.actions, b.actions)

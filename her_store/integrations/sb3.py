@@ -157,7 +157,9 @@ class ZarrHerReplayBuffer(_her.HerReplayBuffer):
     data; loading it reopens the store, needing no env. ``copy.deepcopy`` copies a local store into a fresh
     temporary directory (an independent buffer, removed at close); a store on object storage is not copied.
     ``reset()`` restarts ``pos``/``size()`` as SB3's does and keeps the stored episodes (SB3's HER buffer
-    still samples them too).
+    still samples them too). Episodes are committed by the store's group commit and before a ``sample`` that
+    follows an episode end (one commit, about a millisecond): as with SB3's buffer, a batch may hold every
+    finished episode, and a seeded run draws the same batches.
 
     Examples
     --------
@@ -269,6 +271,7 @@ class ZarrHerReplayBuffer(_her.HerReplayBuffer):
         # from a loaded handle, applied when the store opens: (unfinished episodes, store's end_episode at save)
         self._restore: tuple[list[dict[str, np.ndarray]], int] | None = None
         self._sampler_state: dict[str, Any] | None = None
+        self._ended = False  # an episode was appended since the last sample
         self._must_exist = False  # a loaded handle of a store that existed: never create an empty one in its place
 
     # -- the store -----------------------------------------------------------------------------------------
@@ -386,7 +389,8 @@ class ZarrHerReplayBuffer(_her.HerReplayBuffer):
         else:
             truncated = done & np.array([bool(info.get(_TIMEOUT_KEY, False)) for info in infos])
             terminated = done & ~truncated
-        writer.add(obs, next_obs, action, reward, terminated, truncated, infos if self.info_keys else None)
+        if writer.add(obs, next_obs, action, reward, terminated, truncated, infos if self.info_keys else None):
+            self._ended = True
         self._added += 1
         self._layout = None
 
@@ -403,6 +407,9 @@ class ZarrHerReplayBuffer(_her.HerReplayBuffer):
         (torch.Size([256, 3]), torch.Size([256, 1]))
         """
         sampler = self._sampler(batch_size)
+        if self._ended:  # as SB3, a batch may hold every finished episode: commit them (and the run is reproducible)
+            self._ended = False
+            self._require_store().flush()
         try:
             batch = sampler.sample(batch_size)
         except StoreError as e:
@@ -525,6 +532,7 @@ class ZarrHerReplayBuffer(_her.HerReplayBuffer):
             )
             self._writer.flush_partial()
             self._layout = None
+            self._ended = True
 
     # -- SB3's arrays, for inspection ---------------------------------------------------------------------
     def _arrays(self) -> SB3Arrays:
