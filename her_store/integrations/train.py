@@ -504,7 +504,11 @@ def train(cfg: TrainConfig, log: Callable[[str], None] = print) -> TrainResult:
             log(f"note: {' '.join(str(w.message).split())}")
         resumed_from = model.num_timesteps
         model.set_random_seed(cfg.seed + model.num_timesteps)
-        log(f"resuming from step {model.num_timesteps:,}, {0 if before is None else before[0]:,} episodes in the store")
+        episodes = 0 if before is None else before[0]
+        log(f"resuming from step {model.num_timesteps:,}, {episodes:,} episodes in the store")
+        if episodes == 0:  # the store was removed or replaced: collect learning_starts steps again before training
+            model.learning_starts += model.num_timesteps
+            log(f"the store is empty: training starts again after {model.learning_starts:,} steps")
     else:
         if before is not None and before[0]:
             log(f"starting at step 0 (no checkpoint yet); the store already holds {before[0]:,} episodes, kept")
