@@ -373,6 +373,12 @@ def test_deepcopy_is_an_independent_buffer_in_a_new_temporary_store(tmp_path):
     where = os.path.dirname(twin.url)
     twin.close()
     assert not os.path.exists(where) and len(rb.store) == 10
+    as_url = _buffer(venv, path=f"file://{tmp_path}/url")
+    _collect([as_url], venv, 5)
+    url_twin = copy.deepcopy(as_url)
+    url_twin.set_env(venv)
+    assert len(url_twin._require_store()) == 5
+    url_twin.close()
     remote = _buffer(venv, path="memory://sb3-deepcopy-test")
     with pytest.raises(StoreError, match="on object storage"):
         copy.deepcopy(remote)

@@ -634,14 +634,15 @@ class ZarrHerReplayBuffer(_her.HerReplayBuffer):
         state = copy.deepcopy(self._state(), memo)
         tmpdir = tempfile.mkdtemp(prefix="her_store_sb3_")
         url = os.path.join(tmpdir, "store")
-        if self._res.store is not None or os.path.isdir(self.url):
-            if "://" in self.url and not self.url.startswith("file://"):
-                shutil.rmtree(tmpdir)
-                raise StoreError(
-                    f"copy.deepcopy copies a buffer's store to a local temporary directory; {self.url} is on object "
-                    "storage: copy it with the storage's tools and open a buffer on the copy (path=...)"
-                )
-            shutil.copytree(self.url, url, ignore=shutil.ignore_patterns(_LOCK_FILE))
+        src = self.url.removeprefix("file://")
+        if "://" in src:
+            shutil.rmtree(tmpdir)
+            raise StoreError(
+                f"copy.deepcopy copies a buffer's store to a local temporary directory; {self.url} is on object "
+                "storage: copy it with the storage's tools and open a buffer on the copy (path=...)"
+            )
+        if os.path.isdir(src):
+            shutil.copytree(src, url, ignore=shutil.ignore_patterns(_LOCK_FILE))
         state["url"] = url
         new = type(self).__new__(type(self))
         new.__setstate__(state)
