@@ -388,13 +388,16 @@ def test_deepcopy_is_an_independent_buffer_in_a_new_temporary_store(tmp_path):
 # -- refused inputs, the store intact ----------------------------------------------------------------------
 def test_bad_spaces_and_options_are_refused(tmp_path):
     box = spaces.Box(-1, 1, (2,), np.float32)
-    with pytest.raises(TypeError, match="Dict observation space"):
-        ZarrHerReplayBuffer(10, box, box)
-    with pytest.raises(ValueError, match=r"no \['desired_goal'\] key"):
-        ZarrHerReplayBuffer(10, spaces.Dict({"observation": box, "achieved_goal": box}), box)
+    with pytest.raises(SchemaMismatchError, match="observation_space must be a gymnasium Dict"):
+        ZarrHerReplayBuffer(10, box, box, path=tmp_path / "never")
+    with pytest.raises(SchemaMismatchError, match=r"missing \['desired_goal'\]"):
+        ZarrHerReplayBuffer(10, spaces.Dict({"observation": box, "achieved_goal": box}), box, path=tmp_path / "never")
     mixed = spaces.Dict({"observation": box, "achieved_goal": box, "desired_goal": spaces.Box(-1, 1, (3,))})
-    with pytest.raises(ValueError, match="same shape and dtype"):
-        ZarrHerReplayBuffer(10, mixed, box)
+    with pytest.raises(SchemaMismatchError, match="same shape and dtype"):
+        ZarrHerReplayBuffer(10, mixed, box, copy_info_dict=True, path=tmp_path / "never")
+    with pytest.raises(SchemaMismatchError, match="action"):
+        ZarrHerReplayBuffer(10, spaces.Dict({k: box for k in ("observation", "achieved_goal", "desired_goal")}),
+                            spaces.Tuple([box]), copy_info_dict=True, path=tmp_path / "never")
     venv = _venv(1)
     for kw, match in [
         ({"optimize_memory_usage": True}, "optimize_memory_usage"),

@@ -25,6 +25,7 @@ from her_store.errors import NotAStoreError, StoreError
 from her_store.integrations import require
 from her_store.integrations.sb3_layout import SB3Arrays, sb3_arrays
 from her_store.relabel import GoalSelectionStrategy, GoalStrategy, parse_strategy
+from her_store.schema import Schema
 from her_store.store import EpisodeStore, open_store
 
 _her = require("stable_baselines3.her", "sb3")
@@ -34,7 +35,6 @@ _preprocessing = require("stable_baselines3.common.preprocessing", "sb3")
 
 __all__ = ["ZarrHerReplayBuffer"]
 
-_GOAL_KEYS = ("observation", "achieved_goal", "desired_goal")
 # info entries SB3 and gymnasium use for their own bookkeeping: never stored as info keys
 _TIMEOUT_KEY = "TimeLimit.truncated"  # SB3's truncation flag: stored as the step's truncated field, not as an info
 _HANDLE_VERSION = 1
@@ -191,7 +191,7 @@ class ZarrHerReplayBuffer(_her.HerReplayBuffer):
         io_threads: int = 0,
         info_keys: Sequence[str] | None = None,
     ) -> None:
-        _check_spaces(observation_space, action_space)
+        Schema(observation_space, action_space)  # spaces a store cannot hold are refused before anything is made
         if optimize_memory_usage:
             raise ValueError(
                 "ZarrHerReplayBuffer does not support optimize_memory_usage=True (SB3's HerReplayBuffer refuses it "
@@ -666,28 +666,6 @@ def _terminated_fn(call: Callable[[np.ndarray, np.ndarray, Any], np.ndarray]) ->
         return out.reshape(-1)
 
     return success
-
-
-def _check_spaces(observation_space: Any, action_space: Any) -> None:
-    """Refuse what no goal-conditioned store can hold before anything is created on disk."""
-    if not isinstance(observation_space, spaces.Dict):
-        raise TypeError(
-            "ZarrHerReplayBuffer needs a gymnasium.spaces.Dict observation space with keys "
-            f"{list(_GOAL_KEYS)} (a goal env), got {type(observation_space).__name__}"
-        )
-    missing = [k for k in _GOAL_KEYS if k not in observation_space.spaces]
-    if missing:
-        raise ValueError(
-            f"the observation space has no {missing} key(s); a HER buffer needs {list(_GOAL_KEYS)}, got "
-            f"{list(observation_space.spaces)}"
-        )
-    ag, dg = observation_space["achieved_goal"], observation_space["desired_goal"]
-    if ag.shape != dg.shape or ag.dtype != dg.dtype:
-        raise ValueError(
-            f"achieved_goal {ag} and desired_goal {dg} must have the same shape and dtype (goals replace each other)"
-        )
-    if not isinstance(action_space, spaces.Space):
-        raise TypeError(f"action_space must be a gymnasium space, got {type(action_space).__name__}")
 
 
 def _strategy(strategy: Any) -> GoalStrategy:
