@@ -146,6 +146,16 @@ class ZarrHerReplayBuffer(_her.HerReplayBuffer):
         ``add``'s infos (SB3's ``TimeLimit.truncated`` and ``terminal_observation`` excluded); the store is then
         created at the first ``add``.
 
+    Raises
+    ------
+    SchemaMismatchError
+        Spaces a store cannot hold (no Dict, a goal key missing, goals of different shapes), or a store at
+        ``path`` made with other spaces, capacity or info keys (it is left as it was).
+    StoreLockedError
+        Another buffer (in this or another live process) is writing the store at ``path``.
+    ValueError
+        ``optimize_memory_usage=True``, an unknown strategy, a non-positive ``buffer_size`` or ``n_envs``.
+
     Attributes
     ----------
     store : EpisodeStore or None
@@ -154,7 +164,10 @@ class ZarrHerReplayBuffer(_her.HerReplayBuffer):
     Notes
     -----
     ``save_replay_buffer``/pickle write a handle (store URL, spaces, configuration, unfinished episodes), not the
-    data; loading it reopens the store, needing no env. ``copy.deepcopy`` copies a local store into a fresh
+    data; loading it reopens the store at first use, needing no env (a removed store is an error, never replaced
+    by an empty one; unfinished episodes saved in the handle are dropped, with a warning, if the store committed
+    episodes after the save). The buffer of a model still alive in this process holds the store's writer lock:
+    ``model.replay_buffer.close()`` it before loading its handle into another model here. ``copy.deepcopy`` copies a local store into a fresh
     temporary directory (an independent buffer, removed at close); a store on object storage is not copied.
     ``reset()`` restarts ``pos``/``size()`` as SB3's does and keeps the stored episodes (SB3's HER buffer
     still samples them too). Episodes are committed by the store's group commit and before a ``sample`` that
