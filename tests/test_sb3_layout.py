@@ -173,6 +173,8 @@ def test_bad_input_is_refused_and_the_store_is_intact(tmp_path, fetch):
         sb3_arrays(other, 8, 3, pend[:2])
     with pytest.raises(ValueError, match="sequence of 3"):
         sb3_arrays(other, 8, 3, pend[0])
+    with pytest.raises(TypeError, match="store must be an EpisodeStore"):
+        sb3_arrays(str(tmp_path / "t"), 8, 3, pend)
     with pytest.raises(ValueError, match="buffer_size must be a positive int"):
         sb3_arrays(other, 0, 3, pend)
     with pytest.raises(ValueError, match="n_envs must be a positive int"):

@@ -10,14 +10,12 @@ that a store holds what SB3's own buffer would.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple
 
 import numpy as np
 
 from her_store.integrations import require
-
-if TYPE_CHECKING:
-    from her_store.store import EpisodeStore
+from her_store.store import EpisodeStore
 
 __all__ = ["SB3Arrays", "sb3_arrays"]
 
@@ -88,6 +86,8 @@ def sb3_arrays(
 
     Raises
     ------
+    TypeError
+        ``store`` is no EpisodeStore.
     ValueError
         A non-positive ``buffer_size`` or ``n_envs``, ``pending`` not one per env or not shaped as an episode, an
         episode of an env outside ``range(n_envs)``, or ``steps`` fewer than a column holds.
@@ -109,6 +109,10 @@ def sb3_arrays(
     >>> a.pos, a.ep_length.shape  # doctest: +SKIP
     (1, (1000, 2))
     """
+    if not isinstance(store, EpisodeStore):
+        raise TypeError(
+            f"store must be an EpisodeStore (her_store.open_store(path) opens one), got {type(store).__name__}"
+        )
     preprocessing = require("stable_baselines3.common.preprocessing", "sb3")
     bs, n_envs = _positive(buffer_size, "buffer_size"), _positive(n_envs, "n_envs")
     if isinstance(pending, Mapping) or len(pending) != n_envs:
