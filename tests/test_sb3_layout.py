@@ -14,7 +14,9 @@ from tests.conftest import fetch_spaces, make_episode, random_rows
 FIELDS = ("actions", "rewards", "dones", "timeouts", "ep_start", "ep_length")
 
 
-def _run(path, obs_space, act_space, n_envs, n_steps, buffer_size, seed, *, capacity=None, handle_timeout=True):
+def _run(
+    path, obs_space, act_space, n_envs, n_steps, buffer_size, seed, *, capacity=None, handle_timeout=True, p_done=0.15
+):
     """Step SB3's HerReplayBuffer and a store's StepWriter with the same random steps; return both."""
     rng = np.random.default_rng(seed)
     sb3 = HerReplayBuffer(
@@ -32,7 +34,7 @@ def _run(path, obs_space, act_space, n_envs, n_steps, buffer_size, seed, *, capa
         nxt = {k: random_rows(s, n_envs, rng) for k, s in obs_space.spaces.items()}
         action = random_rows(act_space, n_envs, rng)
         reward = rng.standard_normal(n_envs).astype(np.float32)
-        done = rng.random(n_envs) < 0.15
+        done = rng.random(n_envs) < p_done
         timeout = done & (rng.random(n_envs) < 0.5)
         infos = [{"TimeLimit.truncated": bool(t)} for t in timeout]
         sb3.add({k: v.copy() for k, v in obs.items()}, nxt, action.copy(), reward, done, infos)
@@ -73,6 +75,21 @@ def test_every_array_equals_sb3s_own(tmp_path, n_envs, n_steps, buffer_size):
     else:
         assert (got.ep_length > 0).any()
     store.close()
+
+
+def test_random_configurations(tmp_path):
+    """Ring sizes from 1 row, step counts around the wrap, episodes from 1 step to many rings long."""
+    obs_space, act_space = fetch_spaces(2, 1, 1)
+    rng = np.random.default_rng(2024)
+    for k in range(12):
+        n_envs, bs = int(rng.integers(1, 5)), int(rng.integers(1, 24))
+        n_steps = int(rng.choice([bs - 1, bs, bs + 1, rng.integers(1, 6 * bs + 2)])) or 1
+        p_done = float(rng.choice([0.02, 0.3, 0.9]))
+        sb3, store, writer = _run(
+            str(tmp_path / str(k)), obs_space, act_space, n_envs, n_steps, bs, seed=k, p_done=p_done
+        )
+        _assert_same(sb3_arrays(store, bs, n_envs, [writer.pending(e) for e in range(n_envs)]), sb3)
+        store.close()
 
 
 def test_discrete_actions_and_no_timeout_handling(tmp_path):
