@@ -153,6 +153,36 @@ def test_an_evicting_ring_keeps_every_sampleable_row(tmp_path):
     store.close()
 
 
+def test_episodes_appended_whole_fill_a_single_column_by_id(tmp_path, fetch):
+    """A store someone filled with whole episodes (no env recorded), then trained on with one env."""
+    obs_space, act_space = fetch
+    store = open_store(str(tmp_path / "s"), obs_space, act_space)
+    eps = [make_episode(obs_space, act_space, T, seed=T, terminated=T == 3) for T in (3, 4)]
+    for ep in eps:
+        store.append_episode(ep)
+    w = store.writer(1)
+    ep = make_episode(obs_space, act_space, 2, seed=9)
+    w.add(
+        {k: ep[k][:1] for k in obs_space.spaces},
+        {k: ep[k][1:2] for k in obs_space.spaces},
+        ep["action"][:1],
+        ep["reward"][:1],
+        np.zeros(1, bool),
+        np.zeros(1, bool),
+    )
+    got = sb3_arrays(store, 6, 1, [w.pending(0)])
+    # steps 0-2, 3-6 and the pending one (step 7) in a ring of 6: rows 0-1 hold steps 6-7, rows 2-5 steps 2-5
+    assert (got.pos, got.full) == (2, True)
+    np.testing.assert_array_equal(
+        got.actions[:, 0],
+        np.concatenate([eps[1]["action"][3:], ep["action"][:1], eps[0]["action"][2:], eps[1]["action"][:3]]),
+    )
+    assert got.ep_length[:, 0].tolist() == [4, 0, 0, 4, 4, 4]  # the first episode is partly overwritten
+    assert got.ep_start[:, 0].tolist() == [3, 1, 0, 3, 3, 3] and got.current_ep_start.tolist() == [1]
+    assert got.dones[:, 0].tolist() == [1, 0, 1, 0, 0, 0] and got.timeouts[:, 0].tolist() == [1, 0, 0, 0, 0, 0]
+    store.close()
+
+
 def test_empty_store_and_no_steps(tmp_path, fetch):
     store = open_store(str(tmp_path / "s"), *fetch)
     w = store.writer(2)
@@ -166,9 +196,8 @@ def test_bad_input_is_refused_and_the_store_is_intact(tmp_path, fetch):
     obs_space, act_space = fetch
     store = open_store(str(tmp_path / "s"), obs_space, act_space)
     store.append_episode(make_episode(obs_space, act_space, 5, seed=1))  # appended whole: env_index -1
-    w = store.writer(1)
-    with pytest.raises(ValueError, match=r"env_index -1.*expected 0\.\.0"):
-        sb3_arrays(store, 8, 1, [w.pending(0)])
+    with pytest.raises(ValueError, match=r"env_index -1.*expected 0\.\.1"):
+        sb3_arrays(store, 8, 2, [store.writer(2).pending(e) for e in range(2)])
     other = open_store(str(tmp_path / "t"), obs_space, act_space)
     w2 = other.writer(3)
     ep = make_episode(obs_space, act_space, 2, seed=2)

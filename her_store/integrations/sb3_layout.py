@@ -64,7 +64,8 @@ def sb3_arrays(
     Parameters
     ----------
     store : EpisodeStore
-        Every episode must have an ``env_index`` below ``n_envs`` (episodes appended whole have -1: ValueError).
+        Every episode must have an ``env_index`` below ``n_envs``. Episodes appended whole (``env_index`` -1: no
+        env recorded) fit only a single column: with ``n_envs`` 1 they take their place by id, else ValueError.
     buffer_size : int
         Rows per env: SB3's ``buffer_size`` attribute (its constructor argument divided by ``n_envs``).
     n_envs : int
@@ -121,6 +122,8 @@ def sb3_arrays(
     keys = list(obs_space.spaces)
     table = store.episodes
     env_index = table["env_index"]
+    if n_envs == 1:  # one column: episodes appended whole (env_index -1, no env recorded) take their place in it
+        env_index = np.where(env_index == -1, 0, env_index)
     outside = (env_index < 0) | (env_index >= n_envs)
     if outside.any():
         i = int(np.flatnonzero(outside)[0])
