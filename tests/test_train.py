@@ -10,8 +10,10 @@ import subprocess
 import sys
 import time
 
+import gymnasium as gym
 import numpy as np
 import pytest
+from gymnasium import spaces
 
 from her_store import EpisodeStore, StoreError
 from her_store.cli import main as cli_main
@@ -85,6 +87,36 @@ def test_bad_options_say_one_line_and_exit_nonzero(tmp_path, capsys, argv, messa
     assert err.count("\n") == 1 and err.startswith("her-store train: error: ") and message in err, err
     assert "Traceback" not in out + err
     assert not os.path.exists(tmp_path / "run" / "store")
+
+
+class _GoalKeysNoReward(gym.Env):
+    """Goal-shaped observations but no compute_reward: not a goal env HER can relabel."""
+
+    observation_space = spaces.Dict({k: spaces.Box(-1, 1, (2,), np.float32) for k in job.GOAL_KEYS})
+    action_space = spaces.Box(-1, 1, (2,), np.float32)
+
+
+gym.register("test_train/NoReward-v0", entry_point=_GoalKeysNoReward)
+gym.register("test_train/DiscreteBits-v0", entry_point="stable_baselines3.common.envs:BitFlippingEnv")
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--env", "test_train/NoReward-v0", "--algo", "sac"], "is not a goal env: it has no compute_reward"),
+        (["--env", "test_train/DiscreteBits-v0", "--algo", "td3"], "--algo td3 needs a Box action space"),
+        (["--algo", "sac", "--algo-kwargs", '{"learning_rat": 0.1}'], "learning_rat"),
+    ],
+)
+def test_envs_and_arguments_the_algorithm_cannot_use(tmp_path, capsys, argv, message):
+    code, out, err = run_main(capsys, "--out", str(tmp_path / "run"), "--quiet", *argv)
+    assert code == 2 and err.count("\n") == 1 and message in err and "Traceback" not in out + err, err
+
+
+def test_other_commands_refuse_unknown_options(capsys):
+    with pytest.raises(SystemExit) as e:
+        cli_main(["info", "somewhere", "--steps", "5"])
+    assert e.value.code == 2 and "unrecognized arguments: --steps 5" in capsys.readouterr().err
 
 
 def test_bad_json_and_other_runs_options_are_refused(tmp_path, capsys):
