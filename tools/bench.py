@@ -1,7 +1,7 @@
 """Speed figures of her_store beside stable-baselines3's HerReplayBuffer, measured in one run on the same data.
 
     python tools/bench.py            # full run
-    python tools/bench.py --quick    # about 30 s
+    python tools/bench.py --quick    # about a minute
     python tools/bench.py --only add append resume
     python tools/bench.py --only sb3_train sb3_add sb3_sample sb3_save   # the SB3 integration against SB3 itself
 
@@ -500,7 +500,7 @@ def bench_sb3_train(workdir: str, quick: bool) -> dict[str, Any]:
     from her_store.integrations.sb3 import ZarrHerReplayBuffer
     from her_store.integrations.train import evaluate
 
-    steps, chunk = (600, 200) if quick else (5_000, 500)
+    steps, chunk = (400, 200) if quick else (5_000, 500)
     torch.set_num_threads(1)  # both runs alike; a small MLP is fastest on one thread
     make_env = lambda: gym.make("her_store/PointGoal-v0")
     models = {
@@ -665,7 +665,7 @@ def report(results: dict[str, dict[str, Any]]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--quick", action="store_true", help="smaller sizes, about 30 s")
+    p.add_argument("--quick", action="store_true", help="smaller sizes, about a minute")
     p.add_argument("--only", nargs="+", choices=sorted(BENCHES), help="run only these figures")
     p.add_argument("--dir", help="where to put the stores (default: a temporary directory, removed after)")
     p.add_argument("--json", help="also write the results to this JSON file")
