@@ -20,7 +20,7 @@ from her_store.cli import main as cli_main
 from her_store.integrations import train as job
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-# DQN trains from the start (learning_starts 50) but on every 4th step: fast enough for the suite
+# DQN training from step 50 on every 4th step: a cheap run for the kill -9 test
 FAST = ["--algo-kwargs", '{"learning_starts": 50, "train_freq": 4}', "--quiet"]
 
 
@@ -31,8 +31,9 @@ def run_main(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, 
 
 
 def test_default_run_trains_stores_checkpoints_and_resumes(tmp_path, capsys):
+    # the default job (DQN+HER, BitFlippingEnv, its hyperparameters) on a short budget
     out_dir = str(tmp_path / "run")
-    code, out, err = run_main(capsys, "--out", out_dir, "--steps", "300", "--eval-episodes", "3", *FAST)
+    code, out, err = run_main(capsys, "--out", out_dir, "--steps", "300", "--eval-episodes", "3", "--quiet")
     assert code == 0, err
     assert "success rate (deterministic)" in out and "episodes stored" in out and "resident memory" in out
     with EpisodeStore.open(os.path.join(out_dir, "store")) as store:
@@ -51,7 +52,7 @@ def test_default_run_trains_stores_checkpoints_and_resumes(tmp_path, capsys):
     leftover = os.path.join(out_dir, "checkpoints", ".step-000000350.tmp-1")
     os.makedirs(leftover)
     # the same command with more steps resumes: the checkpoint's model, the store's episodes, the rest of the steps
-    code, out, err = run_main(capsys, "--out", out_dir, "--steps", "400", "--eval-episodes", "2", *FAST)
+    code, out, err = run_main(capsys, "--out", out_dir, "--steps", "400", "--eval-episodes", "2", "--quiet")
     assert code == 0, err
     assert f"resuming from step 300, {first} episodes in the store" in out
     assert re.search(r"steps\s*│\s*400 \(resumed from 300\)", out)
@@ -63,7 +64,7 @@ def test_default_run_trains_stores_checkpoints_and_resumes(tmp_path, capsys):
     assert os.listdir(os.path.join(out_dir, "checkpoints")) == ["step-000000400"]
 
     # nothing left to do: evaluate only, through the her-store command
-    assert cli_main(["train", "--out", out_dir, "--steps", "400", "--eval-episodes", "1", *FAST]) == 0
+    assert cli_main(["train", "--out", out_dir, "--steps", "400", "--eval-episodes", "1", "--quiet"]) == 0
     assert "already did 400 of its 400 steps" in capsys.readouterr().out
 
 
@@ -171,7 +172,7 @@ def _episodes(path: str) -> int:
 def test_kill_9_then_the_same_command_resumes(tmp_path):
     out_dir = str(tmp_path / "run")
     store_path = os.path.join(out_dir, "store")
-    cmd = [sys.executable, os.path.join(ROOT, "tools", "train.py"), "--out", out_dir, "--steps", "600",
+    cmd = [sys.executable, os.path.join(ROOT, "tools", "train.py"), "--out", out_dir, "--steps", "400",
            "--checkpoint-every", "100", "--eval-episodes", "2", *FAST]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
@@ -191,18 +192,18 @@ def test_kill_9_then_the_same_command_resumes(tmp_path):
         killed_with = store.num_episodes
         kept = store.episode(store.first_episode)
     step = job.latest_checkpoint(out_dir)[0]
-    assert 100 <= step < 600
+    assert 100 <= step < 400
 
     done = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stdout + done.stderr
     assert f"resuming from step {step:,}, {killed_with:,} episodes in the store" in done.stdout
     assert "Traceback" not in done.stdout + done.stderr
-    assert re.search(rf"steps\s*│\s*600 \(resumed from {step:,}\)", done.stdout)
+    assert re.search(rf"steps\s*│\s*400 \(resumed from {step:,}\)", done.stdout)
     with EpisodeStore.open(store_path) as store:
         assert store.num_episodes > killed_with
         again = store.episode(kept.id)
         assert all(np.array_equal(again[k], kept[k]) for k in kept)
-    assert job.latest_checkpoint(out_dir)[0] == 600
+    assert job.latest_checkpoint(out_dir)[0] == 400
 
 
 def test_the_command_does_not_import_sb3_until_train_runs():
