@@ -38,6 +38,7 @@ from her_store.format import (
     FORMAT_VERSION,
     INDEX_COLUMNS,
     LOCK_KEY,
+    MAX_COUNT,
     ArraySpec,
     Commit,
     Layout,
@@ -70,6 +71,7 @@ LOCAL_COMMIT_INTERVAL = 0.1
 REMOTE_COMMIT_INTERVAL = 2.0
 # a ring holds row space for capacity transitions plus one extra row per episode of >= 4 steps on average
 RING_ROW_SLACK = 4
+MAX_CAPACITY = MAX_COUNT // 2  # the ring's rows, capacity * 5/4 rounded up to a chunk, stay a count
 
 
 def _to_zarr_codecs(codecs: Any) -> Any:
@@ -792,9 +794,9 @@ def _plan_arrays(
 ) -> tuple[Layout, dict[str, Any]]:
     """The arrays a store of these creation options gets: its Layout and the zarr codecs of compressed fields."""
     if capacity is not None and (
-        isinstance(capacity, bool) or not isinstance(capacity, (int, np.integer)) or capacity < 1
+        isinstance(capacity, bool) or not isinstance(capacity, (int, np.integer)) or not 1 <= capacity <= MAX_CAPACITY
     ):
-        raise ValueError(f"capacity must be a positive int or None, got {capacity!r}")
+        raise ValueError(f"capacity must be an int from 1 to {MAX_CAPACITY:,} or None, got {capacity!r}")
     if chunk_rows is None:
         chunk_rows = LOCAL_CHUNK_ROWS if loc.is_local else REMOTE_CHUNK_ROWS
         if capacity is not None:  # a small ring needs no chunk larger than itself

@@ -207,6 +207,19 @@ def _bad_episodes(obs, act):
     return good, cases
 
 
+@pytest.mark.parametrize("capacity", [0, -5, True, 2.5, 1 << 52, 1 << 62])
+def test_a_capacity_the_format_cannot_hold_is_refused_before_anything_is_written(store_path, fetch, capacity):
+    with pytest.raises(ValueError, match=r"capacity must be an int from 1 to 4,503,599,627,370,495 or None"):
+        EpisodeStore.create(store_path, *fetch, capacity=capacity)
+    assert not os.path.exists(store_path)
+
+
+def test_the_largest_capacity_makes_a_store_that_opens(store_path, fetch):
+    EpisodeStore.create(store_path, *fetch, capacity=(1 << 52) - 1).close()
+    with EpisodeStore.open(store_path) as store:
+        assert store.capacity == (1 << 52) - 1
+
+
 def test_every_bad_episode_gets_a_clear_error_and_the_store_stays_intact(store_path, fetch):
     obs, act = fetch
     good, cases = _bad_episodes(obs, act)
