@@ -205,6 +205,8 @@ def test_no_reward_fn_and_no_env_id_says_how_to_pass_one(tmp_path, monkeypatch):
         ({"batch_size": 2.5}, ValueError, "batch_size must be an int >= 1"),
         ({"num_goals": -1}, ValueError, "num_goals must be an int >= 0"),
         ({"reward_fn": "sparse"}, TypeError, "reward_fn must be callable"),
+        ({"device": "cuda:7"}, ValueError, "device 'cuda:7' is not available here"),  # no such GPU in CI
+        ({"device": "warp"}, ValueError, "device 'warp' is not available here"),
     ],
 )
 def test_bad_construction_creates_nothing(tmp_path, kwargs, error, match):

@@ -203,6 +203,8 @@ def test_bad_transitions_are_refused_and_change_nothing(tmp_path):
         ({"buffer_size": 0}, ValueError, "buffer_size must be an int >= 1"),
         ({"n_sampled_goal": -1}, ValueError, "n_sampled_goal must be an int >= 0"),
         ({"tolerance": float("nan")}, ValueError, "tolerance must be a number >= 0"),
+        ({"device": "cuda:7"}, ValueError, "device 'cuda:7' is not available here"),  # no such GPU in CI
+        ({"goal_dim": None, "device": "warp"}, ValueError, "device 'warp' is not available here"),
     ],
 )
 def test_bad_construction(tmp_path, kwargs, error, match):
@@ -210,6 +212,7 @@ def test_bad_construction(tmp_path, kwargs, error, match):
             "path": tmp_path / "x"}
     with pytest.raises(error, match=match):
         HindsightExperienceReplay(**{**args, **kwargs})
+    assert not (tmp_path / "x").exists()
 
 
 def test_goal_larger_than_state_at_first_transition():

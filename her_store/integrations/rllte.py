@@ -53,6 +53,18 @@ def _check_int(name: str, value: Any, low: int) -> None:
         raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
 
 
+def _checked_device(device: str | torch.device) -> torch.device:
+    """``device`` as a torch.device, refused (ValueError) when it cannot hold a tensor here, e.g. CUDA on a machine
+    without it: better at construction than at the first sample, after the data is collected."""
+    try:
+        dev = torch.device(device)
+        torch.empty(0, device=dev)
+    except (RuntimeError, AssertionError, TypeError) as e:  # torch raises AssertionError when built without CUDA
+        why = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise ValueError(f"device {device!r} is not available here ({why}); use device='cpu' or an available one") from e
+    return dev
+
+
 def _as_flags(x: Any, name: str) -> np.ndarray:
     """Termination flags as bool: rllte's envs hand them over as float tensors of 0.0 and 1.0."""
     a = _as_numpy(x)
@@ -92,8 +104,9 @@ class HerReplayStorage:
         With ``observation``, ``achieved_goal`` and ``desired_goal``.
     action_space : gymnasium.spaces.Space
         Box, Discrete, MultiBinary or MultiDiscrete.
-    device : str
-        Where sampled batches go.
+    device : str or torch.device
+        Where sampled batches go; one that is not available here (e.g. ``"cuda"`` without CUDA) is refused with a
+        ValueError before anything is created.
     storage_size : int or None
         Capacity in transitions, summed over envs (rllte keeps ``storage_size`` per env): a ring that evicts the
         oldest whole episodes; None grows without bound. Fixed when the store is created; resuming a store needs
@@ -178,7 +191,7 @@ class HerReplayStorage:
         _check_int("num_goals", num_goals, 0)
         if reward_fn is not None and not callable(reward_fn):
             raise TypeError(f"reward_fn must be callable(achieved_goal, desired_goal, infos), got {reward_fn!r}")
-        self.device = torch.device(device)
+        self.device = _checked_device(device)
         self.num_envs = int(num_envs)
         self.batch_size = int(batch_size)
         self.copy_info_dict = copy_info_dict

@@ -18,7 +18,7 @@ import torch
 from gymnasium import spaces
 
 from her_store.errors import NotAStoreError, SchemaMismatchError
-from her_store.integrations.rllte import HerReplayStorage, _as_flags, _as_numpy, _check_int
+from her_store.integrations.rllte import HerReplayStorage, _as_flags, _as_numpy, _check_int, _checked_device
 from her_store.relabel import GoalSelectionStrategy, select_goal_steps
 from her_store.sampler import RewardFn
 from her_store.store import EpisodeStore
@@ -116,7 +116,8 @@ class HindsightExperienceReplay:
     tolerance : float
         Success radius of the default ``reward_fn``.
     device : str or torch.device
-        Where sampled tensors go.
+        Where sampled tensors go; one that is not available here (e.g. ``"cuda"`` without CUDA) is refused with a
+        ValueError at construction.
     seed : int, optional
         Seed of the sampling generators.
     storage_options : mapping, optional
@@ -165,7 +166,7 @@ class HindsightExperienceReplay:
         self.path = path
         self.n_sampled_goal = int(n_sampled_goal)
         self.her_ratio = 1.0 - 1.0 / (n_sampled_goal + 1)
-        self.device = torch.device(device)
+        self.device = _checked_device(device)
         self._seed = seed
         self._storage_options = storage_options
         self._rng = np.random.default_rng(seed)
