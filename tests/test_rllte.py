@@ -14,7 +14,7 @@ from gymnasium import spaces
 from her_store import EpisodeStore, StepWriter
 from her_store.envs import ENV_ID, PointGoalEnv
 from her_store.errors import EpisodeValidationError, SchemaMismatchError, StoreError
-from her_store.integrations.rllte import HerReplayBatch, HerReplayStorage
+from her_store.integrations.rllte import HerReplayBatch, HerReplayStorage, NoEpisodeError
 from tests.conftest import fetch_spaces
 
 ENV = PointGoalEnv()
@@ -251,10 +251,13 @@ def test_bad_steps_are_refused_and_change_nothing(storage):
     assert storage.writer.pending_steps.tolist() == [4, 4]
 
 
-def test_sample_before_any_episode_raises(storage):
+def test_sample_before_any_episode_raises_what_rllte_raises(storage):
     collect(storage, 2)
-    with pytest.raises(StoreError, match="no committed episode"):
-        storage.sample()
+    for error in (RuntimeError, StoreError, NoEpisodeError):  # rllte's RuntimeError, and a her_store error
+        with pytest.raises(error, match="Unable to sample before the end of the first episode"):
+            storage.sample()
+    collect(storage, 5)  # env 0 truncated at its 5th step: an episode ends
+    assert storage.sample().rewards.shape == (64, 1)
 
 
 def test_gymnasium_vector_infos_and_numpy_inputs(tmp_path):

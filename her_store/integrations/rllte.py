@@ -23,7 +23,12 @@ from her_store.sampler import HerSampler, RewardFn
 from her_store.store import EpisodeStore, open_store
 from her_store.writer import StepWriter
 
-__all__ = ["HerReplayBatch", "HerReplayStorage"]
+__all__ = ["HerReplayBatch", "HerReplayStorage", "NoEpisodeError"]
+
+
+class NoEpisodeError(StoreError, RuntimeError):
+    """:meth:`HerReplayStorage.sample` before any episode ended: a RuntimeError, as rllte raises then, and a
+    StoreError, as every her_store error."""
 
 
 class HerReplayBatch(NamedTuple):
@@ -282,8 +287,9 @@ class HerReplayStorage:
 
         Raises
         ------
-        StoreError
-            No episode has ended yet (rllte raises RuntimeError then).
+        NoEpisodeError
+            No episode has ended yet. It is a RuntimeError (what rllte raises then, so code written for rllte
+            catches it) and a StoreError.
 
         Examples
         --------
@@ -291,6 +297,12 @@ class HerReplayStorage:
         >>> q = critic(batch.observations, batch.actions)  # doctest: +SKIP
         """
         self._require_open()
+        if not self.store.snapshot().num_transitions:
+            raise NoEpisodeError(
+                f"Unable to sample before the end of the first episode: {self.path} holds no ended episode yet. "
+                "Add steps until an episode is terminated or truncated (num_init_steps greater than the longest "
+                "episode) before sampling."
+            )
         b = self.sampler.sample()
         return HerReplayBatch(
             observations={k: v.float() for k, v in b.observations.items()},
