@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -66,6 +67,15 @@ def test_default_run_trains_stores_checkpoints_and_resumes(tmp_path, capsys):
     # nothing left to do: evaluate only, through the her-store command
     assert cli_main(["train", "--out", out_dir, "--steps", "400", "--eval-episodes", "1", "--quiet"]) == 0
     assert "already did 400 of its 400 steps" in capsys.readouterr().out
+
+    # a store removed under a run: the model resumes, the store starts again, training waits for learning_starts
+    shutil.rmtree(os.path.join(out_dir, "store"))
+    code, out, err = run_main(capsys, "--out", out_dir, "--steps", "450", "--eval-episodes", "1", "--quiet")
+    assert code == 0, err
+    assert "resuming from step 400, 0 episodes in the store" in out
+    assert "the store is empty: training starts again after 500 steps" in out
+    with EpisodeStore.open(os.path.join(out_dir, "store")) as store:
+        assert 50 - 10 <= store.num_transitions <= 50
 
 
 @pytest.mark.parametrize(
