@@ -184,6 +184,60 @@ def test_bad_values_to_convert_are_refused_by_name():
         bits.convert_obs_to_dict(np.zeros(6))
 
 
+def test_no_value_is_changed_silently_by_the_flat_dtype_or_either_conversion():
+    big = spaces.Box(0, 2**62, (2,), np.int64)
+    floats = spaces.Box(-1, 1, (2,), np.float64)
+    with pytest.raises(TypeError, match=r"would be float64 .*'observation' int64, 'achieved_goal' float64.*"
+                                        r"observation_space\['observation'\] \(int64, bounds 0..4611686018427387904\)"):
+        GoalEnvFlattener(SpaceEnv(goal_dict(observation=big, achieved_goal=floats, desired_goal=floats)))
+    small = spaces.Box(0, 5, (2,), np.int64)
+    with pytest.raises(TypeError, match=r"'observation' uint64, 'achieved_goal' int64"):
+        GoalEnvFlattener(SpaceEnv(goal_dict(observation=spaces.Box(0, 2**63, (2,), np.uint64), achieved_goal=small,
+                                            desired_goal=small)))
+    with pytest.raises(TypeError, match=r"observation_space\['desired_goal'\] \(int64, bounds -9007199254740993..0"):
+        GoalEnvFlattener(SpaceEnv(goal_dict(observation=floats, achieved_goal=floats,
+                                            desired_goal=spaces.Box(-(2**53) - 1, 0, (2,), np.int64))))
+    with pytest.raises(TypeError, match=r"Discrete sub-spaces' dtypes \('observation' uint64, 'achieved_goal' int64"):
+        GoalEnvFlattener(SpaceEnv(goal_dict(observation=spaces.Discrete(3, dtype=np.uint64),
+                                            achieved_goal=spaces.Discrete(3), desired_goal=spaces.Discrete(3))))
+    # integers within 2**53 in a float64 flat vector come back exactly, and whole
+    exact = GoalEnvFlattener(SpaceEnv(goal_dict(observation=spaces.Box(-(2**53), 2**53, (2,), np.int64),
+                                                achieved_goal=floats, desired_goal=floats)))
+    assert exact.observation_space.dtype == np.float64
+    obs = {"observation": np.array([2**53, -(2**53) + 1]), "achieved_goal": np.zeros(2), "desired_goal": np.ones(2)}
+    back = exact.convert_obs_to_dict(exact.convert_dict_to_obs(obs))
+    assert back["observation"].dtype == np.int64 and back["observation"].tolist() == [2**53, -(2**53) + 1]
+    with pytest.raises(ValueError, match=r"obs_dict\['observation'\] has 9007199254740993 at \(0,\), which float64 "
+                                         "cannot hold exactly"):
+        exact.convert_dict_to_obs({**obs, "observation": np.array([2**53 + 1, 0])})
+    for bad, at in ((0.5, "0.5 at \\(0, 1\\)"), (np.nan, "nan at \\(0, 1\\)"), (2.0**63, "9.223372036854776e\\+18")):
+        flat = np.zeros((1, 6))
+        flat[0, 1] = bad
+        with pytest.raises(ValueError, match=rf"\[..., 0:2\] \('observation'\) has {at}.*which int64 cannot hold"):
+            exact.convert_obs_to_dict(flat)
+    env = GoalEnvFlattener(gym.make(ENV_ID))  # float32
+    zeros = {"observation": np.zeros(4), "achieved_goal": np.zeros(2), "desired_goal": np.zeros(2)}
+    with pytest.raises(ValueError, match=r"obs_dict\['observation'\] has 1e\+300 at \(0,\), which overflows float32"):
+        env.convert_dict_to_obs({**zeros, "observation": np.full(4, 1e300)})
+    with pytest.raises(ValueError, match=r"the flat vector has 1e\+300 at \(0,\), which overflows float32"):
+        env.convert_obs_to_dict(np.full(8, 1e300))
+    with pytest.raises(ValueError, match="the flat vector has 1099511627777 at \\(0,\\), which float32 cannot hold"):
+        env.convert_obs_to_dict(np.full(8, 2**40 + 1, np.int64))
+    np.testing.assert_array_equal(env.convert_obs_to_dict(np.full(8, 2**40, np.int64))["observation"], [2.0**40] * 4)
+    assert env.convert_dict_to_obs({**zeros, "observation": np.full(4, 0.1)})[0] == np.float32(0.1)  # rounded
+    # integers going back to a narrower or unsigned sub-space: refused when they do not fit
+    ints = GoalEnvFlattener(SpaceEnv(goal_dict(observation=spaces.Box(-5, 5, (1,), np.int16),
+                                               achieved_goal=spaces.Box(0, 200, (1,), np.uint8),
+                                               desired_goal=spaces.Box(0, 200, (1,), np.uint8))))
+    assert ints.observation_space.dtype == np.int16
+    with pytest.raises(ValueError, match=r"\[..., 1:2\] \('achieved_goal'\) has -1 at \(0,\), which uint8 cannot"):
+        ints.convert_obs_to_dict(np.array([0, -1, 0], np.int16))
+    with pytest.raises(ValueError, match=r"\[..., 2:3\] \('desired_goal'\) has 256 at \(0,\), which uint8 cannot"):
+        ints.convert_obs_to_dict(np.array([0, 0, 256], np.int16))
+    with pytest.raises(ValueError, match=r"the flat vector has 40000 at \(1,\), which int16 cannot hold"):
+        ints.convert_obs_to_dict(np.array([0, 40000, 0], np.int32))
+
+
 # -- recording: references logged by the envs themselves --------------------------------------------------------------
 
 

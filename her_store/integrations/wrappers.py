@@ -18,8 +18,8 @@ import numpy as np
 from gymnasium import spaces
 from gymnasium.vector import AutoresetMode, VectorEnv, VectorWrapper
 
-from her_store.errors import SchemaMismatchError
-from her_store.schema import GOAL_KEYS, Schema
+from her_store.errors import EpisodeValidationError, SchemaMismatchError
+from her_store.schema import GOAL_KEYS, Field, Schema, conform
 from her_store.store import EpisodeStore, open_store
 
 __all__ = ["GoalEnvFlattener", "RecordEpisodes", "RecordVectorEpisodes"]
@@ -45,19 +45,81 @@ def _flat_space(keys: Sequence[str], subs: Sequence[spaces.Space]) -> spaces.Spa
             f"GoalEnvFlattener needs sub-spaces of one type (as SB2's HERGoalEnvWrapper), got {kinds}; the flat "
             "space would have to change the values of some of them"
         )
+    if isinstance(subs[0], spaces.MultiBinary):
+        return spaces.MultiBinary(sum(int(np.prod(s.shape)) for s in subs))
+    dtype = _exact_dtype(keys, subs)
     if isinstance(subs[0], spaces.Box):
-        dtype = np.result_type(*(s.dtype for s in subs))
         low = np.concatenate([np.ravel(s.low) for s in subs]).astype(dtype)
         high = np.concatenate([np.ravel(s.high) for s in subs]).astype(dtype)
         return spaces.Box(low, high, dtype=dtype)
-    if isinstance(subs[0], spaces.MultiBinary):
-        return spaces.MultiBinary(sum(int(np.prod(s.shape)) for s in subs))
     discrete = [s for s in subs if isinstance(s, spaces.Discrete)]
-    return spaces.MultiDiscrete(
-        [int(s.n) for s in discrete],
-        dtype=np.result_type(*(s.dtype for s in discrete)),
-        start=[int(s.start) for s in discrete],
-    )
+    return spaces.MultiDiscrete([int(s.n) for s in discrete], dtype=dtype, start=[int(s.start) for s in discrete])
+
+
+def _exact_dtype(keys: Sequence[str], subs: Sequence[spaces.Space]) -> np.dtype:
+    """The dtype that holds every sub-space's dtype, or TypeError if it cannot hold every value of one exactly.
+
+    Only integers in a float can be lost: numpy's common dtype of int64 and float64 (or of uint64 and int64) is
+    float64, which holds integers exactly only up to 2**53. An integer sub-space is accepted when its bounds lie
+    within that range.
+    """
+    dtype = np.result_type(*(s.dtype for s in subs))
+    if dtype.kind != "f":
+        return dtype
+    dtypes = ", ".join(f"{k!r} {s.dtype}" for k, s in zip(keys, subs))
+    if isinstance(subs[0], spaces.Discrete):
+        raise TypeError(
+            f"the Discrete sub-spaces' dtypes ({dtypes}) have no common integer dtype (numpy's is {dtype}), which a "
+            "MultiDiscrete needs; give them integer dtypes of one signedness"
+        )
+    limit = 2 ** (np.finfo(dtype).nmant + 1)
+    inexact = []
+    for k, s in zip(keys, subs):
+        if np.dtype(s.dtype).kind not in "iu":
+            continue
+        low, high = int(np.min(s.low)), int(np.max(s.high))
+        if max(-low, high) > limit:
+            inexact.append(f"observation_space[{k!r}] ({s.dtype}, bounds {low}..{high})")
+    if inexact:
+        raise TypeError(
+            f"GoalEnvFlattener's flat vector would be {dtype} (the common dtype of {dtypes}), which cannot hold "
+            f"every value of {' and '.join(inexact)} exactly: {dtype} holds integers exactly only within "
+            f"+-2**{np.finfo(dtype).nmant + 1}; give those sub-spaces bounds within that range, or dtypes of one kind"
+        )
+    return dtype
+
+
+def _cast(value: np.ndarray, dtype: np.dtype, label: str) -> np.ndarray:
+    """``value`` in ``dtype``, or ValueError if the cast would change a value.
+
+    The store's rules (:func:`~her_store.schema.conform`: no integer wrapped, no finite float turned into inf, a
+    narrower float rounds), plus: an integer becomes a float only if the float holds it exactly, and a float becomes
+    an integer (a flat float vector's integer sub-space) or a signed integer an unsigned one only if the integer
+    dtype holds it.
+    The caller has checked that ``value``'s dtype casts to ``dtype`` within its kind, or is a float going back to
+    an integer sub-space.
+    """
+    if value.dtype.kind in "iu" and dtype.kind == "f":
+        cast = value.astype(dtype)
+        with np.errstate(invalid="ignore"):  # a float beyond the integer dtype comes back changed: refused below
+            changed = cast.astype(value.dtype) != value
+    elif dtype.kind in "iu" and not np.can_cast(value.dtype, dtype, casting="same_kind"):
+        info = np.iinfo(dtype)  # a float, or a signed integer going back to an unsigned sub-space
+        if value.dtype.kind == "f":  # info.max + 1.0 is exact (a power of two), info.max as a float may round up
+            changed = ~np.isfinite(value) | (value < info.min) | (value >= info.max + 1.0) | (np.trunc(value) != value)
+        else:
+            changed = (value < info.min) | (value > info.max)
+        with np.errstate(invalid="ignore"):
+            cast = value.astype(dtype)
+    else:
+        try:
+            return conform(value, Field(label, dtype, (), True, "observation"), None, label)
+        except EpisodeValidationError as err:
+            raise ValueError(str(err)) from None
+    if changed.any():
+        at = tuple(int(i) for i in np.argwhere(changed)[0])
+        raise ValueError(f"{label} has {value[at].item()!r} at {at}, which {dtype} cannot hold exactly")
+    return cast
 
 
 class GoalEnvFlattener(gym.ObservationWrapper):
@@ -69,7 +131,14 @@ class GoalEnvFlattener(gym.ObservationWrapper):
 
     Every sub-space must be of one type (SB2's rule), and the flat space's type follows it: Box sub-spaces give a
     Box (bounds concatenated, the dtype that holds every sub-space's), MultiBinary give a MultiBinary, Discrete give
-    a MultiDiscrete with one entry per key (its ``n`` and ``start``). Other or mixed types raise TypeError.
+    a MultiDiscrete with one entry per key (its ``n`` and ``start``). Other or mixed types raise TypeError, and so
+    do dtypes whose common flat dtype cannot hold every value of a sub-space exactly (an int64 observation with
+    bounds beyond 2**53 and float64 goals; uint64 with int64: numpy's common dtype of both is float64).
+
+    No value is ever changed silently: both conversions refuse (ValueError, naming the key and the entry) a value
+    the cast would change, as the store does (an integer a dtype cannot hold, a finite float that would become
+    inf), and an integer that a float cannot hold exactly. A float narrowed to a smaller float (float64 given to a
+    float32 space) is rounded, as the store rounds it.
 
     Parameters
     ----------
@@ -128,7 +197,8 @@ class GoalEnvFlattener(gym.ObservationWrapper):
         Raises
         ------
         ValueError
-            A key is missing, or a value's shape is not ``(*batch, *the key's shape)`` with one batch for all keys.
+            A key is missing, or a value's shape is not ``(*batch, *the key's shape)`` with one batch for all keys,
+            or a value the flat dtype cannot hold exactly (see the class docstring).
         TypeError
             A value's dtype does not cast to the flat space's within its kind (floats for a MultiBinary space).
 
@@ -158,7 +228,7 @@ class GoalEnvFlattener(gym.ObservationWrapper):
                 )
             if not np.can_cast(v.dtype, dtype, casting="same_kind"):
                 raise TypeError(f"obs_dict[{k!r}] has dtype {v.dtype}, which does not cast to the flat {dtype}")
-            parts.append(v.reshape(*batch, size))
+            parts.append(_cast(v, dtype, f"obs_dict[{k!r}]").reshape(*batch, size))
         return np.concatenate(parts, axis=-1, dtype=dtype)
 
     def convert_obs_to_dict(self, observations: Any) -> dict[str, np.ndarray]:
@@ -167,7 +237,8 @@ class GoalEnvFlattener(gym.ObservationWrapper):
         Raises
         ------
         ValueError
-            The last axis is not the flat space's size.
+            The last axis is not the flat space's size, or a value the flat dtype or its key's dtype cannot hold
+            exactly (see the class docstring).
         TypeError
             The dtype does not cast to the flat space's within its kind.
 
@@ -182,9 +253,9 @@ class GoalEnvFlattener(gym.ObservationWrapper):
             raise ValueError(f"observations have shape {v.shape}, expected (*batch, {size})")
         if not np.can_cast(v.dtype, dtype, casting="same_kind"):
             raise TypeError(f"observations have dtype {v.dtype}, which does not cast to the flat {dtype}")
-        batch = v.shape[:-1]
+        v, batch = _cast(v, dtype, "the flat vector"), v.shape[:-1]
         return {
-            k: v[..., sl].reshape((*batch, *shape)).astype(sub_dtype, copy=False)
+            k: _cast(v[..., sl], sub_dtype, f"the flat vector[..., {sl.start}:{sl.stop}] ({k!r})").reshape((*batch, *shape))
             for k, sl, shape, sub_dtype in zip(self.keys, self._slices, self._shapes, self._dtypes)
         }
 
