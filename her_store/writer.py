@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 
@@ -13,7 +13,21 @@ from her_store.schema import Field, conform
 if TYPE_CHECKING:
     from her_store.store import EpisodeStore
 
-__all__ = ["StepWriter"]
+__all__ = ["DroppedEpisode", "StepWriter"]
+
+
+class DroppedEpisode(NamedTuple):
+    """An ended episode a :class:`StepWriter` could not append: its env, its steps and why.
+
+    Examples
+    --------
+    >>> DroppedEpisode(env=0, steps=6, reason="EpisodeValidationError: ...")
+    DroppedEpisode(env=0, steps=6, reason='EpisodeValidationError: ...')
+    """
+
+    env: int
+    steps: int
+    reason: str
 
 
 class StepWriter:
@@ -26,7 +40,8 @@ class StepWriter:
 
     A step that is refused (a missing key, a wrong shape, a value the stored dtype or the space cannot hold)
     changes nothing. An ended episode the store cannot append (longer than its capacity, or a failed write) is
-    dropped: its env starts a new episode, the other envs' episodes are still appended, and ``add`` raises.
+    dropped: its env starts a new episode, the other envs' episodes are still appended, and ``add`` raises. Every
+    dropped episode is also listed in :attr:`dropped`, so a caller can tell which env lost which episode.
 
     Parameters
     ----------
@@ -34,6 +49,13 @@ class StepWriter:
         Opened for appending.
     n_envs : int
         Number of environments stepped together.
+
+    Attributes
+    ----------
+    episode_ids : list of int
+        The ids of the episodes this writer appended, in order.
+    dropped : list of DroppedEpisode
+        The ended episodes it could not append, in order.
 
     Examples
     --------
@@ -59,6 +81,7 @@ class StepWriter:
         self._t = 0
         self._start = np.zeros(n_envs, np.int64)
         self.episode_ids: list[int] = []
+        self.dropped: list[DroppedEpisode] = []
 
     def _slots(self) -> None:
         """Per field: (name, rows, row shape, dtype of the fast path), looked up once rather than per step.
@@ -337,7 +360,9 @@ class StepWriter:
             try:
                 ids.append(self._finish(e))
             except Exception as err:  # noqa: BLE001  raised below, once every other env's episode is appended
-                dropped.append((e, self._t - int(self._start[e]), err))
+                steps = self._t - int(self._start[e])
+                dropped.append((e, steps, err))
+                self.dropped.append(DroppedEpisode(e, steps, f"{type(err).__name__}: {err}"))
                 self._start[e] = self._t
             except BaseException:
                 # an interrupt: the ended episodes not appended yet are dropped, never merged with the next ones

@@ -243,6 +243,8 @@ def test_an_episode_longer_than_the_capacity_is_dropped_and_its_env_writes_again
             w.add(*both(_steps(long_ep, obs.spaces, 5, 1), _steps(short, obs.spaces, 1, 1)))
         assert str(info.value).endswith("the other ended episodes were appended [2]")
         assert list(w.pending_steps) == [0, 0] and w.episode_ids == [0, 1, 2]
+        ((env, steps, reason),) = w.dropped  # which env lost which episode, without parsing the message
+        assert (env, steps) == (0, 6) and reason.startswith("EpisodeValidationError: ") and "capacity 5" in reason
         assert_episode_equal(store.episode(2), short)
         for t in range(2):  # env 0 is not wedged: its next episode is stored whole
             w.add(*both(_steps(short, obs.spaces, t, 1), _steps(short, obs.spaces, t, 1)))
@@ -279,6 +281,7 @@ def test_a_store_error_while_appending_drops_that_env_and_chains_the_cause(store
         with pytest.raises(raised, match=message) as info:
             w.add(*_steps(ep, obs.spaces, 1, 2))  # both envs end: env 0's append fails, env 1's goes through
         assert info.type is raised and info.value.__cause__ is injected
+        assert [(d.env, d.steps) for d in w.dropped] == [(0, 2)] and injected.__class__.__name__ in w.dropped[0].reason
         monkeypatch.undo()
         assert list(w.pending_steps) == [0, 0]
         (appended,) = w.episode_ids
