@@ -205,6 +205,8 @@ def test_no_reward_fn_and_no_env_id_says_how_to_pass_one(tmp_path, monkeypatch):
         ({"batch_size": 2.5}, ValueError, "batch_size must be an int >= 1"),
         ({"num_goals": -1}, ValueError, "num_goals must be an int >= 0"),
         ({"reward_fn": "sparse"}, TypeError, "reward_fn must be callable"),
+        ({"segment_steps": 0}, ValueError, "segment_steps must be an int >= 1"),
+        ({"storage_size": 10, "segment_steps": 11}, ValueError, "segment_steps=11 exceeds storage_size=10"),
         ({"device": "cuda:7"}, ValueError, "device 'cuda:7' is not available here"),  # no such GPU in CI
         ({"device": "warp"}, ValueError, "device 'warp' is not available here"),
     ],
@@ -271,3 +273,29 @@ def test_gymnasium_vector_infos_and_numpy_inputs(tmp_path):
     assert isinstance(s.writer, StepWriter)
     s.close()
 
+
+
+def test_long_episodes_are_cut_into_segments(tmp_path):
+    s = HerReplayStorage(OBS, ACT, num_envs=2, batch_size=8, reward_fn=ENV.compute_reward, path=tmp_path / "g",
+                         segment_steps=4)
+    collect(s, 10, episode_steps=50)  # no episode ends: each env's is cut every 4 steps, as truncated
+    assert s.writer.pending_steps.tolist() == [2, 2]
+    table = s.store.episodes
+    assert table["length"].tolist() == [4] * 4 and table["truncated"].all() and not table["terminated"].any()
+    for env in (0, 1):  # seamless: an env's next segment starts where its last one ended
+        a, b = (s.store.episode(int(i)) for i in table["episode_id"][table["env_index"] == env])
+        np.testing.assert_array_equal(a["observation"][-1], b["observation"][0])
+    s.close()
+
+
+def test_an_episode_longer_than_the_store_is_cut_not_dropped(tmp_path):
+    s = HerReplayStorage(OBS, ACT, batch_size=8, storage_size=6, reward_fn=ENV.compute_reward, path=tmp_path / "c")
+    assert s.segment_steps == 6
+    collect(s, 10, episode_steps=10)  # ends after 10 steps: stored as a 6-step segment (evicted) and a 4-step one
+    assert s.store.episodes["length"].tolist() == [4] and s.writer.pending_steps.tolist() == [0]
+    unbounded = HerReplayStorage(OBS, ACT, storage_size=None, reward_fn=ENV.compute_reward, path=tmp_path / "u")
+    assert unbounded.segment_steps is None
+    collect(unbounded, 30, episode_steps=40)
+    assert unbounded.writer.pending_steps.tolist() == [30]
+    s.close()
+    unbounded.close()

@@ -2,6 +2,12 @@
 
 from __future__ import annotations
 
+import itertools
+import os
+import signal
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 import torch
@@ -145,8 +151,10 @@ def test_resume_keeps_episodes(tmp_path):
         HindsightExperienceReplay(5, 2, 1000, 16, path=path)
     with pytest.raises(SchemaMismatchError, match="action_space differs"):
         HindsightExperienceReplay(4, 3, 1000, 16, path=path)
-    with pytest.raises(SchemaMismatchError, match="capacity"):
-        HindsightExperienceReplay(4, 2, 999, 16, path=path)
+    with pytest.raises(SchemaMismatchError, match=r"keeps 750 .*buffer_size=900 with segment_steps=225 keeps 675"):
+        HindsightExperienceReplay(4, 2, 900, 16, path=path)
+    with pytest.raises(SchemaMismatchError, match="segment_steps=10 keeps 990"):
+        HindsightExperienceReplay(4, 2, 1000, 16, path=path, segment_steps=10)
     with EpisodeStore.open(path) as store:
         assert len(store) == 31
 
@@ -157,7 +165,7 @@ def test_store_made_by_someone_else(tmp_path):
                                path=tmp_path / "p")
     storage.close()
     with pytest.raises(SchemaMismatchError, match="observation_space differs"):
-        HindsightExperienceReplay(4, 2, 1_000_000, 16, path=tmp_path / "p")
+        HindsightExperienceReplay(4, 2, 1_001_000, 16, path=tmp_path / "p")  # its capacity; other spaces
     with pytest.raises(SchemaMismatchError, match="goals of shape"):
         bad = {k: s for k, s in env.observation_space.spaces.items()}
         from gymnasium import spaces
@@ -200,7 +208,9 @@ def test_bad_transitions_are_refused_and_change_nothing(tmp_path):
         ({"goal_dim": 0}, ValueError, "goal_dim must be an int >= 1"),
         ({"goal_sampling_strategy": "future"}, TypeError, "goal_sampling_strategy must be a callable"),
         ({"reward_fn": 1}, TypeError, "reward_fn must be callable"),
-        ({"buffer_size": 0}, ValueError, "buffer_size must be an int >= 1"),
+        ({"buffer_size": 1}, ValueError, "buffer_size must be an int >= 2"),
+        ({"segment_steps": 0}, ValueError, "segment_steps must be an int >= 1"),
+        ({"segment_steps": 100}, ValueError, "segment_steps=100 must be less than buffer_size=100"),
         ({"n_sampled_goal": -1}, ValueError, "n_sampled_goal must be an int >= 0"),
         ({"tolerance": float("nan")}, ValueError, "tolerance must be a number >= 0"),
         ({"device": "cuda:7"}, ValueError, "device 'cuda:7' is not available here"),  # no such GPU in CI
@@ -291,3 +301,55 @@ def test_her_batches_teach_bit_flipping():
     not (random goals are rarely reached by a random policy)."""
     assert bit_flipping_success(4) > 0.95
     assert bit_flipping_success(0) < 0.9
+
+
+def continuing(her: HindsightExperienceReplay, steps: int, start: float = 0.0) -> float:
+    """``steps`` transitions of one trajectory without done (a continuing task); returns the state reached."""
+    x = start
+    for _ in range(steps):
+        her.store_transition([x, 0.0], [x], -1.0, [x + 1, 0.0], False, [1e6])
+        x += 1
+    return x
+
+
+def test_an_episode_without_done_is_cut_into_segments_within_buffer_size(tmp_path):
+    her = HindsightExperienceReplay(2, 1, 100, 16, path=tmp_path / "s", goal_dim=1, seed=0)
+    assert her.segment_steps == 25  # a quarter of buffer_size
+    x = 0.0
+    for _ in range(25):  # 250 steps: never more than a segment in memory, never more than buffer_size held
+        x = continuing(her, 10, x)
+        assert her.storage.writer.pending_steps[0] <= 25 and len(her) <= 100
+    assert her.storage.writer.pending_steps[0] == 0 and len(her) == 75
+    her.store_transition([x, 0.0], [x], -1.0, [x + 1, 0.0], True, [1e6])  # done after 250 steps: nothing dropped
+    table = her.storage.store.episodes
+    assert table["length"].tolist() == [25, 25, 1] and table["truncated"].tolist() == [True, True, False]
+    first = [her.storage.store.episode(int(i)) for i in table["episode_id"]]
+    for a, b in itertools.pairwise(first):  # seamless: a segment starts where the one before ended
+        np.testing.assert_array_equal(a["observation"][-1], b["observation"][0])
+    states, _, _, next_states, _, goals = (x.numpy() for x in her.sample())
+    relabelled = goals[:, 0] != 1e6
+    assert relabelled.any() and not relabelled.all()
+    # a relabelled goal is reached later in the same segment: at most 25 - 1 steps after the next state
+    segment = states[:, 0] // 25
+    assert (goals[relabelled, 0] >= next_states[relabelled, 0]).all()
+    assert (goals[relabelled, 0] <= (segment[relabelled] + 1) * 25).all()
+    her.close()
+
+
+def test_segments_bound_memory_and_what_a_kill_loses(tmp_path):
+    path = tmp_path / "k"
+    child = f"""
+import os, signal
+from her_store.integrations.simple import HindsightExperienceReplay
+from tests.test_simple import continuing
+her = HindsightExperienceReplay(2, 1, 400, 16, path={str(path)!r}, goal_dim=1)
+continuing(her, 250)
+print(len(her), flush=True)
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+    out = subprocess.run([sys.executable, "-c", child], check=False, capture_output=True, text=True, timeout=60,
+                         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert out.returncode == -signal.SIGKILL and out.stdout.split() == ["250"], out.stderr
+    with HindsightExperienceReplay(2, 1, 400, 16, path=path) as her:
+        assert len(her) == 200  # two segments of 100 survive; only the unfinished 50 steps are lost
+        assert her.storage.store.episodes["length"].tolist() == [100, 100]

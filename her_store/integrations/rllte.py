@@ -1,7 +1,7 @@
 """rllte's HerReplayStorage over the disk store: the same constructor, add, sample and update, episodes on disk.
 
 Steps go to a :class:`~her_store.writer.StepWriter` (an episode is appended when its env reports terminated or
-truncated), batches come from a :class:`~her_store.sampler.HerSampler`. rllte itself need not be installed.
+truncated, or cut as truncated at ``segment_steps``), batches come from a :class:`~her_store.sampler.HerSampler`. rllte itself need not be installed.
 """
 
 from __future__ import annotations
@@ -146,6 +146,12 @@ class HerReplayStorage:
     commit_interval : float, optional
         Seconds between group commits (see :meth:`EpisodeStore.create`); an ended episode is sampled from once
         committed.
+    segment_steps : int, optional
+        An unfinished episode that reaches this many steps is ended as truncated, and its env's next step starts
+        a new episode (from the same state: the trajectory goes on seamlessly, but goals are then relabelled within
+        each segment). This bounds the steps an env keeps in memory and what a kill -9 loses. Default
+        ``storage_size``: an episode too long for the store is cut there rather than dropped (rllte cannot hold
+        it either); None (with ``storage_size=None``) never cuts.
 
     Attributes
     ----------
@@ -186,6 +192,7 @@ class HerReplayStorage:
         storage_options: Mapping[str, Any] | None = None,
         seed: int | None = None,
         commit_interval: float | None = None,
+        segment_steps: int | None = None,
     ) -> None:
         # checked before anything is created on disk
         parse_strategy(goal_selection_strategy)
@@ -194,6 +201,16 @@ class HerReplayStorage:
         _check_int("num_envs", num_envs, 1)
         _check_int("batch_size", batch_size, 1)
         _check_int("num_goals", num_goals, 0)
+        if segment_steps is None:
+            segment_steps = storage_size
+        else:
+            _check_int("segment_steps", segment_steps, 1)
+            if storage_size is not None and segment_steps > storage_size:
+                raise ValueError(
+                    f"segment_steps={segment_steps} exceeds storage_size={storage_size}: a segment that long could "
+                    "not be stored"
+                )
+        self.segment_steps = None if segment_steps is None else int(segment_steps)
         if reward_fn is not None and not callable(reward_fn):
             raise TypeError(f"reward_fn must be callable(achieved_goal, desired_goal, infos), got {reward_fn!r}")
         self.device = _checked_device(device)
@@ -251,7 +268,8 @@ class HerReplayStorage:
         """Add one step of every env (torch tensors on any device, or arrays; ``num_envs`` leading).
 
         ``next_observations`` holds the terminal observation of envs that ended on this step (rllte's
-        ``real_next_obs``). An env's episode is appended to the store when it is terminated or truncated.
+        ``real_next_obs``). An env's episode is appended to the store when it is terminated or truncated, or
+        when it reaches ``segment_steps`` (as truncated).
 
         Raises
         ------
@@ -278,6 +296,10 @@ class HerReplayStorage:
             obs, nxt, _as_numpy(actions), _as_numpy(rewards), _as_flags(terminateds, "terminateds"),
             _as_flags(truncateds, "truncateds"), infos,
         )
+        if self.segment_steps is not None:
+            long = self.writer.pending_steps >= self.segment_steps
+            if long.any():  # ended as truncated; the env's next step starts a new episode from the same state
+                self.writer.flush_partial(np.flatnonzero(long).tolist())
 
     def sample(self, step: int | None = None) -> HerReplayBatch:
         """One batch of ``batch_size`` transitions from the committed episodes (``step`` is accepted, unused).

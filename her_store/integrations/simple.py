@@ -1,9 +1,10 @@
 """The simple HER API (store_transition / sample / len over flat state vectors) with real hindsight relabelling.
 
 Flat states become the store's goal-style observations: ``observation`` is the state, ``achieved_goal`` its first
-``goal_dim`` entries, ``desired_goal`` the goal. Episodes are delimited by ``done`` and kept in a store on disk
-(through :class:`~her_store.integrations.rllte.HerReplayStorage`); batches are relabelled with the future strategy
-by :class:`~her_store.sampler.HerSampler`, the unfinished episode in the same way.
+``goal_dim`` entries, ``desired_goal`` the goal. Episodes are delimited by ``done`` (and cut into segments of at
+most ``segment_steps``) and kept in a store on disk (through :class:`~her_store.integrations.rllte.HerReplayStorage`);
+batches are relabelled with the future strategy by :class:`~her_store.sampler.HerSampler`, the unfinished segment in
+the same way.
 """
 
 from __future__ import annotations
@@ -23,7 +24,9 @@ from her_store.relabel import GoalSelectionStrategy, select_goal_steps
 from her_store.sampler import RewardFn
 from her_store.store import EpisodeStore
 
-__all__ = ["HindsightExperienceReplay", "goal_reached_reward"]
+__all__ = ["MAX_SEGMENT_STEPS", "HindsightExperienceReplay", "goal_reached_reward"]
+
+MAX_SEGMENT_STEPS = 1000  # the default segment: at most this many steps, and at most a quarter of buffer_size
 
 _NOT_TRUNCATED = np.zeros(1, bool)  # the simple API has no time limits: done is termination
 
@@ -82,8 +85,11 @@ class HindsightExperienceReplay:
     Transitions are grouped into episodes by ``done`` (the step with ``done`` true is an episode's last; its
     ``next_state`` the episode's final state). A ``state`` that is not the previous transition's ``next_state``
     also starts a new episode (the one before is stored as truncated): a reset without ``done`` (a time limit)
-    does not merge two episodes. :meth:`sample` draws transitions uniformly from the stored ones, the unfinished episode
-    included; ``her_ratio = 1 - 1 / (n_sampled_goal + 1)`` of them get as goal the achieved goal of a state
+    does not merge two episodes. An episode without ``done`` (a continuing task) is cut every ``segment_steps``
+    steps: the segment is stored as truncated and the next transition, which starts at its final state, begins a
+    new one. The trajectory goes on seamlessly, but relabelled goals are drawn within a segment. So the steps held
+    in memory, what a kill -9 loses and what :meth:`sample` copies are bounded, and no episode is ever too long for
+    the store. :meth:`sample` draws transitions uniformly from the stored ones, the unfinished segment included; ``her_ratio = 1 - 1 / (n_sampled_goal + 1)`` of them get as goal the achieved goal of a state
     reached later in the same episode (the future strategy, SB3's formulas) and a reward recomputed with
     ``reward_fn``. ``goal_sampling_strategy`` is then applied to the goals; where it changes a goal the reward is
     recomputed for the goal returned.
@@ -93,7 +99,8 @@ class HindsightExperienceReplay:
     state_dim, action_dim : int
         Sizes of the flat state and action vectors.
     buffer_size : int
-        Capacity in transitions: the oldest whole episodes are evicted first.
+        Capacity in transitions, >= 2: the store keeps ``buffer_size - segment_steps`` of the ended episodes' (the
+        oldest whole episodes are evicted first), the unfinished segment the rest, so ``len()`` never exceeds it.
     batch_size : int
         Transitions per :meth:`sample`.
     goal_sampling_strategy : callable, optional
@@ -122,6 +129,10 @@ class HindsightExperienceReplay:
         Seed of the sampling generators.
     storage_options : mapping, optional
         fsspec options for a URL ``path``.
+    segment_steps : int, optional
+        Longest segment of an episode without ``done``; default ``min(MAX_SEGMENT_STEPS, buffer_size // 4)``
+        (at least 1). At most ``buffer_size - 1``. Resuming a store needs the same ``buffer_size`` and
+        ``segment_steps``.
 
     Examples
     --------
@@ -148,10 +159,20 @@ class HindsightExperienceReplay:
         device: str | torch.device = "cpu",
         seed: int | None = None,
         storage_options: Mapping[str, Any] | None = None,
+        segment_steps: int | None = None,
     ) -> None:
-        sizes = {"state_dim": state_dim, "action_dim": action_dim, "buffer_size": buffer_size, "batch_size": batch_size}
+        sizes = {"state_dim": state_dim, "action_dim": action_dim, "batch_size": batch_size}
         for name, value in sizes.items():
             _check_int(name, value, 1)
+        _check_int("buffer_size", buffer_size, 2)  # a ring of ended episodes and an unfinished segment
+        if segment_steps is None:
+            segment_steps = max(1, min(MAX_SEGMENT_STEPS, buffer_size // 4))
+        _check_int("segment_steps", segment_steps, 1)
+        if segment_steps >= buffer_size:
+            raise ValueError(
+                f"segment_steps={segment_steps} must be less than buffer_size={buffer_size}: the store keeps "
+                "buffer_size - segment_steps transitions of ended episodes"
+            )
         _check_int("n_sampled_goal", n_sampled_goal, 0)
         if not isinstance(tolerance, (int, float, np.number)) or not tolerance >= 0:
             raise ValueError(f"tolerance must be a number >= 0, got {tolerance!r}")
@@ -160,7 +181,7 @@ class HindsightExperienceReplay:
         if reward_fn is not None and not callable(reward_fn):
             raise TypeError(f"reward_fn must be callable(achieved_goal, desired_goal, info), got {reward_fn!r}")
         self.state_dim, self.action_dim, self.batch_size = int(state_dim), int(action_dim), int(batch_size)
-        self.buffer_size = int(buffer_size)
+        self.buffer_size, self.segment_steps = int(buffer_size), int(segment_steps)
         self.goal_sampling_strategy = goal_sampling_strategy
         self.reward_fn: RewardFn = reward_fn or functools.partial(goal_reached_reward, tolerance=tolerance)
         self.path = path
@@ -173,11 +194,19 @@ class HindsightExperienceReplay:
         self.storage: HerReplayStorage | None = None
         self._last_next = np.empty(0, np.float32)  # the next_state of the last transition stored
         if path is not None:
-            stored = _stored_goal_dim(path, storage_options)
+            stored = _stored_sizes(path, storage_options)
             if stored is not None:
-                if goal_dim is not None and goal_dim != stored:
-                    raise SchemaMismatchError(f"{path} holds goals of size {stored}, got goal_dim={goal_dim}")
-                goal_dim = stored
+                stored_goal_dim, capacity = stored
+                if goal_dim is not None and goal_dim != stored_goal_dim:
+                    raise SchemaMismatchError(f"{path} holds goals of size {stored_goal_dim}, got goal_dim={goal_dim}")
+                if capacity != self.buffer_size - self.segment_steps:
+                    raise SchemaMismatchError(
+                        f"{path} keeps {capacity} transitions of ended episodes (its capacity); buffer_size="
+                        f"{self.buffer_size} with segment_steps={self.segment_steps} keeps "
+                        f"{self.buffer_size - self.segment_steps}: resume with the buffer_size and segment_steps "
+                        "it was made with"
+                    )
+                goal_dim = stored_goal_dim
         if goal_dim is not None:
             self._open(goal_dim)
 
@@ -197,10 +226,11 @@ class HindsightExperienceReplay:
         obs = spaces.Dict({"observation": box((self.state_dim,)), "achieved_goal": box((goal_dim,)),
                            "desired_goal": box((goal_dim,))})
         self.storage = HerReplayStorage(
-            obs, box((self.action_dim,)), storage_size=self.buffer_size,
+            obs, box((self.action_dim,)), storage_size=self.buffer_size - self.segment_steps,
             batch_size=self.batch_size, num_goals=self.n_sampled_goal, reward_fn=self.reward_fn, path=self.path,
             storage_options=self._storage_options, seed=self._seed,
             commit_interval=0,  # an ended episode is committed at once, so len() counts it and sample() draws it
+            segment_steps=self.segment_steps,
         )
 
     def store_transition(self, state: Any, action: Any, reward: Any, next_state: Any, done: Any, goal: Any) -> None:
@@ -230,14 +260,14 @@ class HindsightExperienceReplay:
         writer = self.storage.writer
         if writer.pending_steps[0] and not np.array_equal(s.astype(np.float32), self._last_next, equal_nan=True):
             writer.flush_partial()  # a jump (a reset without done): the episode so far ends, truncated
-        writer.add(
-            {"observation": s, "achieved_goal": s[:, :gd], "desired_goal": g},
-            {"observation": ns, "achieved_goal": ns[:, :gd], "desired_goal": g}, a, r, d, _NOT_TRUNCATED,
+        self.storage.add(  # which cuts the episode at segment_steps
+            {"observation": s, "achieved_goal": s[:, :gd], "desired_goal": g}, a, r, d, _NOT_TRUNCATED, None,
+            {"observation": ns, "achieved_goal": ns[:, :gd], "desired_goal": g},
         )
         self._last_next = ns.astype(np.float32)
 
     def __len__(self) -> int:
-        """Transitions stored: the committed episodes' and the unfinished episode's."""
+        """Transitions stored: the committed episodes' and the unfinished segment's (at most ``buffer_size``)."""
         if self.storage is None:
             return 0
         return self.storage.store.snapshot().num_transitions + int(self.storage.writer.pending_steps[0])
@@ -248,7 +278,7 @@ class HindsightExperienceReplay:
         float32 tensors on the device: states and next states ``(B, state_dim)``, actions ``(B, action_dim)``,
         rewards and dones ``(B, 1)``, goals ``(B, goal_dim)``. None until ``batch_size`` transitions are stored.
         ``dones`` are the stored ``done`` flags, also for relabelled goals (as SB3: reaching a relabelled goal does
-        not end the episode). Each call copies the unfinished episode's steps once (``writer.pending``).
+        not end the episode). Each call copies the unfinished segment's steps once (at most ``segment_steps``).
 
         Raises
         ------
@@ -329,13 +359,15 @@ class HindsightExperienceReplay:
         self.close()
 
 
-def _stored_goal_dim(path: str | os.PathLike[str], storage_options: Mapping[str, Any] | None) -> int | None:
-    """Goal size of the store at ``path``, or None when there is none."""
+def _stored_sizes(
+    path: str | os.PathLike[str], storage_options: Mapping[str, Any] | None
+) -> tuple[int, int | None] | None:
+    """Goal size and capacity of the store at ``path``, or None when there is none."""
     try:
         with EpisodeStore.open(path, "r", storage_options) as store:
-            shape = store.observation_space["desired_goal"].shape
+            shape, capacity = store.observation_space["desired_goal"].shape, store.capacity
     except NotAStoreError:
         return None
     if shape is None or len(shape) != 1:
         raise SchemaMismatchError(f"{path} holds goals of shape {shape}; this API stores flat goal vectors")
-    return int(shape[0])
+    return int(shape[0]), capacity
