@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import copy
-import gc
 import os
 import pickle
+import subprocess
+import sys
 import time
 import warnings
 
@@ -20,7 +21,14 @@ from stable_baselines3.common.vec_env import DummyVecEnv, SubprocVecEnv, VecNorm
 from stable_baselines3.her import GoalSelectionStrategy as SB3Strategy
 from stable_baselines3.her import HerReplayBuffer
 
-from her_store import EpisodeStore, EpisodeValidationError, NotAStoreError, SchemaMismatchError, StoreError
+from her_store import (
+    EpisodeStore,
+    EpisodeValidationError,
+    NotAStoreError,
+    SchemaMismatchError,
+    StoreError,
+    StoreLockedError,
+)
 from her_store.envs import PointGoalEnv
 from her_store.integrations.sb3 import ZarrHerReplayBuffer
 
@@ -289,7 +297,6 @@ def test_save_and_load_replay_buffer_write_a_small_handle_and_resume(tmp_path):
     model.save(tmp_path / "model")
     rb.close()
     del model, rb
-    gc.collect()
 
     loaded = SAC.load(tmp_path / "model", env=env)  # builds a buffer on the same path: resumes, never wipes
     assert len(loaded.replay_buffer.store) == committed
@@ -353,7 +360,6 @@ def test_a_temporary_store_is_removed_at_close_unless_a_handle_was_saved(tmp_pat
     _collect([rb], venv, 10)
     blob = pickle.dumps(rb)
     del rb
-    gc.collect()
     back = pickle.loads(blob)
     back.set_env(venv)
     assert back.sample(4).rewards.shape == (4, 1) and len(back.store) == 10
@@ -452,6 +458,27 @@ def test_the_integration_is_an_sb3_her_buffer_and_takes_sb3_names():
     rb.truncate_last_trajectory()  # nothing added: nothing to do
     rb.close()
     rb.close()
+
+
+def test_a_store_another_live_process_writes_is_refused(tmp_path):
+    """Collecting this process's garbage cannot free a lock another process holds: still refused."""
+    venv = _venv(1)
+    _buffer(venv, path=tmp_path / "rb").close()
+    code = "import sys, her_store; s = her_store.EpisodeStore.open(sys.argv[1], 'a'); print(1, flush=True); sys.stdin.read()"
+    holder = subprocess.Popen(
+        [sys.executable, "-c", code, str(tmp_path / "rb")], stdin=subprocess.PIPE, stdout=subprocess.PIPE
+    )
+    try:
+        assert holder.stdout.readline().strip() == b"1"
+        with pytest.raises(StoreLockedError, match=f"pid {holder.pid}"):
+            _buffer(venv, path=tmp_path / "rb")
+        other = _buffer(venv, path=tmp_path / "other")  # a buffer of this process holds a store: gc, then retry
+        with pytest.raises(StoreLockedError, match=f"pid {holder.pid}.*close it first"):
+            _buffer(venv, path=tmp_path / "rb")
+        other.close()
+    finally:
+        holder.communicate(b"")
+    _buffer(venv, path=tmp_path / "rb").close()  # free again once that process has ended
 
 
 def test_a_closed_buffer_refuses_use_and_a_handle_of_a_removed_store_says_so(tmp_path):

@@ -18,7 +18,7 @@ from stable_baselines3.common.vec_env import SubprocVecEnv
 from stable_baselines3.her import GoalSelectionStrategy as SB3Strategy
 from stable_baselines3.her import HerReplayBuffer
 
-from her_store import EpisodeStore, GoalSelectionStrategy
+from her_store import EpisodeStore, GoalSelectionStrategy, StoreLockedError
 from her_store.integrations.sb3 import ZarrHerReplayBuffer
 from her_store.integrations.sb3_layout import sb3_arrays
 
@@ -199,15 +199,30 @@ def _sac(env, tmp_path, **kw):
     )
 
 
-def test_save_load_learn_goes_on_appending_to_the_store(tmp_path):
-    """model.load rebuilds the buffer from its kwargs: the store it names is resumed, not wiped."""
+def _steps(buffer: ZarrHerReplayBuffer) -> int:
+    """Steps the buffer holds: stored, and staged in unfinished episodes."""
+    return buffer.store.num_transitions + int(buffer._writer.pending_steps.sum())
+
+
+@pytest.fixture
+def no_gc():
+    """The cycle collector off, as between two of its runs: a dropped SB3 model is then still in memory."""
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
+
+
+def test_save_load_learn_goes_on_appending_to_the_store(tmp_path, no_gc):
+    """model.load rebuilds the buffer from its kwargs: the store it names is resumed, not wiped (right after
+    ``del model``, as SB3's docs do it: the dropped model's buffer releases the store)."""
     env = BitFlippingEnv(n_bits=4, continuous=True, max_steps=5)
     model = _sac(env, tmp_path)
     model.learn(60)
     model.save(tmp_path / "model")
     before = {k: v.copy() for k, v in model.replay_buffer.store.episodes.items()}
     del model
-    gc.collect()
     model = SAC.load(tmp_path / "model", env=env)
     assert isinstance(model.replay_buffer, ZarrHerReplayBuffer)
     assert model.replay_buffer.store.num_episodes == len(before["episode_id"])
@@ -226,7 +241,27 @@ def test_save_load_learn_goes_on_appending_to_the_store(tmp_path):
     assert (buffer.ep_length > 0).sum() == n and buffer._current_ep_start[0] == buffer.pos
 
 
-def test_save_and_load_replay_buffer_into_a_new_model(tmp_path):
+def test_sb3s_documented_save_and_load_flows_work_as_written(tmp_path, no_gc):
+    """SB3's docs example (save, save_replay_buffer, del model, load, load_replay_buffer) and loading a handle
+    into the model that saved it; a buffer still in use keeps the store to itself."""
+    env = BitFlippingEnv(n_bits=4, continuous=True, max_steps=5)
+    model = _sac(env, tmp_path)
+    model.learn(40)
+    model.save(tmp_path / "her_sac")
+    model.save_replay_buffer(tmp_path / "her_rb")
+    model.load_replay_buffer(tmp_path / "her_rb")  # the buffer it replaces is in a cycle of SB3's callbacks
+    assert _steps(model.replay_buffer) == 40
+    del model
+    model = SAC.load(tmp_path / "her_sac", env=env)
+    model.load_replay_buffer(tmp_path / "her_rb")
+    model.learn(20, reset_num_timesteps=False)
+    assert _steps(model.replay_buffer) == 60
+    with pytest.raises(StoreLockedError, match=r"close it first \(model.replay_buffer.close\(\)\)"):
+        SAC.load(tmp_path / "her_sac", env=env)  # the loaded model's buffer is in use
+    model.replay_buffer.close()
+
+
+def test_save_and_load_replay_buffer_into_a_new_model(tmp_path, no_gc):
     """The pickle is a handle; loading it gives the stored episodes, the last one truncated as SB3 does."""
     env = BitFlippingEnv(n_bits=4, continuous=True, max_steps=5)
     model = _sac(env, tmp_path)
@@ -239,7 +274,6 @@ def test_save_and_load_replay_buffer_into_a_new_model(tmp_path):
     with open(tmp_path / "handle.pkl", "rb") as f:
         assert b"observations" not in f.read()  # no arrays of transitions in it
     del model
-    gc.collect()
     model = SAC(
         "MultiInputPolicy",
         env,

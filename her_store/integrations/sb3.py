@@ -9,6 +9,7 @@ relabelling (her_ratio split, future/final/episode formulas, rewards from the en
 from __future__ import annotations
 
 import copy
+import gc
 import os
 import shutil
 import tempfile
@@ -21,7 +22,7 @@ import numpy as np
 import torch as th
 from gymnasium import spaces
 
-from her_store.errors import NotAStoreError, StoreError
+from her_store.errors import NotAStoreError, StoreError, StoreLockedError
 from her_store.integrations import require
 from her_store.integrations.sb3_layout import SB3Arrays, sb3_arrays
 from her_store.relabel import GoalSelectionStrategy, GoalStrategy, parse_strategy
@@ -61,6 +62,7 @@ class _Resources:
         self.sampler: Any = None
         self.tmpdir: str | None = None
         self.keep_tmpdir = False
+        _RESOURCES.add(self)
 
     def close(self) -> None:
         if self.sampler is not None:
@@ -72,6 +74,33 @@ class _Resources:
         if self.tmpdir is not None and not self.keep_tmpdir:
             shutil.rmtree(self.tmpdir, ignore_errors=True)
             self.tmpdir = None
+
+
+_RESOURCES: weakref.WeakSet[_Resources] = weakref.WeakSet()  # of every buffer of this process not yet released
+
+
+def _open_store_here(
+    url: str, observation_space: spaces.Dict, action_space: spaces.Space, **kwargs: Any
+) -> EpisodeStore:
+    """``open_store``, collecting garbage once when the store is locked while a buffer of this process holds a store.
+
+    A buffer releases its store when it is garbage collected, and SB3 keeps dropped buffers alive in a reference
+    cycle (its callbacks hold the locals of ``learn``) until the cycle collector runs: ``del model`` then
+    ``SAC.load(...)``, or ``load_replay_buffer`` into the same model, would find the store still locked. A lock
+    held by a buffer still in use, or by another process, is refused as before.
+    """
+    try:
+        return open_store(url, observation_space, action_space, **kwargs)
+    except StoreLockedError:
+        if not any(r.store is not None for r in list(_RESOURCES)):
+            raise
+    gc.collect()
+    try:
+        return open_store(url, observation_space, action_space, **kwargs)
+    except StoreLockedError as e:
+        raise StoreLockedError(
+            f"{e}; if that is a buffer of this process, close it first (model.replay_buffer.close())"
+        ) from None
 
 
 def _env_method(ref: weakref.ref, method: str) -> Callable[[np.ndarray, np.ndarray, Any], np.ndarray]:
@@ -166,9 +195,12 @@ class ZarrHerReplayBuffer(_her.HerReplayBuffer):
     ``save_replay_buffer``/pickle write a handle (store URL, spaces, configuration, unfinished episodes), not the
     data; loading it reopens the store at first use, needing no env (a removed store is an error, never replaced
     by an empty one; unfinished episodes saved in the handle are dropped, with a warning, if the store committed
-    episodes after the save). The buffer of a model still alive in this process holds the store's writer lock:
-    ``model.replay_buffer.close()`` it before loading its handle into another model here. ``copy.deepcopy`` copies a local store into a fresh
-    temporary directory (an independent buffer, removed at close); a store on object storage is not copied.
+    episodes after the save). A buffer holds its store's writer lock until it is closed or dropped: SB3's
+    documented flows work as written (``del model`` then ``SAC.load(..., env=env)`` and ``load_replay_buffer``, or
+    ``load_replay_buffer`` into the model that saved the handle), as a store locked while this process holds
+    buffers is opened again after one garbage collection; a buffer still in use here, e.g. of a second live model,
+    must be ``close()``-d first. ``copy.deepcopy`` copies a local store into a fresh temporary directory (an
+    independent buffer, removed at close); a store on object storage is not copied.
     ``reset()`` restarts ``pos``/``size()`` as SB3's does and keeps the stored episodes (SB3's HER buffer
     still samples them too). Episodes are committed by the store's group commit and before a ``sample`` that
     follows an episode end (one commit, about a millisecond): as with SB3's buffer, a batch may hold every
@@ -309,7 +341,7 @@ class ZarrHerReplayBuffer(_her.HerReplayBuffer):
                     f"({e}); a handle holds no data: restore the store there, or build a new buffer"
                 ) from e
             self._must_exist = False
-        store = open_store(self.url, self.observation_space, self.action_space, **kwargs)
+        store = _open_store_here(self.url, self.observation_space, self.action_space, **kwargs)
         self._res.store = store
         self._writer = store.writer(self.n_envs)
         if self.copy_info_dict:
