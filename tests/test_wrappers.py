@@ -15,14 +15,12 @@ from stable_baselines3.common.envs import BitFlippingEnv
 
 from her_store import (
     EpisodeStore,
-    EpisodeValidationError,
     ReadOnlyStoreError,
     SchemaMismatchError,
-    StoreError,
     open_store,
 )
 from her_store.envs import ENV_ID, PointGoalEnv
-from her_store.integrations.wrappers import GoalEnvFlattener, RecordEpisodes, RecordVectorEpisodes
+from her_store.integrations.wrappers import GoalEnvFlattener, RecordEpisodes, RecordingWarning, RecordVectorEpisodes
 from tests.conftest import GOAL_KEYS, assert_episode_equal, random_rows
 
 
@@ -415,7 +413,8 @@ def test_a_store_that_does_not_fit_the_env_is_refused_and_left_intact(tmp_path):
     with RecordEpisodes(bits, path) as env:
         env.reset(seed=0)
         for _ in range(3):
-            env.step(0)
+            if any(env.step(0)[2:4]):
+                env.reset()
     n = len(stored(path))
     assert n >= 1
     with pytest.raises(SchemaMismatchError, match="observation_space differs"):
@@ -472,11 +471,17 @@ def test_a_refused_step_drops_the_episodes_it_belonged_to_and_recording_goes_on(
     envs.reset(seed=0)
     for t in range(16):
         if t == 6:  # env 0's step 6 (its second episode: t=4 was its reset); env 1 ends its second episode
-            with pytest.raises(EpisodeValidationError, match=r"infos\['is_success'\]"):
-                envs.step(np.zeros((2, 2), np.float32))
+            with pytest.warns(RecordingWarning) as warned:
+                *_, truncated, infos = envs.step(np.zeros((2, 2), np.float32))
+            assert [str(w.message).split(" was dropped")[0][-26:] for w in warned] == [
+                "env 0's episode of 2 steps", "env 1's episode of 3 steps"]
+            assert {w.filename for w in warned} == {__file__}  # the warnings point at the caller's step
+            assert truncated.tolist() == [False, True] and infos["is_success"][0] == 1e39  # the env's values
         else:
             envs.step(np.zeros((2, 2), np.float32))
     envs.close()
+    assert [(d.env, d.steps) for d in envs.dropped] == [(0, 2), (1, 3)]
+    assert all(d.reason.startswith("EpisodeValidationError: infos['is_success']") for d in envs.dropped)
     want0, want1 = logged_episodes(logs[0]), logged_episodes(logs[1])
     assert_same_episodes(stored(tmp_path / "run", env_index=0), want0[:1] + want0[2:])
     assert_same_episodes(stored(tmp_path / "run", env_index=1), want1[:1] + want1[2:])
@@ -489,11 +494,13 @@ def test_an_observation_refused_at_reset_drops_that_episode_only(tmp_path):
     for t in range(1, 13):
         _, _, terminated, truncated, _ = env.step(np.zeros(2, np.float32))
         if t == 7:  # mid-episode: the step's obs is only checked when the episode ends
-            with pytest.raises(EpisodeValidationError, match=r"next_obs\['observation'\]"):
-                env.reset()
+            with pytest.warns(RecordingWarning, match=r"env 0's episode of 2 steps .*next_obs\['observation'\]"):
+                obs, _ = env.reset()
+            assert obs["observation"].shape == (4,)
         if terminated or truncated or t == 7:
             env.reset()  # after the refused reset nothing is pending any more
     env.close()
+    assert [(d.env, d.steps) for d in env.dropped] == [(0, 2)]
     want = logged_episodes(log, ())
     assert [len(w["action"]) for w in want] == [5, 2, 5]
     assert_same_episodes(stored(tmp_path / "run"), [want[0], *want[2:]])
@@ -517,8 +524,9 @@ def test_a_masked_reset_whose_episode_is_refused_drops_the_running_episodes_of_t
         _, _, terminated, truncated, _ = envs.step(np.zeros(2, np.int64))
         done = terminated | truncated
         if t == 1:  # env 0's bad observation is checked when its episode is ended: env 1's is cut short too
-            with pytest.raises(EpisodeValidationError, match=r"next_obs\['observation'\]"):
+            with pytest.warns(RecordingWarning, match=r"next_obs\['observation'\]"):
                 envs.reset(options={"reset_mask": np.array([True, False])})
+            assert [(d.env, d.steps) for d in envs.dropped] == [(0, 2), (1, 2)]
         elif done.any():
             envs.reset(options={"reset_mask": done})
     envs.close()
@@ -528,27 +536,58 @@ def test_a_masked_reset_whose_episode_is_refused_drops_the_running_episodes_of_t
         assert_same_episodes(stored(tmp_path / "run", env_index=i), want[1:])
 
 
-def test_episodes_longer_than_the_capacity_raise_and_are_dropped_whether_ended_by_the_env_or_a_reset(tmp_path):
+def test_episodes_longer_than_the_capacity_are_dropped_with_a_warning_and_the_env_values_still_returned(tmp_path):
     log: list = []
     env = RecordEpisodes(Log(PointGoalEnv(max_episode_steps=5), log), tmp_path / "run", capacity=3)
     env.reset(seed=0)
     step = lambda: env.step(np.zeros(2, np.float32))
     for _ in range(4):
         step()
-    with pytest.raises(EpisodeValidationError, match="episode of 5 steps dropped"):
-        step()  # truncated by the env at its capacity + 2
+    with pytest.warns(RecordingWarning, match=r"env 0's episode of 5 steps was dropped, not recorded \("
+                                              r"EpisodeValidationError: .*capacity 3\).*1 dropped so far"):
+        _, _, terminated, truncated, info = step()  # truncated by the env at its capacity + 2
+    assert (terminated, truncated, info["t"]) == (False, True, 5)  # the caller learns that the episode ended
     env.reset()
     step(), step()
     env.reset()  # 2 steps: recorded
     for _ in range(4):
         step()
-    with pytest.raises(EpisodeValidationError, match="episode of 4 steps dropped"):
+    with pytest.warns(RecordingWarning, match="episode of 4 steps was dropped.*2 dropped so far"):
         env.reset()
     step(), step(), step()
     env.close()
     want = logged_episodes(log, ())
     assert [len(w["action"]) for w in want] == [5, 2, 4, 3] and env.episode_ids == [0, 1]
+    assert [(d.env, d.steps) for d in env.dropped] == [(0, 5), (0, 4)]
     assert_same_episodes(stored(tmp_path / "run"), want[3:])  # the ring of 3 transitions evicted the 2-step one
+
+
+def test_a_loop_that_resets_on_the_returned_end_records_no_bogus_episode_after_a_dropped_one(tmp_path):
+    env = RecordEpisodes(PointGoalEnv(max_episode_steps=5), tmp_path / "run", capacity=3)
+    env.reset(seed=0)
+
+    def loop():  # the loop of every training script: 5 + 5 steps dropped, then 3 recorded at close
+        for _ in range(13):
+            _, _, terminated, truncated, _ = env.step(np.zeros(2, np.float32))
+            if terminated or truncated:
+                env.reset()
+
+    with pytest.warns(RecordingWarning):
+        loop()
+    env.close()
+    assert [d.steps for d in env.dropped] == [5, 5] and [len(e["action"]) for e in stored(tmp_path / "run")] == [3]
+    # a loop that never resets: the steps after the end belong to no episode
+    env = RecordEpisodes(PointGoalEnv(max_episode_steps=2), tmp_path / "steps")
+    env.reset(seed=0)
+    env.step(np.zeros(2, np.float32))
+    *_, truncated, _ = env.step(np.zeros(2, np.float32))
+    assert truncated
+    with pytest.warns(RecordingWarning, match="stepped after its episode ended, without a reset"):
+        env.step(np.zeros(2, np.float32)), env.step(np.zeros(2, np.float32))
+    env.reset()
+    env.step(np.zeros(2, np.float32))
+    env.close()
+    assert [len(e["action"]) for e in stored(tmp_path / "steps")] == [2, 1] and env.dropped == []
 
 
 def test_a_store_given_open_is_left_to_its_owner(tmp_path):
@@ -563,8 +602,9 @@ def test_a_store_given_open_is_left_to_its_owner(tmp_path):
         running.step(zero)
     assert len(stored(tmp_path / "run")) == 1
     done.close()  # its episode ended: nothing left to write to the closed store
-    with pytest.raises(StoreError, match="episode of 1 steps dropped .*is closed"):
+    with pytest.warns(RecordingWarning, match=r"episode of 1 steps was dropped, not recorded \(StoreError: .*is closed"):
         running.close()
+    assert [(d.env, d.steps) for d in running.dropped] == [(0, 1)]
 
 
 def test_a_recorder_never_closed_ends_its_episode_and_closes_its_store_when_collected(tmp_path):

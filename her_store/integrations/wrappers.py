@@ -9,8 +9,9 @@ rollouts into a her_store dataset through the store's :class:`~her_store.writer.
 from __future__ import annotations
 
 import os
+import warnings
 import weakref
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import gymnasium as gym
@@ -18,11 +19,12 @@ import numpy as np
 from gymnasium import spaces
 from gymnasium.vector import AutoresetMode, VectorEnv, VectorWrapper
 
-from her_store.errors import EpisodeValidationError, SchemaMismatchError
+from her_store.errors import EpisodeValidationError, SchemaMismatchError, StoreError
 from her_store.schema import GOAL_KEYS, Field, Schema, conform
 from her_store.store import EpisodeStore, open_store
+from her_store.writer import DroppedEpisode
 
-__all__ = ["GoalEnvFlattener", "RecordEpisodes", "RecordVectorEpisodes"]
+__all__ = ["GoalEnvFlattener", "RecordEpisodes", "RecordVectorEpisodes", "RecordingWarning"]
 
 _FLAT_KINDS = (spaces.Box, spaces.MultiBinary, spaces.Discrete)
 
@@ -302,32 +304,71 @@ def _open(
     return store, owned
 
 
-class _Recorder:
-    """Steps of ``n_envs`` envs fed to one StepWriter: the last observations kept, a step the store refuses handled.
+class RecordingWarning(UserWarning):
+    """An episode a recorder did not write into its store; the env's values were returned to the caller all the same.
 
-    A refused step cannot be part of any recorded episode, so the episodes it belonged to are dropped (never
-    spliced): their envs sit out (``skip``) until those episodes end.
+    Examples
+    --------
+    >>> import warnings
+    >>> with warnings.catch_warnings():
+    ...     warnings.simplefilter("error", RecordingWarning)  # a run that must not lose an episode: raise instead
+    ...     obs, reward, terminated, truncated, info = env.step(env.action_space.sample())
     """
 
-    def __init__(self, store: EpisodeStore, owned: bool, n_envs: int) -> None:
-        self.store, self.owned, self.n_envs = store, owned, n_envs
+
+class _Recorder:
+    """Steps of ``n_envs`` envs fed to one StepWriter: the last observations kept, what the store refuses reported.
+
+    A refused step cannot be part of any recorded episode, so the episodes it belonged to are dropped (never
+    spliced): their envs sit out (``skip``) until those episodes end. Every dropped episode, refused by the store or
+    failed to append, is listed in ``dropped`` and warned about (:class:`RecordingWarning`); a store error is never
+    raised from a step or a reset, whose values belong to the caller.
+    """
+
+    def __init__(self, store: EpisodeStore, owned: bool, n_envs: int, label: str) -> None:
+        self.store, self.owned, self.n_envs, self.label = store, owned, n_envs, label
         self.writer = store.writer(n_envs)
         self.episode_ids: list[int] = []
+        self.dropped: list[DroppedEpisode] = []
         self.last_obs: dict[str, np.ndarray] | None = None
         self.lost = np.zeros(n_envs, bool)  # envs whose current episode lost a refused step
+
+    def require_reset(self) -> None:
+        """Refuse a step before the first reset (before the env is stepped, so none of its values is lost)."""
+        if self.last_obs is None:
+            raise gym.error.ResetNeeded("the recorder needs a reset before the first step")
+
+    def _report(self, episodes: Iterable[DroppedEpisode]) -> None:
+        for d in episodes:
+            self.dropped.append(d)
+            warnings.warn(
+                f"{self.label}: env {d.env}'s episode of {d.steps} steps was dropped, not recorded ({d.reason}); "
+                f"recording goes on with that env's next episode ({len(self.dropped)} dropped so far, see .dropped)",
+                RecordingWarning,
+                stacklevel=4,
+            )
+
+    def _refused(self, envs: np.ndarray, steps: np.ndarray, err: StoreError) -> list[DroppedEpisode]:
+        """The pending episodes of ``envs`` lost a step or their end: a new writer; returns those episodes."""
+        self.writer = self.store.writer(self.n_envs)
+        reason = f"{type(err).__name__}: {err}"
+        return [DroppedEpisode(e, int(steps[e]), reason) for e in np.flatnonzero(envs).tolist()]
 
     def reset(self, obs: Mapping[str, Any], envs: np.ndarray | None) -> None:
         """After ``envs`` (a mask; None: all) were reset: end their unfinished episodes as truncated, keep ``obs``."""
         chosen = np.ones(self.n_envs, bool) if envs is None else envs
+        writer = self.writer
+        n, seen, before = len(writer.episode_ids), len(writer.dropped), writer.pending_steps.copy()
         try:
-            self.episode_ids += self.writer.flush_partial(np.flatnonzero(chosen).tolist())
-        except Exception:
-            pending = self.writer.pending_steps > 0
-            if (pending & chosen).any():  # refused, not dropped: no one else can end them
-                self.writer = self.store.writer(self.n_envs)
+            writer.flush_partial(np.flatnonzero(chosen).tolist())
+        except StoreError as err:
+            pending = writer.pending_steps > 0
+            if (pending & chosen).any():  # the last next_obs was refused: no pending episode can be ended
+                self._report(self._refused(pending, before, err))
                 self.lost |= pending & ~chosen
-            raise
         finally:
+            self.episode_ids += writer.episode_ids[n:]
+            self._report(writer.dropped[seen:])
             if self.last_obs is None or envs is None:
                 self.last_obs = {k: np.array(v) for k, v in obs.items()}
             else:
@@ -347,22 +388,21 @@ class _Recorder:
         skip: np.ndarray,
     ) -> None:
         """Stage one step of every env but ``skip``; ``obs`` is what the envs start their next step from."""
-        if self.last_obs is None:
-            raise gym.error.ResetNeeded("the recorder needs a reset before the first step")
+        self.require_reset()
         done = terminated | truncated
         skipped = skip | self.lost
-        before = self.writer.pending_steps
+        writer = self.writer
+        n, seen, before = len(writer.episode_ids), len(writer.dropped), writer.pending_steps.copy()
         try:
-            self.episode_ids += self.writer.add(
-                self.last_obs, next_obs, action, reward, terminated, truncated, infos, skip=skipped
-            )
-        except Exception:
-            if not np.array_equal(self.writer.pending_steps, np.where(done | skipped, 0, before + 1)):
+            writer.add(self.last_obs, next_obs, action, reward, terminated, truncated, infos, skip=skipped)
+        except StoreError as err:
+            if not np.array_equal(writer.pending_steps, np.where(done | skipped, 0, before + 1)):
                 # the step was refused: the episodes it belonged to can no longer be recorded whole
-                self.writer = self.store.writer(self.n_envs)
+                self._report(self._refused(~skipped, before + 1, err))
                 self.lost |= ~skip
-            raise
         finally:
+            self.episode_ids += writer.episode_ids[n:]
+            self._report(writer.dropped[seen:])
             self.lost &= ~done
             self.last_obs = {k: np.array(v) for k, v in obs.items()}
 
@@ -373,7 +413,7 @@ class _Recorder:
         """
         try:
             if self.last_obs is not None:
-                self.episode_ids += self.writer.flush_partial()
+                self.reset(self.last_obs, None)
         finally:
             if self.owned:
                 self.store.close()
@@ -394,11 +434,18 @@ class RecordEpisodes(gym.Wrapper):
     limit. Wrap the goal env itself (Dict observations), inside any flattening wrapper. A wrapper that is never
     closed does the same when it is garbage collected or the interpreter exits.
 
-    A step the store refuses (a value its space cannot hold) raises; the episode it belonged to is not recorded
-    (never spliced around the gap), and recording resumes with the env's next episode. An episode the store cannot
-    append (longer than its capacity) raises and is dropped. Inside the env fns of a ``SyncVectorEnv`` several
-    recorders may share one open store; an ``AsyncVectorEnv``'s workers cannot write the parent's store (one writer
-    per store): wrap the vector env with :class:`RecordVectorEpisodes` instead.
+    The recorder never hides what the env returned: ``step`` and ``reset`` always return the env's values, and what
+    the store refuses is reported, not raised. A step the store refuses (a value its space cannot hold) drops the
+    episode it belonged to (never spliced around the gap), and recording resumes with the env's next episode; an
+    episode the store cannot append (longer than its capacity, or a failed write) is dropped too. Each dropped
+    episode is warned about (:class:`RecordingWarning`, naming the env, the episode's steps and the store's reason;
+    turn it into an error with ``warnings.simplefilter("error", RecordingWarning)``) and listed in :attr:`dropped`.
+    Steps the env takes after its episode ended and before a reset (a loop that does not reset) belong to no
+    episode and are not recorded (one RecordingWarning says so).
+
+    Inside the env fns of a ``SyncVectorEnv`` several recorders may share one open store; an ``AsyncVectorEnv``'s
+    workers cannot write the parent's store (one writer per store): wrap the vector env with
+    :class:`RecordVectorEpisodes` instead.
 
     Parameters
     ----------
@@ -419,6 +466,8 @@ class RecordEpisodes(gym.Wrapper):
     ------
     SchemaMismatchError
         The store's spaces (or its card's env_id) are not the env's.
+    gymnasium.error.ResetNeeded
+        A step before the first reset (the env is not stepped).
 
     Examples
     --------
@@ -429,8 +478,8 @@ class RecordEpisodes(gym.Wrapper):
     ...     if terminated or truncated:
     ...         obs, info = env.reset()
     >>> env.close()  # the unfinished episode is ended as truncated; the store is committed and closed
-    >>> env.episode_ids  # two 50-step episodes
-    [0, 1]
+    >>> env.episode_ids, env.dropped  # two 50-step episodes; none refused
+    ([0, 1], [])
     """
 
     def __init__(self, env: gym.Env, store: EpisodeStore | str | os.PathLike[str], **store_options: Any) -> None:
@@ -441,8 +490,9 @@ class RecordEpisodes(gym.Wrapper):
             )
         super().__init__(env)
         store, owned = _open(store, env.observation_space, env.action_space, _env_id(env), store_options)
-        self._recorder = _Recorder(store, owned, 1)
+        self._recorder = _Recorder(store, owned, 1, f"RecordEpisodes into {store.url}")
         self._close = weakref.finalize(self, self._recorder.close)  # once: by close, garbage collection or exit
+        self._ended = False  # the env's episode ended and it was not reset since
         self.store = store
 
     @property
@@ -450,13 +500,29 @@ class RecordEpisodes(gym.Wrapper):
         """The ids of the episodes recorded so far."""
         return self._recorder.episode_ids
 
+    @property
+    def dropped(self) -> list[DroppedEpisode]:
+        """The episodes not recorded, as :class:`~her_store.writer.DroppedEpisode` (env, steps, the store's reason)."""
+        return self._recorder.dropped
+
     def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None) -> tuple[Any, dict[str, Any]]:
         obs, info = self.env.reset(seed=seed, options=options)
         self._recorder.reset(_one(obs), None)
+        self._ended = False
         return obs, info
 
     def step(self, action: Any) -> tuple[Any, Any, bool, bool, dict[str, Any]]:
+        self._recorder.require_reset()
         obs, reward, terminated, truncated, info = self.env.step(action)
+        if self._ended:
+            warnings.warn(
+                f"RecordEpisodes into {self.store.url}: the env was stepped after its episode ended, without a reset; "
+                "such steps belong to no episode and are not recorded",
+                RecordingWarning,
+                stacklevel=2,
+            )
+        skip = np.array([self._ended])
+        self._ended = self._ended or bool(terminated or truncated)
         batch = _one(obs)
         self._recorder.step(
             batch,
@@ -466,7 +532,7 @@ class RecordEpisodes(gym.Wrapper):
             np.array([truncated], bool),
             [info],
             batch,
-            np.zeros(1, bool),
+            skip,
         )
         return obs, reward, terminated, truncated, info
 
@@ -493,7 +559,9 @@ class RecordVectorEpisodes(VectorWrapper):
     is its reset, and is not recorded), same-step (the final observation and info of an ended episode come from
     ``infos["final_obs"]`` and ``infos["final_info"]``) and disabled (reset ended envs with
     ``options={"reset_mask": ...}``). Episodes running when envs are reset or the recorder is closed are ended as
-    truncated at their last step.
+    truncated at their last step. As with :class:`RecordEpisodes`, ``step`` and ``reset`` always return the vector
+    env's values: an episode the store refuses or fails to append is dropped, warned about
+    (:class:`RecordingWarning`, naming its env) and listed in :attr:`dropped`.
 
     Parameters
     ----------
@@ -527,7 +595,7 @@ class RecordVectorEpisodes(VectorWrapper):
         store, owned = _open(
             store, env.single_observation_space, env.single_action_space, _env_id(env), store_options
         )
-        self._recorder = _Recorder(store, owned, env.num_envs)
+        self._recorder = _Recorder(store, owned, env.num_envs, f"RecordVectorEpisodes into {store.url}")
         self._close = weakref.finalize(self, self._recorder.close)
         self._autoreset = np.zeros(env.num_envs, bool)  # next-step mode: envs whose next step is their reset
         self.store = store
@@ -536,6 +604,11 @@ class RecordVectorEpisodes(VectorWrapper):
     def episode_ids(self) -> list[int]:
         """The ids of the episodes recorded so far, of every env."""
         return self._recorder.episode_ids
+
+    @property
+    def dropped(self) -> list[DroppedEpisode]:
+        """The episodes not recorded, as :class:`~her_store.writer.DroppedEpisode` (env, steps, the store's reason)."""
+        return self._recorder.dropped
 
     def reset(
         self, *, seed: int | list[int | None] | None = None, options: dict[str, Any] | None = None
@@ -548,6 +621,7 @@ class RecordVectorEpisodes(VectorWrapper):
         return obs, infos
 
     def step(self, actions: Any) -> tuple[Any, Any, Any, Any, dict[str, Any]]:
+        self._recorder.require_reset()
         obs, rewards, terminated, truncated, infos = self.env.step(actions)
         terminated, truncated = np.asarray(terminated, bool), np.asarray(truncated, bool)
         done = terminated | truncated
