@@ -451,6 +451,16 @@ def _checkpoint_callback(out: str, every: int) -> Any:
     return Checkpoints()
 
 
+def _final_checkpoint(model: Any, out: str) -> str:
+    """The last checkpoint of a run that stops: its unfinished episodes end here, as truncated (closing the buffer
+    would end them anyway), so that the store holds nothing newer than the checkpoint and a resumed run starts from
+    both as they were."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # SB3's truncation warning speaks of a buffer being loaded
+        model.replay_buffer.truncate_last_trajectory()
+    return save_checkpoint(model, out)
+
+
 def train(cfg: TrainConfig, log: Callable[[str], None] = print) -> TrainResult:
     """Train (or resume) the run ``cfg`` describes; return what it reached.
 
@@ -538,10 +548,10 @@ def train(cfg: TrainConfig, log: Callable[[str], None] = print) -> TrainResult:
             )
         else:
             log(f"the run already did {model.num_timesteps:,} of its {cfg.steps:,} steps; evaluating only")
-        checkpoint = save_checkpoint(model, cfg.out)
+        checkpoint = _final_checkpoint(model, cfg.out)
         success = evaluate(model, make_env, cfg.eval_episodes, cfg.seed + 1_000_000)
     except KeyboardInterrupt:
-        save_checkpoint(model, cfg.out)
+        _final_checkpoint(model, cfg.out)
         log(f"interrupted at step {model.num_timesteps:,}; checkpoint saved, run the same command to resume")
         raise
     finally:
