@@ -32,18 +32,18 @@ def run_main(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, 
 
 
 def test_default_run_trains_stores_checkpoints_and_resumes(tmp_path, capsys):
-    # the default job (DQN+HER, BitFlippingEnv, its hyperparameters) on a short budget
+    # the default job (DQN+HER, BitFlippingEnv, its hyperparameters) on a short budget, stopping mid-episode
     out_dir = str(tmp_path / "run")
-    code, out, err = run_main(capsys, "--out", out_dir, "--steps", "300", "--eval-episodes", "3", "--quiet")
+    code, out, err = run_main(capsys, "--out", out_dir, "--steps", "305", "--eval-episodes", "3", "--quiet")
     assert code == 0, err
     assert "success rate (deterministic)" in out and "episodes stored" in out and "resident memory" in out
     with EpisodeStore.open(os.path.join(out_dir, "store")) as store:
         first = store.num_episodes
         # every finished episode is in the store; only the last one of the single env may be unfinished
-        assert store.num_transitions == 300  # the unfinished episode was ended before the last checkpoint
+        assert store.num_transitions == 305  # the unfinished episode was ended before the last checkpoint
         assert store.episodes["length"].max() <= job.DEFAULT_N_BITS
         kept = store.episode(store.first_episode)
-    assert job.latest_checkpoint(out_dir)[0] == 300
+    assert job.latest_checkpoint(out_dir)[0] == 305
     assert sorted(os.listdir(job.latest_checkpoint(out_dir)[1])) == ["model.zip", "replay_buffer.pkl"]
     with open(os.path.join(out_dir, "run.json")) as f:
         record = json.load(f)
@@ -55,9 +55,9 @@ def test_default_run_trains_stores_checkpoints_and_resumes(tmp_path, capsys):
     # the same command with more steps resumes: the checkpoint's model, the store's episodes, the rest of the steps
     code, out, err = run_main(capsys, "--out", out_dir, "--steps", "400", "--eval-episodes", "2", "--quiet")
     assert code == 0, err
-    assert f"resuming from step 300, {first} episodes in the store" in out
+    assert f"resuming from step 305, {first} episodes in the store" in out
     assert "note:" not in out  # the finished run ended its last episode before its last checkpoint
-    assert re.search(r"steps\s*│\s*400 \(resumed from 300\)", out)
+    assert re.search(r"steps\s*│\s*400 \(resumed from 305\)", out)
     with EpisodeStore.open(os.path.join(out_dir, "store")) as store:
         assert store.num_episodes > first
         again = store.episode(kept.id)
