@@ -25,6 +25,7 @@ from gymnasium import spaces
 
 from her_store.errors import NotAStoreError, StoreError
 from her_store.integrations import require
+from her_store.storage import fsync_file
 from her_store.store import EpisodeStore
 
 __all__ = [
@@ -324,14 +325,6 @@ def latest_checkpoint(out: str) -> tuple[int, str] | None:
     return best
 
 
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def save_checkpoint(model: Any, out: str) -> str:
     """Save ``model`` and its replay buffer's handle as the run's newest checkpoint, atomically; return its directory.
 
@@ -355,11 +348,10 @@ def save_checkpoint(model: Any, out: str) -> str:
     model.save(os.path.join(tmp, "model.zip"))
     model.save_replay_buffer(os.path.join(tmp, "replay_buffer.pkl"))
     for f in os.listdir(tmp):
-        with open(os.path.join(tmp, f), "rb+") as fh:
-            os.fsync(fh.fileno())
-    _fsync_dir(tmp)
+        fsync_file(os.path.join(tmp, f))
+    fsync_file(tmp)
     os.rename(tmp, final)
-    _fsync_dir(root)
+    fsync_file(root)
     for other in os.listdir(root):
         if other.startswith((".step-", "step-")) and other != name:
             shutil.rmtree(os.path.join(root, other), ignore_errors=True)
