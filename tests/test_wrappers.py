@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import gc
+import signal
+import subprocess
+import sys
+from pathlib import Path
 
 import gymnasium as gym
 import numpy as np
@@ -359,6 +363,8 @@ def test_disabled_autoreset_records_what_masked_resets_end(tmp_path):
             done[1] = True
         if done.any():
             envs.reset(options={"reset_mask": done})
+    envs.flush()
+    assert len(stored(tmp_path / "run")) == len(envs.episode_ids) == 6  # committed while the recorder still runs
     envs.close()
     for i, log in enumerate(logs):
         assert_same_episodes(stored(tmp_path / "run", env_index=i), logged_episodes(log))
@@ -574,6 +580,8 @@ def test_a_loop_that_resets_on_the_returned_end_records_no_bogus_episode_after_a
 
     with pytest.warns(RecordingWarning):
         loop()
+    env.flush()
+    assert stored(tmp_path / "run") == []  # a flush commits, and ends no running episode
     env.close()
     assert [d.steps for d in env.dropped] == [5, 5] and [len(e["action"]) for e in stored(tmp_path / "run")] == [3]
     # a loop that never resets: the steps after the end belong to no episode
@@ -619,3 +627,29 @@ def test_a_recorder_never_closed_ends_its_episode_and_closes_its_store_when_coll
     with open_store(tmp_path / "run", point.observation_space, point.action_space):  # the lock was released
         pass
     assert_same_episodes(stored(tmp_path / "run"), logged_episodes(log, ()))
+
+
+def test_the_ids_listed_at_a_flush_survive_a_kill_and_those_after_it_are_documented_as_lost(tmp_path):
+    path = tmp_path / "run"
+    script = f"""
+import os, signal, numpy as np
+from her_store.envs import PointGoalEnv
+from her_store.integrations.wrappers import RecordEpisodes
+env = RecordEpisodes(PointGoalEnv(max_episode_steps=2), {str(path)!r}, commit_interval=3600)
+env.reset(seed=0)
+for t in range(8):  # four 2-step episodes; the first two flushed
+    if any(env.step(np.zeros(2, np.float32))[2:4]):
+        env.reset()
+    if t == 3:
+        env.flush()
+print(env.episode_ids, flush=True)
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+    run = subprocess.run([sys.executable, "-c", script], check=False, capture_output=True, text=True, timeout=120,
+                         cwd=Path(__file__).resolve().parents[1])
+    assert run.returncode == -signal.SIGKILL and run.stdout.split("\n")[0] == "[0, 1, 2, 3]", run.stderr
+    assert [len(e["action"]) for e in stored(path)] == [2, 2]  # 0 and 1; 2 and 3 were never committed
+    with RecordEpisodes(PointGoalEnv(max_episode_steps=2), path) as env:
+        env.reset(seed=0)
+        env.step(np.zeros(2, np.float32)), env.step(np.zeros(2, np.float32))
+        assert env.episode_ids == [2]  # the store gives the lost id again, as documented

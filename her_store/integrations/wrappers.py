@@ -443,6 +443,11 @@ class RecordEpisodes(gym.Wrapper):
     Steps the env takes after its episode ended and before a reset (a loop that does not reset) belong to no
     episode and are not recorded (one RecordingWarning says so).
 
+    Episode ids are given when an episode is appended and are durable once the store commits them: at its group
+    commit (every ``commit_interval`` seconds), at ``store.flush()`` or at :meth:`close`. A process killed before
+    that loses the episodes appended since the last commit, and the store then gives their ids to the next episodes
+    it appends: call :meth:`flush` when the ids in :attr:`episode_ids` must survive a kill.
+
     Inside the env fns of a ``SyncVectorEnv`` several recorders may share one open store; an ``AsyncVectorEnv``'s
     workers cannot write the parent's store (one writer per store): wrap the vector env with
     :class:`RecordVectorEpisodes` instead.
@@ -497,13 +502,24 @@ class RecordEpisodes(gym.Wrapper):
 
     @property
     def episode_ids(self) -> list[int]:
-        """The ids of the episodes recorded so far."""
+        """The ids of the episodes recorded so far, durable once the store commits them (see the class docstring)."""
         return self._recorder.episode_ids
 
     @property
     def dropped(self) -> list[DroppedEpisode]:
         """The episodes not recorded, as :class:`~her_store.writer.DroppedEpisode` (env, steps, the store's reason)."""
         return self._recorder.dropped
+
+    def flush(self) -> None:
+        """Commit the store now: every id in :attr:`episode_ids` then survives a killed process.
+
+        Running episodes stay pending: they are ended by the env, a reset or :meth:`close`, not here.
+
+        Examples
+        --------
+        >>> env.flush()  # the ids listed so far are committed
+        """
+        self.store.flush()
 
     def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None) -> tuple[Any, dict[str, Any]]:
         obs, info = self.env.reset(seed=seed, options=options)
@@ -561,7 +577,8 @@ class RecordVectorEpisodes(VectorWrapper):
     ``options={"reset_mask": ...}``). Episodes running when envs are reset or the recorder is closed are ended as
     truncated at their last step. As with :class:`RecordEpisodes`, ``step`` and ``reset`` always return the vector
     env's values: an episode the store refuses or fails to append is dropped, warned about
-    (:class:`RecordingWarning`, naming its env) and listed in :attr:`dropped`.
+    (:class:`RecordingWarning`, naming its env) and listed in :attr:`dropped`, and episode ids are durable once the
+    store commits them (its group commit, :meth:`flush` or :meth:`close`).
 
     Parameters
     ----------
@@ -602,13 +619,24 @@ class RecordVectorEpisodes(VectorWrapper):
 
     @property
     def episode_ids(self) -> list[int]:
-        """The ids of the episodes recorded so far, of every env."""
+        """The ids of the episodes recorded so far, of every env, durable once the store commits them."""
         return self._recorder.episode_ids
 
     @property
     def dropped(self) -> list[DroppedEpisode]:
         """The episodes not recorded, as :class:`~her_store.writer.DroppedEpisode` (env, steps, the store's reason)."""
         return self._recorder.dropped
+
+    def flush(self) -> None:
+        """Commit the store now: every id in :attr:`episode_ids` then survives a killed process.
+
+        Running episodes stay pending: they are ended by the env, a reset or :meth:`close`, not here.
+
+        Examples
+        --------
+        >>> envs.flush()  # the ids listed so far are committed
+        """
+        self.store.flush()
 
     def reset(
         self, *, seed: int | list[int | None] | None = None, options: dict[str, Any] | None = None
