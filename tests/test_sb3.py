@@ -7,6 +7,7 @@ import os
 import pickle
 import subprocess
 import sys
+import threading
 import time
 import warnings
 
@@ -17,7 +18,7 @@ import torch as th
 from gymnasium import spaces
 from stable_baselines3 import DDPG, DQN, SAC, TD3
 from stable_baselines3.common.envs import BitFlippingEnv
-from stable_baselines3.common.vec_env import DummyVecEnv, SubprocVecEnv, VecNormalize
+from stable_baselines3.common.vec_env import DummyVecEnv, SubprocVecEnv, VecEnvWrapper, VecNormalize
 from stable_baselines3.her import GoalSelectionStrategy as SB3Strategy
 from stable_baselines3.her import HerReplayBuffer
 
@@ -512,6 +513,54 @@ def test_prefetching_sampler_and_default_relabelled_dones(tmp_path):
     batch = model.replay_buffer.sample(16)
     n = int(model.replay_buffer.her_ratio * 16)
     np.testing.assert_array_equal(batch.dones[:n].numpy(), (batch.rewards[:n].numpy() == 0).astype(np.float32))
+
+
+class ThreadRecorder(VecEnvWrapper):
+    """A VecEnvWrapper recording the thread of every call that uses the wrapped VecEnv."""
+
+    def __init__(self, venv):
+        super().__init__(venv)
+        self.threads: set[str] = set()
+
+    def reset(self):
+        self.threads.add(threading.current_thread().name)
+        return self.venv.reset()
+
+    def step_wait(self):
+        self.threads.add(threading.current_thread().name)
+        return self.venv.step_wait()
+
+    def env_method(self, method_name, *args, indices=None, **kwargs):
+        self.threads.add(threading.current_thread().name)
+        return self.venv.env_method(method_name, *args, indices=indices, **kwargs)
+
+
+def test_prefetch_never_uses_the_pipes_of_a_subprocess_env_from_another_thread(tmp_path):
+    """With a SubprocVecEnv the training thread alone talks to the workers (no prefetch, with a warning), and
+    the relabelled rewards are the env's; a DummyVecEnv is prefetched for."""
+    venv = ThreadRecorder(_venv(2, T=5, cls=SubprocVecEnv, start_method="fork"))
+    try:
+        rb = _buffer(venv, path=tmp_path / "rb", prefetch=2, n_sampled_goal=4)
+        _collect([rb], venv, 20)
+        with pytest.warns(UserWarning, match=r"prefetch=2\) does not prefetch with ThreadRecorder\(SubprocVecEnv\)"):
+            batches = [rb.sample(32) for _ in range(4)]
+        assert venv.threads == {threading.current_thread().name}
+        for b in batches:
+            want = PointGoalEnv().compute_reward(
+                b.next_observations["achieved_goal"].numpy(), b.observations["desired_goal"].numpy(), {}
+            )
+            np.testing.assert_array_equal(b.rewards.numpy().ravel(), want)
+        rb.close()
+    finally:
+        venv.close()
+    venv = ThreadRecorder(_venv(1, T=5))
+    rb = _buffer(venv, path=tmp_path / "dummy", prefetch=2)
+    _collect([rb], venv, 20)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        rb.sample(32), rb.sample(32)
+    assert "her_store-prefetch" in venv.threads  # rewards computed ahead, in the envs of this process
+    rb.close()
 
 
 KILLED_RUN = """

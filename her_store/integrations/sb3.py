@@ -33,6 +33,7 @@ _her = require("stable_baselines3.her", "sb3")
 _types = require("stable_baselines3.common.type_aliases", "sb3")
 _utils = require("stable_baselines3.common.utils", "sb3")
 _preprocessing = require("stable_baselines3.common.preprocessing", "sb3")
+_vec_env = require("stable_baselines3.common.vec_env", "sb3")
 
 __all__ = ["ZarrHerReplayBuffer"]
 
@@ -167,7 +168,10 @@ class ZarrHerReplayBuffer(_her.HerReplayBuffer):
         desired, infos)`` (called vectorised, one call per batch) if it has one, else ``compute_reward`` reaching
         its maximum. False (default) keeps SB3's dones.
     prefetch : int
-        Batches prepared ahead in a background thread (0: none).
+        Batches prepared ahead in a background thread (0: none), with a DummyVecEnv (maybe wrapped, e.g. in a
+        VecNormalize), whose envs' ``compute_reward`` the thread calls. With envs in other processes (a
+        SubprocVecEnv) it is ignored, with a warning: their ``compute_reward`` is reached through the pipes the
+        training loop's ``env.step()`` uses, which carry one caller's request at a time.
     io_threads : int
         Threads a gather is split across (8-32 for a store larger than RAM).
     info_keys : sequence of str, optional
@@ -492,6 +496,16 @@ class ZarrHerReplayBuffer(_her.HerReplayBuffer):
         success_fn = None
         if self.relabel_terminated and self.env is not None and self.env.has_attr("compute_terminated"):
             success_fn = _terminated_fn(_env_method(ref, "compute_terminated"))
+        prefetch = self.prefetch
+        if prefetch and self.env is not None and not _in_process(self.env):
+            warnings.warn(
+                f"ZarrHerReplayBuffer(prefetch={prefetch}) does not prefetch with {_describe_venv(self.env)}: "
+                "relabelled rewards come from compute_reward through the env's worker pipes, which env.step() of "
+                "the training loop uses too, and only one thread may use them at a time; batches are prepared "
+                "when sampled (prefetch works with a DummyVecEnv)",
+                stacklevel=3,
+            )
+            prefetch = 0
         sampler = HerSampler(
             store,
             batch_size,
@@ -500,7 +514,7 @@ class ZarrHerReplayBuffer(_her.HerReplayBuffer):
             reward_fn=_env_method(ref, "compute_reward"),
             seed=self._seed,
             copy_info_dict=self.copy_info_dict,
-            prefetch=self.prefetch,
+            prefetch=prefetch,
             relabel_terminated=self.relabel_terminated,
             success_fn=success_fn,
             io_threads=self.io_threads,
@@ -554,6 +568,11 @@ class ZarrHerReplayBuffer(_her.HerReplayBuffer):
         if self.env is not None:
             raise ValueError("Trying to set env of already initialized environment.")
         self.env = env
+        sampler = self._res.sampler
+        if sampler is not None:  # made without an env: made again, to prefetch only if this env allows it
+            self._sampler_state = sampler.state_dict()
+            sampler.close()
+            self._res.sampler = None
 
     def truncate_last_trajectory(self) -> None:
         """End every unfinished episode as truncated at its last step and append it, warning as SB3 does.
@@ -693,6 +712,24 @@ class ZarrHerReplayBuffer(_her.HerReplayBuffer):
         new.__setstate__(state)
         new._res.tmpdir = tmpdir
         return new
+
+
+def _in_process(env: Any) -> bool:
+    """Whether ``env`` (a VecEnv, maybe wrapped) steps its envs in this process (a DummyVecEnv): then a
+    background thread may call their ``compute_reward`` while the training loop steps them; worker pipes (a
+    SubprocVecEnv) carry one caller's request and reply at a time."""
+    while isinstance(env, _vec_env.VecEnvWrapper):
+        env = env.venv
+    return isinstance(env, _vec_env.DummyVecEnv)
+
+
+def _describe_venv(env: Any) -> str:
+    """``VecNormalize(SubprocVecEnv)``: the VecEnv and the ones it wraps."""
+    names = [type(env).__name__]
+    while isinstance(env, _vec_env.VecEnvWrapper):
+        env = env.venv
+        names.append(type(env).__name__)
+    return "(".join(names) + ")" * (len(names) - 1)
 
 
 def _terminated_fn(call: Callable[[np.ndarray, np.ndarray, Any], np.ndarray]) -> Callable[..., np.ndarray]:
