@@ -299,3 +299,18 @@ def test_an_episode_longer_than_the_store_is_cut_not_dropped(tmp_path):
     assert unbounded.writer.pending_steps.tolist() == [30]
     s.close()
     unbounded.close()
+
+
+def test_sample_draws_from_every_ended_episode_between_group_commits(tmp_path):
+    s = HerReplayStorage(OBS, ACT, batch_size=32, reward_fn=ENV.compute_reward, path=tmp_path / "e",
+                         commit_interval=3600, seed=0)
+    collect(s, 5)  # one episode ends
+    s.sample()
+    collect(s, 5, seed=1)  # another ends, long before the group commit is due
+    with EpisodeStore.open(tmp_path / "e") as reader:
+        assert len(reader) == 5
+    s.sample()  # commits it first, as rllte samples every ended episode
+    assert s.store.snapshot().num_transitions == 10
+    with EpisodeStore.open(tmp_path / "e") as reader:
+        assert len(reader) == 10
+    s.close()

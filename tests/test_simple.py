@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import itertools
-import os
 import signal
 import subprocess
 import sys
@@ -341,15 +340,32 @@ def test_segments_bound_memory_and_what_a_kill_loses(tmp_path):
     child = f"""
 import os, signal
 from her_store.integrations.simple import HindsightExperienceReplay
-from tests.test_simple import continuing
 her = HindsightExperienceReplay(2, 1, 400, 16, path={str(path)!r}, goal_dim=1)
-continuing(her, 250)
+for x in range(250):
+    her.store_transition([x, 0.0], [x], -1.0, [x + 1, 0.0], False, [1e6])
 print(len(her), flush=True)
 os.kill(os.getpid(), signal.SIGKILL)
 """
-    out = subprocess.run([sys.executable, "-c", child], check=False, capture_output=True, text=True, timeout=60,
-                         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    out = subprocess.run([sys.executable, "-c", child], check=False, capture_output=True, text=True, timeout=60)
     assert out.returncode == -signal.SIGKILL and out.stdout.split() == ["250"], out.stderr
     with HindsightExperienceReplay(2, 1, 400, 16, path=path) as her:
         assert len(her) == 200  # two segments of 100 survive; only the unfinished 50 steps are lost
         assert her.storage.store.episodes["length"].tolist() == [100, 100]
+
+
+def test_ended_episodes_are_committed_in_groups_and_every_one_is_sampled(tmp_path):
+    her = HindsightExperienceReplay(2, 1, 1000, 64, path=tmp_path / "g", goal_dim=1, seed=0)
+    store = her.storage.store
+    generation = store.commit_record.generation
+    for i in range(40):  # each state a jump, as in the seed's example: each transition its own episode
+        her.store_transition([10.0 * i, 0.0], [i], -1.0, [10.0 * i + 1, 0.0], False, [1e6])
+    assert store.commit_record.generation - generation < 10  # not a commit per episode (39 ended)
+    assert her.sample() is None and len(her) == 40  # both see every ended episode (len commits them)
+    with EpisodeStore.open(tmp_path / "g") as reader:
+        assert len(reader) == 39  # the 40th is the unfinished one
+    for i in range(40, 70):
+        her.store_transition([10.0 * i, 0.0], [i], -1.0, [10.0 * i + 1, 0.0], False, [1e6])
+    states = her.sample()[0].numpy()[:, 0]
+    assert store.snapshot().num_transitions == 69  # the batch was drawn from every ended episode
+    assert set(states.tolist()) <= {10.0 * i for i in range(70)}
+    her.close()

@@ -144,8 +144,8 @@ class HerReplayStorage:
     seed : int, optional
         Seed of the sampler's generator.
     commit_interval : float, optional
-        Seconds between group commits (see :meth:`EpisodeStore.create`); an ended episode is sampled from once
-        committed.
+        Seconds between group commits (see :meth:`EpisodeStore.create`): at most what a kill -9 loses of the ended
+        episodes; :meth:`sample` commits the ones ended since the last commit before drawing.
     segment_steps : int, optional
         An unfinished episode that reaches this many steps is ended as truncated, and its env's next step starts
         a new episode (from the same state: the trajectory goes on seamlessly, but goals are then relabelled within
@@ -302,7 +302,10 @@ class HerReplayStorage:
                 self.writer.flush_partial(np.flatnonzero(long).tolist())
 
     def sample(self, step: int | None = None) -> HerReplayBatch:
-        """One batch of ``batch_size`` transitions from the committed episodes (``step`` is accepted, unused).
+        """One batch of ``batch_size`` transitions from the ended episodes (``step`` is accepted, unused).
+
+        Episodes ended since the last commit are committed first (one commit, about a millisecond), so every ended
+        episode is drawn from, as in rllte.
 
         The first ``int(her_ratio * batch_size)`` rows are relabelled (rllte puts them last); their rewards are
         recomputed with ``reward_fn``.
@@ -319,6 +322,7 @@ class HerReplayStorage:
         >>> q = critic(batch.observations, batch.actions)  # doctest: +SKIP
         """
         self._require_open()
+        self.store.flush()
         if not self.store.snapshot().num_transitions:
             raise NoEpisodeError(
                 f"Unable to sample before the end of the first episode: {self.path} holds no ended episode yet. "

@@ -228,9 +228,7 @@ class HindsightExperienceReplay:
         self.storage = HerReplayStorage(
             obs, box((self.action_dim,)), storage_size=self.buffer_size - self.segment_steps,
             batch_size=self.batch_size, num_goals=self.n_sampled_goal, reward_fn=self.reward_fn, path=self.path,
-            storage_options=self._storage_options, seed=self._seed,
-            commit_interval=0,  # an ended episode is committed at once, so len() counts it and sample() draws it
-            segment_steps=self.segment_steps,
+            storage_options=self._storage_options, seed=self._seed, segment_steps=self.segment_steps,
         )
 
     def store_transition(self, state: Any, action: Any, reward: Any, next_state: Any, done: Any, goal: Any) -> None:
@@ -267,10 +265,13 @@ class HindsightExperienceReplay:
         self._last_next = ns.astype(np.float32)
 
     def __len__(self) -> int:
-        """Transitions stored: the committed episodes' and the unfinished segment's (at most ``buffer_size``)."""
+        """Transitions stored: the ended episodes' and the unfinished segment's (at most ``buffer_size``).
+
+        Like :meth:`sample`, it commits the episodes ended since the last commit (one commit, about a millisecond).
+        """
         if self.storage is None:
             return 0
-        return self.storage.store.snapshot().num_transitions + int(self.storage.writer.pending_steps[0])
+        return self.storage.store.num_transitions + int(self.storage.writer.pending_steps[0])  # commits what ended
 
     def sample(self) -> Batch | None:
         """``(states, actions, rewards, next_states, dones, goals)`` of ``batch_size`` transitions, or None.
@@ -291,6 +292,7 @@ class HindsightExperienceReplay:
         """
         if self.storage is None:
             return None
+        self.storage.store.flush()  # every ended episode is drawn from, as SB3's buffer does: commit them
         committed = self.storage.store.snapshot().num_transitions
         pending = int(self.storage.writer.pending_steps[0])
         B = self.batch_size
