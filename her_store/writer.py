@@ -292,6 +292,7 @@ class StepWriter:
                 np.asarray(terminated),
                 np.asarray(truncated),
                 infos,
+                skip=skip,
             )
         except (KeyError, TypeError):
             self._require_keys("obs", obs)
