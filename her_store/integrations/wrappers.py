@@ -441,7 +441,7 @@ class RecordEpisodes(gym.Wrapper):
     episode is warned about (:class:`RecordingWarning`, naming the env, the episode's steps and the store's reason;
     turn it into an error with ``warnings.simplefilter("error", RecordingWarning)``) and listed in :attr:`dropped`.
     Steps the env takes after its episode ended and before a reset (a loop that does not reset) belong to no
-    episode and are not recorded (one RecordingWarning says so).
+    episode and are not recorded (a RecordingWarning says so).
 
     Episode ids are given when an episode is appended and are durable once the store commits them: at its group
     commit (every ``commit_interval`` seconds), at ``store.flush()`` or at :meth:`close`. A process killed before
