@@ -424,7 +424,41 @@ def _env_id(env: gym.Env | VectorEnv) -> str | None:
     return None if spec is None else spec.id
 
 
-class RecordEpisodes(gym.Wrapper):
+class _Recording:
+    """What both recorders show of their recording: the episode ids, the dropped episodes, a commit on demand."""
+
+    _recorder: _Recorder
+    store: EpisodeStore
+
+    def _record_into(self, store: EpisodeStore, owned: bool, n_envs: int) -> None:
+        self._recorder = _Recorder(store, owned, n_envs, f"{type(self).__name__} into {store.url}")
+        self._close = weakref.finalize(self, self._recorder.close)  # once: by close, garbage collection or exit
+        self.store = store
+
+    @property
+    def episode_ids(self) -> list[int]:
+        """The ids of the episodes recorded so far, of every env, durable once the store commits them (see the class
+        docstring)."""
+        return self._recorder.episode_ids
+
+    @property
+    def dropped(self) -> list[DroppedEpisode]:
+        """The episodes not recorded, as :class:`~her_store.writer.DroppedEpisode` (env, steps, the store's reason)."""
+        return self._recorder.dropped
+
+    def flush(self) -> None:
+        """Commit the store now: every id in :attr:`episode_ids` then survives a killed process.
+
+        Running episodes stay pending: they are ended by the env, a reset or ``close``, not here.
+
+        Examples
+        --------
+        >>> env.flush()  # the ids listed so far are committed  # doctest: +SKIP
+        """
+        self.store.flush()
+
+
+class RecordEpisodes(_Recording, gym.Wrapper):
     """Write every episode of a running env into a her_store store, whatever policy drives it.
 
     Each step is staged in the store's :class:`~her_store.writer.StepWriter`; an episode is appended when the env
@@ -494,32 +528,8 @@ class RecordEpisodes(gym.Wrapper):
                 "RecordVectorEpisodes (one writer for all its envs)"
             )
         super().__init__(env)
-        store, owned = _open(store, env.observation_space, env.action_space, _env_id(env), store_options)
-        self._recorder = _Recorder(store, owned, 1, f"RecordEpisodes into {store.url}")
-        self._close = weakref.finalize(self, self._recorder.close)  # once: by close, garbage collection or exit
+        self._record_into(*_open(store, env.observation_space, env.action_space, _env_id(env), store_options), 1)
         self._ended = False  # the env's episode ended and it was not reset since
-        self.store = store
-
-    @property
-    def episode_ids(self) -> list[int]:
-        """The ids of the episodes recorded so far, durable once the store commits them (see the class docstring)."""
-        return self._recorder.episode_ids
-
-    @property
-    def dropped(self) -> list[DroppedEpisode]:
-        """The episodes not recorded, as :class:`~her_store.writer.DroppedEpisode` (env, steps, the store's reason)."""
-        return self._recorder.dropped
-
-    def flush(self) -> None:
-        """Commit the store now: every id in :attr:`episode_ids` then survives a killed process.
-
-        Running episodes stay pending: they are ended by the env, a reset or :meth:`close`, not here.
-
-        Examples
-        --------
-        >>> env.flush()  # the ids listed so far are committed
-        """
-        self.store.flush()
 
     def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None) -> tuple[Any, dict[str, Any]]:
         obs, info = self.env.reset(seed=seed, options=options)
@@ -565,7 +575,7 @@ def _one(obs: Mapping[str, Any]) -> dict[str, np.ndarray]:
     return {k: np.asarray(v)[None] for k, v in obs.items()}
 
 
-class RecordVectorEpisodes(VectorWrapper):
+class RecordVectorEpisodes(_Recording, VectorWrapper):
     """Write every episode of every env of a gymnasium vector env into one her_store store.
 
     A store has one writer (a lock), so the recorder wraps the whole vector env, sync or async, in the process that
@@ -609,34 +619,9 @@ class RecordVectorEpisodes(VectorWrapper):
             )
         super().__init__(env)
         self.autoreset_mode = AutoresetMode(env.metadata.get("autoreset_mode", AutoresetMode.NEXT_STEP))
-        store, owned = _open(
-            store, env.single_observation_space, env.single_action_space, _env_id(env), store_options
-        )
-        self._recorder = _Recorder(store, owned, env.num_envs, f"RecordVectorEpisodes into {store.url}")
-        self._close = weakref.finalize(self, self._recorder.close)
+        opened = _open(store, env.single_observation_space, env.single_action_space, _env_id(env), store_options)
+        self._record_into(*opened, env.num_envs)
         self._autoreset = np.zeros(env.num_envs, bool)  # next-step mode: envs whose next step is their reset
-        self.store = store
-
-    @property
-    def episode_ids(self) -> list[int]:
-        """The ids of the episodes recorded so far, of every env, durable once the store commits them."""
-        return self._recorder.episode_ids
-
-    @property
-    def dropped(self) -> list[DroppedEpisode]:
-        """The episodes not recorded, as :class:`~her_store.writer.DroppedEpisode` (env, steps, the store's reason)."""
-        return self._recorder.dropped
-
-    def flush(self) -> None:
-        """Commit the store now: every id in :attr:`episode_ids` then survives a killed process.
-
-        Running episodes stay pending: they are ended by the env, a reset or :meth:`close`, not here.
-
-        Examples
-        --------
-        >>> envs.flush()  # the ids listed so far are committed
-        """
-        self.store.flush()
 
     def reset(
         self, *, seed: int | list[int | None] | None = None, options: dict[str, Any] | None = None
