@@ -151,6 +151,73 @@ def test_several_envs_keep_their_episodes_apart(tmp_path, cls):
         venv.close()
 
 
+class Float64Goal(gym.Env):
+    """A goal env whose spaces are all float64 (SB3 casts the actions it stores to float32, not the observations)."""
+
+    def __init__(self) -> None:
+        box = lambda n: spaces.Box(-1, 1, (n,), np.float64)
+        self.observation_space = spaces.Dict({"observation": box(3), "achieved_goal": box(2), "desired_goal": box(2)})
+        self.action_space = box(2)
+        self.t = 0
+
+    def _obs(self):
+        return {k: space.sample() for k, space in self.observation_space.spaces.items()}
+
+    def reset(self, seed=None, options=None):
+        super().reset(seed=seed)
+        self.observation_space.seed(seed)
+        self.t = 0
+        return self._obs(), {}
+
+    def step(self, action):
+        self.t += 1
+        return self._obs(), -1.0, False, self.t >= 5, {}
+
+    def compute_reward(self, achieved_goal, desired_goal, info):
+        return -(np.linalg.norm(achieved_goal - desired_goal, axis=-1) > 0.05).astype(np.float32)
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        Float64Goal,
+        lambda: BitFlippingEnv(n_bits=4, continuous=False, max_steps=4),
+        lambda: BitFlippingEnv(n_bits=4, continuous=True, max_steps=4),
+    ],
+    ids=["float64", "discrete-action", "continuous"],
+)
+def test_batches_have_sb3s_dtypes_and_shapes(tmp_path, make):
+    """Every field of a batch (and the goals compute_reward gets) has the dtype and shape of SB3's own batches."""
+    venv = DummyVecEnv([make])
+    ours = _buffer(venv, path=tmp_path / "rb")
+    sb3 = HerReplayBuffer(1000, venv.observation_space, venv.action_space, env=venv)
+    venv.seed(0)
+    venv.action_space.seed(0)
+    obs = venv.reset()
+    for _ in range(12):
+        action = np.array([venv.action_space.sample()])
+        new_obs, reward, done, infos = venv.step(action)
+        next_obs = copy.deepcopy(new_obs)
+        if done[0]:
+            next_obs = {k: np.asarray(v)[None] for k, v in infos[0]["terminal_observation"].items()}
+        for b in (ours, sb3):
+            b.add(obs, next_obs, action, reward, done, infos)
+        obs = new_obs
+    got, want = ours.sample(8), sb3.sample(8)
+    for name in ("actions", "rewards", "dones"):
+        assert (getattr(got, name).dtype, getattr(got, name).shape) == (getattr(want, name).dtype, getattr(want, name).shape), name
+    for field in ("observations", "next_observations"):
+        for k, v in getattr(want, field).items():
+            assert (getattr(got, field)[k].dtype, getattr(got, field)[k].shape) == (v.dtype, v.shape), (field, k)
+    ours.close()
+
+
+def test_sac_trains_on_float64_spaces(tmp_path):
+    model = _learn(SAC, Float64Goal(), steps=30, learning_starts=20, replay_buffer_kwargs={"path": tmp_path / "rb"})
+    assert model._n_updates > 0 and model.replay_buffer.sample(4).actions.dtype == th.float32
+    model.replay_buffer.close()
+
+
 # -- relabelling agrees with SB3's semantics ---------------------------------------------------------------
 @pytest.mark.parametrize("strategy", ["future", "final", "episode", "random", "FUTURE"])
 def test_relabelled_goals_rewards_and_dones_follow_sb3(tmp_path, strategy):

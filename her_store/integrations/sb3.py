@@ -296,6 +296,8 @@ class ZarrHerReplayBuffer(_her.HerReplayBuffer):
         self.action_space = action_space
         self.obs_shape = _preprocessing.get_obs_shape(observation_space)
         self.action_dim = _preprocessing.get_action_dim(action_space)
+        # SB3's batches: actions in its buffer's dtype (float64 cast to float32)
+        self._action_dtype = th.from_numpy(np.zeros(0, self._maybe_cast_dtype(action_space.dtype))).dtype
         self.total_capacity = int(buffer_size)
         self.buffer_size = max(int(buffer_size) // int(n_envs), 1)
         self.n_envs = int(n_envs)
@@ -479,7 +481,7 @@ class ZarrHerReplayBuffer(_her.HerReplayBuffer):
             rewards = self.to_torch(self._normalize_reward(batch.rewards.numpy(), env))
         return _types.DictReplayBufferSamples(
             observations=obs,
-            actions=batch.actions.reshape(batch_size, self.action_dim).to(dev),
+            actions=batch.actions.reshape(batch_size, self.action_dim).to(dev, self._action_dtype),
             next_observations=next_obs,
             dones=dones.to(dev),
             rewards=rewards,
