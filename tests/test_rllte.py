@@ -5,6 +5,7 @@ from __future__ import annotations
 import gc
 import os
 import tempfile
+import time
 
 import numpy as np
 import pytest
@@ -314,3 +315,25 @@ def test_sample_draws_from_every_ended_episode_between_group_commits(tmp_path):
     with EpisodeStore.open(tmp_path / "e") as reader:
         assert len(reader) == 10
     s.close()
+
+
+def test_temporary_stores_of_killed_processes_are_removed(tmp_path, monkeypatch):
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    live = HerReplayStorage(OBS, ACT, reward_fn=ENV.compute_reward)  # its process holds the writer lock
+    dirs = {"abandoned": tmp_path / "her_store-dead", "fresh": tmp_path / "her_store-new",
+            "other content": tmp_path / "her_store-more", "not ours": tmp_path / "mine", "live": tmp_path / "x"}
+    for d in dirs.values():
+        if d.name != "x":
+            EpisodeStore.create(d / "store", OBS, ACT).close()  # no process holds its lock, as after a kill -9
+    (dirs["other content"] / "notes.txt").write_text("kept")
+    dirs["live"] = tmp_path / os.path.basename(os.path.dirname(live.path))
+    long_ago = time.time() - 3600
+    for name, d in dirs.items():
+        if name != "fresh":
+            os.utime(d, (long_ago, long_ago))
+    with HerReplayStorage(OBS, ACT, reward_fn=ENV.compute_reward) as again:
+        assert not dirs["abandoned"].exists()
+        assert all(d.exists() for name, d in dirs.items() if name != "abandoned")
+        assert os.path.exists(again.path)
+    live.close()
+    assert not dirs["live"].exists()

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import os
 import shutil
+import stat
 import tempfile
+import time
 import weakref
 from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple, Self
@@ -80,6 +82,38 @@ def _as_flags(x: Any, name: str) -> np.ndarray:
     return a != 0
 
 
+_TEMP_PREFIX = "her_store-"  # the temporary stores of this class (SB3's buffer uses another prefix)
+_ABANDONED_AFTER = 60.0  # seconds since a temporary directory last changed before it may count as abandoned
+
+
+def _remove_abandoned_temporaries() -> None:
+    """Remove the temporary stores of storages whose process died without closing them (e.g. by kill -9).
+
+    A directory goes only when all of this holds: its name has this class's prefix, it belongs to this user, it
+    holds nothing but ``store``, it has not changed for a minute (so it is not one being created), and that
+    store's writer lock can be taken (the kernel drops a lock when its holder dies; a live storage holds its
+    lock until it is closed). A temporary store is never saved in a handle, so nothing else refers to it.
+    """
+    root = tempfile.gettempdir()
+    try:
+        names = [n for n in os.listdir(root) if n.startswith(_TEMP_PREFIX)]
+    except OSError:
+        return
+    old = time.time() - _ABANDONED_AFTER
+    for name in names:
+        path = os.path.join(root, name)
+        try:
+            st = os.lstat(path)
+            if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mtime > old:
+                continue
+            if os.listdir(path) != ["store"]:
+                continue
+            EpisodeStore.open(os.path.join(path, "store"), "a").close()  # StoreLockedError while its owner lives
+        except (OSError, StoreError):
+            continue
+        shutil.rmtree(path, ignore_errors=True)
+
+
 def _release(writer: StepWriter, sampler: HerSampler, store: EpisodeStore, tmpdir: str | None) -> None:
     """End a persistent store's unfinished episodes as truncated, release the sampler and the store (committing
     what is staged); remove a temporary store's directory. Run by close() or at garbage collection."""
@@ -133,7 +167,8 @@ class HerReplayStorage:
         Hand ``reward_fn`` one dict per relabelled transition holding its stored ``info_keys``.
     path : str or PathLike, optional
         Local directory or fsspec URL of the store. None: a fresh temporary directory, removed by :meth:`close`
-        or when the storage is garbage collected.
+        or when the storage is garbage collected; one left by a process that was killed is removed when a later
+        temporary storage is made (once no process holds its writer lock and it has not changed for a minute).
     info_keys : sequence of str, optional
         Numeric info entries stored per step (e.g. ``["is_success"]``), read from ``infos`` as a list of dicts
         or a dict of per-env arrays. Default: none for a new store, the stored ones for an existing store.
@@ -217,7 +252,9 @@ class HerReplayStorage:
         self.num_envs = int(num_envs)
         self.batch_size = int(batch_size)
         self.copy_info_dict = copy_info_dict
-        tmpdir = tempfile.mkdtemp(prefix="her_store-") if path is None else None
+        if path is None:
+            _remove_abandoned_temporaries()
+        tmpdir = tempfile.mkdtemp(prefix=_TEMP_PREFIX) if path is None else None
         options: dict[str, Any] = {"capacity": storage_size, "storage_options": storage_options}
         if info_keys is not None:
             options["info_keys"] = list(info_keys)
