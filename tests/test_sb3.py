@@ -181,10 +181,11 @@ class Float64Goal(gym.Env):
     "make",
     [
         Float64Goal,
+        lambda: BitFlippingEnv(n_bits=4, continuous=False, max_steps=4, discrete_obs_space=True),
         lambda: BitFlippingEnv(n_bits=4, continuous=False, max_steps=4),
         lambda: BitFlippingEnv(n_bits=4, continuous=True, max_steps=4),
     ],
-    ids=["float64", "discrete-action", "continuous"],
+    ids=["float64", "discrete-obs", "discrete-action", "continuous"],
 )
 def test_batches_have_sb3s_dtypes_and_shapes(tmp_path, make):
     """Every field of a batch (and the goals compute_reward gets) has the dtype and shape of SB3's own batches."""

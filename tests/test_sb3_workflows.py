@@ -86,6 +86,27 @@ def test_training_stores_what_sb3s_buffer_holds(tmp_path, algo):
     _assert_same_as_shadow(model.replay_buffer)
 
 
+def test_dqn_on_discrete_observations(tmp_path):
+    """SB3's own tests train DQN + HER on Discrete observations (SB3 shapes them (1,), the store ())."""
+    env = BitFlippingEnv(n_bits=4, continuous=False, max_steps=4, discrete_obs_space=True)
+    model = DQN(
+        "MultiInputPolicy",
+        env,
+        buffer_size=1000,
+        learning_starts=20,
+        batch_size=16,
+        policy_kwargs=tiny(),
+        replay_buffer_class=TeeBuffer,
+        replay_buffer_kwargs={"path": str(tmp_path / "rb"), "n_sampled_goal": 2},
+        seed=0,
+    )
+    model.learn(50)
+    assert model._n_updates > 0
+    batch = model.replay_buffer.sample(8)
+    assert batch.observations["achieved_goal"].shape == batch.next_observations["desired_goal"].shape == (8, 1)
+    _assert_same_as_shadow(model.replay_buffer)
+
+
 def test_subprocess_envs(tmp_path):
     env = SubprocVecEnv([lambda: BitFlippingEnv(n_bits=4, continuous=True, max_steps=5)] * 2, start_method="fork")
     try:

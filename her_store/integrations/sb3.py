@@ -105,7 +105,8 @@ def _open_store_here(
 
 
 def _env_method(ref: weakref.ref, method: str) -> Callable[[np.ndarray, np.ndarray, Any], np.ndarray]:
-    """``fn(achieved, desired, infos)`` calling ``method`` of the buffer's env 0 as SB3 does (one call per batch).
+    """``fn(achieved, desired, infos)`` calling ``method`` of the buffer's env 0 as SB3 does (one call per batch,
+    goals in SB3's shapes).
 
     Reads the env at call time (SB3 sets it after loading) through a weak reference, so the sampler holding the
     function does not keep the buffer alive.
@@ -119,6 +120,8 @@ def _env_method(ref: weakref.ref, method: str) -> Callable[[np.ndarray, np.ndarr
                 f"ZarrHerReplayBuffer needs a VecEnv to call {method}() for relabelled transitions; pass env=... or "
                 "call set_env(env) (SB3 does both)"
             )
+        shape = buffer.obs_shape["desired_goal"]  # SB3's: (1,) for a Discrete goal, which the store keeps as ()
+        achieved, desired = achieved.reshape(len(achieved), *shape), desired.reshape(len(desired), *shape)
         return np.asarray(env.env_method(method, achieved, desired, infos, indices=[0])[0])
 
     return call
@@ -296,7 +299,7 @@ class ZarrHerReplayBuffer(_her.HerReplayBuffer):
         self.action_space = action_space
         self.obs_shape = _preprocessing.get_obs_shape(observation_space)
         self.action_dim = _preprocessing.get_action_dim(action_space)
-        # SB3's batches: actions in its buffer's dtype (float64 cast to float32)
+        # SB3's batches: actions in its buffer's dtype (float64 cast to float32), observations in SB3's shapes
         self._action_dtype = th.from_numpy(np.zeros(0, self._maybe_cast_dtype(action_space.dtype))).dtype
         self.total_capacity = int(buffer_size)
         self.buffer_size = max(int(buffer_size) // int(n_envs), 1)
@@ -449,7 +452,9 @@ class ZarrHerReplayBuffer(_her.HerReplayBuffer):
         """A batch as SB3's DictReplayBufferSamples; ``env`` (a VecNormalize) normalises observations and rewards.
 
         The first ``int(her_ratio * batch_size)`` rows are relabelled (SB3 puts them last; the order carries no
-        meaning for training).
+        meaning for training). Fields have the dtypes and shapes of SB3's batches: actions float32 for a float64
+        action space, a Discrete observation or goal shaped ``(batch_size, 1)`` (the store keeps it as a scalar;
+        ``compute_reward`` gets goals shaped ``(n, 1)`` too).
 
         Examples
         --------
@@ -480,9 +485,9 @@ class ZarrHerReplayBuffer(_her.HerReplayBuffer):
             next_obs = {k: self.to_torch(v) for k, v in norm_next.items()}
             rewards = self.to_torch(self._normalize_reward(batch.rewards.numpy(), env))
         return _types.DictReplayBufferSamples(
-            observations=obs,
+            observations={k: v.reshape(batch_size, *self.obs_shape[k]) for k, v in obs.items()},
             actions=batch.actions.reshape(batch_size, self.action_dim).to(dev, self._action_dtype),
-            next_observations=next_obs,
+            next_observations={k: v.reshape(batch_size, *self.obs_shape[k]) for k, v in next_obs.items()},
             dones=dones.to(dev),
             rewards=rewards,
         )
