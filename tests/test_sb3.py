@@ -308,6 +308,43 @@ def test_copy_info_dict_stores_numeric_infos_and_passes_them_to_compute_reward(t
     assert again.info_keys == ("is_success",) and len(again.store) == 20
 
 
+class LateSuccess(RecordingPointGoal):
+    """Reports ``is_success`` (and a non-numeric entry) only at an episode's last step."""
+
+    def step(self, action):
+        obs, reward, terminated, truncated, _ = super().step(action)
+        info = {"is_success": 1.0, "note": "end"} if terminated or truncated else {}
+        return obs, reward, terminated, truncated, info
+
+
+def test_info_keys_appearing_after_the_first_add_are_warned_about_once(tmp_path):
+    venv = DummyVecEnv([lambda: LateSuccess(5)])
+    rb = _buffer(venv, path=tmp_path / "rb", copy_info_dict=True)
+    with pytest.warns(UserWarning, match=r"infos carry \['is_success'\], which are not stored.*info_keys=\['is_success'\]") as w:
+        _collect([rb], venv, 20)
+    assert len([x for x in w if "infos carry" in str(x.message)]) == 1 and rb.info_keys == ()
+    rb.close()
+    rb = _buffer(venv, path=tmp_path / "given", copy_info_dict=True, info_keys=["is_success"])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _collect([rb], venv, 20)
+    ep = rb.store.episode(0)
+    assert ep["is_success"].tolist() == [0, 0, 0, 0, 1]  # entries an info lacks are stored as 0
+    venv.envs[0].reward_infos.clear()
+    rb.sample(10)
+    assert sorted({i["is_success"] for i in venv.envs[0].reward_infos[0]}) <= [0.0, 1.0]
+    rb.close()
+    rb = _buffer(venv, path=tmp_path / "none", copy_info_dict=True, info_keys=[])  # none, knowingly
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _collect([rb], venv, 5)
+        back = pickle.loads(pickle.dumps(rb))  # the handle keeps that choice
+        rb.close()
+        back.set_env(venv)
+        _collect([back], venv, 5)
+    back.close()
+
+
 def test_relabel_terminated_uses_compute_terminated(tmp_path):
     venv = _venv(1, T=5)
     rb = _buffer(venv, path=tmp_path / "rb", relabel_terminated=True, goal_selection_strategy="final")

@@ -180,7 +180,8 @@ class ZarrHerReplayBuffer(_her.HerReplayBuffer):
     info_keys : sequence of str, optional
         With ``copy_info_dict``: the info entries to store. Default: the numeric scalar entries of the first
         ``add``'s infos (SB3's ``TimeLimit.truncated`` and ``terminal_observation`` excluded); the store is then
-        created at the first ``add``.
+        created at the first ``add``, and numeric entries that appear only later (e.g. an ``is_success`` reported
+        at an episode's end) are not stored: a warning names them, once per key. Pass them here.
 
     Raises
     ------
@@ -263,6 +264,7 @@ class ZarrHerReplayBuffer(_her.HerReplayBuffer):
             io_threads, None if info_keys is None else tuple(info_keys),
         )
         self.env = env
+        self._keys_given = info_keys is not None
         # SB3 seeds numpy's global generator (set_random_seed); the sampler's seed is drawn from it, so a seeded
         # model samples the same batches
         self._seed = int(np.random.randint(0, 2**31 - 1))
@@ -327,6 +329,8 @@ class ZarrHerReplayBuffer(_her.HerReplayBuffer):
         self._sampler_state: dict[str, Any] | None = None
         self._ended = False  # an episode was appended since the last sample
         self._must_exist = False  # a loaded handle of a store that existed: never create an empty one in its place
+        self._keys_given = False  # info_keys were passed (else inferred: info keys seen later are warned about)
+        self._keys_seen: set[Any] = {_TIMEOUT_KEY, "terminal_observation"}  # info keys checked by add()
 
     # -- the store -----------------------------------------------------------------------------------------
     @property
@@ -443,10 +447,30 @@ class ZarrHerReplayBuffer(_her.HerReplayBuffer):
         else:
             truncated = done & np.array([bool(info.get(_TIMEOUT_KEY, False)) for info in infos])
             terminated = done & ~truncated
+        if self.copy_info_dict and not self._keys_given:
+            self._warn_unstored_info(infos)
         if writer.add(obs, next_obs, action, reward, terminated, truncated, infos if self.info_keys else None):
             self._ended = True
         self._added += 1
         self._layout = None
+
+    def _warn_unstored_info(self, infos: Sequence[Mapping[str, Any]]) -> None:
+        """Warn, once per key, of numeric info entries that are not among the inferred info keys (an env that
+        reports ``is_success`` only at an episode's end): SB3 would pass them to ``compute_reward``."""
+        new = set().union(*infos) - self._keys_seen
+        if not new:
+            return
+        self._keys_seen |= new
+        stored = set(self.info_keys or ())
+        unstored = sorted(k for k in new if k not in stored and any(k in i and _numeric(i[k]) for i in infos))
+        if unstored:
+            warnings.warn(
+                f"infos carry {unstored}, which are not stored: the buffer's info keys {list(self.info_keys or ())} "
+                "were inferred from the first infos it was given, so compute_reward of relabelled transitions does "
+                f"not get these entries (SB3's buffer passes them); for a new store pass "
+                f"info_keys={sorted(stored | set(unstored))} with copy_info_dict=True",
+                stacklevel=3,
+            )
 
     def sample(self, batch_size: int, env: Any = None) -> Any:  # type: ignore[override]
         """A batch as SB3's DictReplayBufferSamples; ``env`` (a VecNormalize) normalises observations and rewards.
@@ -661,6 +685,7 @@ class ZarrHerReplayBuffer(_her.HerReplayBuffer):
             "exists": store is not None or self._must_exist,
             "added": self._added,
             "reset_at": self._reset_at,
+            "info_keys_given": self._keys_given,
             "seed": self._seed,
             "sampler": sampler.state_dict() if sampler is not None else self._sampler_state,
         }
@@ -691,6 +716,7 @@ class ZarrHerReplayBuffer(_her.HerReplayBuffer):
         self._must_exist = state["exists"]
         self._added = state["added"]
         self._reset_at = state["reset_at"]
+        self._keys_given = state.get("info_keys_given", False)
         self._sampler_state = state["sampler"]
 
     def __deepcopy__(self, memo: dict[int, Any]) -> ZarrHerReplayBuffer:
@@ -776,12 +802,11 @@ def _column_steps(store: EpisodeStore, n_envs: int) -> int:
 
 def _numeric_info_keys(infos: Sequence[Mapping[str, Any]]) -> list[str]:
     """The info entries of env 0 that are numeric scalars (bool, int, float), minus SB3's bookkeeping."""
-    keys = []
-    for k, v in infos[0].items():
-        if k == _TIMEOUT_KEY or not isinstance(k, str):
-            continue
-        if isinstance(v, (bool, int, float, np.bool_, np.integer, np.floating)) or (
-            isinstance(v, np.ndarray) and v.ndim == 0 and v.dtype.kind in "biuf"
-        ):
-            keys.append(k)
-    return keys
+    return [k for k, v in infos[0].items() if k != _TIMEOUT_KEY and isinstance(k, str) and _numeric(v)]
+
+
+def _numeric(v: Any) -> bool:
+    """Whether an info entry is a numeric scalar (bool, int, float), which a store can hold."""
+    return isinstance(v, (bool, int, float, np.bool_, np.integer, np.floating)) or (
+        isinstance(v, np.ndarray) and v.ndim == 0 and v.dtype.kind in "biuf"
+    )
