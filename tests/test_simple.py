@@ -165,6 +165,10 @@ def test_store_made_by_someone_else(tmp_path):
     storage.close()
     with pytest.raises(SchemaMismatchError, match="observation_space differs"):
         HindsightExperienceReplay(4, 2, 1_001_000, 16, path=tmp_path / "p")  # its capacity; other spaces
+    HerReplayStorage(env.observation_space, env.action_space, reward_fn=env.compute_reward, storage_size=None,
+                     path=tmp_path / "u").close()
+    with pytest.raises(SchemaMismatchError, match="keeps an unbounded number of transitions"):
+        HindsightExperienceReplay(4, 2, 1000, 16, path=tmp_path / "u")
     with pytest.raises(SchemaMismatchError, match="goals of shape"):
         bad = {k: s for k, s in env.observation_space.spaces.items()}
         from gymnasium import spaces

@@ -200,8 +200,9 @@ class HindsightExperienceReplay:
                 if goal_dim is not None and goal_dim != stored_goal_dim:
                     raise SchemaMismatchError(f"{path} holds goals of size {stored_goal_dim}, got goal_dim={goal_dim}")
                 if capacity != self.buffer_size - self.segment_steps:
+                    kept = "an unbounded number of" if capacity is None else capacity
                     raise SchemaMismatchError(
-                        f"{path} keeps {capacity} transitions of ended episodes (its capacity); buffer_size="
+                        f"{path} keeps {kept} transitions of ended episodes (its capacity); buffer_size="
                         f"{self.buffer_size} with segment_steps={self.segment_steps} keeps "
                         f"{self.buffer_size - self.segment_steps}: resume with the buffer_size and segment_steps "
                         "it was made with"
