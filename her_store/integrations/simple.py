@@ -280,7 +280,9 @@ class HindsightExperienceReplay:
         float32 tensors on the device: states and next states ``(B, state_dim)``, actions ``(B, action_dim)``,
         rewards and dones ``(B, 1)``, goals ``(B, goal_dim)``. None until ``batch_size`` transitions are stored.
         ``dones`` are the stored ``done`` flags, also for relabelled goals (as SB3: reaching a relabelled goal does
-        not end the episode). Each call copies the unfinished segment's steps once (at most ``segment_steps``).
+        not end the episode). Each call commits the episodes ended since the last commit (so every ended episode
+        is drawn from, as in SB3; episodes are otherwise committed in groups) and copies the unfinished segment's
+        steps once (at most ``segment_steps``).
 
         Raises
         ------
