@@ -29,6 +29,7 @@ from her_store import (
     SchemaMismatchError,
     StoreError,
     StoreLockedError,
+    open_store,
 )
 from her_store.envs import PointGoalEnv
 from her_store.integrations.sb3 import ZarrHerReplayBuffer
@@ -376,6 +377,24 @@ def test_arrays_read_as_sb3s_own_buffer_after_the_same_adds(tmp_path):
     theirs.reset()
     assert (ours.pos, ours.full, ours.size()) == (theirs.pos, theirs.full, theirs.size()) == (0, False, 0)
     assert len(ours.store) > 0  # reset keeps the stored episodes
+
+
+def test_a_store_of_whole_episodes_resumed_with_several_envs(tmp_path):
+    """Episodes appended whole (no env recorded) take the env columns in turn: pos and SB3's arrays agree."""
+    venv = _venv(1, T=5)
+    rb = _buffer(venv, path=tmp_path / "rb")
+    _collect([rb], venv, 15)
+    store = open_store(str(tmp_path / "whole"), venv.observation_space, venv.action_space, capacity=1000)
+    for i in range(3):
+        store.append_episode(rb.store.episode(i))
+    store.close()
+    two = _buffer(_venv(2, T=5), path=tmp_path / "whole")
+    assert two.store.episodes["env_index"].tolist() == [-1, -1, -1]
+    assert (two.pos, two.size()) == (10, 10)  # episodes 0 and 2 in env 0's column, 1 in env 1's
+    assert two.ep_length[:10].tolist() == [[5, 0]] * 5 + [[5, 5]] * 5
+    np.testing.assert_array_equal(two.actions[5:10, 1], rb.store.episode(1)["action"])
+    rb.close()
+    two.close()
 
 
 def test_device_may_be_reassigned(tmp_path):

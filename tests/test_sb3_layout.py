@@ -8,7 +8,7 @@ from gymnasium import spaces
 from stable_baselines3.her import HerReplayBuffer
 
 from her_store import EpisodeStore, open_store
-from her_store.integrations.sb3_layout import SB3Arrays, sb3_arrays
+from her_store.integrations.sb3_layout import SB3Arrays, env_columns, sb3_arrays
 from tests.conftest import fetch_spaces, make_episode, random_rows
 
 FIELDS = ("actions", "rewards", "dones", "timeouts", "ep_start", "ep_length")
@@ -183,6 +183,41 @@ def test_episodes_appended_whole_fill_a_single_column_by_id(tmp_path, fetch):
     store.close()
 
 
+def test_episodes_of_no_env_in_range_are_dealt_to_the_columns_in_turn(tmp_path, fetch):
+    """Episodes appended whole (env_index -1) or of a run with more envs take the columns in turn, in id order."""
+    obs_space, act_space = fetch
+    store = open_store(str(tmp_path / "s"), obs_space, act_space)
+    w3 = store.writer(3)
+    eps = [make_episode(obs_space, act_space, T, seed=T) for T in (2, 3, 4, 5)]
+    store.append_episode(eps[0])  # id 0, env_index -1
+    for t in range(2):  # env 2 of a 3-env run ends an episode of 2 steps: id 1
+        ep = eps[0]
+        w3.add(
+            {k: np.repeat(ep[k][t : t + 1], 3, 0) for k in obs_space.spaces},
+            {k: np.repeat(ep[k][t + 1 : t + 2], 3, 0) for k in obs_space.spaces},
+            np.repeat(ep["action"][t : t + 1], 3, 0),
+            np.zeros(3, np.float32),
+            np.array([False, False, t == 1]),
+            np.zeros(3, bool),
+        )
+    store.flush()
+    for ep in eps[1:]:
+        store.append_episode(ep)  # ids 2-4, env_index -1
+    columns, steps = env_columns(store, 2)
+    assert store.episodes["env_index"].tolist() == [-1, 2, -1, -1, -1]
+    assert columns.tolist() == [0, 1, 0, 1, 0] and steps.tolist() == [2 + 3 + 5, 2 + 4]
+    w2 = store.writer(2)
+    got = sb3_arrays(store, 16, 2, [w2.pending(e) for e in range(2)])
+    assert (got.pos, got.full) == (10, False)
+    assert got.ep_length[:, 0].tolist() == [2] * 2 + [3] * 3 + [5] * 5 + [0] * 6
+    assert got.ep_length[:, 1].tolist() == [0] * 4 + [2] * 2 + [4] * 4 + [0] * 6  # ends at row pos - 1, as env 0
+    np.testing.assert_array_equal(got.actions[6:10, 1], eps[2]["action"])
+    assert env_columns(store, 1)[1].tolist() == [16] and env_columns(store, 3)[0].tolist() == [0, 2, 1, 2, 0]
+    with pytest.raises(ValueError, match="n_envs must be a positive int"):
+        env_columns(store, 0)
+    store.close()
+
+
 def test_empty_store_and_no_steps(tmp_path, fetch):
     store = open_store(str(tmp_path / "s"), *fetch)
     w = store.writer(2)
@@ -196,8 +231,6 @@ def test_bad_input_is_refused_and_the_store_is_intact(tmp_path, fetch):
     obs_space, act_space = fetch
     store = open_store(str(tmp_path / "s"), obs_space, act_space)
     store.append_episode(make_episode(obs_space, act_space, 5, seed=1))  # appended whole: env_index -1
-    with pytest.raises(ValueError, match=r"env_index -1.*expected 0\.\.1"):
-        sb3_arrays(store, 8, 2, [store.writer(2).pending(e) for e in range(2)])
     other = open_store(str(tmp_path / "t"), obs_space, act_space)
     w2 = other.writer(3)
     ep = make_episode(obs_space, act_space, 2, seed=2)
@@ -213,8 +246,6 @@ def test_bad_input_is_refused_and_the_store_is_intact(tmp_path, fetch):
             np.zeros(3, bool),
         )
     pend = [w2.pending(e) for e in range(3)]
-    with pytest.raises(ValueError, match="env_index 2"):
-        sb3_arrays(other, 8, 2, pend[:2])
     with pytest.raises(ValueError, match="sequence of 3 episodes"):
         sb3_arrays(other, 8, 3, pend[:2])
     with pytest.raises(ValueError, match="sequence of 3"):

@@ -24,7 +24,7 @@ from gymnasium import spaces
 
 from her_store.errors import NotAStoreError, StoreError, StoreLockedError
 from her_store.integrations import require
-from her_store.integrations.sb3_layout import SB3Arrays, sb3_arrays
+from her_store.integrations.sb3_layout import SB3Arrays, env_columns, sb3_arrays
 from her_store.relabel import GoalSelectionStrategy, GoalStrategy, parse_strategy
 from her_store.schema import Schema
 from her_store.store import EpisodeStore, open_store
@@ -360,7 +360,7 @@ class ZarrHerReplayBuffer(_her.HerReplayBuffer):
         if self.copy_info_dict:
             self.info_keys = store.info_keys
         if self._added == 0:  # a resumed store: SB3's row counter as if its episodes had been added here
-            self._added = _column_steps(store, self.n_envs)
+            self._added = int(env_columns(store, self.n_envs)[1].max())
         if self._restore is not None:
             pending, end_episode = self._restore
             self._restore = None
@@ -559,7 +559,7 @@ class ZarrHerReplayBuffer(_her.HerReplayBuffer):
     @property
     def pos(self) -> int:  # type: ignore[override]
         """SB3's insert row: add() calls since the start (or :meth:`reset`) modulo ``buffer_size``; a resumed
-        store counts as many calls as its longest env column of live episodes."""
+        store counts as many calls as its longest env column of live episodes (``sb3_layout.env_columns``)."""
         return (self._added - self._reset_at) % self.buffer_size
 
     @property
@@ -788,16 +788,6 @@ def _strategy(strategy: Any) -> GoalStrategy:
     if isinstance(strategy, _her.GoalSelectionStrategy):
         return GoalSelectionStrategy(strategy.name.lower())
     return parse_strategy(strategy)
-
-
-def _column_steps(store: EpisodeStore, n_envs: int) -> int:
-    """The add() calls a resumed store stands for: the most transitions one env's live episodes hold (an episode
-    of no env in ``range(n_envs)``, e.g. one appended whole, counts as its share of ``n_envs`` columns)."""
-    table = store.episodes
-    env, lengths = table["env_index"], table["length"].astype(np.int64)
-    ours = (env >= 0) & (env < n_envs)
-    columns = np.bincount(env[ours], lengths[ours], minlength=n_envs)
-    return int(columns.max()) + -(-int(lengths[~ours].sum()) // n_envs)
 
 
 def _numeric_info_keys(infos: Sequence[Mapping[str, Any]]) -> list[str]:

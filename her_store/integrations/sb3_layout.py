@@ -17,7 +17,7 @@ import numpy as np
 from her_store.integrations import require
 from her_store.store import EpisodeStore
 
-__all__ = ["SB3Arrays", "sb3_arrays"]
+__all__ = ["SB3Arrays", "env_columns", "sb3_arrays"]
 
 
 class SB3Arrays(NamedTuple):
@@ -41,6 +41,46 @@ class SB3Arrays(NamedTuple):
     current_ep_start: np.ndarray
 
 
+def env_columns(store: EpisodeStore, n_envs: int) -> tuple[np.ndarray, np.ndarray]:
+    """The env column of SB3's layout each stored episode belongs to, and the steps each column holds.
+
+    An episode belongs to the column of its ``env_index`` when that is in ``range(n_envs)``. Episodes of no such
+    env (``env_index`` -1: appended whole, no env recorded; or of a run with more envs) are dealt to the columns
+    in turn, in id order: the k-th of them to column ``k % n_envs``.
+
+    Parameters
+    ----------
+    store : EpisodeStore
+    n_envs : int
+        Environments stepped together.
+
+    Returns
+    -------
+    columns : numpy.ndarray
+        int64, one per row of ``store.episodes`` (episodes in id order).
+    steps : numpy.ndarray
+        int64 ``(n_envs,)``: the transitions of each column's episodes.
+
+    Raises
+    ------
+    ValueError
+        A non-positive ``n_envs``.
+
+    Examples
+    --------
+    >>> from her_store.integrations.sb3_layout import env_columns
+    >>> columns, steps = env_columns(store, 2)  # doctest: +SKIP
+    >>> int(steps.max())  # the add() calls of SB3's buffer that holds these episodes  # doctest: +SKIP
+    120
+    """
+    n_envs = _positive(n_envs, "n_envs")
+    table = store.episodes
+    columns = table["env_index"].astype(np.int64)
+    other = (columns < 0) | (columns >= n_envs)
+    columns[other] = np.arange(int(other.sum())) % n_envs
+    return columns, np.bincount(columns, table["length"].astype(np.int64), minlength=n_envs).astype(np.int64)
+
+
 def sb3_arrays(
     store: EpisodeStore,
     buffer_size: int,
@@ -52,8 +92,9 @@ def sb3_arrays(
 ) -> SB3Arrays:
     """The arrays SB3's HerReplayBuffer would hold had it been given the store's steps, env by env.
 
-    Env ``e``'s column holds the store's episodes whose ``env_index`` is ``e``, in id order, then ``pending[e]``;
-    envs are stepped together, so every column ends at row ``pos - 1``. Of each column only the newest
+    Env ``e``'s column holds the store's episodes that :func:`env_columns` gives it (those whose ``env_index`` is
+    ``e``, and its turn of the episodes of no env in ``range(n_envs)``), in id order, then ``pending[e]``; envs are
+    stepped together, so every column ends at row ``pos - 1``. Of each column only the newest
     ``buffer_size`` steps remain, at the rows SB3 puts them (step ``n`` at row ``n % buffer_size``). As in SB3:
     ``dones`` is ``terminated or truncated``; ``timeouts`` is ``truncated and not terminated`` (SB3's
     ``TimeLimit.truncated``) when ``handle_timeout_termination``, else 0; ``ep_start`` is the row where the step's
@@ -64,8 +105,7 @@ def sb3_arrays(
     Parameters
     ----------
     store : EpisodeStore
-        Every episode must have an ``env_index`` below ``n_envs``. Episodes appended whole (``env_index`` -1: no
-        env recorded) fit only a single column: with ``n_envs`` 1 they take their place by id, else ValueError.
+        Its episodes, placed by :func:`env_columns`.
     buffer_size : int
         Rows per env: SB3's ``buffer_size`` attribute (its constructor argument divided by ``n_envs``).
     n_envs : int
@@ -90,8 +130,8 @@ def sb3_arrays(
     TypeError
         ``store`` is no EpisodeStore.
     ValueError
-        A non-positive ``buffer_size`` or ``n_envs``, ``pending`` not one per env or not shaped as an episode, an
-        episode of an env outside ``range(n_envs)``, or ``steps`` fewer than a column holds.
+        A non-positive ``buffer_size`` or ``n_envs``, ``pending`` not one per env or not shaped as an episode, or
+        ``steps`` fewer than a column holds.
 
     Notes
     -----
@@ -121,21 +161,11 @@ def sb3_arrays(
     obs_space, act_space = store.observation_space, store.action_space
     keys = list(obs_space.spaces)
     table = store.episodes
-    env_index = table["env_index"]
-    if n_envs == 1:  # one column: episodes appended whole (env_index -1, no env recorded) take their place in it
-        env_index = np.where(env_index == -1, 0, env_index)
-    outside = (env_index < 0) | (env_index >= n_envs)
-    if outside.any():
-        i = int(np.flatnonzero(outside)[0])
-        raise ValueError(
-            f"{store.url}: episode {int(table['episode_id'][i])} has env_index {int(env_index[i])}; SB3's layout "
-            f"places an episode by the env that produced it, expected 0..{n_envs - 1} (n_envs={n_envs}); "
-            f"{int(outside.sum())} episode(s) are outside"
-        )
+    env_index, stored = env_columns(store, n_envs)
     lengths = table["length"].astype(np.int64)
     action_dim = preprocessing.get_action_dim(act_space)
     pend_t = np.array([_pending_steps(p, e, keys, store, action_dim) for e, p in enumerate(pending)], np.int64)
-    columns = np.bincount(env_index, lengths, minlength=n_envs).astype(np.int64) + pend_t
+    columns = stored + pend_t
     n = int(columns.max())
     if steps is not None:
         if isinstance(steps, bool) or not isinstance(steps, (int, np.integer)) or steps < n:
