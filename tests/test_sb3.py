@@ -377,6 +377,14 @@ def test_arrays_read_as_sb3s_own_buffer_after_the_same_adds(tmp_path):
     theirs.reset()
     assert (ours.pos, ours.full, ours.size()) == (theirs.pos, theirs.full, theirs.size()) == (0, False, 0)
     assert len(ours.store) > 0  # reset keeps the stored episodes
+    _collect([ours, theirs], venv, 6, seed=2)  # after a reset, the new steps are at rows 0..pos - 1, as SB3's
+    assert ours.pos == theirs.pos == 6
+    for name in ("actions", "rewards", "dones", "timeouts"):
+        np.testing.assert_array_equal(getattr(ours, name)[:6], getattr(theirs, name)[:6], err_msg=name)
+    for k in theirs.observations:
+        np.testing.assert_array_equal(ours.observations[k][:6], theirs.observations[k][:6])
+        np.testing.assert_array_equal(ours.next_observations[k][:6], theirs.next_observations[k][:6])
+    ours.close()
 
 
 def test_a_store_of_whole_episodes_resumed_with_several_envs(tmp_path):

@@ -581,6 +581,10 @@ class ZarrHerReplayBuffer(_her.HerReplayBuffer):
         """Restart ``pos``, ``full`` and ``size()`` as SB3's reset does; the stored episodes stay (and are sampled,
         as SB3's HER buffer still samples its old episodes after a reset).
 
+        SB3's arrays (``actions``, ``ep_length``, ...) then hold the steps added since the reset at rows
+        ``0..pos - 1``, as SB3's do; the older steps lie in the rows before them, wrapping round from the last row
+        (SB3 leaves them at the rows they had, where the new steps have not overwritten them).
+
         Examples
         --------
         >>> rb.reset(); rb.size()  # doctest: +SKIP
@@ -635,9 +639,11 @@ class ZarrHerReplayBuffer(_her.HerReplayBuffer):
         if self._layout is None:
             store = self._require_store()
             pending = [self._writer.pending(e) for e in range(self.n_envs)]
+            # steps such that the newest step lands at row pos - 1 (after a reset, the steps since it at rows 0..)
+            steps = self._added + (-self._reset_at) % self.buffer_size
             self._layout = sb3_arrays(
                 store, self.buffer_size, self.n_envs, pending,
-                handle_timeout_termination=self.handle_timeout_termination, steps=self._added,
+                handle_timeout_termination=self.handle_timeout_termination, steps=steps,
             )
         return self._layout
 
