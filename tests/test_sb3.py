@@ -499,6 +499,24 @@ def test_a_temporary_store_is_removed_at_close_unless_a_handle_was_saved(tmp_pat
     back.close()
 
 
+def test_a_handle_that_cannot_be_pickled_says_why_and_keeps_no_temporary_store(tmp_path):
+    venv = _venv(1)
+    rb = _buffer(venv, goal_selection_strategy=lambda ctx: ctx.desired_goals)
+    _collect([rb], venv, 12)
+    where = os.path.dirname(rb.url)
+    with pytest.raises(pickle.PicklingError, match=r"goal_selection_strategy <function .*<lambda>.*module level"):
+        pickle.dumps(rb)
+    rb.close()
+    assert not os.path.exists(where)  # no handle was written: the temporary store went at close
+    rb = _buffer(venv)
+    rb.storage_options = {"opener": lambda: None}  # any other part that cannot be pickled
+    with pytest.raises(pickle.PicklingError, match="cannot save a handle of this ZarrHerReplayBuffer: .*lambda"):
+        pickle.dumps(rb)
+    where = os.path.dirname(rb.url)
+    rb.close()
+    assert not os.path.exists(where)
+
+
 def test_deepcopy_is_an_independent_buffer_in_a_new_temporary_store(tmp_path):
     venv = _venv(1)
     rb = _buffer(venv, path=tmp_path / "rb")

@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import gc
 import os
+import pickle
 import shutil
 import tempfile
 import warnings
@@ -700,9 +701,25 @@ class ZarrHerReplayBuffer(_her.HerReplayBuffer):
         """The pickle of the buffer is its handle (SB3's save_replay_buffer pickles the buffer): a few KB.
 
         Staged episodes are committed first. A temporary store (``path=None``) is kept on disk from then on, so
-        that the handle can reopen it.
+        that the handle can reopen it; not when the handle cannot be pickled.
+
+        Raises
+        ------
+        pickle.PicklingError
+            A part of the handle cannot be pickled, e.g. a ``goal_selection_strategy`` that is a lambda or a
+            local function (the message names it; a function defined at module level can be).
         """
         state = self._state()
+        why = _unpicklable(state)
+        if why is not None:
+            strategy = self.goal_selection_strategy
+            if callable(strategy) and _unpicklable(strategy) is not None:
+                raise pickle.PicklingError(
+                    f"cannot save a handle of this ZarrHerReplayBuffer: its goal_selection_strategy {strategy!r} "
+                    f"cannot be pickled ({why}); a handle keeps the strategy, so pass a function defined at module "
+                    "level (importable by name) instead of a lambda or a local function"
+                )
+            raise pickle.PicklingError(f"cannot save a handle of this ZarrHerReplayBuffer: {why}")
         self._res.keep_tmpdir = True
         return state
 
@@ -769,6 +786,15 @@ def _describe_venv(env: Any) -> str:
         env = env.venv
         names.append(type(env).__name__)
     return "(".join(names) + ")" * (len(names) - 1)
+
+
+def _unpicklable(obj: Any) -> str | None:
+    """Why ``obj`` cannot be pickled (the pickling error's text), or None if it can."""
+    try:
+        pickle.dumps(obj, pickle.HIGHEST_PROTOCOL)
+    except (pickle.PicklingError, AttributeError, TypeError) as e:
+        return f"{type(e).__name__}: {e}"
+    return None
 
 
 def _terminated_fn(call: Callable[[np.ndarray, np.ndarray, Any], np.ndarray]) -> Callable[..., np.ndarray]:
