@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import os
 import pickle
+import shutil
 import subprocess
 import sys
 import threading
@@ -480,6 +481,22 @@ def test_a_handle_whose_store_moved_on_drops_its_pending_steps(tmp_path):
     with pytest.warns(UserWarning, match="unfinished episodes the saved buffer held are dropped"):
         back.truncate_last_trajectory()
     assert back.store.num_episodes == 2
+
+
+def test_a_handle_whose_store_was_replaced_by_a_shorter_one_says_so(tmp_path):
+    venv = _venv(1, T=5)
+    rb = _buffer(venv, path=tmp_path / "rb")
+    _collect([rb], venv, 12)
+    blob = pickle.dumps(rb)  # episodes 0 and 1, 2 steps pending
+    rb.close()
+    shutil.rmtree(tmp_path / "rb")
+    again = _buffer(venv, path=tmp_path / "rb")
+    _collect([again], venv, 5, seed=1)
+    again.close()
+    back = pickle.loads(blob)
+    with pytest.warns(UserWarning, match="holds 1 episode ids, fewer than the 2 this buffer saw"):
+        back.truncate_last_trajectory()
+    assert back.store.num_episodes == 1
 
 
 def test_a_temporary_store_is_removed_at_close_unless_a_handle_was_saved(tmp_path):

@@ -367,11 +367,18 @@ class ZarrHerReplayBuffer(_her.HerReplayBuffer):
             self._restore = None
             if store.end_episode == end_episode:
                 self._writer.restore_pending(pending)
-            else:
+            elif store.end_episode > end_episode:
                 warnings.warn(
                     f"{store.url} holds episodes committed after this buffer was saved (episode ids {end_episode}.."
                     f"{store.end_episode - 1}); the unfinished episodes the saved buffer held are dropped, as the "
                     "run that continued after the save has ended them",
+                    stacklevel=3,
+                )
+            else:
+                warnings.warn(
+                    f"{store.url} holds {store.end_episode} episode ids, fewer than the {end_episode} this buffer "
+                    "saw when it was saved (the store was replaced, or was in memory); the unfinished episodes the "
+                    "saved buffer held are dropped",
                     stacklevel=3,
                 )
         return store
