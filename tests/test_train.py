@@ -220,3 +220,45 @@ def test_kill_9_then_the_same_command_resumes(tmp_path):
 def test_the_command_does_not_import_sb3_until_train_runs():
     code = "import sys, her_store.cli; sys.exit('stable_baselines3' in sys.modules or 'torch' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], check=False, cwd=ROOT).returncode == 0
+
+
+class _NoSuccessKey(gym.Wrapper):
+    """BitFlipping whose infos carry no ``is_success``, as many goal envs outside SB3."""
+
+    def step(self, action):
+        obs, reward, terminated, truncated, info = self.env.step(action)
+        info.pop("is_success", None)
+        return obs, reward, terminated, truncated, info
+
+
+class _FlipTheWrongBit:
+    """A policy that flips the first bit that differs from the goal, or (``wrong``) bit 0 always."""
+
+    def __init__(self, wrong: bool) -> None:
+        self.wrong = wrong
+
+    def predict(self, obs, deterministic=True):
+        differ = np.flatnonzero(obs["achieved_goal"] != obs["desired_goal"])
+        return (0 if self.wrong or not len(differ) else int(differ[0])), None
+
+
+def _bits(no_success_key: bool):
+    from stable_baselines3.common.envs import BitFlippingEnv
+
+    env = gym.wrappers.TimeLimit(BitFlippingEnv(n_bits=4), max_episode_steps=4)
+    return _NoSuccessKey(env) if no_success_key else env
+
+
+@pytest.mark.parametrize("wrong", [False, True])
+def test_success_without_is_success_is_judged_by_the_reward(wrong):
+    policy = _FlipTheWrongBit(wrong)
+    with_key, with_rule = job._evaluate(policy, lambda: _bits(False), 12, seed=0)
+    without_key, without_rule = job._evaluate(policy, lambda: _bits(True), 12, seed=0)
+    assert with_key == without_key and (with_key == 1.0) is not wrong and 0.0 < with_key
+    assert with_rule == "is_success" and without_rule == job.SUCCESS_BY_REWARD
+    assert job.evaluate(policy, lambda: _bits(True), 12, seed=0) == without_key
+    fields = {"steps": 1, "resumed_from": None, "success_rate": 0.5, "train_success_rate": None, "episodes": 1,
+              "transitions": 1, "store_bytes": None, "rss_bytes": 1, "peak_rss_bytes": 1, "seconds": 1.0, "store": "s",
+              "checkpoint": "c"}
+    assert job.TrainResult(success_rule=without_rule, **fields).rows()[0][0].endswith(f"{job.SUCCESS_BY_REWARD})")
+    assert job.TrainResult(success_rule=with_rule, **fields).rows()[0][0] == "success rate (deterministic)"

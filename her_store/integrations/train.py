@@ -170,6 +170,7 @@ class TrainResult:
     steps: int
     resumed_from: int | None
     success_rate: float
+    success_rule: str | None
     train_success_rate: float | None
     episodes: int
     transitions: int
@@ -182,8 +183,9 @@ class TrainResult:
 
     def rows(self) -> list[tuple[str, str]]:
         """The summary table's rows: label, value."""
+        judged = "" if self.success_rule in (None, "is_success") else f", no is_success: {self.success_rule}"
         return [
-            ("success rate (deterministic)", f"{self.success_rate:.1%}"),
+            (f"success rate (deterministic{judged})", f"{self.success_rate:.1%}"),
             ("success rate (last 100 training episodes)",
              "n/a" if self.train_success_rate is None else f"{self.train_success_rate:.1%}"),
             ("steps", f"{self.steps:,}" + ("" if self.resumed_from is None else f" (resumed from {self.resumed_from:,})")),
@@ -396,18 +398,32 @@ def _memory() -> tuple[int, int]:
         return peak, peak
 
 
-def evaluate(model: Any, make_env: Callable[[], Any], episodes: int, seed: int) -> float:
-    """Success rate of the deterministic policy over ``episodes`` episodes (``info["is_success"]`` at the end).
+SUCCESS_BY_REWARD = "compute_reward(ag, g) = compute_reward(ag, ag)"
+"""The success rule of an env whose infos have no ``is_success`` (the sampler's default ``success_fn`` rule): the
+reward of the last achieved goal ``ag`` for the desired goal ``g`` is the reward of reaching the goal."""
 
-    Examples
-    --------
-    >>> evaluate(model, lambda: gym.make("her_store/PointGoal-v0"), 20, seed=0)  # doctest: +SKIP
-    0.95
+
+def _episode_succeeded(env: Any, obs: dict[str, Any], info: dict[str, Any]) -> tuple[bool, str]:
+    """Whether an episode ending with ``obs`` and ``info`` reached its goal, and the rule that said so.
+
+    ``info["is_success"]`` when the env reports it; otherwise the reward of the last achieved goal for the desired
+    goal is that of reaching it (:data:`SUCCESS_BY_REWARD`), as the sampler's default ``success_fn`` decides.
     """
+    if "is_success" in info:
+        return bool(info["is_success"]), "is_success"
+    compute_reward = env.unwrapped.compute_reward
+    achieved, desired = np.asarray(obs["achieved_goal"]), np.asarray(obs["desired_goal"])
+    reward = np.asarray(compute_reward(achieved, desired, info), np.float64)
+    reached = np.asarray(compute_reward(achieved, achieved, info), np.float64)
+    return bool(np.all(reward >= reached)), SUCCESS_BY_REWARD
+
+
+def _evaluate(model: Any, make_env: Callable[[], Any], episodes: int, seed: int) -> tuple[float, str | None]:
+    """:func:`evaluate`, and the success rule it used (None when no episode ran)."""
     if episodes == 0:
-        return float("nan")
+        return float("nan"), None
     env = make_env()
-    successes = []
+    successes, rules = [], set()
     try:
         for i in range(episodes):
             obs, info = env.reset(seed=seed + i)
@@ -416,10 +432,27 @@ def evaluate(model: Any, make_env: Callable[[], Any], episodes: int, seed: int) 
                 action, _ = model.predict(obs, deterministic=True)
                 obs, _, terminated, truncated, info = env.step(action)
                 done = terminated or truncated
-            successes.append(float(info.get("is_success", 0.0)))
+            success, rule = _episode_succeeded(env, obs, info)
+            successes.append(float(success))
+            rules.add(rule)
     finally:
         env.close()
-    return float(np.mean(successes))
+    return float(np.mean(successes)), " / ".join(sorted(rules))
+
+
+def evaluate(model: Any, make_env: Callable[[], Any], episodes: int, seed: int) -> float:
+    """Success rate of the deterministic policy over ``episodes`` episodes (NaN when ``episodes`` is 0).
+
+    An episode succeeded when its last info says ``is_success``; an env whose infos have no ``is_success`` is judged
+    by its reward instead: the episode succeeded when ``compute_reward`` of the last achieved goal and the desired
+    goal is the reward of reaching the goal, ``compute_reward(ag, ag, info)`` (the sampler's default success rule).
+
+    Examples
+    --------
+    >>> evaluate(model, lambda: gym.make("her_store/PointGoal-v0"), 20, seed=0)  # doctest: +SKIP
+    0.95
+    """
+    return _evaluate(model, make_env, episodes, seed)[0]
 
 
 # -- the job -----------------------------------------------------------------------------------------------------
@@ -541,7 +574,7 @@ def train(cfg: TrainConfig, log: Callable[[str], None] = print) -> TrainResult:
         else:
             log(f"the run already did {model.num_timesteps:,} of its {cfg.steps:,} steps; evaluating only")
         checkpoint = _final_checkpoint(model, cfg.out)
-        success = evaluate(model, make_env, cfg.eval_episodes, cfg.seed + 1_000_000)
+        success, rule = _evaluate(model, make_env, cfg.eval_episodes, cfg.seed + 1_000_000)
     except KeyboardInterrupt:
         _final_checkpoint(model, cfg.out)
         log(f"interrupted at step {model.num_timesteps:,}; checkpoint saved, run the same command to resume")
@@ -556,6 +589,7 @@ def train(cfg: TrainConfig, log: Callable[[str], None] = print) -> TrainResult:
         steps=model.num_timesteps,
         resumed_from=resumed_from,
         success_rate=success,
+        success_rule=rule,
         train_success_rate=train_success,
         episodes=episodes,
         transitions=transitions,
