@@ -262,3 +262,19 @@ def test_success_without_is_success_is_judged_by_the_reward(wrong):
               "checkpoint": "c"}
     assert job.TrainResult(success_rule=without_rule, **fields).rows()[0][0].endswith(f"{job.SUCCESS_BY_REWARD})")
     assert job.TrainResult(success_rule=with_rule, **fields).rows()[0][0] == "success rate (deterministic)"
+
+
+def test_a_failed_start_leaves_no_run_and_the_corrected_command_is_accepted(tmp_path, capsys):
+    out_dir = str(tmp_path / "run")
+    short = ["--out", out_dir, "--steps", "30", "--eval-episodes", "1", *FAST]
+    code, _, err = run_main(capsys, *short[:-3], "--algo-kwargs", '{"learning_rat": 0.1}', "--quiet")
+    assert code == 2 and "learning_rat" in err
+    code, _, err = run_main(capsys, *short, "--capacity", "5")  # the store refuses episodes longer than itself
+    assert code == 2 and "dropped" in err
+    assert not os.path.exists(os.path.join(out_dir, "run.json")) and not os.path.exists(os.path.join(out_dir, "store"))
+    code, _, err = run_main(capsys, *short, "--capacity", "1000")
+    assert code == 0, err
+    with open(os.path.join(out_dir, "run.json")) as f:
+        assert json.load(f)["capacity"] == 1000
+    code, _, err = run_main(capsys, *short, "--capacity", "1000", "--seed", "3")  # the run exists now
+    assert code == 2 and "holds a run with --seed 0, not 3" in err

@@ -1,6 +1,7 @@
 """The training job: an SB3 off-policy agent with HER on a disk store, checkpointed and resumable (``her-store train``).
 
-A run lives in a run directory (``--out``): ``run.json`` (the options that define the run), ``checkpoints/``
+A run lives in a run directory (``--out``): ``run.json`` (the options that define the run, written with the first
+checkpoint: a start that fails before leaves none, so the corrected command is accepted), ``checkpoints/``
 (the model and the replay buffer's handle, each checkpoint written under a temporary name and renamed into place)
 and, unless ``--store`` says otherwise, ``store/`` (the episodes). Running the same command again resumes: the
 model of the last checkpoint, every episode the store committed (even those newer than the checkpoint) and the
@@ -279,13 +280,12 @@ def _write_atomic(path: str, data: bytes) -> None:
 
 
 def _check_run_dir(cfg: TrainConfig) -> None:
-    """Write ``run.json`` on the first run; on later ones, refuse options that would make it another run."""
+    """Refuse options that would make the run recorded in ``run.json`` (if any) another run."""
     os.makedirs(cfg.out, exist_ok=True)
     path = os.path.join(cfg.out, "run.json")
-    record = _run_record(cfg)
     if not os.path.exists(path):
-        _write_atomic(path, json.dumps(record, indent=1).encode())
         return
+    record = _run_record(cfg)
     try:
         with open(path) as f:
             saved = json.load(f)
@@ -299,6 +299,18 @@ def _check_run_dir(cfg: TrainConfig) -> None:
                 f"{cfg.out} holds a run with --{k.replace('_', '-')} {saved.get(k)!r}, not {record[k]!r}; "
                 f"run it with the same options to resume, or pick another --out"
             )
+
+
+def _checkpoint(model: Any, cfg: TrainConfig) -> str:
+    """Save a checkpoint of the run; the first one also writes ``run.json``, from when on the run exists.
+
+    A start that fails before (a bad option the algorithm refuses, a store it cannot use) leaves no record, so the
+    corrected command is accepted.
+    """
+    path = os.path.join(cfg.out, "run.json")
+    if not os.path.exists(path):
+        _write_atomic(path, json.dumps(_run_record(cfg), indent=1).encode())
+    return save_checkpoint(model, cfg.out)
 
 
 def _checkpoint_dir(out: str) -> str:
@@ -385,6 +397,17 @@ def _bytes_on_disk(cfg: TrainConfig) -> int | None:
         return None
 
 
+def _remove_new_store(cfg: TrainConfig) -> None:
+    """Remove the store a failed start created, if it committed no episode."""
+    contents = _store_contents(cfg)
+    if contents is None or contents[0]:
+        return
+    import fsspec
+
+    fs, root = fsspec.core.url_to_fs(cfg.store_location, **(cfg.storage_options or {}))
+    fs.rm(root, recursive=True)
+
+
 def _memory() -> tuple[int, int]:
     """Resident memory of this process now and at its peak, in bytes."""
     try:
@@ -456,7 +479,7 @@ def evaluate(model: Any, make_env: Callable[[], Any], episodes: int, seed: int) 
 
 
 # -- the job -----------------------------------------------------------------------------------------------------
-def _checkpoint_callback(out: str, every: int) -> Any:
+def _checkpoint_callback(cfg: TrainConfig) -> Any:
     from stable_baselines3.common.callbacks import BaseCallback
 
     class Checkpoints(BaseCallback):
@@ -468,22 +491,22 @@ def _checkpoint_callback(out: str, every: int) -> Any:
             self.last = self.num_timesteps
 
         def _on_step(self) -> bool:
-            if self.num_timesteps - self.last >= every:
-                save_checkpoint(self.model, out)
+            if self.num_timesteps - self.last >= cfg.checkpoint_every:
+                _checkpoint(self.model, cfg)
                 self.last = self.num_timesteps
             return True
 
     return Checkpoints()
 
 
-def _final_checkpoint(model: Any, out: str) -> str:
+def _final_checkpoint(model: Any, cfg: TrainConfig) -> str:
     """The last checkpoint of a run that stops: its unfinished episodes end here, as truncated (closing the buffer
     would end them anyway), so that the store holds nothing newer than the checkpoint and a resumed run starts from
     both as they were."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # SB3's truncation warning speaks of a buffer being loaded
         model.replay_buffer.truncate_last_trajectory()
-    return save_checkpoint(model, out)
+    return _checkpoint(model, cfg)
 
 
 def train(cfg: TrainConfig, log: Callable[[str], None] = print) -> TrainResult:
@@ -567,17 +590,24 @@ def train(cfg: TrainConfig, log: Callable[[str], None] = print) -> TrainResult:
         if remaining > 0:
             model.learn(
                 remaining,
-                callback=_checkpoint_callback(cfg.out, cfg.checkpoint_every),
+                callback=_checkpoint_callback(cfg),
                 reset_num_timesteps=False,
                 progress_bar=cfg.progress,
             )
         else:
             log(f"the run already did {model.num_timesteps:,} of its {cfg.steps:,} steps; evaluating only")
-        checkpoint = _final_checkpoint(model, cfg.out)
+        checkpoint = _final_checkpoint(model, cfg)
         success, rule = _evaluate(model, make_env, cfg.eval_episodes, cfg.seed + 1_000_000)
     except KeyboardInterrupt:
-        _final_checkpoint(model, cfg.out)
+        _final_checkpoint(model, cfg)
         log(f"interrupted at step {model.num_timesteps:,}; checkpoint saved, run the same command to resume")
+        raise
+    except Exception:
+        if before is None and not os.path.exists(os.path.join(cfg.out, "run.json")):
+            # a start that failed before its first checkpoint: the store it created is no run's, remove it so that
+            # the corrected command can create its own
+            model.replay_buffer.close()
+            _remove_new_store(cfg)
         raise
     finally:
         model.replay_buffer.close()  # commits what is staged and releases the store's writer lock
