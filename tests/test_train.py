@@ -278,3 +278,15 @@ def test_a_failed_start_leaves_no_run_and_the_corrected_command_is_accepted(tmp_
         assert json.load(f)["capacity"] == 1000
     code, _, err = run_main(capsys, *short, "--capacity", "1000", "--seed", "3")  # the run exists now
     assert code == 2 and "holds a run with --seed 0, not 3" in err
+
+
+def test_a_relative_store_is_the_same_store_from_any_working_directory(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    cfg = job.TrainConfig(out=str(tmp_path / "run"), store="stores/bits")
+    assert cfg.store == cfg.store_location == str(tmp_path / "stores" / "bits")
+    assert job._run_record(cfg)["store"] == str(tmp_path / "stores" / "bits")
+    assert job.TrainConfig(store=f"file://{tmp_path}/stores/bits").store == cfg.store
+    assert job.TrainConfig(store="memory://bits").store == "memory://bits"
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    assert job._run_record(job.TrainConfig(out=str(tmp_path / "run"), store="../stores/bits")) == job._run_record(cfg)

@@ -84,6 +84,13 @@ def _register_default_env() -> None:
         )
 
 
+def _absolute_store(store: str | None) -> str | None:
+    """A local store path, or ``file://`` URL, as an absolute path; other URLs (and None) as given."""
+    if store is None or ("://" in store and not store.startswith("file://")):
+        return store
+    return os.path.abspath(os.path.expanduser(store.removeprefix("file://")))
+
+
 @dataclass(frozen=True)
 class TrainConfig:
     """What a training run does; every field is a command-line option of ``her-store train``.
@@ -98,7 +105,8 @@ class TrainConfig:
     out : str
         The run directory (checkpoints, ``run.json`` and, by default, the store).
     store : str or None
-        Where the episodes go: a path or an fsspec URL. None: ``<out>/store``.
+        Where the episodes go: a path or an fsspec URL. None: ``<out>/store``. A local path (or ``file://`` URL) is
+        made absolute, so the run's record names the same store from any working directory.
     steps : int
         Total environment steps of the run (resumed runs count the steps already done).
     capacity : int
@@ -150,6 +158,9 @@ class TrainConfig:
     device: str = "auto"
     threads: int = 1
     progress: bool = True
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "store", _absolute_store(self.store))
 
     @property
     def store_location(self) -> str:
