@@ -290,3 +290,23 @@ def test_a_relative_store_is_the_same_store_from_any_working_directory(tmp_path,
     (tmp_path / "elsewhere").mkdir()
     monkeypatch.chdir(tmp_path / "elsewhere")
     assert job._run_record(job.TrainConfig(out=str(tmp_path / "run"), store="../stores/bits")) == job._run_record(cfg)
+
+
+def test_many_envs_wait_for_an_episode_of_each_before_training(tmp_path, capsys):
+    # 16 envs of 10-step episodes: 100 steps (DQN's learning_starts) end no episode; the job waits for 160
+    code, _, err = run_main(capsys, "--out", str(tmp_path / "run"), "--n-envs", "16", "--steps", "200",
+                              "--eval-episodes", "1", "--quiet")
+    assert code == 0, err
+    from stable_baselines3.common.save_util import load_from_zip_file
+
+    data, _, _ = load_from_zip_file(os.path.join(job.latest_checkpoint(str(tmp_path / "run"))[1], "model.zip"))
+    assert data["learning_starts"] == 16 * job.DEFAULT_N_BITS
+
+
+def test_training_waits_for_an_episode_of_an_env_without_a_known_limit(tmp_path, capsys):
+    # PointGoal's spec has no max_episode_steps: with 8 envs its 50-step episodes outlast learning_starts 200
+    code, out, err = run_main(capsys, "--out", str(tmp_path / "run"), "--env", "her_store/PointGoal-v0", "--algo",
+                              "sac", "--n-envs", "8", "--steps", "480", "--eval-episodes", "1", "--quiet",
+                              "--algo-kwargs", '{"batch_size": 16, "gradient_steps": 1, "learning_starts": 200}')
+    assert code == 0, err
+    assert "Traceback" not in out + err

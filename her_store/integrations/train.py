@@ -5,7 +5,9 @@ checkpoint: a start that fails before leaves none, so the corrected command is a
 (the model and the replay buffer's handle, each checkpoint written under a temporary name and renamed into place)
 and, unless ``--store`` says otherwise, ``store/`` (the episodes). Running the same command again resumes: the
 model of the last checkpoint, every episode the store committed (even those newer than the checkpoint) and the
-steps still to go.
+steps still to go. Training starts once ``learning_starts`` steps are done and an episode has ended (HER samples
+whole committed episodes); the default ``learning_starts`` covers one episode of every env when the env's spec
+gives its ``max_episode_steps``.
 """
 
 from __future__ import annotations
@@ -80,6 +82,7 @@ def _register_default_env() -> None:
             DEFAULT_ENV,
             entry_point="stable_baselines3.common.envs:BitFlippingEnv",
             kwargs={"n_bits": DEFAULT_N_BITS},
+            max_episode_steps=DEFAULT_N_BITS,  # the env's own limit, told to the spec
             disable_env_checker=True,
         )
 
@@ -124,7 +127,9 @@ class TrainConfig:
     checkpoint_every : int
         Steps between checkpoints (one is also written at the end, and on Ctrl-C).
     algo_kwargs : dict
-        Extra constructor arguments of the algorithm (override the job's defaults).
+        Extra constructor arguments of the algorithm (override the job's defaults). The default ``learning_starts``
+        is at least ``n_envs`` times the env's ``max_episode_steps`` (when its spec has one), so that every env has
+        committed an episode before the first sample.
     storage_options : dict or None
         fsspec options of a store URL (credentials, endpoint).
     device : str
@@ -229,8 +234,9 @@ def _algo_class(name: str) -> type:
     return getattr(sb3, OFF_POLICY_ALGOS[key])
 
 
-def _env_factory(cfg: TrainConfig) -> Callable[[], Any]:
-    """A function making one env of the run, after checking once that it is a goal env the algorithm can drive."""
+def _env_factory(cfg: TrainConfig) -> tuple[Callable[[], Any], int | None]:
+    """A function making one env of the run, after checking once that it is a goal env the algorithm can drive, and
+    the env's episode step limit (None when its spec does not say)."""
     import gymnasium as gym
 
     _register_default_env()
@@ -262,7 +268,7 @@ def _env_factory(cfg: TrainConfig) -> Callable[[], Any]:
             raise ValueError(f"--algo {cfg.algo} needs a Box action space; --env {cfg.env} has {act_space} (try --algo dqn)")
     finally:
         env.close()
-    return make
+    return make, getattr(env.spec, "max_episode_steps", None)
 
 
 def _check_numbers(cfg: TrainConfig) -> None:
@@ -491,21 +497,32 @@ def evaluate(model: Any, make_env: Callable[[], Any], episodes: int, seed: int) 
 
 # -- the job -----------------------------------------------------------------------------------------------------
 def _checkpoint_callback(cfg: TrainConfig) -> Any:
+    """Checkpoints every ``cfg.checkpoint_every`` steps; and no training before an episode has ended (HER samples
+    committed episodes only), whatever ``learning_starts`` says: an env without a known episode limit may run
+    longer episodes than ``learning_starts`` steps."""
     from stable_baselines3.common.callbacks import BaseCallback
 
     class Checkpoints(BaseCallback):
         def __init__(self) -> None:
             super().__init__()
             self.last = 0
+            self.ended = False
 
         def _on_training_start(self) -> None:
             self.last = self.num_timesteps
+            store = self.model.replay_buffer.store
+            self.ended = store is not None and store.num_transitions > 0
 
         def _on_step(self) -> bool:
+            self.ended = self.ended or bool(np.any(self.locals["dones"]))
             if self.num_timesteps - self.last >= cfg.checkpoint_every:
                 _checkpoint(self.model, cfg)
                 self.last = self.num_timesteps
             return True
+
+        def _on_rollout_end(self) -> None:
+            if not self.ended:  # called before the algorithm decides whether to train
+                self.model.learning_starts = max(self.model.learning_starts, self.num_timesteps)
 
     return Checkpoints()
 
@@ -547,7 +564,7 @@ def train(cfg: TrainConfig, log: Callable[[str], None] = print) -> TrainResult:
     t0 = time.perf_counter()
     _check_numbers(cfg)
     algo_cls = _algo_class(cfg.algo)
-    make_env = _env_factory(cfg)
+    make_env, max_episode_steps = _env_factory(cfg)
     from stable_baselines3.common.vec_env import DummyVecEnv
     from torch import set_num_threads
 
@@ -581,6 +598,9 @@ def train(cfg: TrainConfig, log: Callable[[str], None] = print) -> TrainResult:
         if before is not None and before[0]:
             log(f"starting at step 0 (no checkpoint yet); the store already holds {before[0]:,} episodes, kept")
         kwargs = {**_ALGO_DEFAULTS[cfg.algo.lower()], **cfg.algo_kwargs}
+        if max_episode_steps and "learning_starts" not in cfg.algo_kwargs:
+            # HER samples whole committed episodes: let every env finish one before training starts
+            kwargs["learning_starts"] = max(kwargs["learning_starts"], cfg.n_envs * max_episode_steps)
         model = algo_cls(
             "MultiInputPolicy",
             env,
