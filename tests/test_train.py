@@ -310,3 +310,37 @@ def test_training_waits_for_an_episode_of_an_env_without_a_known_limit(tmp_path,
                               "--algo-kwargs", '{"batch_size": 16, "gradient_steps": 1, "learning_starts": 200}')
     assert code == 0, err
     assert "Traceback" not in out + err
+
+
+@pytest.mark.parametrize(
+    ("argv", "code", "message"),
+    [
+        (["--device", "foo"], 2, "--device foo is not a torch device; expected e.g. auto, cpu, cuda"),
+        (["--device", "cuda:0"], 2, "--device cuda:0: no cuda device is available here (try --device cpu)"),
+        (["--threads", "100000"], 2, "--threads must be at most 256 (0: torch's default), got 100000"),
+        (["--algo-kwargs", '{"learning_rate": "abc"}'], 1,
+         "building the DQN model: AssertionError: The learning rate schedule must be a float or a callable"),
+        (["--store", "s3://nonexistent-bucket-zz/x"], 1, "reading the store s3://nonexistent-bucket-zz/x: "),
+    ],
+)
+def test_failures_anywhere_say_what_failed_in_one_line(tmp_path, capsys, monkeypatch, argv, code, message):
+    for var in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_PROFILE", "AWS_SESSION_TOKEN"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")  # no credentials from anywhere, no waiting for them
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
+    got, out, err = run_main(capsys, "--out", str(tmp_path / "run"), "--quiet", *argv)
+    assert got == code and err.count("\n") == 1 and err.startswith("her-store train: error: ") and message in err, err
+    assert "Traceback" not in out + err
+
+
+def test_a_damaged_checkpoint_is_named_in_one_line(tmp_path, capsys):
+    out_dir = str(tmp_path / "run")
+    short = ["--out", out_dir, "--eval-episodes", "1", *FAST]
+    assert run_main(capsys, *short, "--steps", "20")[0] == 0
+    ckpt = job.latest_checkpoint(out_dir)[1]
+    with open(os.path.join(ckpt, "replay_buffer.pkl"), "r+b") as f:
+        f.truncate(100)
+    code, out, err = run_main(capsys, *short, "--steps", "40")
+    assert code == 1 and err.count("\n") == 1 and "Traceback" not in out + err
+    assert err.startswith(f"her-store train: error: loading the checkpoint {ckpt}: "), err

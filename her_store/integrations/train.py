@@ -19,7 +19,8 @@ import shutil
 import sys
 import time
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -49,6 +50,9 @@ DEFAULT_ENV = "her_store/BitFlipping-v0"
 
 OFF_POLICY_ALGOS = {"dqn": "DQN", "sac": "SAC", "td3": "TD3", "ddpg": "DDPG"}
 """``--algo`` names and the stable-baselines3 classes they train (HER needs an off-policy algorithm)."""
+
+MAX_THREADS = 256
+"""The most ``--threads`` accepted (torch crashes on absurd counts)."""
 
 _ON_POLICY = {"ppo", "a2c", "trpo", "recurrentppo", "ars"}
 GOAL_KEYS = ("observation", "achieved_goal", "desired_goal")
@@ -276,8 +280,37 @@ def _check_numbers(cfg: TrainConfig) -> None:
                         ("eval_episodes", 0), ("threads", 0)):
         if getattr(cfg, name) < least:
             raise ValueError(f"--{name.replace('_', '-')} must be at least {least}, got {getattr(cfg, name)}")
+    if cfg.threads > MAX_THREADS:
+        raise ValueError(f"--threads must be at most {MAX_THREADS} (0: torch's default), got {cfg.threads}")
     if cfg.strategy not in ("future", "final", "episode", "random"):
         raise ValueError(f"--strategy {cfg.strategy} is not a goal selection strategy; expected future, final, episode or random")
+
+
+def _check_device(device: str) -> None:
+    import torch
+
+    if device == "auto":
+        return
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, ValueError):
+        raise ValueError(f"--device {device} is not a torch device; expected e.g. auto, cpu, cuda, cuda:1") from None
+    available = {"cpu": lambda: True, "cuda": torch.cuda.is_available, "mps": torch.backends.mps.is_available}
+    if not available.get(dev.type, lambda: True)():
+        raise ValueError(f"--device {device}: no {dev.type} device is available here (try --device cpu)")
+    if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
+        raise ValueError(f"--device {device}: there are {torch.cuda.device_count()} cuda devices")
+
+
+@contextmanager
+def _doing(what: str) -> Iterator[None]:
+    """Name the step of the job an exception came from (a note on it), for the one-line error of :func:`main`."""
+    try:
+        yield
+    except Exception as e:
+        if not getattr(e, "__notes__", None):
+            e.add_note(what)
+        raise
 
 
 # -- the run directory -------------------------------------------------------------------------------------------
@@ -570,21 +603,24 @@ def train(cfg: TrainConfig, log: Callable[[str], None] = print) -> TrainResult:
 
     from her_store.integrations.sb3 import ZarrHerReplayBuffer
 
+    _check_device(cfg.device)
     if cfg.threads:
         set_num_threads(cfg.threads)
     _check_run_dir(cfg)
-    before = _store_contents(cfg)
+    with _doing(f"reading the store {cfg.store_location}"):
+        before = _store_contents(cfg)
     ckpt = latest_checkpoint(cfg.out)
     env = DummyVecEnv([make_env] * cfg.n_envs)
     resumed_from = None
     if ckpt is not None:
-        model = algo_cls.load(os.path.join(ckpt[1], "model.zip"), env=env, device=cfg.device)
-        # load() built a buffer on the store from the saved kwargs; the checkpoint's handle replaces it (sampler
-        # state, unfinished episodes), and it must release the store's writer lock first
-        model.replay_buffer.close()
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            model.load_replay_buffer(os.path.join(ckpt[1], "replay_buffer.pkl"))
+        with _doing(f"loading the checkpoint {ckpt[1]}"):
+            model = algo_cls.load(os.path.join(ckpt[1], "model.zip"), env=env, device=cfg.device)
+            # load() built a buffer on the store from the saved kwargs; the checkpoint's handle replaces it (sampler
+            # state, unfinished episodes), and it must release the store's writer lock first
+            model.replay_buffer.close()
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                model.load_replay_buffer(os.path.join(ckpt[1], "replay_buffer.pkl"))
         for w in caught:  # what became of the checkpoint's unfinished episodes: a line each, not a warning dump
             log(f"note: {str(w.message).splitlines()[0]}")
         resumed_from = model.num_timesteps
@@ -601,34 +637,37 @@ def train(cfg: TrainConfig, log: Callable[[str], None] = print) -> TrainResult:
         if max_episode_steps and "learning_starts" not in cfg.algo_kwargs:
             # HER samples whole committed episodes: let every env finish one before training starts
             kwargs["learning_starts"] = max(kwargs["learning_starts"], cfg.n_envs * max_episode_steps)
-        model = algo_cls(
-            "MultiInputPolicy",
-            env,
-            buffer_size=cfg.capacity,
-            replay_buffer_class=ZarrHerReplayBuffer,
-            replay_buffer_kwargs={
-                "path": cfg.store_location,
-                "storage_options": cfg.storage_options,
-                "n_sampled_goal": cfg.n_sampled_goal,
-                "goal_selection_strategy": cfg.strategy,
-            },
-            seed=cfg.seed,
-            device=cfg.device,
-            **kwargs,
-        )
+        with _doing(f"building the {OFF_POLICY_ALGOS[cfg.algo.lower()]} model"):
+            model = algo_cls(
+                "MultiInputPolicy",
+                env,
+                buffer_size=cfg.capacity,
+                replay_buffer_class=ZarrHerReplayBuffer,
+                replay_buffer_kwargs={
+                    "path": cfg.store_location,
+                    "storage_options": cfg.storage_options,
+                    "n_sampled_goal": cfg.n_sampled_goal,
+                    "goal_selection_strategy": cfg.strategy,
+                },
+                seed=cfg.seed,
+                device=cfg.device,
+                **kwargs,
+            )
     remaining = cfg.steps - model.num_timesteps
     try:
         if remaining > 0:
-            model.learn(
-                remaining,
-                callback=_checkpoint_callback(cfg),
-                reset_num_timesteps=False,
-                progress_bar=cfg.progress,
-            )
+            with _doing(f"training from step {model.num_timesteps:,}"):
+                model.learn(
+                    remaining,
+                    callback=_checkpoint_callback(cfg),
+                    reset_num_timesteps=False,
+                    progress_bar=cfg.progress,
+                )
         else:
             log(f"the run already did {model.num_timesteps:,} of its {cfg.steps:,} steps; evaluating only")
         checkpoint = _final_checkpoint(model, cfg)
-        success, rule = _evaluate(model, make_env, cfg.eval_episodes, cfg.seed + 1_000_000)
+        with _doing("evaluating the policy"):
+            success, rule = _evaluate(model, make_env, cfg.eval_episodes, cfg.seed + 1_000_000)
     except KeyboardInterrupt:
         _final_checkpoint(model, cfg)
         log(f"interrupted at step {model.num_timesteps:,}; checkpoint saved, run the same command to resume")
@@ -713,10 +752,25 @@ def build_parser(prog: str = "her-store train") -> argparse.ArgumentParser:
     return p
 
 
+# errors whose message says what was wrong by itself (the job's own checks, the store's)
+_CLEAR_ERRORS = (ValueError, TypeError, ImportError, StoreError, OSError)
+
+
+def _one_line(e: BaseException) -> str:
+    """``<what failed>: <Type>: <message>`` (an error of the job's own checks: its message alone), on one line."""
+    message = " ".join(str(e).split())
+    notes = getattr(e, "__notes__", None)
+    if not notes:
+        return message if isinstance(e, _CLEAR_ERRORS) else f"{type(e).__name__}: {message}"
+    return f"{notes[0]}: {type(e).__name__}: {message}".rstrip(": ")
+
+
 def main(argv: Sequence[str] | None = None, prog: str = "her-store train") -> int:
     """Run ``her-store train`` with ``argv``; print the summary table; return the exit status.
 
-    Bad options and unusable stores print one line naming the problem and return 2 (no traceback).
+    Bad options and unusable stores print one line naming the problem and return 2; any other failure prints one
+    line ``her-store train: error: <what failed>: <Type>: <message>`` and returns 1 (no traceback). Ctrl-C saves a
+    checkpoint and returns 130.
 
     Examples
     --------
@@ -735,10 +789,10 @@ def main(argv: Sequence[str] | None = None, prog: str = "her-store train") -> in
     )
     try:
         result = train(cfg, log=lambda msg: print(msg, flush=True))
-    except (ValueError, TypeError, ImportError, StoreError, OSError) as e:
-        print(f"{prog}: error: {e}", file=sys.stderr)
-        return 2
     except KeyboardInterrupt:
         return 130
+    except Exception as e:  # noqa: BLE001 -- one line, never a traceback: what failed, and the error
+        print(f"{prog}: error: {_one_line(e)}", file=sys.stderr)
+        return 2 if isinstance(e, _CLEAR_ERRORS) and not getattr(e, "__notes__", None) else 1
     _print_table(f"her-store train: {cfg.env}, {cfg.algo.upper()}+HER ({cfg.strategy})", result.rows())
     return 0
