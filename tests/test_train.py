@@ -344,3 +344,24 @@ def test_a_damaged_checkpoint_is_named_in_one_line(tmp_path, capsys):
     code, out, err = run_main(capsys, *short, "--steps", "40")
     assert code == 1 and err.count("\n") == 1 and "Traceback" not in out + err
     assert err.startswith(f"her-store train: error: loading the checkpoint {ckpt}: "), err
+
+
+def test_sigterm_writes_a_checkpoint_and_exits_143(tmp_path):
+    out_dir = str(tmp_path / "run")
+    cmd = [sys.executable, os.path.join(ROOT, "tools", "train.py"), "--out", out_dir, "--steps", "100000",
+           "--checkpoint-every", "100000", "--eval-episodes", "1", *FAST]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and proc.poll() is None and _episodes(os.path.join(out_dir, "store")) < 3:
+            time.sleep(0.05)
+        assert proc.poll() is None, proc.communicate()
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 143, out + err
+    step = job.latest_checkpoint(out_dir)[0]
+    assert 0 < step < 100000
+    assert f"terminated (SIGTERM) at step {step:,}; checkpoint saved" in out and "Traceback" not in out + err

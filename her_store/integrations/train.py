@@ -4,8 +4,8 @@ A run lives in a run directory (``--out``): ``run.json`` (the options that defin
 checkpoint: a start that fails before leaves none, so the corrected command is accepted), ``checkpoints/``
 (the model and the replay buffer's handle, each checkpoint written under a temporary name and renamed into place)
 and, unless ``--store`` says otherwise, ``store/`` (the episodes). Running the same command again resumes: the
-model of the last checkpoint, every episode the store committed (even those newer than the checkpoint) and the
-steps still to go. Training starts once ``learning_starts`` steps are done and an episode has ended (HER samples
+model of the last checkpoint (Ctrl-C and SIGTERM write one before the job exits), every episode the store
+committed (even those newer than the checkpoint) and the steps still to go. Training starts once ``learning_starts`` steps are done and an episode has ended (HER samples
 whole committed episodes); the default ``learning_starts`` covers one episode of every env when the env's spec
 gives its ``max_episode_steps``.
 """
@@ -16,6 +16,7 @@ import argparse
 import json
 import os
 import shutil
+import signal
 import sys
 import time
 import warnings
@@ -35,6 +36,7 @@ from her_store.store import EpisodeStore
 __all__ = [
     "DEFAULT_ENV",
     "OFF_POLICY_ALGOS",
+    "Terminated",
     "TrainConfig",
     "TrainResult",
     "build_parser",
@@ -668,9 +670,10 @@ def train(cfg: TrainConfig, log: Callable[[str], None] = print) -> TrainResult:
         checkpoint = _final_checkpoint(model, cfg)
         with _doing("evaluating the policy"):
             success, rule = _evaluate(model, make_env, cfg.eval_episodes, cfg.seed + 1_000_000)
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as e:
         _final_checkpoint(model, cfg)
-        log(f"interrupted at step {model.num_timesteps:,}; checkpoint saved, run the same command to resume")
+        how = "terminated (SIGTERM)" if isinstance(e, Terminated) else "interrupted"
+        log(f"{how} at step {model.num_timesteps:,}; checkpoint saved, run the same command to resume")
         raise
     except Exception:
         if before is None and not os.path.exists(os.path.join(cfg.out, "run.json")):
@@ -752,6 +755,22 @@ def build_parser(prog: str = "her-store train") -> argparse.ArgumentParser:
     return p
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (a scheduler's or ``docker stop``'s), raised where the job runs so that it stops as on Ctrl-C.
+
+    :func:`main` raises it from its SIGTERM handler: the run writes its checkpoint and ``main`` returns 143.
+
+    Examples
+    --------
+    >>> issubclass(Terminated, KeyboardInterrupt)
+    True
+    """
+
+
+def _terminate(signum: int, frame: Any) -> None:
+    raise Terminated
+
+
 # errors whose message says what was wrong by itself (the job's own checks, the store's)
 _CLEAR_ERRORS = (ValueError, TypeError, ImportError, StoreError, OSError)
 
@@ -770,7 +789,7 @@ def main(argv: Sequence[str] | None = None, prog: str = "her-store train") -> in
 
     Bad options and unusable stores print one line naming the problem and return 2; any other failure prints one
     line ``her-store train: error: <what failed>: <Type>: <message>`` and returns 1 (no traceback). Ctrl-C saves a
-    checkpoint and returns 130.
+    checkpoint and returns 130; SIGTERM does the same and returns 143.
 
     Examples
     --------
@@ -787,12 +806,17 @@ def main(argv: Sequence[str] | None = None, prog: str = "her-store train") -> in
         algo_kwargs=args.algo_kwargs, storage_options=args.storage_options, device=args.device,
         threads=args.threads, progress=not args.quiet,
     )
+    previous = signal.signal(signal.SIGTERM, _terminate)
     try:
         result = train(cfg, log=lambda msg: print(msg, flush=True))
+    except Terminated:
+        return 128 + signal.SIGTERM
     except KeyboardInterrupt:
         return 130
     except Exception as e:  # noqa: BLE001 -- one line, never a traceback: what failed, and the error
         print(f"{prog}: error: {_one_line(e)}", file=sys.stderr)
         return 2 if isinstance(e, _CLEAR_ERRORS) and not getattr(e, "__notes__", None) else 1
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     _print_table(f"her-store train: {cfg.env}, {cfg.algo.upper()}+HER ({cfg.strategy})", result.rows())
     return 0
