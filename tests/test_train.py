@@ -365,3 +365,34 @@ def test_sigterm_writes_a_checkpoint_and_exits_143(tmp_path):
     step = job.latest_checkpoint(out_dir)[0]
     assert 0 < step < 100000
     assert f"terminated (SIGTERM) at step {step:,}; checkpoint saved" in out and "Traceback" not in out + err
+
+
+def test_a_checkpoint_that_cannot_be_written_is_named_and_leaves_nothing(tmp_path):
+    import resource
+
+    from stable_baselines3 import DQN
+    from stable_baselines3.common.envs import BitFlippingEnv
+
+    model = DQN("MultiInputPolicy", BitFlippingEnv(n_bits=4), buffer_size=100, learning_starts=10)
+    out_dir = str(tmp_path / "run")
+    first = job.save_checkpoint(model, out_dir)
+    model.num_timesteps = 100
+    limits = resource.getrlimit(resource.RLIMIT_FSIZE)
+    previous = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (2048, limits[1]))  # files cannot grow past 2 KiB: as a full disk
+    try:
+        with pytest.raises(OSError) as e:
+            job.save_checkpoint(model, out_dir)
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, limits)
+        signal.signal(signal.SIGXFSZ, previous)
+    final = os.path.join(out_dir, "checkpoints", "step-000000100")
+    assert e.value.__notes__ == [f"writing the checkpoint {final}"]
+    assert job._one_line(e.value).startswith(f"writing the checkpoint {final}: OSError: ")
+    assert os.listdir(os.path.join(out_dir, "checkpoints")) == [os.path.basename(first)]
+
+
+def test_out_naming_a_file_is_refused(tmp_path, capsys):
+    (tmp_path / "afile").write_text("")
+    code, _, err = run_main(capsys, "--out", str(tmp_path / "afile"), "--quiet")
+    assert code == 2 and f"--out {tmp_path / 'afile'} is a file; the run directory must be a directory" in err

@@ -324,16 +324,24 @@ def _run_record(cfg: TrainConfig) -> dict[str, Any]:
 
 def _write_atomic(path: str, data: bytes) -> None:
     tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with _doing(f"writing {path}"), open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+            os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
 
 
 def _check_run_dir(cfg: TrainConfig) -> None:
     """Refuse options that would make the run recorded in ``run.json`` (if any) another run."""
-    os.makedirs(cfg.out, exist_ok=True)
+    if os.path.exists(cfg.out) and not os.path.isdir(cfg.out):
+        raise ValueError(f"--out {cfg.out} is a file; the run directory must be a directory (or a new path)")
+    with _doing(f"creating the run directory --out {cfg.out}"):
+        os.makedirs(cfg.out, exist_ok=True)
     path = os.path.join(cfg.out, "run.json")
     if not os.path.exists(path):
         return
@@ -395,7 +403,8 @@ def save_checkpoint(model: Any, out: str) -> str:
     """Save ``model`` and its replay buffer's handle as the run's newest checkpoint, atomically; return its directory.
 
     Both files go to a temporary directory, are fsynced, and the directory is renamed into place: a process killed
-    at any moment leaves the previous checkpoint whole. Older checkpoints and leftovers of killed writes are removed
+    at any moment leaves the previous checkpoint whole. A write that fails (a full disk) removes its temporary
+    directory and raises with a note naming the checkpoint. Older checkpoints and leftovers of killed writes are removed
     afterwards (the caller's buffer holds the store's writer lock, so no other run of this directory is writing).
 
     Examples
@@ -410,14 +419,19 @@ def save_checkpoint(model: Any, out: str) -> str:
     if os.path.isdir(final):
         return final
     tmp = os.path.join(root, f".{name}.tmp-{os.getpid()}")
-    os.makedirs(tmp)
-    model.save(os.path.join(tmp, "model.zip"))
-    model.save_replay_buffer(os.path.join(tmp, "replay_buffer.pkl"))
-    for f in os.listdir(tmp):
-        fsync_file(os.path.join(tmp, f))
-    fsync_file(tmp)
-    os.rename(tmp, final)
-    fsync_file(root)
+    try:
+        with _doing(f"writing the checkpoint {final}"):
+            os.makedirs(tmp)
+            model.save(os.path.join(tmp, "model.zip"))
+            model.save_replay_buffer(os.path.join(tmp, "replay_buffer.pkl"))
+            for f in os.listdir(tmp):
+                fsync_file(os.path.join(tmp, f))
+            fsync_file(tmp)
+            os.rename(tmp, final)
+            fsync_file(root)
+    except BaseException:  # a full disk, Ctrl-C: the previous checkpoint is whole, the partial one goes
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     for other in os.listdir(root):
         if other.startswith((".step-", "step-")) and other != name:
             shutil.rmtree(os.path.join(root, other), ignore_errors=True)
@@ -683,8 +697,15 @@ def train(cfg: TrainConfig, log: Callable[[str], None] = print) -> TrainResult:
             _remove_new_store(cfg)
         raise
     finally:
-        model.replay_buffer.close()  # commits what is staged and releases the store's writer lock
-        env.close()
+        failing = sys.exc_info()[1] is not None
+        try:
+            with _doing(f"committing to the store {cfg.store_location}"):
+                model.replay_buffer.close()  # commits what is staged and releases the store's writer lock
+        except Exception:
+            if not failing:  # else the error that stopped the run is the one to report
+                raise
+        finally:
+            env.close()
     train_success = float(np.mean(model.ep_success_buffer)) if len(model.ep_success_buffer) else None
     episodes, transitions, url = _store_contents(cfg) or (0, 0, cfg.store_location)
     rss, peak = _memory()
