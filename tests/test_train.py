@@ -396,3 +396,13 @@ def test_out_naming_a_file_is_refused(tmp_path, capsys):
     (tmp_path / "afile").write_text("")
     code, _, err = run_main(capsys, "--out", str(tmp_path / "afile"), "--quiet")
     assert code == 2 and f"--out {tmp_path / 'afile'} is a file; the run directory must be a directory" in err
+
+
+def test_a_memory_store_is_said_not_to_outlive_the_run(tmp_path, capsys):
+    code, out, err = run_main(capsys, "--out", str(tmp_path / "run"), "--store", "memory://test-train-note",
+                              "--steps", "20", "--eval-episodes", "1", *FAST)
+    assert code == 0, err
+    assert "note: --store memory://test-train-note is held in this process's memory: it does not outlive" in out
+    assert "store bytes in memory (gone at exit)" in out and "on disk" not in out
+    assert job._bytes_label("s3://bucket/x") == "store bytes at s3://"
+    assert job._bytes_label(str(tmp_path)) == "store bytes on disk"

@@ -114,7 +114,8 @@ class TrainConfig:
     out : str
         The run directory (checkpoints, ``run.json`` and, by default, the store).
     store : str or None
-        Where the episodes go: a path or an fsspec URL. None: ``<out>/store``. A local path (or ``file://`` URL) is
+        Where the episodes go: a path or an fsspec URL (a ``memory://`` store does not outlive the process, so a
+        resumed run starts with it empty). None: ``<out>/store``. A local path (or ``file://`` URL) is
         made absolute, so the run's record names the same store from any working directory.
     steps : int
         Total environment steps of the run (resumed runs count the steps already done).
@@ -214,12 +215,21 @@ class TrainResult:
             ("steps", f"{self.steps:,}" + ("" if self.resumed_from is None else f" (resumed from {self.resumed_from:,})")),
             ("episodes stored", f"{self.episodes:,}"),
             ("transitions stored", f"{self.transitions:,}"),
-            ("store bytes on disk", "n/a" if self.store_bytes is None else _mib(self.store_bytes)),
+            (_bytes_label(self.store), "n/a" if self.store_bytes is None else _mib(self.store_bytes)),
             ("process resident memory (now / peak)", f"{_mib(self.rss_bytes)} / {_mib(self.peak_rss_bytes)}"),
             ("wall time", f"{self.seconds:.1f} s"),
             ("store", self.store),
             ("last checkpoint", self.checkpoint),
         ]
+
+
+def _bytes_label(store: str) -> str:
+    """Where the store's bytes are: on disk, in this process's memory, or at a remote filesystem."""
+    if store.startswith("memory://"):
+        return "store bytes in memory (gone at exit)"
+    if "://" in store and not store.startswith("file://"):
+        return f"store bytes at {store.split('://', 1)[0]}://"
+    return "store bytes on disk"
 
 
 def _mib(n: int) -> str:
@@ -623,6 +633,9 @@ def train(cfg: TrainConfig, log: Callable[[str], None] = print) -> TrainResult:
     if cfg.threads:
         set_num_threads(cfg.threads)
     _check_run_dir(cfg)
+    if cfg.store_location.startswith("memory://"):
+        log(f"note: --store {cfg.store_location} is held in this process's memory: it does not outlive the run, "
+            "so a resumed run starts with an empty store")
     with _doing(f"reading the store {cfg.store_location}"):
         before = _store_contents(cfg)
     ckpt = latest_checkpoint(cfg.out)
