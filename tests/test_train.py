@@ -406,3 +406,16 @@ def test_a_memory_store_is_said_not_to_outlive_the_run(tmp_path, capsys):
     assert "store bytes in memory (gone at exit)" in out and "on disk" not in out
     assert job._bytes_label("s3://bucket/x") == "store bytes at s3://"
     assert job._bytes_label(str(tmp_path)) == "store bytes on disk"
+
+
+def test_no_evaluation_says_na_and_sb3_leaves_no_log_directory(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("SB3_LOGDIR", str(tmp_path / "sb3-log"))  # where SB3's default logger would make its directory
+    code, out, err = run_main(capsys, "--out", str(tmp_path / "run"), "--steps", "20", "--eval-episodes", "0", *FAST)
+    assert code == 0, err
+    assert re.search(r"success rate \(deterministic\)\s*│\s*n/a", out) and "nan" not in out
+    assert not os.path.exists(tmp_path / "sb3-log")
+
+
+def test_an_env_module_that_cannot_be_imported_is_named(tmp_path, capsys):
+    code, _, err = run_main(capsys, "--out", str(tmp_path / "run"), "--env", "nosuch_module_zz:Env-v0")
+    assert code == 2 and err.startswith("her-store train: error: --env nosuch_module_zz:Env-v0: ") and "No module" in err

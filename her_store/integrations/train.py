@@ -209,7 +209,8 @@ class TrainResult:
         """The summary table's rows: label, value."""
         judged = "" if self.success_rule in (None, "is_success") else f", no is_success: {self.success_rule}"
         return [
-            (f"success rate (deterministic{judged})", f"{self.success_rate:.1%}"),
+            (f"success rate (deterministic{judged})",
+             "n/a" if np.isnan(self.success_rate) else f"{self.success_rate:.1%}"),
             ("success rate (last 100 training episodes)",
              "n/a" if self.train_success_rate is None else f"{self.train_success_rate:.1%}"),
             ("steps", f"{self.steps:,}" + ("" if self.resumed_from is None else f" (resumed from {self.resumed_from:,})")),
@@ -264,8 +265,9 @@ def _env_factory(cfg: TrainConfig) -> tuple[Callable[[], Any], int | None]:
         return gym.make(cfg.env, **kwargs)
 
     try:
-        env = make()
-    except gym.error.Error as e:  # NameNotFound, VersionNotFound, a bad module:name
+        with _doing(f"making --env {cfg.env}"):
+            env = make()
+    except (gym.error.Error, ImportError) as e:  # NameNotFound, VersionNotFound, a module:name that cannot import
         raise ValueError(f"--env {cfg.env}: {e}") from None
     try:
         obs_space, act_space = env.observation_space, env.action_space
@@ -624,6 +626,7 @@ def train(cfg: TrainConfig, log: Callable[[str], None] = print) -> TrainResult:
     _check_numbers(cfg)
     algo_cls = _algo_class(cfg.algo)
     make_env, max_episode_steps = _env_factory(cfg)
+    from stable_baselines3.common.logger import Logger
     from stable_baselines3.common.vec_env import DummyVecEnv
     from torch import set_num_threads
 
@@ -682,6 +685,8 @@ def train(cfg: TrainConfig, log: Callable[[str], None] = print) -> TrainResult:
                 device=cfg.device,
                 **kwargs,
             )
+    # SB3's default logger makes a directory per learn() that nothing writes to; the job's own summary is its log
+    model.set_logger(Logger(folder=None, output_formats=[]))
     remaining = cfg.steps - model.num_timesteps
     try:
         if remaining > 0:
