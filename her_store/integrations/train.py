@@ -557,7 +557,7 @@ def evaluate(model: Any, make_env: Callable[[], Any], episodes: int, seed: int) 
 
 
 # -- the job -----------------------------------------------------------------------------------------------------
-def _checkpoint_callback(cfg: TrainConfig) -> Any:
+def _checkpoint_callback(cfg: TrainConfig, has_episodes: bool) -> Any:
     """Checkpoints every ``cfg.checkpoint_every`` steps; and no training before an episode has ended (HER samples
     committed episodes only), whatever ``learning_starts`` says: an env without a known episode limit may run
     longer episodes than ``learning_starts`` steps."""
@@ -571,8 +571,7 @@ def _checkpoint_callback(cfg: TrainConfig) -> Any:
 
         def _on_training_start(self) -> None:
             self.last = self.num_timesteps
-            store = self.model.replay_buffer.store
-            self.ended = store is not None and store.num_transitions > 0
+            self.ended = has_episodes
 
         def _on_step(self) -> bool:
             self.ended = self.ended or bool(np.any(self.locals["dones"]))
@@ -693,7 +692,7 @@ def train(cfg: TrainConfig, log: Callable[[str], None] = print) -> TrainResult:
             with _doing(f"training from step {model.num_timesteps:,}"):
                 model.learn(
                     remaining,
-                    callback=_checkpoint_callback(cfg),
+                    callback=_checkpoint_callback(cfg, before is not None and before[0] > 0),
                     reset_num_timesteps=False,
                     progress_bar=cfg.progress,
                 )
@@ -826,8 +825,9 @@ def _one_line(e: BaseException) -> str:
 def main(argv: Sequence[str] | None = None, prog: str = "her-store train") -> int:
     """Run ``her-store train`` with ``argv``; print the summary table; return the exit status.
 
-    Bad options and unusable stores print one line naming the problem and return 2; any other failure prints one
-    line ``her-store train: error: <what failed>: <Type>: <message>`` and returns 1 (no traceback). Ctrl-C saves a
+    Every failure prints one line, never a traceback: the job's own checks their message, other errors
+    ``her-store train: error: <what failed>: <Type>: <message>``. Bad options and unusable stores or files
+    (ValueError, TypeError, ImportError, StoreError, OSError) return 2, any other error 1. Ctrl-C saves a
     checkpoint and returns 130; SIGTERM does the same and returns 143.
 
     Examples
@@ -854,7 +854,7 @@ def main(argv: Sequence[str] | None = None, prog: str = "her-store train") -> in
         return 130
     except Exception as e:  # noqa: BLE001 -- one line, never a traceback: what failed, and the error
         print(f"{prog}: error: {_one_line(e)}", file=sys.stderr)
-        return 2 if isinstance(e, _CLEAR_ERRORS) and not getattr(e, "__notes__", None) else 1
+        return 2 if isinstance(e, _CLEAR_ERRORS) else 1
     finally:
         signal.signal(signal.SIGTERM, previous)
     _print_table(f"her-store train: {cfg.env}, {cfg.algo.upper()}+HER ({cfg.strategy})", result.rows())
