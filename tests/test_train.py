@@ -260,8 +260,9 @@ def test_success_without_is_success_is_judged_by_the_reward(wrong):
     fields = {"steps": 1, "resumed_from": None, "success_rate": 0.5, "train_success_rate": None, "episodes": 1,
               "transitions": 1, "store_bytes": None, "rss_bytes": 1, "peak_rss_bytes": 1, "seconds": 1.0, "store": "s",
               "checkpoint": "c"}
-    assert job.TrainResult(success_rule=without_rule, **fields).rows()[0][0].endswith(f"{job.SUCCESS_BY_REWARD})")
-    assert job.TrainResult(success_rule=with_rule, **fields).rows()[0][0] == "success rate (deterministic)"
+    assert job.TrainResult(success_rule=without_rule, **fields).rows()[1] == ("success judged by (no is_success)",
+                                                                            job.SUCCESS_BY_REWARD)
+    assert job.TrainResult(success_rule=with_rule, **fields).rows()[1][0].startswith("success rate (last 100")
 
 
 def test_a_failed_start_leaves_no_run_and_the_corrected_command_is_accepted(tmp_path, capsys):

@@ -207,10 +207,11 @@ class TrainResult:
 
     def rows(self) -> list[tuple[str, str]]:
         """The summary table's rows: label, value."""
-        judged = "" if self.success_rule in (None, "is_success") else f", no is_success: {self.success_rule}"
+        judged = [] if self.success_rule in (None, "is_success") else [
+            ("success judged by (no is_success)", self.success_rule)]
         return [
-            (f"success rate (deterministic{judged})",
-             "n/a" if np.isnan(self.success_rate) else f"{self.success_rate:.1%}"),
+            ("success rate (deterministic)", "n/a" if np.isnan(self.success_rate) else f"{self.success_rate:.1%}"),
+            *judged,
             ("success rate (last 100 training episodes)",
              "n/a" if self.train_success_rate is None else f"{self.train_success_rate:.1%}"),
             ("steps", f"{self.steps:,}" + ("" if self.resumed_from is None else f" (resumed from {self.resumed_from:,})")),
@@ -499,9 +500,10 @@ def _memory() -> tuple[int, int]:
         return peak, peak
 
 
-SUCCESS_BY_REWARD = "compute_reward(ag, g) = compute_reward(ag, ag)"
+SUCCESS_BY_REWARD = "reward of reaching the goal"
 """The success rule of an env whose infos have no ``is_success`` (the sampler's default ``success_fn`` rule): the
-reward of the last achieved goal ``ag`` for the desired goal ``g`` is the reward of reaching the goal."""
+``compute_reward(ag, g, info)`` of the last achieved goal ``ag`` and the desired goal ``g`` is the reward of reaching
+the goal, ``compute_reward(ag, ag, info)``."""
 
 
 def _episode_succeeded(env: Any, obs: dict[str, Any], info: dict[str, Any]) -> tuple[bool, str]:
