@@ -23,13 +23,14 @@ from her_store.errors import EpisodeValidationError, StoreError, StoreLockedErro
 from her_store.format import COMMIT_KEY, INDEX_COLUMNS, ArraySpec, Commit, Layout
 from her_store.index import EpisodeIndex
 from her_store.schema import Schema
+from her_store.shard import ShardWriter
 from her_store.storage import Location, RawChunkFile, WriterLock, ZarrChunks, fsync_file
 
 __all__ = ["Committer", "round_up", "COMMIT_ROWS"]
 
 COMMIT_ROWS = 1 << 16  # staged rows that force a commit (bounds the staging memory)
 
-ChunkIO = RawChunkFile | ZarrChunks
+ChunkIO = RawChunkFile | ZarrChunks | ShardWriter
 
 
 def round_up(n: int, multiple: int) -> int:
@@ -268,7 +269,7 @@ class Committer:
         """Replace the commit record. A write that raised may still have happened (a reply lost on the way back,
         an interrupt just after the rename): the record is read back, and if it is in place the commit counts, so
         that no generation or episode id is ever used twice. If that cannot be told, this handle stops writing."""
-        raw = record.to_bytes()
+        raw = record.to_bytes(self.layout.version)
         try:
             etag = self.location.write_atomic(COMMIT_KEY, raw, self.fsync, if_match=self._record_etag)
         except BaseException as e:
@@ -310,7 +311,7 @@ class Committer:
 
     def _zarr_array(self, path: str, io: ChunkIO) -> zarr.Array:
         """The zarr.Array behind an array's row access (resized in place, so a ZarrChunks sees the new shape)."""
-        return io.array if isinstance(io, ZarrChunks) else cast(zarr.Array, self.root[path])
+        return io.array if isinstance(io, (ZarrChunks, ShardWriter)) else cast(zarr.Array, self.root[path])
 
     def _fsync_metadata(self, path: str) -> None:
         """zarr writes zarr.json without fsync; with durability='fsync' a resized array's shape must survive too."""

@@ -36,11 +36,15 @@ __all__ = [
     "check_array",
 ]
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+# Version 2 stores compressed fields (images) as sharded arrays, one row per inner chunk; version 1 stores (compressed
+# chunks of several rows) are still read and appended to in their own layout.
+SHARDED_SINCE = 2
 ATTRS_KEY = "her_store"
 COMMIT_KEY = "commit.json"
 LOCK_KEY = "writer.lock"
-IMAGE_CHUNK_BYTES = 1 << 18
+IMAGE_CHUNK_BYTES = 1 << 18  # version 1: rows per compressed chunk
+SHARD_BYTES = 1 << 23  # version 2: rows per shard, uncompressed (a commit rewrites its tail shard whole)
 PACK_CHUNK_BYTES = 1 << 28  # a pack's chunk file stays under 256 MiB whatever its row width
 # Counts in a commit record stay exact as JSON numbers everywhere (and far from int64 overflow in numpy sums).
 MAX_COUNT = (1 << 53) - 1
@@ -66,7 +70,9 @@ class ArraySpec:
 
     A pack (``packs/<dtype>``) is 2-D ``(rows, columns)``: fields of one dtype side by side, each a column range,
     so that every low-dimensional value of a row lies in one place on disk (one read per row when cold).
-    A field array (``steps/<field>``) is ``(rows, *field.shape)``, used for compressed fields such as images.
+    A field array (``steps/<field>``) is ``(rows, *field.shape)``, used for compressed fields such as images; from
+    format version 2 it is sharded: ``chunk_rows`` rows per shard (one file or object), each row its own inner chunk,
+    so a sampled row decodes one row.
     """
 
     path: str
@@ -75,6 +81,7 @@ class ArraySpec:
     chunk_rows: int
     columns: tuple[tuple[str, int, int], ...]
     compressed: bool
+    sharded: bool = False
 
     @property
     def row_nbytes(self) -> int:
@@ -92,13 +99,16 @@ class ArraySpec:
             "chunk_rows": self.chunk_rows,
             "columns": [list(c) for c in self.columns],
             "compressed": self.compressed,
+            **({"sharded": True} if self.sharded else {}),
         }
 
 
-def _image_chunk_rows(field: Field, chunk_rows: int) -> int:
-    """Largest power of two of rows that keeps one uncompressed chunk near 256 KiB: a sampled row decodes its whole
-    chunk, so small chunks waste less; much smaller ones mean very many files."""
-    rows = max(1, IMAGE_CHUNK_BYTES // max(1, field.row_nbytes))
+def _image_chunk_rows(field: Field, chunk_rows: int, version: int) -> int:
+    """Rows per chunk of a compressed field: the largest power of two keeping one uncompressed shard near 8 MiB
+    (version 2: a sampled row decodes only itself, and a commit rewrites the tail shard), or one chunk near 256 KiB
+    (version 1: a sampled row decoded its whole chunk); at most ``chunk_rows``."""
+    target = SHARD_BYTES if version >= SHARDED_SINCE else IMAGE_CHUNK_BYTES
+    rows = max(1, target // max(1, field.row_nbytes))
     return min(chunk_rows, 1 << (rows.bit_length() - 1))
 
 
@@ -117,20 +127,22 @@ class Layout:
     ['packs/float32', 'packs/bool']
     """
 
-    def __init__(self, arrays: tuple[ArraySpec, ...]) -> None:
+    def __init__(self, arrays: tuple[ArraySpec, ...], version: int = FORMAT_VERSION) -> None:
         self.arrays = arrays
+        self.version = version
         self.fields: dict[str, tuple[ArraySpec, int, int]] = {
             name: (spec, a, b) for spec in arrays for name, a, b in spec.columns
         }
 
     @classmethod
-    def build(cls, schema: Schema, compressed: set[str], chunk_rows: int) -> Layout:
+    def build(cls, schema: Schema, compressed: set[str], chunk_rows: int, version: int = FORMAT_VERSION) -> Layout:
         packs: dict[np.dtype, list[Field]] = {}
         own: list[ArraySpec] = []
         for f in schema.fields:
             if f.name in compressed:
+                rows = _image_chunk_rows(f, chunk_rows, version)
                 spec = ArraySpec(
-                    f"steps/{f.name}", f.dtype, f.shape, _image_chunk_rows(f, chunk_rows), ((f.name, 0, f.width),), True
+                    f"steps/{f.name}", f.dtype, f.shape, rows, ((f.name, 0, f.width),), True, version >= SHARDED_SINCE
                 )
                 own.append(spec)
             else:
@@ -143,14 +155,14 @@ class Layout:
             rows = min(chunk_rows, 1 << (fit.bit_length() - 1))
             arrays.append(ArraySpec(f"packs/{dtype.name}", dtype, (int(ends[-1]),), rows, cols, False))
         arrays.extend(own)
-        return cls(tuple(arrays))
+        return cls(tuple(arrays), version)
 
     def to_json(self) -> list[dict[str, Any]]:
         return [a.to_json() for a in self.arrays]
 
     @classmethod
-    def from_json(cls, d: Any, schema: Schema, where: str) -> Layout:
-        """The layout a store's attributes describe, checked against its schema.
+    def from_json(cls, d: Any, schema: Schema, where: str, version: int = FORMAT_VERSION) -> Layout:
+        """The layout a store's attributes describe, checked against its schema and format version.
 
         Array paths become file names, so a layout is never taken as written: it must be exactly what
         :meth:`build` makes of the schema, given which fields it compresses and the chunk rows it asked for (the
@@ -171,7 +183,7 @@ class Layout:
                     "steps/<field> for a dtype or field of the schema"
                 )
         compressed = {a["path"][len("steps/") :] for a in d if a["path"].startswith("steps/")}
-        layout = cls.build(schema, compressed, max(rows))
+        layout = cls.build(schema, compressed, max(rows), version)
         expected = layout.to_json()
         if d != expected:
             i = next((i for i, (a, b) in enumerate(zip(d, expected)) if a != b), min(len(d), len(expected)))
@@ -254,29 +266,43 @@ def parse_attrs(meta: Mapping[str, Any], where: str) -> StoreAttrs:
         schema = Schema.from_json(meta["schema"])
     except SchemaMismatchError as e:
         raise CorruptStoreError(f"{where}: {ATTRS_KEY}.schema is invalid: {e}") from e
-    return StoreAttrs(schema, Layout.from_json(meta["layout"], schema, where), capacity, slots)
+    version = meta.get("format_version")
+    if not (_is_count(version) and 1 <= version <= FORMAT_VERSION):
+        raise CorruptStoreError(f"{where}: {ATTRS_KEY}.format_version is {short_repr(version)}, expected 1..{FORMAT_VERSION}")
+    return StoreAttrs(schema, Layout.from_json(meta["layout"], schema, where, version), capacity, slots)
 
 
 def check_array(
-    array: Any, dtype: np.dtype, row_shape: tuple[int, ...], chunk_rows: int | None, raw: bool, where: str
+    array: Any,
+    dtype: np.dtype,
+    row_shape: tuple[int, ...],
+    chunk_rows: int | None,
+    raw: bool,
+    where: str,
+    sharded: bool = False,
 ) -> None:
     """Check a Zarr array's own metadata against what the layout says it is, before any row is read or written.
 
     Row access trusts ``dtype``, the row shape and ``chunk_rows`` (``None``: any positive number of rows, as
     for index columns), and finds chunks by the default ``/`` key encoding; a ``raw`` array is read and written
-    as bare little-endian chunk files, so it must have no codec but ``bytes``.
+    as bare little-endian chunk files, so it must have no codec but ``bytes``. A ``sharded`` array has shards of
+    ``chunk_rows`` rows, one row per inner chunk, and its shard index (little-endian, crc32c) at the end.
     """
     if not isinstance(array, zarr.Array):
         raise CorruptStoreError(f"{where} is a {type(array).__name__}, expected an array")
-    rows = chunk_rows or (array.chunks[0] if array.chunks else 0)
+    grid = tuple(array.shards or array.chunks) if sharded else tuple(array.chunks)
+    rows = chunk_rows or (grid[0] if grid else 0)
     if (
         array.dtype != dtype
         or len(array.shape) != 1 + len(row_shape)
         or tuple(array.shape[1:]) != row_shape
-        or tuple(array.chunks) != (rows, *row_shape)
+        or grid != (rows, *row_shape)
+        or (sharded and tuple(array.chunks) != (1, *row_shape))
         or rows < 1
     ):
         chunks = f"chunks of {chunk_rows} rows" if chunk_rows else "chunks of whole rows"
+        if sharded:
+            chunks = f"shards of {chunk_rows} rows, each row an inner chunk"
         raise CorruptStoreError(
             f"{where}: array of dtype {array.dtype}, shape {array.shape} and chunks {array.chunks}; expected dtype "
             f"{dtype}, rows of shape {row_shape} and {chunks}"
@@ -294,6 +320,21 @@ def check_array(
         and codecs[0].endian in (None, zarr.codecs.Endian.little)
     ):
         raise CorruptStoreError(f"{where}: codecs {codecs!r}, expected only little-endian bytes (uncompressed)")
+    if sharded:
+        shard = codecs[0] if len(codecs) == 1 else None
+        index = tuple(shard.index_codecs) if isinstance(shard, zarr.codecs.ShardingCodec) else ()
+        if not (
+            isinstance(shard, zarr.codecs.ShardingCodec)
+            and shard.index_location == zarr.codecs.ShardingCodecIndexLocation.end
+            and len(index) == 2
+            and isinstance(index[0], zarr.codecs.BytesCodec)
+            and index[0].endian in (None, zarr.codecs.Endian.little)
+            and isinstance(index[1], zarr.codecs.Crc32cCodec)
+        ):
+            raise CorruptStoreError(
+                f"{where}: codecs {codecs!r}, expected one sharding_indexed codec with its index at the end, encoded "
+                "as little-endian bytes + crc32c"
+            )
 
 
 @dataclass(frozen=True)
@@ -321,9 +362,10 @@ class Commit:
     num_transitions: int = 0
     array_rows: int = 0
 
-    def to_bytes(self) -> bytes:
+    def to_bytes(self, version: int = FORMAT_VERSION) -> bytes:
+        """The record as written: ``version`` is the format version of the store it commits."""
         body = {
-            "format_version": FORMAT_VERSION,
+            "format_version": version,
             "generation": self.generation,
             "first_episode": self.first_episode,
             "end_episode": self.end_episode,

@@ -147,10 +147,11 @@ class HerSampler:
     success_fn : callable, optional
         ``success_fn(achieved_goal, desired_goal, infos)`` -> bool ``(n,)`` for ``relabel_terminated``; default:
         the recomputed reward equals the reward of reaching the goal, ``reward_fn(ag, ag, infos)``.
-    io_threads : int
-        Threads a gather is split across; 8-32 for a store larger than RAM (see :class:`ChunkReader`).
+    io_threads : int, optional
+        Threads a gather is split across; 8-32 for a store larger than RAM. Default: one per core for a store with
+        compressed images (their frames are decoded in these threads), else 0 (see :class:`ChunkReader`).
     cache_bytes : int
-        Decoded-chunk cache per compressed or remote array.
+        Cache per compressed or remote array (decoded chunks, or fetched shards on object storage).
     refresh_interval : float, optional
         Seconds between looks for new commits (0: before every batch). Default: 0 for a writing handle (its
         commits are in memory), 0.1 s for a reader on local disk, 1 s on object storage (a GET each).
@@ -177,7 +178,7 @@ class HerSampler:
         pin_memory: bool | None = None,
         relabel_terminated: bool = False,
         success_fn: RewardFn | None = None,
-        io_threads: int = 0,
+        io_threads: int | None = None,
         cache_bytes: int = 32 << 20,
         refresh_interval: float | None = None,
     ) -> None:

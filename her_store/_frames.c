@@ -1,0 +1,176 @@
+/* Batch decoding of LZ4 image rows, without the GIL: the hot loop of sampling compressed images.
+ *
+ * A row of a sharded array encoded with numcodecs.lz4 is a little-endian int32 decoded size followed by one LZ4
+ * block (FORMAT.md, Arrays). Decoding a batch row by row from Python costs more in interpreter overhead than in LZ4,
+ * and holds the GIL between rows, so threads cannot share the work. These functions decode many rows per call with
+ * the GIL released: her_store/reader.py splits a batch across its io_threads, each calling one of them.
+ *
+ *   pread_lz4(fds, offsets, nbytes, out, row_nbytes) -> (index, errno)
+ *       row i: pread nbytes[i] bytes at offsets[i] of file descriptor fds[i], decode into out[i * row_nbytes].
+ *       A row with nbytes[i] < 0 was never written: zeros.
+ *   decode_lz4(src, offsets, nbytes, out, row_nbytes) -> (index, errno)
+ *       the same, reading row i from src[offsets[i] : offsets[i] + nbytes[i]] (a shard fetched whole).
+ *
+ * Both return (-1, 0) when every row decoded to exactly row_nbytes, else the first failing row and an errno (0 when
+ * the bytes are not one row's LZ4 block). Nothing is trusted: every range is checked against its source.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <errno.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "lz4.h"
+
+typedef struct {
+    Py_buffer fds, offsets, nbytes, out, src;
+    int have_src;
+} Args;
+
+static void release(Args *a) {
+    if (a->fds.buf) PyBuffer_Release(&a->fds);
+    if (a->offsets.buf) PyBuffer_Release(&a->offsets);
+    if (a->nbytes.buf) PyBuffer_Release(&a->nbytes);
+    if (a->out.buf) PyBuffer_Release(&a->out);
+    if (a->have_src && a->src.buf) PyBuffer_Release(&a->src);
+}
+
+/* rows in the batch, after checking every buffer's size against it; -1 with an exception set otherwise */
+static Py_ssize_t check(Args *a, Py_ssize_t row_nbytes, int with_fds) {
+    Py_ssize_t n = a->offsets.len / 8;
+    if (row_nbytes <= 0 || row_nbytes > INT32_MAX - 16) {
+        PyErr_SetString(PyExc_ValueError, "row_nbytes must be positive and below 2 GiB");
+        return -1;
+    }
+    if (a->offsets.len != n * 8 || a->nbytes.len != n * 8 || (with_fds && a->fds.len != n * 4)) {
+        PyErr_SetString(PyExc_ValueError, "fds (int32), offsets and nbytes (int64) must hold one entry per row");
+        return -1;
+    }
+    if (a->out.len < n * row_nbytes) {
+        PyErr_SetString(PyExc_ValueError, "out is smaller than rows * row_nbytes");
+        return -1;
+    }
+    return n;
+}
+
+/* decode one row's bytes (header + block) into dst; 0 when it is exactly one row */
+static int decode_row(const char *raw, int64_t size, char *dst, Py_ssize_t row_nbytes) {
+    if (size < 4) return -1;
+    const unsigned char *h = (const unsigned char *)raw;
+    uint32_t declared = (uint32_t)h[0] | ((uint32_t)h[1] << 8) | ((uint32_t)h[2] << 16) | ((uint32_t)h[3] << 24);
+    if ((int64_t)declared != row_nbytes || size - 4 > INT32_MAX) return -1;
+    int got = LZ4_decompress_safe(raw + 4, dst, (int)(size - 4), (int)row_nbytes);
+    return got == row_nbytes ? 0 : -1;
+}
+
+static PyObject *pread_lz4(PyObject *self, PyObject *args) {
+    Args a;
+    memset(&a, 0, sizeof a);
+    Py_ssize_t row_nbytes;
+    if (!PyArg_ParseTuple(args, "y*y*y*w*n", &a.fds, &a.offsets, &a.nbytes, &a.out, &row_nbytes)) {
+        release(&a);
+        return NULL;
+    }
+    Py_ssize_t n = check(&a, row_nbytes, 1);
+    if (n < 0) {
+        release(&a);
+        return NULL;
+    }
+    const int32_t *fds = a.fds.buf;
+    const int64_t *offsets = a.offsets.buf, *nbytes = a.nbytes.buf;
+    char *out = a.out.buf;
+    Py_ssize_t failed = -1;
+    int err = 0;
+    Py_BEGIN_ALLOW_THREADS
+    size_t cap = 0;
+    char *tmp = NULL;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        char *dst = out + i * row_nbytes;
+        int64_t size = nbytes[i];
+        if (size < 0) {
+            memset(dst, 0, (size_t)row_nbytes);
+            continue;
+        }
+        if (offsets[i] < 0 || size > (int64_t)row_nbytes + row_nbytes / 4 + 1024) { /* LZ4's bound for one row */
+            failed = i;
+            break;
+        }
+        if ((size_t)size > cap) {
+            char *grown = realloc(tmp, (size_t)size);
+            if (!grown) {
+                failed = i;
+                err = ENOMEM;
+                break;
+            }
+            tmp = grown;
+            cap = (size_t)size;
+        }
+        int64_t done = 0;
+        while (done < size) {
+            ssize_t r = pread(fds[i], tmp + done, (size_t)(size - done), (off_t)(offsets[i] + done));
+            if (r < 0 && errno == EINTR) continue;
+            if (r <= 0) {
+                err = r < 0 ? errno : EIO; /* a file shorter than its index says */
+                break;
+            }
+            done += r;
+        }
+        if (err || decode_row(tmp, size, dst, row_nbytes) != 0) {
+            failed = i;
+            break;
+        }
+    }
+    free(tmp);
+    Py_END_ALLOW_THREADS
+    release(&a);
+    return Py_BuildValue("(ni)", failed, err);
+}
+
+static PyObject *decode_lz4(PyObject *self, PyObject *args) {
+    Args a;
+    memset(&a, 0, sizeof a);
+    a.have_src = 1;
+    Py_ssize_t row_nbytes;
+    if (!PyArg_ParseTuple(args, "y*y*y*w*n", &a.src, &a.offsets, &a.nbytes, &a.out, &row_nbytes)) {
+        release(&a);
+        return NULL;
+    }
+    Py_ssize_t n = check(&a, row_nbytes, 0);
+    if (n < 0) {
+        release(&a);
+        return NULL;
+    }
+    const char *src = a.src.buf;
+    int64_t src_len = (int64_t)a.src.len;
+    const int64_t *offsets = a.offsets.buf, *nbytes = a.nbytes.buf;
+    char *out = a.out.buf;
+    Py_ssize_t failed = -1;
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t i = 0; i < n; i++) {
+        char *dst = out + i * row_nbytes;
+        int64_t size = nbytes[i], at = offsets[i];
+        if (size < 0) {
+            memset(dst, 0, (size_t)row_nbytes);
+            continue;
+        }
+        if (at < 0 || at > src_len || size > src_len - at || decode_row(src + at, size, dst, row_nbytes) != 0) {
+            failed = i;
+            break;
+        }
+    }
+    Py_END_ALLOW_THREADS
+    release(&a);
+    return Py_BuildValue("(ni)", failed, 0);
+}
+
+static PyMethodDef methods[] = {
+    {"pread_lz4", pread_lz4, METH_VARARGS, "Read and decode LZ4 rows from files, without the GIL."},
+    {"decode_lz4", decode_lz4, METH_VARARGS, "Decode LZ4 rows from one buffer, without the GIL."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_frames", "Batch LZ4 decoding of image rows.", -1, methods};
+
+PyMODINIT_FUNC PyInit__frames(void) { return PyModule_Create(&module); }

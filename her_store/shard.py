@@ -1,0 +1,323 @@
+"""Sharded arrays of compressed rows (images): one row per inner chunk, so reading a frame decodes one frame.
+
+A shard is one file (one object on object storage) holding ``chunk_rows`` rows: each row's encoded bytes, then the
+shard index, ``chunk_rows`` pairs ``(offset, nbytes)`` as little-endian uint64 (both ``2**64 - 1`` for a row never
+written), then the index's crc32c. That is Zarr v3's ``sharding_indexed`` codec with the index at the end, so
+``zarr`` alone reads any row; her_store encodes, writes and reads the bytes itself (FORMAT.md, Arrays):
+
+- :class:`FrameCodec` encodes and decodes one row with the array's inner codecs, straight into the caller's buffer;
+- :func:`build_shard` and :func:`parse_index` make and check a shard's bytes (nothing read is trusted: every offset
+  must lie in the shard, and a bad crc32c is a damaged shard);
+- :class:`ShardWriter` is the row access the commit protocol writes through: rows are encoded in parallel, and a
+  commit replaces each shard it touched whole and atomically (a temp file renamed into place, or one PUT), so a
+  reader or a crash sees the old shard or the new one, never a mix.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+import warnings
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import google_crc32c
+import numcodecs
+import numcodecs.blosc
+import numcodecs.lz4
+import numpy as np
+import zarr
+import zarr.codecs as zc
+from zarr.codecs.numcodecs import LZ4
+
+from her_store.errors import CorruptStoreError, StoreError
+from her_store.storage import Location, chunk_key
+
+__all__ = ["FrameCodec", "build_shard", "parse_index", "ShardWriter", "EMPTY", "index_nbytes", "lz4_codec", "frame_codecs"]
+
+# zarr warns, each time it builds a numcodecs codec (creating or opening a store), that other Zarr implementations
+# may not read it; FORMAT.md says so once, and her_store's own reader decodes it
+warnings.filterwarnings(
+    "ignore", "Numcodecs codecs are not in the Zarr version 3 specification", UserWarning, r"zarr\.codecs\.numcodecs"
+)
+
+EMPTY = (1 << 64) - 1  # offset and nbytes of a row never written
+MIN_ROWS_PER_THREAD = 8  # below this, encoding in the calling thread is faster than handing rows to a pool
+
+
+def index_nbytes(rows: int) -> int:
+    """Bytes of a shard's index: ``rows`` (offset, nbytes) pairs and a 4-byte crc32c."""
+    return 16 * rows + 4
+
+
+class FrameCodec:
+    """Encode and decode one row of a sharded array with its inner codecs.
+
+    Supported inner codec chains: ``bytes`` alone, or ``bytes`` + one of ``numcodecs.lz4`` (the default for images:
+    decoded straight into the batch, a few microseconds a frame), Blosc, Zstd or Gzip (lossless), or
+    the JPEG codec of :mod:`her_store.lossy`. A chain naming anything else is refused when the store is opened.
+
+    Parameters
+    ----------
+    array : zarr.Array
+        A sharded array whose metadata :func:`her_store.format.check_array` has checked.
+    where : str
+        The array's ``zarr.json``, for messages.
+
+    Examples
+    --------
+    >>> codec = FrameCodec(store._root["steps/observation"], "steps/observation")  # doctest: +SKIP
+    >>> out = np.empty((3, 84, 84), np.uint8)  # doctest: +SKIP
+    >>> codec.decode(codec.encode(frame), out)  # doctest: +SKIP
+    """
+
+    def __init__(self, array: zarr.Array, where: str) -> None:
+        shard = array.metadata.codecs[0]
+        inner = list(shard.codecs)
+        self.dtype = np.dtype(array.dtype)
+        self.row_shape = tuple(array.shape[1:])
+        self.nbytes = int(np.prod(self.row_shape, dtype=np.int64)) * self.dtype.itemsize
+        if not inner or not isinstance(inner[0], zc.BytesCodec) or inner[0].endian not in (None, zc.Endian.little):
+            raise CorruptStoreError(f"{where}: inner codecs {inner!r}, expected little-endian bytes first")
+        self._codec: Any = None
+        self._blosc = False
+        self._lz4: int | None = None  # acceleration of the numcodecs.lz4 codec (decoded straight into the batch)
+        if len(inner) == 2:
+            c = inner[1]
+            if isinstance(c, LZ4):
+                self._lz4 = int(c.codec_config.get("acceleration", 1))
+                self._codec = numcodecs.LZ4(self._lz4)
+            elif isinstance(c, zc.BloscCodec):
+                shuffle = {"noshuffle": 0, "shuffle": 1, "bitshuffle": 2}[str(getattr(c.shuffle, "value", c.shuffle))]
+                self._codec = numcodecs.Blosc(c.cname.value, c.clevel, shuffle, c.blocksize)
+                self._blosc = True
+            elif isinstance(c, zc.ZstdCodec):
+                self._codec = numcodecs.Zstd(c.level, c.checksum)
+            elif isinstance(c, zc.GzipCodec):
+                self._codec = numcodecs.GZip(c.level)
+            else:
+                from her_store.lossy import frame_codec
+
+                self._codec = frame_codec(c, self.dtype, self.row_shape)
+        if len(inner) > 2 or (len(inner) == 2 and self._codec is None):
+            raise CorruptStoreError(
+                f"{where}: inner codecs {inner!r}; her_store reads bytes alone or bytes + one of numcodecs.lz4, blosc, "
+                "zstd, gzip, jpeg"
+            )
+        self.lossless = not hasattr(self._codec, "max_error")
+        self.is_lz4 = self._lz4 is not None  # decoded in batches by her_store._frames
+
+    def encode(self, row: np.ndarray) -> bytes:
+        """The encoded bytes of one row (C order, little-endian)."""
+        data = np.ascontiguousarray(row, self.dtype.newbyteorder("<"))
+        if self._codec is None:
+            return data.tobytes()
+        return bytes(self._codec.encode(data))
+
+    def decode(self, raw: Any, out: np.ndarray) -> None:
+        """Decode one row's bytes into ``out`` (a C-contiguous row of the array's dtype and shape).
+
+        Raises
+        ------
+        ValueError
+            The bytes do not decode to exactly one row (what a damaged or crafted shard gives).
+        """
+        flat = out.reshape(-1).view(np.uint8)
+        if self._lz4 is not None:
+            # numcodecs' LZ4 format: a little-endian int32 decoded size, then one LZ4 block, which must decode to
+            # exactly that size; anything but one row is refused before decoding
+            if len(raw) < 4 or struct.unpack_from("<i", raw)[0] != self.nbytes:
+                raise ValueError(f"an LZ4 block whose header is not {self.nbytes} bytes")
+            numcodecs.lz4.decompress(raw, flat)
+        elif self._codec is None:
+            if len(raw) != self.nbytes:
+                raise ValueError(f"{len(raw)} bytes, expected {self.nbytes}")
+            flat[:] = np.frombuffer(raw, np.uint8)
+        elif self._blosc:
+            # a blosc frame's header says its decoded size: anything but one row is refused before decoding
+            nbytes, cbytes = struct.unpack_from("<I4xI", raw, 4) if len(raw) >= 16 else (-1, -1)
+            if nbytes != self.nbytes or cbytes != len(raw):
+                raise ValueError(f"a blosc frame of {nbytes} bytes in {len(raw)}, expected {self.nbytes}")
+            numcodecs.blosc.decompress(raw, flat)
+        else:
+            got = self._codec.decode(raw, out=flat)
+            if np.asarray(got).nbytes != self.nbytes:
+                raise ValueError(f"decoded to {np.asarray(got).nbytes} bytes, expected {self.nbytes}")
+
+
+def lz4_codec(acceleration: int = 1) -> Any:
+    """The default codec of image rows: ``numcodecs.lz4`` (zarr-python reads it; other Zarr implementations may not,
+    as FORMAT.md says)."""
+    return LZ4(acceleration=int(acceleration))
+
+
+def frame_codecs(codecs: Any, field: str) -> Any:
+    """Check the codecs asked for a sharded field: one codec FrameCodec decodes (a list of one is fine).
+
+    Raises
+    ------
+    StoreError
+        Naming the field, what was given and what is supported.
+    """
+    items = list(codecs) if isinstance(codecs, (list, tuple)) else [codecs]
+    from her_store.lossy import is_lossy
+
+    if len(items) != 1 or not (isinstance(items[0], (LZ4, zc.BloscCodec, zc.ZstdCodec, zc.GzipCodec)) or is_lossy(items[0])):
+        raise StoreError(
+            f"compressors[{field!r}] is {items!r}; an image field takes one codec: 'lz4' (default), 'zstd', 'jpeg', "
+            "a zarr.codecs Blosc/Zstd/Gzip codec or numcodecs LZ4/Blosc/Zstd, or None for uncompressed"
+        )
+    return items
+
+
+def build_shard(frames: Sequence[bytes | None]) -> bytes:
+    """A shard's bytes: the encoded rows in order, then the index and its crc32c (rows that are None: empty)."""
+    n = len(frames)
+    index = np.full((n, 2), EMPTY, "<u8")
+    present = [i for i, f in enumerate(frames) if f is not None]
+    sizes = np.array([len(frames[i]) for i in present], np.uint64)  # type: ignore[arg-type]
+    if present:
+        index[present, 1] = sizes
+        index[present, 0] = np.cumsum(sizes) - sizes
+    raw_index = index.tobytes()
+    return b"".join(frames[i] for i in present) + raw_index + struct.pack("<I", google_crc32c.value(raw_index))  # type: ignore[misc]
+
+
+def parse_index(buf: Any, rows: int, where: str) -> tuple[np.ndarray, np.ndarray]:
+    """The (offsets, nbytes) of a shard's rows, int64, -1 for rows never written; every range checked to lie in the
+    shard's data.
+
+    Raises
+    ------
+    CorruptStoreError
+        Too short for its index, a crc32c mismatch, a half-empty entry, or a range outside the shard's data.
+    """
+    size = len(buf)
+    need = index_nbytes(rows)
+    if size < need:
+        raise CorruptStoreError(f"{where}: {size} bytes, shorter than the index of {rows} rows ({need} bytes)")
+    raw_index = bytes(buf[size - need : size - 4])
+    (crc,) = struct.unpack("<I", bytes(buf[size - 4 : size]))
+    if google_crc32c.value(raw_index) != crc:
+        raise CorruptStoreError(f"{where}: the shard index fails its crc32c check")
+    index = np.frombuffer(raw_index, "<u8").reshape(rows, 2)
+    empty = index == EMPTY
+    if (empty[:, 0] != empty[:, 1]).any():
+        raise CorruptStoreError(f"{where}: a shard index entry has only one of offset and nbytes empty")
+    data_end = size - need
+    live = ~empty[:, 0]
+    if (index[live, 0] > data_end).any() or (index[live, 1] > data_end - index[live, 0]).any():
+        raise CorruptStoreError(f"{where}: a shard index entry points past the shard's {data_end} bytes of data")
+    offsets = np.where(live, index[:, 0], 0).astype(np.int64)
+    nbytes = np.where(live, index[:, 1], 0).astype(np.int64)
+    offsets[~live] = -1
+    return offsets, nbytes
+
+
+class ShardWriter:
+    """Rows of a sharded array, encoded when written and published as whole shards by :meth:`flush`.
+
+    The encoded rows of each shard a commit touches are held in memory (a shard already on disk is read first, so
+    rows of other episodes in it are kept); :meth:`flush` replaces each such shard whole, then keeps only the newest,
+    which the next commit most likely appends to.
+
+    Parameters
+    ----------
+    array : zarr.Array
+        The sharded array (its metadata checked against the layout).
+    location : Location
+        Where the store lives.
+    """
+
+    def __init__(self, array: zarr.Array, location: Location) -> None:
+        self.array = array
+        self.location = location
+        self.chunk_rows = int((array.shards or array.chunks)[0])
+        self.codec = FrameCodec(array, f"{location}/{array.path}/zarr.json")
+        self._ndim = array.ndim
+        self._shards: dict[int, list[bytes | None]] = {}
+        self._dirty: set[int] = set()
+        self._pool: ThreadPoolExecutor | None = None
+
+    def _key(self, shard: int) -> str:
+        return chunk_key(self.array.path, shard, self._ndim)
+
+    def _load(self, shard: int) -> list[bytes | None]:
+        """The encoded rows of a shard as published: those on disk, or all empty."""
+        raw = self.location.read_bytes(self._key(shard))
+        if raw is None:
+            return [None] * self.chunk_rows
+        offsets, nbytes = parse_index(raw, self.chunk_rows, f"{self.location}/{self._key(shard)}")
+        view = memoryview(raw)
+        return [None if o < 0 else bytes(view[o : o + n]) for o, n in zip(offsets.tolist(), nbytes.tolist())]
+
+    def _frames(self, shard: int) -> list[bytes | None]:
+        """The encoded rows of a shard being written (loaded once, then held until published)."""
+        frames = self._shards.get(shard)
+        if frames is None:
+            frames = self._shards[shard] = self._load(shard)
+        return frames
+
+    def _encode(self, rows: np.ndarray) -> list[bytes]:
+        n = len(rows)
+        threads = min(os.cpu_count() or 1, n // MIN_ROWS_PER_THREAD)
+        if threads < 2:
+            return [self.codec.encode(r) for r in rows]
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(os.cpu_count() or 1, thread_name_prefix="her_store-encode")
+        edges = np.linspace(0, n, threads + 1).astype(np.int64)
+        parts = self._pool.map(lambda i: [self.codec.encode(r) for r in rows[edges[i] : edges[i + 1]]], range(threads))
+        return [f for part in parts for f in part]
+
+    def write(self, row0: int, rows: np.ndarray) -> None:
+        """Encode ``rows`` as rows ``row0, row0 + 1, ...`` (published by the next :meth:`flush`)."""
+        encoded = self._encode(rows)
+        at, n = 0, len(encoded)
+        while at < n:
+            shard, r = divmod(row0 + at, self.chunk_rows)
+            take = min(n - at, self.chunk_rows - r)
+            self._frames(shard)[r : r + take] = encoded[at : at + take]
+            self._dirty.add(shard)
+            at += take
+
+    def flush(self, fsync: bool) -> None:
+        """Replace every shard written since the last flush, whole and atomically."""
+        for shard in sorted(self._dirty):
+            if self.location.is_local:
+                os.makedirs(os.path.dirname(self.location.key_path(self._key(shard))), exist_ok=True)
+            self.location.write_atomic(self._key(shard), build_shard(self._shards[shard]), fsync)
+        if self._dirty:
+            keep = max(self._dirty)
+            self._shards = {keep: self._shards[keep]}
+        self._dirty.clear()
+
+    def read(self, row0: int, row1: int) -> np.ndarray:
+        """Rows ``row0 .. row1`` decoded (rows never written are zeros), as published or being written here."""
+        if row1 > self.array.shape[0]:
+            raise IndexError(f"rows {row0}..{row1} of {self.array.path} past its {self.array.shape[0]} rows")
+        out = np.zeros((row1 - row0, *self.codec.row_shape), self.codec.dtype)
+        at = row0
+        while at < row1:
+            shard, r = divmod(at, self.chunk_rows)
+            take = min(row1 - at, self.chunk_rows - r)
+            frames = self._shards.get(shard) or self._load(shard)
+            for i in range(take):
+                raw = frames[r + i]
+                if raw is not None:
+                    try:
+                        self.codec.decode(raw, out[at - row0 + i])
+                    except (ValueError, RuntimeError, TypeError) as e:
+                        raise CorruptStoreError(
+                            f"{self.location}/{self._key(shard)}: row {r + i} cannot be decoded ({e})"
+                        ) from e
+            at += take
+        return out
+
+    def close(self) -> None:
+        self._shards.clear()
+        self._dirty.clear()
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+
