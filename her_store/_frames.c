@@ -10,6 +10,9 @@
  *       A row with nbytes[i] < 0 was never written: zeros.
  *   decode_lz4(src, offsets, nbytes, out, row_nbytes) -> (index, errno)
  *       the same, reading row i from src[offsets[i] : offsets[i] + nbytes[i]] (a shard fetched whole).
+ *   encode_lz4(rows, row_nbytes, acceleration) -> (blob, nbytes)
+ *       the writer's side: each row of the C-contiguous buffer rows encoded (size header + block) into one bytes
+ *       object, one after the other; nbytes (int64 bytes) gives each row's encoded size.
  *
  * Both return (-1, 0) when every row decoded to exactly row_nbytes, else the first failing row and an errno (0 when
  * the bytes are not one row's LZ4 block). Nothing is trusted: every range is checked against its source.
@@ -165,7 +168,61 @@ static PyObject *decode_lz4(PyObject *self, PyObject *args) {
     return Py_BuildValue("(ni)", failed, 0);
 }
 
+static PyObject *encode_lz4(PyObject *self, PyObject *args) {
+    Py_buffer rows;
+    Py_ssize_t row_nbytes;
+    int acceleration;
+    if (!PyArg_ParseTuple(args, "y*ni", &rows, &row_nbytes, &acceleration)) return NULL;
+    if (row_nbytes <= 0 || row_nbytes > LZ4_MAX_INPUT_SIZE || rows.len % row_nbytes != 0) {
+        PyBuffer_Release(&rows);
+        PyErr_SetString(PyExc_ValueError, "rows must hold whole rows of row_nbytes (1 .. LZ4_MAX_INPUT_SIZE) bytes");
+        return NULL;
+    }
+    Py_ssize_t n = rows.len / row_nbytes;
+    Py_ssize_t bound = 4 + LZ4_compressBound((int)row_nbytes);
+    PyObject *blob = PyBytes_FromStringAndSize(NULL, n * bound);
+    PyObject *sizes = PyBytes_FromStringAndSize(NULL, n * 8);
+    if (!blob || !sizes) {
+        Py_XDECREF(blob);
+        Py_XDECREF(sizes);
+        PyBuffer_Release(&rows);
+        return NULL;
+    }
+    char *dst = PyBytes_AS_STRING(blob);
+    int64_t *nbytes = (int64_t *)PyBytes_AS_STRING(sizes);
+    const char *src = rows.buf;
+    Py_ssize_t at = 0;
+    int failed = 0;
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t i = 0; i < n; i++) {
+        uint32_t size = (uint32_t)row_nbytes;
+        unsigned char *h = (unsigned char *)dst + at;
+        h[0] = size & 0xff, h[1] = (size >> 8) & 0xff, h[2] = (size >> 16) & 0xff, h[3] = (size >> 24) & 0xff;
+        int got = LZ4_compress_fast(src + i * row_nbytes, dst + at + 4, (int)row_nbytes, (int)(bound - 4), acceleration);
+        if (got <= 0) {
+            failed = 1;
+            break;
+        }
+        nbytes[i] = 4 + got;
+        at += 4 + got;
+    }
+    Py_END_ALLOW_THREADS
+    PyBuffer_Release(&rows);
+    if (failed) {
+        Py_DECREF(blob);
+        Py_DECREF(sizes);
+        PyErr_SetString(PyExc_RuntimeError, "LZ4 compression failed");
+        return NULL;
+    }
+    if (_PyBytes_Resize(&blob, at) < 0) {
+        Py_DECREF(sizes);
+        return NULL;
+    }
+    return Py_BuildValue("(NN)", blob, sizes);
+}
+
 static PyMethodDef methods[] = {
+    {"encode_lz4", encode_lz4, METH_VARARGS, "Encode rows as LZ4 blocks with size headers, without the GIL."},
     {"pread_lz4", pread_lz4, METH_VARARGS, "Read and decode LZ4 rows from files, without the GIL."},
     {"decode_lz4", decode_lz4, METH_VARARGS, "Decode LZ4 rows from one buffer, without the GIL."},
     {NULL, NULL, 0, NULL},

@@ -31,6 +31,7 @@ import zarr
 import zarr.codecs as zc
 from zarr.codecs.numcodecs import LZ4
 
+from her_store import _frames
 from her_store.errors import CorruptStoreError, StoreError
 from her_store.storage import Location, chunk_key
 
@@ -106,7 +107,8 @@ class FrameCodec:
                 "zstd, gzip, jpeg"
             )
         self.lossless = not hasattr(self._codec, "max_error")
-        self.is_lz4 = self._lz4 is not None  # decoded in batches by her_store._frames
+        self.is_lz4 = self._lz4 is not None  # encoded and decoded in batches by her_store._frames
+        self.lz4_acceleration = self._lz4 or 1
 
     def encode(self, row: np.ndarray) -> bytes:
         """The encoded bytes of one row (C order, little-endian)."""
@@ -259,15 +261,26 @@ class ShardWriter:
             frames = self._shards[shard] = self._load(shard)
         return frames
 
+    def _encode_part(self, rows: np.ndarray) -> list[bytes]:
+        if self.codec.is_lz4:  # in C, the GIL released
+            blob, sizes = _frames.encode_lz4(
+                np.ascontiguousarray(rows, self.codec.dtype.newbyteorder("<")), self.codec.nbytes, self.codec.lz4_acceleration
+            )
+            ends = np.cumsum(np.frombuffer(sizes, np.int64)).tolist()
+            view = memoryview(blob)
+            return [bytes(view[a:b]) for a, b in zip([0, *ends[:-1]], ends)]
+        return [self.codec.encode(r) for r in rows]
+
     def _encode(self, rows: np.ndarray) -> list[bytes]:
+        """Every row encoded, in parallel across the cores (LZ4 and most codecs release the GIL)."""
         n = len(rows)
         threads = min(os.cpu_count() or 1, n // MIN_ROWS_PER_THREAD)
         if threads < 2:
-            return [self.codec.encode(r) for r in rows]
+            return self._encode_part(rows)
         if self._pool is None:
             self._pool = ThreadPoolExecutor(os.cpu_count() or 1, thread_name_prefix="her_store-encode")
         edges = np.linspace(0, n, threads + 1).astype(np.int64)
-        parts = self._pool.map(lambda i: [self.codec.encode(r) for r in rows[edges[i] : edges[i + 1]]], range(threads))
+        parts = self._pool.map(lambda i: self._encode_part(rows[edges[i] : edges[i + 1]]), range(threads))
         return [f for part in parts for f in part]
 
     def write(self, row0: int, rows: np.ndarray) -> None:
