@@ -33,6 +33,8 @@ from zarr.codecs.numcodecs import LZ4
 
 from her_store import _frames
 from her_store.errors import CorruptStoreError, StoreError
+from her_store.lossy import check_frames, frame_codec, is_lossy
+from her_store.schema import Field
 from her_store.storage import Location, chunk_key
 
 __all__ = ["FrameCodec", "build_shard", "parse_index", "ShardWriter", "EMPTY", "index_nbytes", "lz4_codec", "frame_codecs"]
@@ -97,16 +99,17 @@ class FrameCodec:
                 self._codec = numcodecs.Zstd(c.level, c.checksum)
             elif isinstance(c, zc.GzipCodec):
                 self._codec = numcodecs.GZip(c.level)
-            else:
-                from her_store.lossy import frame_codec
-
-                self._codec = frame_codec(c, self.dtype, self.row_shape)
+            elif is_lossy(c):
+                try:
+                    self._codec = frame_codec(c, self.dtype, self.row_shape)
+                except ValueError as e:
+                    raise CorruptStoreError(f"{where}: {e}") from e
         if len(inner) > 2 or (len(inner) == 2 and self._codec is None):
             raise CorruptStoreError(
                 f"{where}: inner codecs {inner!r}; her_store reads bytes alone or bytes + one of numcodecs.lz4, blosc, "
                 "zstd, gzip, jpeg"
             )
-        self.lossless = not hasattr(self._codec, "max_error")
+        self.lossless = not (len(inner) == 2 and is_lossy(inner[1]))  # lossy: the rows read are not those written
         self.is_lz4 = self._lz4 is not None  # encoded and decoded in batches by her_store._frames
         self.lz4_acceleration = self._lz4 or 1
 
@@ -154,8 +157,9 @@ def lz4_codec(acceleration: int = 1) -> Any:
     return LZ4(acceleration=int(acceleration))
 
 
-def frame_codecs(codecs: Any, field: str) -> Any:
-    """Check the codecs asked for a sharded field: one codec FrameCodec decodes (a list of one is fine).
+def frame_codecs(codecs: Any, field: Field) -> Any:
+    """Check the codecs asked for a sharded field: one codec FrameCodec decodes (a list of one is fine), and a lossy
+    one only for frames it encodes.
 
     Raises
     ------
@@ -163,13 +167,16 @@ def frame_codecs(codecs: Any, field: str) -> Any:
         Naming the field, what was given and what is supported.
     """
     items = list(codecs) if isinstance(codecs, (list, tuple)) else [codecs]
-    from her_store.lossy import is_lossy
-
     if len(items) != 1 or not (isinstance(items[0], (LZ4, zc.BloscCodec, zc.ZstdCodec, zc.GzipCodec)) or is_lossy(items[0])):
         raise StoreError(
-            f"compressors[{field!r}] is {items!r}; an image field takes one codec: 'lz4' (default), 'zstd', 'jpeg', "
-            "a zarr.codecs Blosc/Zstd/Gzip codec or numcodecs LZ4/Blosc/Zstd, or None for uncompressed"
+            f"compressors[{field.name!r}] is {items!r}; an image field takes one codec: 'lz4' (default), 'zstd', "
+            "'jpeg', a zarr.codecs Blosc/Zstd/Gzip codec or numcodecs LZ4/Blosc/Zstd, or None for uncompressed"
         )
+    if is_lossy(items[0]):
+        try:
+            check_frames(field.dtype, field.shape)
+        except ValueError as e:
+            raise StoreError(f"compressors[{field.name!r}] is {items[0]!r}, which does not fit the field: {e}") from e
     return items
 
 

@@ -644,8 +644,10 @@ class EpisodeStore:
         start, length = idx.rows_of(episode_id)
         crc, data = 0, {}
         for spec in self.layout.arrays:
-            rows = self._arrays[spec.path].read(start, start + length + 1)
-            crc = zlib.crc32(np.ascontiguousarray(rows).data, crc)
+            io = self._arrays[spec.path]
+            rows = io.read(start, start + length + 1)
+            if not isinstance(io, ShardWriter) or io.codec.lossless:  # as the writer's crc32 (Committer._stage_rows)
+                crc = zlib.crc32(np.ascontiguousarray(rows).data, crc)
             data.update(self._split(spec, rows, length))
         data = {f.name: data[f.name] for f in self.schema.fields}
         if verify and crc != int(idx.column("crc32")[episode_id - idx.first]):
@@ -834,7 +836,7 @@ def _plan_arrays(
     if unknown:
         raise SchemaMismatchError(f"compressors name unknown fields {unknown}; fields are {list(schema.by_name)}")
     codecs = {f.name: _to_zarr_codecs(compressors.get(f.name, _default_codec(f))) for f in schema.fields}
-    codecs = {k: frame_codecs(v, k) for k, v in codecs.items() if v}
+    codecs = {k: frame_codecs(v, schema.by_name[k]) for k, v in codecs.items() if v}
     return Layout.build(schema, set(codecs), int(chunk_rows)), codecs
 
 
