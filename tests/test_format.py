@@ -10,7 +10,7 @@ import pytest
 from gymnasium import spaces
 
 from her_store.errors import CorruptStoreError, FormatVersionError, NotAStoreError
-from her_store.format import FORMAT_VERSION, Commit, Layout, check_attrs, parse_attrs
+from her_store.format import FORMAT_VERSION, SHARDED_SINCE, Commit, Layout, check_attrs, parse_attrs
 from her_store.schema import Schema
 
 GOAL = spaces.Box(-1, 1, (3,), np.float32)
@@ -69,6 +69,12 @@ def test_commit_record_fields_are_checked_even_with_a_valid_crc(changes, msg):
         Commit.from_bytes(_record(**changes), "s")
 
 
+def test_commit_record_says_the_format_version_of_its_store():
+    c = Commit(generation=4, first_episode=2, end_episode=9, write_row=300, num_transitions=250, array_rows=512)
+    assert json.loads(c.to_bytes())["format_version"] == FORMAT_VERSION
+    assert json.loads(c.to_bytes(1))["format_version"] == 1 and Commit.from_bytes(c.to_bytes(1), "s") == c
+
+
 def test_commit_record_that_is_not_an_object():
     for raw in (b"[1, 2]", b"null", b"[" * 100_000, b"\xff\xfe"):
         with pytest.raises(CorruptStoreError, match="commit.json"):
@@ -98,8 +104,27 @@ def test_layout_packs_uncompressed_fields_by_dtype_and_isolates_compressed_ones(
     f32 = layout.arrays[0]
     assert f32.row_shape == (18,) and sum(b - a for _, a, b in f32.columns) == 18
     pixels = layout.arrays[-1]
-    assert pixels.compressed and pixels.chunk_rows == 8  # ~256 KiB of 21,168-byte rows, a power of two
+    # a shard of ~8 MiB of 21,168-byte rows, a power of two, each row its own inner chunk
+    assert pixels.compressed and pixels.sharded and pixels.chunk_rows == 256
+    assert layout.version == FORMAT_VERSION == SHARDED_SINCE == 2 and layout.to_json()[-1]["sharded"] is True
+    assert not any(a.sharded for a in layout.arrays[:-1])
     assert Layout.from_json(json.loads(json.dumps(layout.to_json())), SCHEMA, "s").to_json() == layout.to_json()
+
+
+def test_a_version_1_layout_keeps_its_unsharded_chunks():
+    v1 = Layout.build(SCHEMA, {"pixels"}, chunk_rows=4096, version=1)
+    pixels = v1.arrays[-1]
+    assert pixels.compressed and not pixels.sharded and pixels.chunk_rows == 8  # ~256 KiB chunks, as version 1 made
+    assert v1.version == 1 and "sharded" not in v1.to_json()[-1]
+    assert Layout.from_json(v1.to_json(), SCHEMA, "s", version=1).to_json() == v1.to_json()
+    # each version's layout is refused under the other: the version says how compressed rows are laid out
+    with pytest.raises(CorruptStoreError, match=r"layout\[3\]\.chunk_rows is 8, expected 256"):
+        Layout.from_json(v1.to_json(), SCHEMA, "s", version=2)
+    with pytest.raises(CorruptStoreError, match=r"layout\[3\]\.chunk_rows is 256, expected 8"):
+        Layout.from_json(Layout.build(SCHEMA, {"pixels"}, 4096).to_json(), SCHEMA, "s", version=1)
+    small = Layout.build(SCHEMA, {"pixels"}, chunk_rows=4)  # a shard of fewer rows than 8 MiB holds
+    with pytest.raises(CorruptStoreError, match=r"layout\[3\]\.sharded is True, expected None"):
+        Layout.from_json(small.to_json(), SCHEMA, "s", version=1)
 
 
 @pytest.mark.parametrize("chunk_rows", [1, 7, 4096, 1 << 40])
@@ -179,6 +204,9 @@ def _attrs(**changes) -> dict:
         ({"layout": ...}, r"attributes her_store.\['layout'\] are missing"),
         ({"schema": {"observation_space": None}}, "her_store.schema is invalid"),
         ({"schema": {**SCHEMA.to_json(), "fields": []}}, r"her_store.schema is invalid: schema fields \[\] are not"),
+        ({"format_version": 1}, r"layout\[3\]\.chunk_rows is 256, expected 8"),  # a version 2 layout is not version 1's
+        ({"format_version": FORMAT_VERSION + 1}, rf"format_version is {FORMAT_VERSION + 1}, expected 1\.\.2"),
+        ({"format_version": 0}, r"format_version is 0, expected 1\.\.2"),
     ],
 )
 def test_every_root_attribute_is_checked(changes, msg):

@@ -73,7 +73,10 @@ def test_image_fields_are_compressed_and_low_dim_fields_are_raw(store_path):
         store.append_episode(make_episode(obs, act, 20, seed=0))
         paths = {a.path: a for a in store.layout.arrays}
     pixels = zarr.open_array(store_path, path="steps/pixels", mode="r")
-    assert pixels.compressors and type(pixels.compressors[0]).__name__ == "BloscCodec"
+    # LZ4 by default, sharded: one frame per inner chunk, a shard of about 8 MiB of frames (capped at chunk_rows)
+    assert [c.codec_name for c in pixels.compressors] == ["numcodecs.lz4"]
+    assert pixels.chunks == (1, 3, 16, 16) and pixels.shards == (paths["steps/pixels"].chunk_rows, 3, 16, 16)
+    assert paths["steps/pixels"].sharded and paths["steps/pixels"].chunk_rows == 8192  # 8 MiB of 768-byte frames
     pack = zarr.open_array(store_path, path="packs/float32", mode="r")
     assert pack.compressors == () and not paths["packs/float32"].compressed
 
@@ -510,7 +513,7 @@ def test_open_store_refuses_changed_creation_options(store_path, fetch, option, 
 
 def test_open_store_refuses_another_codec_for_a_compressed_field(store_path):
     obs, act = SPACE_CASES["uint8-image"]
-    open_store(store_path, obs, act).close()  # images get Blosc-LZ4 by default
+    open_store(store_path, obs, act).close()  # images get LZ4 by default
     with pytest.raises(SchemaMismatchError, match="is stored with"):
         open_store(store_path, obs, act, compressors={"pixels": numcodecs.Zstd(level=3)})
 
