@@ -1,7 +1,9 @@
 """Speed figures of her_store beside stable-baselines3's HerReplayBuffer, measured in one run on the same data.
 
-    python tools/bench.py            # full run
-    python tools/bench.py --quick    # about a minute
+    python tools/bench.py            # every figure
+    python tools/bench.py --quick    # smaller sizes, a few minutes
+    python tools/bench.py --full     # and a 1,000,000-transition image store, larger than SB3's buffer fits in RAM
+    python tools/bench.py --only images   # image observations: warm vs SB3 per codec, decode threads, cold, writer
     python tools/bench.py --only add append resume
     python tools/bench.py --only sb3_train sb3_add sb3_sample sb3_save   # the SB3 integration against SB3 itself
 
@@ -28,9 +30,11 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from frames import FRAME_KINDS, FrameKind, image_episode  # tools/frames.py
 from gymnasium import spaces
 
 from her_store import EpisodeStore
+from her_store.errors import StoreError
 
 OBS = spaces.Dict(
     {
@@ -307,8 +311,9 @@ def _device_reads(path: str) -> Callable[[], int]:
     return reads
 
 
-def _disk_random_reads_per_s(workdir: str, size: int, threads: int, n: int) -> dict[str, float]:
-    """Random 4 KiB reads/s of the disk under workdir, page cache evicted: threaded pread and threaded mmap touch."""
+def _disk_random_reads_per_s(workdir: str, size: int, threads: int, n: int, read_bytes: int = 4096) -> dict[str, float]:
+    """Random reads/s of ``read_bytes`` each (page-aligned) of the disk under workdir, page cache evicted: threaded
+    pread and threaded mmap touch (every page of each read)."""
     import mmap
     from concurrent.futures import ThreadPoolExecutor
 
@@ -321,16 +326,17 @@ def _disk_random_reads_per_s(workdir: str, size: int, threads: int, n: int) -> d
             os.fsync(f.fileno())
     fd = os.open(path, os.O_RDONLY)
     rng = np.random.default_rng(5)
+    span = -(-read_bytes // 4096)  # pages a read covers
     out = {}
     try:
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
-        pages = size // 4096
+        pages = size // 4096 - span
         parts = lambda a: np.array_split(a, threads)
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         offs = rng.choice(pages, n, replace=False) * 4096
         t = time.perf_counter()
         with ThreadPoolExecutor(threads) as ex:
-            list(ex.map(lambda p: [os.pread(fd, 4096, int(o)) for o in p], parts(offs)))
+            list(ex.map(lambda p: [os.pread(fd, read_bytes, int(o)) for o in p], parts(offs)))
         out["pread"] = n / (time.perf_counter() - t)
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         m = mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
@@ -339,7 +345,7 @@ def _disk_random_reads_per_s(workdir: str, size: int, threads: int, n: int) -> d
         idx = rng.choice(pages, n, replace=False) * 4096
         t = time.perf_counter()
         with ThreadPoolExecutor(threads) as ex:
-            list(ex.map(lambda p, v=view: v[p].sum(), parts(idx)))
+            list(ex.map(lambda p, v=view: v[(p[:, None] + np.arange(0, span * 4096, 4096)).ravel()].sum(), parts(idx)))
         out["mmap"] = n / (time.perf_counter() - t)
         del view
         m.close()
@@ -420,6 +426,7 @@ def bench_memory(workdir: str, quick: bool) -> dict[str, Any]:
     }
 
 
+# -- images: 3x84x84 uint8 observations (tools/frames.py), compressed and uncompressed, beside SB3 -----------------
 IMG_OBS = spaces.Dict(
     {
         "observation": spaces.Box(0, 255, (3, 84, 84), np.uint8),
@@ -427,55 +434,326 @@ IMG_OBS = spaces.Dict(
         "desired_goal": spaces.Box(-np.inf, np.inf, (3,), np.float32),
     }
 )
+IMG_POOL = 64  # distinct episodes per kind of frames, appended round-robin
+IMG_BATCH = 256
+# the image stores of the warm and decode figures: (kind of frames, label, compressors)
+IMG_STORES = (
+    ("rendered", "lz4 (default)", None),
+    ("rendered", "uncompressed", {"observation": None}),
+    ("rendered", "zstd", {"observation": "zstd"}),
+    ("rendered", "jpeg (lossy)", {"observation": "jpeg"}),
+    ("rendered", "blosc-lz4 bitshuffle", "blosc"),
+    ("camera", "lz4 (default)", None),
+    ("camera", "zstd", {"observation": "zstd"}),
+)
+WARM = ("lz4 (default)", "uncompressed", "zstd", "jpeg (lossy)")  # the codecs of the warm table
+DECODE = ("lz4 (default)", "zstd", "blosc-lz4 bitshuffle", "jpeg (lossy)")  # the codecs of the decode scaling
+OPTIONAL = ("jpeg (lossy)",)  # reported as not available if they raise
 
 
-def image_episode(rng: np.random.Generator, T: int = EP_LEN) -> dict[str, np.ndarray]:
-    """Smooth images with a moving blob and sensor noise: compressible roughly like rendered frames."""
-    yy, xx = np.mgrid[0:84, 0:84]
-    cx, cy = rng.uniform(10, 74, 2)
-    frames = []
-    for t in range(T + 1):
-        blob = 200 * np.exp(-((xx - cx - t * 0.3) ** 2 + (yy - cy) ** 2) / 60.0)
-        frame = np.stack([blob, 0.5 * blob + 30, 255 - blob]) + rng.integers(0, 4, (3, 84, 84))
-        frames.append(np.clip(frame, 0, 255).astype(np.uint8))
-    ep = {"observation": np.stack(frames)}
-    ep.update({k: rng.standard_normal((T + 1, 3)).astype(np.float32) for k in ("achieved_goal", "desired_goal")})
-    ep["action"] = rng.uniform(-1, 1, (T, 4)).astype(np.float32)
-    ep["reward"] = -np.ones(T, np.float32)
-    ep["terminated"] = np.zeros(T, bool)
-    ep["truncated"] = np.arange(T) == T - 1
-    return ep
+def image_pool(kind: FrameKind, n: int = IMG_POOL, seed: int = 6) -> list[dict[str, np.ndarray]]:
+    """``n`` distinct 50-step image episodes of one kind of frames."""
+    rng = np.random.default_rng(seed)
+    return [image_episode(rng, kind, EP_LEN) for _ in range(n)]
+
+
+def _image_goal_env():
+    """Just enough of an image goal env for SB3's HerReplayBuffer (compute_reward through a VecEnv)."""
+    import gymnasium as gym
+
+    class _Env(gym.Env):
+        observation_space = IMG_OBS
+        action_space = ACT
+
+        def compute_reward(self, achieved_goal, desired_goal, info):
+            return fetch_reward(achieved_goal, desired_goal, info)
+
+        def reset(self, *, seed=None, options=None):
+            return IMG_OBS.sample(), {}
+
+        def step(self, action):
+            return IMG_OBS.sample(), -1.0, False, False, {}
+
+    return _Env()
+
+
+def sb3_image_filled(pool: list[dict[str, np.ndarray]], n: int):
+    """SB3's HerReplayBuffer holding the n transitions an image store built from ``pool`` holds (its own add)."""
+    try:
+        from stable_baselines3 import HerReplayBuffer
+        from stable_baselines3.common.vec_env import DummyVecEnv
+    except ImportError:
+        return None
+    rb = HerReplayBuffer(n + 10, IMG_OBS, ACT, env=DummyVecEnv([_image_goal_env]), device="cpu", n_envs=1)
+    keys = tuple(IMG_OBS.spaces)
+    last = EP_LEN - 1
+    for i in range(n // EP_LEN):  # SB3's buffer takes one step per add
+        ep = pool[i % len(pool)]
+        for s in range(EP_LEN):
+            rb.add(
+                {k: ep[k][s : s + 1] for k in keys},
+                {k: ep[k][s + 1 : s + 2] for k in keys},
+                ep["action"][s : s + 1],
+                ep["reward"][s : s + 1],
+                np.array([s == last]),
+                [{"TimeLimit.truncated": s == last}],
+            )
+    return rb
+
+
+def _image_compressors(spec: Any) -> Any:
+    if spec == "blosc":
+        import zarr.codecs
+
+        return {"observation": zarr.codecs.BloscCodec(cname="lz4", clevel=5, shuffle="bitshuffle")}
+    return spec
+
+
+def build_image_store(path: str, pool: list[dict[str, np.ndarray]], n: int, compressors: Any = None, progress: bool = False) -> str:
+    """A store of n image transitions: the pool's episodes appended round-robin (append_episode)."""
+    n_eps = n // EP_LEN
+    t = time.perf_counter()
+    with EpisodeStore.create(path, IMG_OBS, ACT, compressors=_image_compressors(compressors)) as store:
+        for i in range(n_eps):
+            store.append_episode(pool[i % len(pool)])
+            if progress and (i + 1) % max(1, n_eps // 20) == 0:
+                print(f"  built {i + 1:,}/{n_eps:,} episodes, {time.perf_counter() - t:.0f} s", file=sys.stderr)
+    return path
+
+
+def _frame_disk_bytes(store: EpisodeStore) -> float:
+    """Bytes on disk per stored frame of a store's observation array (shard indexes included)."""
+    return _disk_usage(os.path.join(store.url, "steps", "observation")) / (store.num_transitions + store.num_episodes)
+
+
+def _rounds(fns: dict[str, Callable[[], Any]], rounds: int, calls: int) -> dict[str, float]:
+    """Seconds per call of each function, medians over interleaved rounds (a drift of the machine's speed hits all
+    alike: it doubles within a minute here)."""
+    spent: dict[str, list[float]] = {k: [] for k in fns}
+    for r in range(rounds):
+        order = list(fns) if r % 2 == 0 else list(reversed(fns))
+        for name in order:
+            spent[name].append(_time_batches(fns[name], calls))
+    return {k: statistics.median(v) for k, v in spent.items()}
+
+
+def _cold_image_rate(store: EpisodeStore, batches: int, io_threads: int = 32) -> tuple[float, float]:
+    """(transitions/s, disk reads per transition) of batches each drawn by a fresh sampler after the store's files
+    were dropped from the page cache: nothing open or mapped keeps pages."""
+    from her_store import HerSampler
+
+    reads = _device_reads(store.url)
+    spent, disk_reads = 0.0, 0
+    for i in range(batches):
+        sampler = HerSampler(store, IMG_BATCH, reward_fn=fetch_reward, seed=100 + i, io_threads=io_threads)
+        sampler.reader.evict_page_cache()
+        r0 = reads()
+        t = time.perf_counter()
+        sampler.sample()
+        spent += time.perf_counter() - t
+        disk_reads += reads() - r0
+        sampler.close()
+    return batches * IMG_BATCH / spent, disk_reads / (batches * IMG_BATCH)
+
+
+def _cold_figures(workdir: str, store: EpisodeStore, frame_bytes: float, batches: int, file_size: int) -> dict[str, Any]:
+    """Cold sampling against the disk's random-read rate at the compressed frame size, measured now."""
+    read_bytes = int(np.ceil(frame_bytes))
+    disk = _disk_random_reads_per_s(workdir, file_size, 32, 20_000, read_bytes)
+    disk_rate = max(disk.values())
+    rate, per_transition = _cold_image_rate(store, batches)
+    allowed = disk_rate / per_transition
+    return {
+        f"cold: disk random {read_bytes:,} B reads/s (best of pread, mmap)": disk_rate,
+        "cold: transitions/s (io_threads=32, fresh sampler)": rate,
+        "cold: disk reads/transition": per_transition,
+        "cold: x the rate the disk allows (reads/s / reads per transition)": rate / allowed,
+    }
+
+
+def _disk_write_bandwidth(workdir: str, nbytes: int = 1 << 30) -> float:
+    """Sequential write bytes/s of the disk under workdir: nbytes written in 16 MiB blocks, then fsync."""
+    path = os.path.join(workdir, "seqwrite.bin")
+    block = np.random.default_rng(0).integers(0, 255, 1 << 24, np.uint8).tobytes()
+    t = time.perf_counter()
+    with open(path, "wb") as f:
+        f.writelines(block for _ in range(nbytes >> 24))
+        f.flush()
+        os.fsync(f.fileno())
+    rate = nbytes / (time.perf_counter() - t)
+    os.remove(path)
+    return rate
+
+
+def _writer_figures(workdir: str, pool: list[dict[str, np.ndarray]], n: int) -> dict[str, Any]:
+    """append_episode and StepWriter (8 envs) into default-codec stores: frames/s and compressed bytes/s, including
+    the final commit (durability "flush"), against the disk's sequential write bandwidth."""
+    n_envs = 8
+    disk = _disk_write_bandwidth(workdir)
+    out: dict[str, Any] = {"writer: disk sequential write MB/s (1 GiB, fsync)": disk / 1e6}
+    keys = tuple(IMG_OBS.spaces)
+    groups = [
+        {k: np.stack([pool[(g * n_envs + e) % len(pool)][k] for e in range(n_envs)], axis=1) for k in pool[0]}
+        for g in range(max(1, len(pool) // n_envs))
+    ]
+    done = np.zeros(n_envs, bool)
+    last = np.ones(n_envs, bool)
+
+    def whole(store: EpisodeStore) -> int:
+        for i in range(n // EP_LEN):
+            store.append_episode(pool[i % len(pool)])
+        return n // EP_LEN
+
+    def stepwise(store: EpisodeStore) -> int:
+        w = store.writer(n_envs)
+        rounds = n // (EP_LEN * n_envs)
+        for r in range(rounds):
+            g = groups[r % len(groups)]
+            for s in range(EP_LEN):
+                w.add({k: g[k][s] for k in keys}, {k: g[k][s + 1] for k in keys}, g["action"][s], g["reward"][s], done,
+                      last if s == EP_LEN - 1 else done)
+        return rounds * n_envs
+
+    for name, fill in (("append_episode", whole), (f"StepWriter({n_envs} envs)", stepwise)):
+        path = os.path.join(workdir, "images-writer")
+        t = time.perf_counter()
+        with EpisodeStore.create(path, IMG_OBS, ACT) as store:
+            episodes = fill(store)
+        seconds = time.perf_counter() - t
+        written = _disk_usage(os.path.join(path, "steps", "observation"))
+        shutil.rmtree(path)
+        out[f"writer: {name} frames/s"] = episodes * (EP_LEN + 1) / seconds
+        out[f"writer: {name} compressed MB/s"] = written / seconds / 1e6
+        out[f"writer: {name} x disk bandwidth"] = written / seconds / disk
+    out["writer: target"] = ">= 0.25 x disk bandwidth in compressed bytes"
+    return out
 
 
 def bench_images(workdir: str, quick: bool) -> dict[str, Any]:
-    """uint8 3x84x84 image observations, batch 256 transitions/s, warm and cold: compressed (default) and raw."""
+    """3x84x84 uint8 images, batch 256 future: warm vs SB3 in RAM per codec, decode scaling, cold, writer."""
     from her_store import HerSampler
 
-    n = 10_000 if quick else 100_000
-    rng = np.random.default_rng(6)
-    pool = [image_episode(rng) for _ in range(16)]
-    out: dict[str, Any] = {"stored transitions": n}
-    for name, comp in (("blosc-lz4 (default)", None), ("uncompressed", {"observation": None})):
-        path = os.path.join(workdir, f"images-{name}")
-        with EpisodeStore.create(path, IMG_OBS, ACT, compressors=comp) as store:
-            for i in range(n // EP_LEN):
-                store.append_episode(pool[i % len(pool)])
-        out[f"{name} store bytes on disk"] = _disk_usage(path)
-        store = EpisodeStore.open(path)
-        for regime, threads in (("warm", 0), ("cold", 32)):
-            sampler = HerSampler(store, 256, reward_fn=fetch_reward, seed=3, io_threads=threads)
-            for _ in range(3):
-                sampler.sample()
-            times = []
-            for _ in range(5 if quick else 10):
-                if regime == "cold":
-                    sampler.reader.evict_page_cache()
-                t = time.perf_counter()
-                sampler.sample()
-                times.append(time.perf_counter() - t)
-            out[f"{name} {regime} transitions/s"] = 256 / statistics.median(times)
-            sampler.close()
+    n = 20_000 if quick else 50_000
+    threads = os.cpu_count() or 1
+    pools = {kind: image_pool(kind) for kind in FRAME_KINDS}
+    out: dict[str, Any] = {"stored transitions": n, "frames": "3x84x84 uint8, 3-D goals, 50-step episodes, 64 distinct"}
+    stores: dict[tuple[str, str], EpisodeStore] = {}
+    for kind, label, comp in IMG_STORES:
+        path = os.path.join(workdir, f"images-{kind}-{label.split()[0]}")
+        if label not in OPTIONAL:
+            build_image_store(path, pools[kind], n, comp)
+            stores[kind, label] = EpisodeStore.open(path)
+            continue
+        try:  # a codec missing its package, or not working yet: reported, not fatal
+            build_image_store(path, pools[kind], n, comp)
+            with EpisodeStore.open(path) as store, HerSampler(store, IMG_BATCH, reward_fn=fetch_reward) as probe:
+                probe.sample()
+        except (ImportError, StoreError) as e:
+            out[f"{kind} {label}"] = f"not available ({type(e).__name__}: {e})"
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            stores[kind, label] = EpisodeStore.open(path)
+    raw = ("rendered", "uncompressed")
+    raw_bytes = _disk_usage(stores[raw].url) if raw in stores else None
+
+    # warm page cache, side by side with SB3's buffer holding the same transitions in RAM
+    rb = sb3_image_filled(pools["rendered"], n)
+    samplers = {
+        key: HerSampler(store, IMG_BATCH, reward_fn=fetch_reward, seed=3)
+        for key, store in stores.items()
+        if key[1] in WARM
+    }
+    fns: dict[str, Callable[[], Any]] = {f"{kind} {label}": s.sample for (kind, label), s in samplers.items()}
+    if rb is not None:
+        fns["sb3"] = lambda: rb.sample(IMG_BATCH)
+    for f in fns.values():
+        f()
+        f()
+    per_call = _rounds(fns, 5 if quick else 9, 5)
+    if rb is None:
+        out["warm: SB3 HerReplayBuffer, in RAM"] = "not installed"
+    else:
+        out["warm: SB3 HerReplayBuffer transitions/s"] = IMG_BATCH / per_call["sb3"]
+        out["warm: SB3 RAM of observations + next observations"] = 2 * n * sum(
+            int(np.prod(s.shape)) * s.dtype.itemsize for s in IMG_OBS.spaces.values()
+        )
+    for (kind, label), s in samplers.items():
+        name = f"{kind} {label}"
+        out[f"warm: {name} transitions/s"] = rate = IMG_BATCH / per_call[name]
+        if rb is not None:
+            out[f"warm: {name} x SB3"] = rate / out["warm: SB3 HerReplayBuffer transitions/s"]
+        used = _disk_usage(s.store.url)
+        out[f"warm: {name} bytes on disk"] = used
+        if raw_bytes is not None and (kind, label) != raw:
+            out[f"warm: {name} x fewer bytes than uncompressed"] = raw_bytes / used
+        s.close()
+    rb = None  # SB3's buffer: gigabytes of RAM, freed before the next figures
+    out["warm: target"] = "rendered lz4 (default) >= 2x SB3 with >= 3x fewer bytes than uncompressed"
+
+    # decode scaling: the same warm batches decoded in the calling thread, then across one thread per core
+    decoders = {
+        f"{label} io_threads={t}": HerSampler(stores["rendered", label], IMG_BATCH, reward_fn=fetch_reward, seed=4, io_threads=t)
+        for label in DECODE
+        if ("rendered", label) in stores
+        for t in (0, threads)
+    }
+    fns = {name: s.sample for name, s in decoders.items()}
+    for f in fns.values():
+        f()
+    per_call = _rounds(fns, 3 if quick else 5, 5)
+    for label in DECODE:
+        if ("rendered", label) in stores:
+            one, many = per_call[f"{label} io_threads=0"], per_call[f"{label} io_threads={threads}"]
+            out[f"decode: {label} io_threads=0 / {threads} transitions/s"] = f"{IMG_BATCH / one:,.0f} / {IMG_BATCH / many:,.0f}"
+            out[f"decode: {label} speed-up with {threads} threads"] = one / many
+    for s in decoders.values():
+        s.close()
+
+    # cold: the default store, files dropped from the page cache and a fresh sampler before every batch
+    default = stores.get(("rendered", "lz4 (default)"))
+    if default is not None:
+        frame_bytes = _frame_disk_bytes(default)
+        out["cold: rendered lz4 bytes per frame on disk"] = frame_bytes
+        out.update(_cold_figures(workdir, default, frame_bytes, 10 if quick else 30, 256 << 20))
+        out["cold: target"] = ">= 0.25 x the rate the disk allows"
+    for store in stores.values():
+        path = store.url
         store.close()
+        shutil.rmtree(path)
+
+    out.update(_writer_figures(workdir, pools["rendered"], n))
+    return out
+
+
+def bench_images_large(workdir: str, quick: bool) -> dict[str, Any]:
+    """Larger than SB3's RAM (--full): 1,000,000 rendered image transitions, default codec: bytes, cold, RSS."""
+    from her_store import HerSampler
+
+    n = 1_000_000
+    path = os.path.join(workdir, "images-large")
+    t = time.perf_counter()
+    build_image_store(path, image_pool("rendered"), n, progress=True)
+    out: dict[str, Any] = {"stored transitions": n, "build seconds (append_episode)": time.perf_counter() - t}
+    try:
+        out["bytes on disk"] = _disk_usage(path)
+        out["RAM SB3's HerReplayBuffer needs (observations + next observations)"] = 2 * n * sum(
+            int(np.prod(s.shape)) * s.dtype.itemsize for s in IMG_OBS.spaces.values()
+        )
+        out["RAM of this machine"] = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        with EpisodeStore.open(path) as store:
+            out["bytes per frame on disk"] = frame_bytes = _frame_disk_bytes(store)
+            out.update(_cold_figures(workdir, store, frame_bytes, 30, 1 << 30))
+            base = _rss_anon()
+            sampler = HerSampler(store, IMG_BATCH, reward_fn=fetch_reward, seed=5, io_threads=32)
+            sampler.reader.evict_page_cache()
+            t = time.perf_counter()
+            for _ in range(500):
+                sampler.sample()
+            out["500 batches from cold: transitions/s"] = 500 * IMG_BATCH / (time.perf_counter() - t)
+            out["RssAnon growth over 500 batches"] = _rss_anon() - base
+            sampler.close()
+        out["target"] = "RssAnon growth < 256 MiB; cold >= 0.25 x the rate the disk allows"
+    finally:
         shutil.rmtree(path)
     return out
 
@@ -624,6 +902,8 @@ def bench_sb3_save(workdir: str, quick: bool) -> dict[str, Any]:
     return out
 
 
+# benches run only with --full, each when the bench it extends runs
+FULL_ONLY = {"images_large": "images"}
 BENCHES: dict[str, Callable[[str, bool], dict[str, Any]]] = {
     "add": bench_add,
     "append": bench_append,
@@ -632,6 +912,7 @@ BENCHES: dict[str, Callable[[str, bool], dict[str, Any]]] = {
     "sample_cold": bench_sample_cold,
     "memory": bench_memory,
     "images": bench_images,
+    "images_large": bench_images_large,
     "sb3_train": bench_sb3_train,
     "sb3_add": bench_sb3_add,
     "sb3_sample": bench_sb3_sample,
@@ -665,7 +946,9 @@ def report(results: dict[str, dict[str, Any]]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--quick", action="store_true", help="smaller sizes, about a minute")
+    size = p.add_mutually_exclusive_group()
+    size.add_argument("--quick", action="store_true", help="smaller sizes, about a minute")
+    size.add_argument("--full", action="store_true", help="also the larger-than-RAM image store (several minutes)")
     p.add_argument("--only", nargs="+", choices=sorted(BENCHES), help="run only these figures")
     p.add_argument("--dir", help="where to put the stores (default: a temporary directory, removed after)")
     p.add_argument("--json", help="also write the results to this JSON file")
@@ -674,7 +957,9 @@ def main(argv: list[str] | None = None) -> int:
     os.makedirs(workdir, exist_ok=True)
     results = {}
     try:
-        for name in args.only or BENCHES:
+        names = list(args.only or (n for n in BENCHES if n not in FULL_ONLY))
+        names += [n for n, parent in FULL_ONLY.items() if args.full and parent in names and n not in names]
+        for name in names:
             t = time.perf_counter()
             results[name] = BENCHES[name](workdir, args.quick)
             print(f"{name}: done in {time.perf_counter() - t:.1f} s", file=sys.stderr)
