@@ -176,8 +176,9 @@ class ZarrHerReplayBuffer(_her.HerReplayBuffer):
         VecNormalize), whose envs' ``compute_reward`` the thread calls. With envs in other processes (a
         SubprocVecEnv) it is ignored, with a warning: their ``compute_reward`` is reached through the pipes the
         training loop's ``env.step()`` uses, which carry one caller's request at a time.
-    io_threads : int
-        Threads a gather is split across (8-32 for a store larger than RAM).
+    io_threads : int, optional
+        Threads a gather is split across (8-32 for a store larger than RAM). Default: one per core decoding
+        compressed image frames, none for other fields (see :class:`her_store.HerSampler`).
     info_keys : sequence of str, optional
         With ``copy_info_dict``: the info entries to store. Default: the numeric scalar entries of the first
         ``add``'s infos (SB3's ``TimeLimit.truncated`` and ``terminal_observation`` excluded); the store is then
@@ -242,7 +243,7 @@ class ZarrHerReplayBuffer(_her.HerReplayBuffer):
         storage_options: Mapping[str, Any] | None = None,
         relabel_terminated: bool = False,
         prefetch: int = 0,
-        io_threads: int = 0,
+        io_threads: int | None = None,
         info_keys: Sequence[str] | None = None,
     ) -> None:
         Schema(observation_space, action_space)  # spaces a store cannot hold are refused before anything is made
@@ -293,7 +294,7 @@ class ZarrHerReplayBuffer(_her.HerReplayBuffer):
         storage_options: Mapping[str, Any] | None,
         relabel_terminated: bool,
         prefetch: int,
-        io_threads: int,
+        io_threads: int | None,
         info_keys: tuple[str, ...] | None,
     ) -> None:
         """Set the configuration (BaseBuffer's attributes too: super().__init__, which allocates the RAM arrays,
@@ -317,7 +318,7 @@ class ZarrHerReplayBuffer(_her.HerReplayBuffer):
         self.storage_options = None if storage_options is None else dict(storage_options)
         self.relabel_terminated = bool(relabel_terminated)
         self.prefetch = int(prefetch)
-        self.io_threads = int(io_threads)
+        self.io_threads = None if io_threads is None else int(io_threads)
         self.info_keys = info_keys
         self._added = 0  # add() calls over the store's life: SB3's row counter before it wraps
         self._reset_at = 0  # the value of _added at the last reset()
