@@ -46,7 +46,8 @@ def describe(store: EpisodeStore) -> list[tuple[str, str]]:
         ("capacity", "unbounded" if store.capacity is None else f"{store.capacity:,}"),
         ("commit", f"generation {c.generation}, next row {c.write_row:,} of {c.array_rows:,}"),
         ("fields", ", ".join(f"{f.name} {f.dtype}{list(f.shape)}" for f in store.schema.fields)),
-        ("arrays", ", ".join(f"{a.path} ({a.chunk_rows} rows/chunk{', compressed' if a.compressed else ''})" for a in store.layout.arrays)),
+        ("format", f"version {store.layout.version}"),
+        ("arrays", store.layout.describe()),
     ]
     if len(table["length"]):
         rows.append(("episode length", f"mean {table['length'].mean():.1f}, min {table['length'].min()}, max {table['length'].max()}"))

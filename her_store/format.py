@@ -160,6 +160,13 @@ class Layout:
     def to_json(self) -> list[dict[str, Any]]:
         return [a.to_json() for a in self.arrays]
 
+    def describe(self) -> str:
+        """The arrays in a line, as messages and ``her-store info`` show them."""
+        return ", ".join(
+            f"{a.path} ({a.chunk_rows} rows/{'shard' if a.sharded else 'chunk'}{', compressed' if a.compressed else ''})"
+            for a in self.arrays
+        )
+
     @classmethod
     def from_json(cls, d: Any, schema: Schema, where: str, version: int = FORMAT_VERSION) -> Layout:
         """The layout a store's attributes describe, checked against its schema and format version.

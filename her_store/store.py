@@ -874,8 +874,8 @@ def _check_creation_options(store: EpisodeStore, options: Mapping[str, Any]) -> 
             want = Layout.build(store.schema, set(stored), int(options["chunk_rows"]))
             if want.to_json() != store.layout.to_json():
                 raise SchemaMismatchError(
-                    f"{store.url} was created with arrays {_layout_text(store.layout)}, chunk_rows="
-                    f"{options['chunk_rows']} makes {_layout_text(want)}; chunk_rows is fixed at creation"
+                    f"{store.url} was created with arrays {store.layout.describe()}, chunk_rows="
+                    f"{options['chunk_rows']} makes {want.describe()}; chunk_rows is fixed at creation"
                 )
         for name, spec in stored.items():
             if "compressors" in options:
@@ -895,10 +895,6 @@ def _check_creation_options(store: EpisodeStore, options: Mapping[str, Any]) -> 
                 f"{store.url}: metadata {differ} differ from the store's card ({ {k: card.get(k) for k in differ} } "
                 f"stored, { {k: given[k] for k in differ} } given); change the card with store.update_metadata(...)"
             )
-
-
-def _layout_text(layout: Layout) -> str:
-    return ", ".join(f"{a.path} ({a.chunk_rows} rows/chunk{', compressed' if a.compressed else ''})" for a in layout.arrays)
 
 
 def _default_codec(field: Any) -> Any:
