@@ -307,12 +307,15 @@ def frame_codec(codec: JpegCodec, dtype: Any, row_shape: tuple[int, ...]) -> Jpe
     Raises
     ------
     ValueError
-        The codec is not a lossy one of her_store's, or the rows are not frames it encodes.
+        The rows are not frames it encodes.
     ImportError
         imagecodecs is not installed.
+
+    Examples
+    --------
+    >>> frame_codec(jpeg_codec(), np.uint8, (3, 84, 84)).plan.image
+    (84, 84, 3)
     """
-    if not is_lossy(codec):
-        raise ValueError(f"{codec!r} is not a lossy codec of her_store")
     return JpegFrames(codec.quality, dtype, row_shape)
 
 
@@ -362,7 +365,7 @@ def error_report(frames: np.ndarray, codec: JpegCodec | None = None) -> ErrorRep
     if frames.ndim < 3 or len(frames) == 0:
         raise ValueError(f"error_report takes frames of shape (n, *frame) with n >= 1, got shape {frames.shape}")
     coder = frame_codec(codec, frames.dtype, frames.shape[1:])
-    decoded = np.empty_like(frames)
+    decoded = np.empty(frames.shape, np.uint8)
     size = 0
     for frame, out in zip(frames, decoded):
         raw = coder.encode(frame)
