@@ -18,6 +18,7 @@ from __future__ import annotations
 import os
 import struct
 import warnings
+import zlib
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -84,7 +85,7 @@ class FrameCodec:
         if not inner or not isinstance(inner[0], zc.BytesCodec) or inner[0].endian not in (None, zc.Endian.little):
             raise CorruptStoreError(f"{where}: inner codecs {inner!r}, expected little-endian bytes first")
         self._codec: Any = None
-        self._blosc = False
+        self._blosc = self._zstd = self._gzip = False
         self._lz4: int | None = None  # acceleration of the numcodecs.lz4 codec (decoded straight into the batch)
         if len(inner) == 2:
             c = inner[1]
@@ -97,8 +98,10 @@ class FrameCodec:
                 self._blosc = True
             elif isinstance(c, zc.ZstdCodec):
                 self._codec = numcodecs.Zstd(c.level, c.checksum)
+                self._zstd = True
             elif isinstance(c, zc.GzipCodec):
                 self._codec = numcodecs.GZip(c.level)
+                self._gzip = True
             elif is_lossy(c):
                 try:
                     self._codec = frame_codec(c, self.dtype, self.row_shape)
@@ -129,6 +132,12 @@ class FrameCodec:
             The bytes do not decode to exactly one row (what a damaged or crafted shard gives).
         """
         flat = out.reshape(-1).view(np.uint8)
+        try:
+            self._decode(raw, flat)
+        except (RuntimeError, EOFError, OSError, zlib.error) as e:  # what the codecs raise for undecodable bytes
+            raise ValueError(f"not one row's encoded bytes ({e})") from e
+
+    def _decode(self, raw: Any, flat: np.ndarray) -> None:
         if self._lz4 is not None:
             # numcodecs' LZ4 format: a little-endian int32 decoded size, then one LZ4 block, which must decode to
             # exactly that size; anything but one row is refused before decoding
@@ -145,10 +154,37 @@ class FrameCodec:
             if nbytes != self.nbytes or cbytes != len(raw):
                 raise ValueError(f"a blosc frame of {nbytes} bytes in {len(raw)}, expected {self.nbytes}")
             numcodecs.blosc.decompress(raw, flat)
+        elif self._zstd:
+            # numcodecs decodes a frame of fewer bytes into the row without a word, leaving the rest of it stale: the
+            # frame must declare exactly one row (libzstd then checks the data against that declared size)
+            size = _zstd_content_size(raw)
+            if size != self.nbytes:
+                raise ValueError(f"a zstd frame declaring {size} bytes, expected {self.nbytes}")
+            self._codec.decode(raw, out=flat)
+        elif self._gzip:
+            # numcodecs.GZip also accepts fewer bytes than the row (and reads a crafted stream without bound)
+            d = zlib.decompressobj(wbits=31)  # one gzip member
+            data = d.decompress(bytes(raw), self.nbytes + 1)
+            if len(data) != self.nbytes or not d.eof or d.unused_data:
+                raise ValueError(f"a gzip member that is not {self.nbytes} bytes")
+            flat[:] = np.frombuffer(data, np.uint8)
         else:
-            got = self._codec.decode(raw, out=flat)
-            if np.asarray(got).nbytes != self.nbytes:
-                raise ValueError(f"decoded to {np.asarray(got).nbytes} bytes, expected {self.nbytes}")
+            self._codec.decode(raw, out=flat)
+
+
+def _zstd_content_size(raw: Any) -> int:
+    """The decoded size a zstd frame's header declares (RFC 8878, 3.1.1); -1 when it is not a zstd frame or declares
+    none."""
+    if len(raw) < 6 or bytes(raw[:4]) != b"\x28\xb5\x2f\xfd":
+        return -1
+    fhd = raw[4]
+    single = (fhd >> 5) & 1
+    at = 5 + (1 - single) + (0, 1, 2, 4)[fhd & 3]  # past the window descriptor and the dictionary id
+    width = (single, 2, 4, 8)[fhd >> 6]
+    if width == 0 or len(raw) < at + width:
+        return -1
+    value = int.from_bytes(bytes(raw[at : at + width]), "little")
+    return value + 256 if width == 2 else value
 
 
 def lz4_codec(acceleration: int = 1) -> Any:

@@ -1,0 +1,419 @@
+"""Sharded arrays: one row's encoding, a shard's bytes and index, the writer's whole-shard commits, the C decoders."""
+
+from __future__ import annotations
+
+import errno
+import os
+import struct
+from pathlib import Path
+
+import google_crc32c
+import numcodecs
+import numcodecs.lz4
+import numpy as np
+import pytest
+import zarr
+import zarr.codecs as zc
+
+from her_store import _frames
+from her_store.errors import CorruptStoreError
+from her_store.lossy import jpeg_codec
+from her_store.shard import EMPTY, FrameCodec, ShardWriter, build_shard, index_nbytes, lz4_codec, parse_index
+from her_store.storage import Location, chunk_key
+
+ROW = (3, 8, 8)
+ROW_NBYTES = 192
+SHARD_ROWS = 8
+PATH = "steps/pixels"
+CODECS = {
+    "lz4": lz4_codec,
+    "blosc": lambda: zc.BloscCodec(cname="lz4", clevel=5, shuffle="bitshuffle"),
+    "zstd": lambda: zc.ZstdCodec(level=3),
+    "gzip": lambda: zc.GzipCodec(level=5),
+    "raw": lambda: None,
+}
+
+
+def _array(root, codec, rows: int = 4 * SHARD_ROWS) -> zarr.Array:
+    """A sharded uint8 array of 3x8x8 rows as the store makes it, at ``steps/pixels`` of a group at ``root``."""
+    group = zarr.open_group(str(root), mode="a")
+    return group.create_array(
+        PATH, shape=(rows, *ROW), chunks=(1, *ROW), shards=(SHARD_ROWS, *ROW), dtype="u1", compressors=codec,
+        fill_value=0,
+    )
+
+
+def _frames_of(n: int, seed: int = 0) -> np.ndarray:
+    """Rows that compress (few distinct values), each different."""
+    rng = np.random.default_rng(seed)
+    return rng.integers(0, 4, (n, *ROW)).astype(np.uint8) + np.arange(n, dtype=np.uint8)[:, None, None, None]
+
+
+def _shard_file(root, shard: int) -> str:
+    return os.path.join(str(root), chunk_key(PATH, shard, 1 + len(ROW)))
+
+
+# -- FrameCodec --------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("name", sorted(CODECS))
+def test_each_inner_codec_round_trips_a_row_and_zarr_reads_the_shard_it_makes(tmp_path, name):
+    array = _array(tmp_path, CODECS[name]())
+    codec = FrameCodec(array, "a")
+    rows = _frames_of(SHARD_ROWS)
+    encoded = [codec.encode(r) for r in rows]
+    for r, raw in zip(rows, encoded):
+        out = np.full(ROW, 255, np.uint8)
+        codec.decode(raw, out)
+        np.testing.assert_array_equal(out, r)
+    assert codec.is_lz4 == (name == "lz4") and codec.lossless
+    assert (name == "raw") == all(len(raw) == ROW_NBYTES for raw in encoded)
+    os.makedirs(os.path.dirname(_shard_file(tmp_path, 1)), exist_ok=True)
+    with open(_shard_file(tmp_path, 1), "wb") as f:
+        f.write(build_shard([*encoded[:5], None, *encoded[6:]]))
+    got = zarr.open_array(str(tmp_path / PATH), mode="r")[SHARD_ROWS : 2 * SHARD_ROWS]
+    np.testing.assert_array_equal(got[[0, 1, 2, 3, 4, 6, 7]], rows[[0, 1, 2, 3, 4, 6, 7]])
+    assert not got[5].any()  # a row never written is the fill value
+
+
+def test_the_lossy_codec_round_trips_within_its_error(tmp_path):
+    codec = FrameCodec(_array(tmp_path, jpeg_codec()), "a")
+    row = (np.add.outer(np.arange(8), np.arange(8)) * 8).astype(np.uint8)[None].repeat(3, 0)
+    out = np.empty(ROW, np.uint8)
+    codec.decode(codec.encode(row), out)
+    assert not codec.lossless and np.abs(out.astype(int) - row).max() <= 4
+
+
+def _other_size(name: str, n: int) -> bytes:
+    """A well-formed frame of ``n`` bytes (not one row) in the codec's format."""
+    data = np.arange(n, dtype=np.uint8)
+    return bytes({
+        "lz4": numcodecs.LZ4(), "blosc": numcodecs.Blosc("lz4"), "zstd": numcodecs.Zstd(), "gzip": numcodecs.GZip()
+    }[name].encode(data)) if name != "raw" else data.tobytes()
+
+
+def _lz4_block_claiming_a_row(n: int) -> bytes:
+    """An LZ4 block of ``n`` bytes behind a header that says one row (192 bytes)."""
+    return struct.pack("<i", ROW_NBYTES) + _other_size("lz4", n)[4:]
+
+
+@pytest.mark.parametrize("name", sorted(CODECS))
+@pytest.mark.parametrize("damage", ["empty", "truncated", "garbage", "one more byte", "fewer bytes", "more bytes"])
+def test_bytes_that_are_not_one_row_are_a_value_error(tmp_path, name, damage):
+    codec = FrameCodec(_array(tmp_path, CODECS[name]()), "a")
+    row = _frames_of(1)[0]
+    good = codec.encode(row)
+    raw = {
+        "empty": b"",
+        "truncated": good[: len(good) // 2],
+        "garbage": bytes(np.random.default_rng(1).integers(0, 256, len(good) + 7, np.uint8)),
+        "one more byte": good + b"\0",
+        "fewer bytes": _other_size(name, ROW_NBYTES - 92),
+        "more bytes": _other_size(name, ROW_NBYTES + 100),
+    }[damage]
+    out = row.copy()
+    with pytest.raises(ValueError):
+        codec.decode(raw, out)
+
+
+@pytest.mark.parametrize("n", [ROW_NBYTES - 92, ROW_NBYTES + 100])
+def test_an_lz4_block_decoding_to_another_size_than_its_header_says_is_a_value_error(tmp_path, n):
+    codec = FrameCodec(_array(tmp_path, lz4_codec()), "a")
+    with pytest.raises(ValueError):
+        codec.decode(_lz4_block_claiming_a_row(n), np.empty(ROW, np.uint8))
+
+
+def test_a_blosc_frame_claiming_another_size_is_refused_before_decoding(tmp_path):
+    codec = FrameCodec(_array(tmp_path, CODECS["blosc"]()), "a")
+    raw = bytearray(codec.encode(_frames_of(1)[0]))
+    for at, value in ((4, 1 << 31), (4, ROW_NBYTES - 1), (12, len(raw) + 1)):  # decoded size, then frame size
+        bad = bytearray(raw)
+        bad[at : at + 4] = struct.pack("<I", value)
+        with pytest.raises(ValueError, match="a blosc frame of"):
+            codec.decode(bytes(bad), np.empty(ROW, np.uint8))
+
+
+def test_a_zstd_frame_must_declare_one_row(tmp_path):
+    codec = FrameCodec(_array(tmp_path, CODECS["zstd"]()), "a")
+    row = _frames_of(1)[0]
+    raw = bytearray(codec.encode(row))
+    fhd = raw[4]
+    assert fhd >> 6 or fhd & 0x20, "numcodecs writes the frame's content size"
+    no_size = bytes(raw[:4]) + bytes([fhd & 0x3F & ~0x20]) + bytes(raw[5:])  # no content size, no single segment
+    with pytest.raises(ValueError, match="declaring -1 bytes"):
+        codec.decode(no_size, np.empty(ROW, np.uint8))
+
+
+# -- build_shard / parse_index -------------------------------------------------------------------------------------------
+def test_a_shard_of_empty_rows_is_its_index_alone():
+    raw = build_shard([None] * 4)
+    assert len(raw) == index_nbytes(4) == 68
+    offsets, nbytes = parse_index(raw, 4, "s")
+    assert offsets.tolist() == [-1] * 4 and nbytes.tolist() == [0] * 4
+
+
+def test_index_gives_each_row_its_byte_range():
+    frames = [b"abc", None, b"", b"defgh"]
+    raw = build_shard(frames)
+    offsets, nbytes = parse_index(raw, 4, "s")
+    assert offsets.tolist() == [0, -1, 3, 3] and nbytes.tolist() == [3, 0, 0, 5]
+    assert raw[:8] == b"abcdefgh" and parse_index(memoryview(raw), 4, "s")[0].tolist() == offsets.tolist()
+
+
+def _with_index(data: bytes, index: np.ndarray) -> bytes:
+    """Data then the given (offset, nbytes) entries and their valid crc32c: what a crafted shard holds."""
+    raw_index = np.asarray(index, "<u8").tobytes()
+    return data + raw_index + struct.pack("<I", google_crc32c.value(raw_index))
+
+
+@pytest.mark.parametrize(
+    "entries, msg",
+    [
+        ([[0, EMPTY], [EMPTY, EMPTY]], "only one of offset and nbytes empty"),
+        ([[EMPTY, 4], [EMPTY, EMPTY]], "only one of offset and nbytes empty"),
+        ([[0, 9], [EMPTY, EMPTY]], "points past the shard's 8 bytes of data"),
+        ([[9, 0], [EMPTY, EMPTY]], "points past"),
+        ([[4, 5], [EMPTY, EMPTY]], "points past"),
+        ([[EMPTY - 1, 2], [EMPTY, EMPTY]], "points past"),
+        ([[2, EMPTY - 1], [EMPTY, EMPTY]], "points past"),  # an offset + nbytes that wraps around 2**64
+        ([[1 << 63, 1 << 63], [EMPTY, EMPTY]], "points past"),
+    ],
+)
+def test_crafted_index_entries_are_refused(entries, msg):
+    assert parse_index(_with_index(b"x" * 8, [[0, 8], [EMPTY, EMPTY]]), 2, "s")[1].tolist() == [8, 0]
+    with pytest.raises(CorruptStoreError, match=msg):
+        parse_index(_with_index(b"x" * 8, entries), 2, "s/c/0/0/0/0")
+
+
+def test_a_damaged_index_fails_its_crc32c_and_a_short_file_is_named():
+    raw = bytearray(build_shard([b"abc", b"de"]))
+    raw[-10] ^= 1
+    with pytest.raises(CorruptStoreError, match=r"s/c/0: the shard index fails its crc32c"):
+        parse_index(bytes(raw), 2, "s/c/0")
+    raw = build_shard([b"abc", b"de"])
+    with pytest.raises(CorruptStoreError, match=r"s/c/0: 41 bytes, shorter than the index of 3 rows \(52 bytes\)"):
+        parse_index(raw, 3, "s/c/0")  # a shard of another shard's row count
+    for cut in (1, len(raw) - 5, len(raw) - 1):
+        with pytest.raises(CorruptStoreError):
+            parse_index(raw[cut:], 2, "s") if cut > 1 else parse_index(raw[:-cut], 2, "s")
+
+
+# -- ShardWriter ---------------------------------------------------------------------------------------------------------
+def _writer(root, codec=None, rows: int = 4 * SHARD_ROWS) -> ShardWriter:
+    array = _array(root, lz4_codec() if codec is None else codec, rows)
+    return ShardWriter(array, Location(str(root)))
+
+
+def _reopen(root) -> ShardWriter:
+    """A new writer over the array as on disk (nothing held in memory)."""
+    return ShardWriter(zarr.open_group(str(root), mode="r+")[PATH], Location(str(root)))
+
+
+def _zarr_rows(root) -> np.ndarray:
+    return zarr.open_array(str(root / PATH), mode="r")[:]
+
+
+def test_rows_written_across_shard_boundaries_are_read_back_by_the_writer_and_by_zarr(tmp_path):
+    w = _writer(tmp_path)
+    rows = _frames_of(13)
+    w.write(5, rows)  # rows 5..17: the tail of shard 0, all of shard 1, the head of shard 2
+    np.testing.assert_array_equal(w.read(5, 18), rows)  # before flush: the rows being written
+    assert not os.path.exists(_shard_file(tmp_path, 0))
+    w.flush(fsync=True)
+    assert sorted(os.listdir(tmp_path / PATH / "c")) == ["0", "1", "2"]  # shard 3 was never written
+    want = np.zeros((4 * SHARD_ROWS, *ROW), np.uint8)
+    want[5:18] = rows
+    np.testing.assert_array_equal(w.read(0, 4 * SHARD_ROWS), want)
+    np.testing.assert_array_equal(_zarr_rows(tmp_path), want)
+    with pytest.raises(IndexError, match="past its 32 rows"):
+        w.read(30, 33)
+    w.close()
+
+
+def test_rows_written_into_a_shard_on_disk_keep_its_other_rows(tmp_path):
+    w = _writer(tmp_path)
+    first, second = _frames_of(3, seed=1), _frames_of(4, seed=2)
+    w.write(0, first)
+    w.flush(fsync=False)
+    w.close()
+    w = _reopen(tmp_path)
+    w.write(3, second)  # a new handle: shard 0 is read from disk, then rewritten whole
+    w.flush(fsync=False)
+    np.testing.assert_array_equal(_zarr_rows(tmp_path)[:7], np.concatenate([first, second]))
+    w.close()
+
+
+@pytest.mark.parametrize("name", ["lz4", "zstd"])
+def test_a_ring_overwrite_replaces_only_the_rows_written(tmp_path, name):
+    w = _writer(tmp_path, CODECS[name]())
+    old, new = _frames_of(4 * SHARD_ROWS, seed=3), _frames_of(11, seed=4)
+    w.write(0, old)  # 32 rows: enough to be encoded across threads
+    w.flush(fsync=False)
+    w.write(6, new)  # rows 6..16 again, over shards 0, 1 and 2
+    w.flush(fsync=False)
+    want = old.copy()
+    want[6:17] = new
+    np.testing.assert_array_equal(_zarr_rows(tmp_path), want)
+    np.testing.assert_array_equal(w.read(0, 4 * SHARD_ROWS), want)
+    w.close()
+
+
+def test_flush_replaces_a_shard_whole_and_a_reader_holding_the_old_file_reads_the_old_rows(tmp_path):
+    w = _writer(tmp_path)
+    old, new = _frames_of(SHARD_ROWS, seed=5), _frames_of(2, seed=6)
+    w.write(0, old[:6])
+    w.flush(fsync=False)
+    path = _shard_file(tmp_path, 0)
+    inode = os.stat(path).st_ino
+    with open(path, "rb") as held:
+        w.write(2, new)  # rows 2, 3 again
+        w.write(6, old[6:])
+        w.flush(fsync=False)
+        assert os.stat(path).st_ino != inode  # renamed into place, never written in place
+        raw = held.read()
+    offsets, nbytes = parse_index(raw, SHARD_ROWS, path)
+    assert (offsets[6:] == -1).all()  # the old file: only its six rows
+    codec = w.codec
+    for r in range(6):
+        out = np.empty(ROW, np.uint8)
+        codec.decode(raw[offsets[r] : offsets[r] + nbytes[r]], out)
+        np.testing.assert_array_equal(out, old[r])
+    want = old.copy()
+    want[2:4] = new
+    np.testing.assert_array_equal(_zarr_rows(tmp_path)[:SHARD_ROWS], want)
+    assert [f for f in os.listdir(os.path.dirname(path)) if f != "0"] == []  # no temp file left
+    w.close()
+
+
+def test_a_damaged_shard_on_disk_is_a_corrupt_store_for_the_writer(tmp_path):
+    w = _writer(tmp_path)
+    w.write(0, _frames_of(4))
+    w.flush(fsync=False)
+    w.close()
+    path = Path(_shard_file(tmp_path, 0))
+    raw = bytearray(path.read_bytes())
+    raw[0] ^= 0xFF  # the first row's LZ4 header: the index still checks
+    path.write_bytes(bytes(raw))
+    w = _reopen(tmp_path)
+    with pytest.raises(CorruptStoreError, match=r"c/0/0/0/0: row 0 cannot be decoded"):
+        w.read(0, 4)
+    path.write_bytes(bytes(raw[:-3]))
+    with pytest.raises(CorruptStoreError, match="crc32c"):
+        w.write(4, _frames_of(1))  # appending into it reads its index first
+    w.close()
+
+
+# -- her_store._frames ---------------------------------------------------------------------------------------------------
+def _lz4_rows(n: int) -> tuple[bytes, np.ndarray, np.ndarray, np.ndarray]:
+    rows = _frames_of(n)
+    blob, sizes = _frames.encode_lz4(rows, ROW_NBYTES, 1)
+    nbytes = np.frombuffer(sizes, np.int64).copy()
+    return blob, np.cumsum(nbytes) - nbytes, nbytes, rows
+
+
+def test_encode_lz4_writes_numcodecs_lz4_and_the_decoders_read_it(tmp_path):
+    blob, offsets, nbytes, rows = _lz4_rows(5)
+    for i in range(5):  # each row: what numcodecs.lz4 itself writes and reads
+        np.testing.assert_array_equal(
+            np.frombuffer(numcodecs.lz4.decompress(blob[offsets[i] : offsets[i] + nbytes[i]]), np.uint8), rows[i].ravel()
+        )
+    out = np.full((5, *ROW), 7, np.uint8)
+    nbytes[2] = -1  # a row never written: zeros
+    assert _frames.decode_lz4(blob, offsets, nbytes, out, ROW_NBYTES) == (-1, 0)
+    np.testing.assert_array_equal(out[[0, 1, 3, 4]], rows[[0, 1, 3, 4]])
+    assert not out[2].any()
+    (tmp_path / "f").write_bytes(b"pad" + blob)
+    with open(tmp_path / "f", "rb") as f:
+        out[:] = 7
+        fds = np.full(5, f.fileno(), np.int32)
+        assert _frames.pread_lz4(fds, offsets + 3, nbytes, out, ROW_NBYTES) == (-1, 0)
+    np.testing.assert_array_equal(out[[0, 1, 3, 4]], rows[[0, 1, 3, 4]])
+    assert not out[2].any()
+
+
+def test_encode_lz4_refuses_buffers_that_are_not_whole_rows():
+    for rows, row_nbytes in ((b"x" * 10, 3), (b"x" * 10, 0), (b"x" * 10, -1), (b"x" * 10, 1 << 31)):
+        with pytest.raises(ValueError, match="whole rows"):
+            _frames.encode_lz4(rows, row_nbytes, 1)
+    with pytest.raises(TypeError):
+        _frames.encode_lz4([1, 2, 3], 3, 1)
+    blob, sizes = _frames.encode_lz4(b"", 3, 1)
+    assert blob == b"" and sizes == b""
+
+
+def test_decode_lz4_refuses_bad_arguments():
+    blob, offsets, nbytes, _ = _lz4_rows(3)
+    out = np.empty((3, *ROW), np.uint8)
+    bad = [
+        ((blob, offsets, nbytes, out[:2], ROW_NBYTES), ValueError, "out is smaller"),
+        ((blob, offsets[:2], nbytes, out, ROW_NBYTES), ValueError, "one entry per row"),
+        ((blob, offsets.astype(np.int32), nbytes, out, ROW_NBYTES), ValueError, "one entry per row"),
+        ((blob, offsets.tobytes()[:-1], nbytes, out, ROW_NBYTES), ValueError, "one entry per row"),
+        ((blob, offsets, nbytes, out, 0), ValueError, "row_nbytes must be positive"),
+        ((blob, offsets, nbytes, out, -ROW_NBYTES), ValueError, "row_nbytes must be positive"),
+        ((blob, offsets, nbytes, out, 1 << 40), ValueError, "row_nbytes must be positive"),
+        ((blob, offsets, nbytes, bytes(out), ROW_NBYTES), TypeError, ""),  # out read-only
+        ((blob, offsets, nbytes, np.empty((3, 3, 8, 16), np.uint8)[..., ::2], ROW_NBYTES), (TypeError, BufferError), ""),
+        ((None, offsets, nbytes, out, ROW_NBYTES), TypeError, ""),
+    ]
+    for args, error, msg in bad:
+        with pytest.raises(error, match=msg):
+            _frames.decode_lz4(*args)
+
+
+@pytest.mark.parametrize(
+    "change",
+    ["negative offset", "offset past the source", "range past the source", "huge nbytes", "header", "short block",
+     "long block", "garbage"],
+)
+def test_decode_lz4_and_pread_lz4_report_the_first_bad_row(tmp_path, change):
+    blob, offsets, nbytes, rows = _lz4_rows(3)
+    src = bytearray(blob)
+    i = 1
+    if change == "negative offset":
+        offsets[i] = -5
+    elif change == "offset past the source":
+        offsets[i] = len(blob) + 10
+    elif change == "range past the source":
+        nbytes[i] = len(blob) - offsets[i] + 1
+    elif change == "huge nbytes":
+        nbytes[i] = 1 << 62
+    elif change == "header":
+        src[offsets[i]] ^= 1
+    elif change in ("short block", "long block"):
+        n = ROW_NBYTES - 92 if change == "short block" else ROW_NBYTES + 100
+        extra = _lz4_block_claiming_a_row(n)
+        offsets[i], nbytes[i] = len(src), len(extra)
+        src += extra
+    else:
+        src[offsets[i] + 4 : offsets[i] + nbytes[i]] = b"\xff" * (int(nbytes[i]) - 4)
+    out = np.zeros((3, *ROW), np.uint8)
+    failed, err = _frames.decode_lz4(bytes(src), offsets, nbytes, out, ROW_NBYTES)
+    assert (failed, err) == (i, 0)
+    np.testing.assert_array_equal(out[0], rows[0])
+    (tmp_path / "f").write_bytes(bytes(src))
+    with open(tmp_path / "f", "rb") as f:
+        failed, err = _frames.pread_lz4(np.full(3, f.fileno(), np.int32), offsets, nbytes, out, ROW_NBYTES)
+    assert failed == i
+    # past the end of the file pread reads nothing: an I/O error; anything else is not one row's block
+    assert err == (errno.EIO if change in ("offset past the source", "range past the source") else 0)
+
+
+def test_pread_lz4_reports_a_closed_fd_a_short_file_and_bad_arguments(tmp_path):
+    blob, offsets, nbytes, rows = _lz4_rows(3)
+    (tmp_path / "f").write_bytes(blob)
+    out = np.zeros((3, *ROW), np.uint8)
+    with open(tmp_path / "f", "rb") as f:
+        fds = np.full(3, f.fileno(), np.int32)
+        with pytest.raises(ValueError, match="one entry per row"):
+            _frames.pread_lz4(fds[:2], offsets, nbytes, out, ROW_NBYTES)
+        with pytest.raises(ValueError, match="out is smaller"):
+            _frames.pread_lz4(fds, offsets, nbytes, out[:1], ROW_NBYTES)
+    assert _frames.pread_lz4(fds, offsets, nbytes, out, ROW_NBYTES) == (0, errno.EBADF)
+    fds[:] = -1
+    nbytes[:] = -1  # rows never written need no file
+    assert _frames.pread_lz4(fds, offsets, nbytes, out, ROW_NBYTES) == (-1, 0) and not out.any()
+    _, offsets, nbytes, _ = _lz4_rows(3)
+    (tmp_path / "f").write_bytes(blob[: offsets[2] + 3])  # the file cut inside the last row
+    with open(tmp_path / "f", "rb") as f:
+        fds[:] = f.fileno()
+        assert _frames.pread_lz4(fds, offsets, nbytes, out, ROW_NBYTES) == (2, errno.EIO)
+    np.testing.assert_array_equal(out[:2], rows[:2])
