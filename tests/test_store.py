@@ -391,6 +391,56 @@ def test_a_plain_zarr_user_reads_any_field_and_the_index(store_path):
     assert seen == [1, 2]
 
 
+ZARR_ALONE = """
+import sys
+import numpy as np
+import zarr
+
+for case in sys.argv[1:]:
+    want = np.load(case + ".npz")
+    pixels = zarr.open_array(case + "/steps/pixels", mode="r")
+    for row, frame in zip(want["rows"].tolist(), want["frames"]):
+        assert (pixels[row] == frame).all(), (case, row)
+    lo, hi = int(want["rows"].min()), int(want["rows"].max()) + 1  # a range across shards, in one read
+    got = pixels[lo:hi]
+    assert (got[want["rows"] - lo] == want["frames"]).all(), case
+assert not [m for m in sys.modules if m.startswith("her_store")]
+print("ok", len(sys.argv) - 1)
+"""
+
+
+def test_zarr_alone_reads_every_frame_of_sharded_images(tmp_path):
+    """The default codec and zstd, after appends that rewrote tail shards and after a ring wrapped: a process that
+    imports only zarr and numpy reads each row as written."""
+    obs = _goal_obs({"pixels": spaces.Box(0, 255, (3, 8, 8), np.uint8)})
+    act = spaces.Box(-1, 1, (2,), np.float32)
+    cases = []
+    for codec in ("lz4", "zstd"):
+        for capacity in (None, 40):
+            path = str(tmp_path / f"{codec}-{capacity}")
+            eps = {}
+            with EpisodeStore.create(
+                path, obs, act, capacity=capacity, chunk_rows=16, commit_interval=0, compressors={"pixels": codec}
+            ) as store:
+                assert store.layout.arrays[-1].sharded and store.layout.arrays[-1].chunk_rows == 16
+                for i, T in enumerate([5, 9, 3, 12, 7, 6, 10, 4, 8, 9, 6]):  # each commit rewrites the tail shard
+                    eps[store.append_episode(make_episode(obs, act, T, seed=i))] = i
+                table = store.episodes
+                if capacity:  # wrapped: a newer episode's rows lie before an older one's
+                    assert store.first_episode > 0 and (np.diff(table["start_row"]) < 0).any()
+            n = table["length"] + 1
+            rows = np.concatenate([np.arange(s, s + k) for s, k in zip(table["start_row"], n)])
+            frames = np.concatenate(
+                [make_episode(obs, act, int(T), seed=eps[int(e)])["pixels"] for e, T in zip(table["episode_id"], table["length"])]
+            )
+            np.savez(path + ".npz", rows=rows, frames=frames)
+            cases.append(path)
+    out = subprocess.run(
+        [sys.executable, "-c", ZARR_ALONE, *cases], capture_output=True, text=True, check=False, cwd=tmp_path
+    )
+    assert out.returncode == 0 and out.stdout.split() == ["ok", "4"], out.stderr[-2000:]
+
+
 def test_episode_repr_shows_shapes_not_values(store_path, fetch):
     obs, act = fetch
     with EpisodeStore.create(store_path, obs, act) as store:
