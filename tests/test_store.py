@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import numcodecs
 import numpy as np
@@ -20,6 +22,7 @@ from her_store import (
     EpisodeStore,
     EpisodeValidationError,
     FormatVersionError,
+    HerSampler,
     NotAStoreError,
     ReadOnlyStoreError,
     SchemaMismatchError,
@@ -27,7 +30,9 @@ from her_store import (
     StoreLockedError,
     open_store,
 )
+from her_store.reader import CachedArray, ShardedArray
 from tests.conftest import GOAL_KEYS, assert_episode_equal, fetch_spaces, make_episode
+from tests.data import make_v1_store as v1
 
 
 def _goal_obs(extra: dict | None = None, goal: spaces.Space | None = None) -> spaces.Dict:
@@ -635,3 +640,71 @@ def test_a_restart_of_an_unfinished_create_cut_short_anywhere_still_restarts(sto
         with open_store(store_path, obs, act) as store:
             assert store.append_episode(make_episode(obs, act, 3, seed=cut)) == 0
         real_rmtree(store_path)
+
+
+# -- format version 1 stores ------------------------------------------------------------------------------------------
+V1_STORE = Path(__file__).parent / "data" / "v1_store"  # made by the version 1 code: tests/data/make_v1_store.py
+
+
+def _v1_reward(achieved, desired, infos):
+    return -(np.linalg.norm(np.asarray(achieved) - np.asarray(desired), axis=-1) > 0.05).astype(np.float32)
+
+
+def _v1_files(path: Path) -> dict[str, bytes]:
+    """What fixes a store's layout: the root attributes and each data array's metadata."""
+    docs = {"zarr.json": json.loads((path / "zarr.json").read_text())["attributes"]["her_store"]["layout"]}
+    for a in ("packs/float32", "packs/bool", "steps/pixels"):
+        doc = json.loads((path / a / "zarr.json").read_text())
+        docs[a] = {k: v for k, v in doc.items() if k != "attributes"}
+    return docs
+
+
+def _check_v1_store(path: Path, lengths: dict[int, int]) -> None:
+    """The store holds exactly the episodes ``lengths`` names, with make_v1_store's content, read whole and sampled,
+    through the unsharded (version 1) path."""
+    ids = sorted(lengths)
+    with EpisodeStore.open(path) as store:
+        assert store.layout.version == 1 and not any(a.sharded for a in store.layout.arrays)
+        assert list(store.episodes["episode_id"]) == ids
+        for i in ids:
+            assert_episode_equal(store.episode(i), v1.episode(i, lengths[i]))
+        with HerSampler(store, 128, reward_fn=_v1_reward, seed=0) as sampler:
+            pixels = sampler.reader.arrays["steps/pixels"]
+            assert type(pixels) is CachedArray and not isinstance(pixels, ShardedArray)
+            b = sampler.sample()
+            e, t = b.episode_ids.numpy(), b.steps.numpy()
+            assert set(e) == set(ids)
+            for k, (ei, ti) in enumerate(zip(e.tolist(), t.tolist())):
+                ep = v1.episode(ei, lengths[ei])
+                np.testing.assert_array_equal(b.observations["pixels"].numpy()[k], ep["pixels"][ti])
+                np.testing.assert_array_equal(b.next_observations["pixels"].numpy()[k], ep["pixels"][ti + 1])
+                np.testing.assert_array_equal(b.observations["observation"].numpy()[k], ep["observation"][ti])
+                np.testing.assert_array_equal(b.actions.numpy()[k], ep["action"][ti])
+
+
+def test_a_version_1_store_is_read_in_its_own_layout(tmp_path):
+    path = tmp_path / "v1_store"
+    shutil.copytree(V1_STORE, path)
+    assert json.loads((path / "commit.json").read_text())["format_version"] == 1
+    with EpisodeStore.open(path) as store:
+        assert (store.first_episode, store.end_episode) == (4, 9) and store.capacity == v1.CAPACITY
+        assert (np.diff(store.episodes["start_row"]) < 0).any(), "the ring has wrapped"
+        spec = store.layout.arrays[-1]
+        assert (spec.path, spec.chunk_rows, spec.compressed, spec.sharded) == ("steps/pixels", 16, True, False)
+    _check_v1_store(path, {i: v1.LENGTHS[i] for i in range(4, 9)})
+
+
+def test_appending_to_a_version_1_store_keeps_it_version_1(tmp_path):
+    path = tmp_path / "v1_store"
+    shutil.copytree(V1_STORE, path)
+    before = _v1_files(path)
+    lengths = dict(enumerate(v1.LENGTHS))
+    with EpisodeStore.open(path, "a") as store:
+        for i, T in ((9, 5), (10, 9)):  # the ring evicts the oldest episodes
+            assert store.append_episode(v1.episode(i, T)) == i
+            lengths[i] = T
+        first = store.first_episode
+    assert first > 4 and json.loads((path / "commit.json").read_text())["format_version"] == 1
+    assert _v1_files(path) == before  # layout and array metadata untouched: still version 1, unsharded
+    assert json.loads((path / "zarr.json").read_text())["attributes"]["her_store"]["format_version"] == 1
+    _check_v1_store(path, {i: T for i, T in lengths.items() if i >= first})  # a later open: old and appended
