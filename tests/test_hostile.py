@@ -8,6 +8,7 @@ import json
 import os
 import resource
 import shutil
+import struct
 import sys
 import zlib
 from collections.abc import Iterator
@@ -453,3 +454,83 @@ def test_hostile_stores_give_store_errors_only(bases, arena, data):
                 _use(store, mode)
     assert hits == [], f"files outside the store were touched: {hits[:5]}"
     assert _tree_state(root, store) == before
+
+
+# -- crafted shard files ------------------------------------------------------------------------------------------------
+EMPTY_ENTRY = (1 << 64) - 1  # an index entry's offset and nbytes for a row never written
+
+
+@pytest.fixture(scope="module")
+def shard_bases(bases, tmp_path_factory) -> dict[str, tuple[Path, int]]:
+    """Stores whose image rows are sharded, with their rows per shard: LZ4 (decoded in C by the sampler), and zstd
+    (decoded row by row in Python)."""
+    root = tmp_path_factory.mktemp("shard_bases")
+    with EpisodeStore.create(root / "zstd", OBS, ACT, capacity=12, chunk_rows=16, info_keys=["is_success"],
+                             compressors={"pixels": "zstd"}) as store:
+        for i, T in enumerate([3, 5, 2, 4, 5]):
+            store.append_episode(make_episode(OBS, ACT, T, seed=i, info_keys=("is_success",)))
+    out = {}
+    for name, path in {**bases, "zstd": root / "zstd"}.items():
+        with EpisodeStore.open(path) as s:
+            spec = s.layout.arrays[-1]
+            assert spec.sharded and spec.path == "steps/pixels"
+            out[name] = (path, spec.chunk_rows)
+    return out
+
+
+def _craft_shard(data: st.DataObject, raw: bytes, rows: int) -> bytes:
+    """One change to a shard's bytes: an index entry (with a valid crc32c, mostly), the crc32c, a row's bytes or
+    its LZ4 size header, or the file's length."""
+    import google_crc32c
+
+    raw = bytearray(raw)
+    need = 16 * rows + 4
+    data_end = max(0, len(raw) - need)
+    kind = data.draw(st.sampled_from(["entry", "crc", "frame", "header", "truncate", "extend"]), label="change")
+    if kind == "entry" and len(raw) >= need:
+        i = data.draw(st.integers(0, rows - 1), label="row")
+        counts = st.one_of(
+            st.sampled_from([0, 1, 3, 4, data_end - 1, data_end, data_end + 1, EMPTY_ENTRY, EMPTY_ENTRY - 1, 1 << 63]),
+            st.integers(0, (1 << 64) - 1),
+        )
+        for k in data.draw(st.sampled_from([(0,), (1,), (0, 1)]), label="fields"):
+            struct.pack_into("<Q", raw, data_end + 16 * i + 8 * k, data.draw(counts, label="value"))
+        if data.draw(st.integers(0, 4), label="crc") > 0:
+            struct.pack_into("<I", raw, len(raw) - 4, google_crc32c.value(bytes(raw[data_end : len(raw) - 4])))
+    elif kind == "crc" and raw:
+        raw[data.draw(st.integers(max(0, len(raw) - need), len(raw) - 1), label="at")] ^= 1 << data.draw(
+            st.integers(0, 7), label="bit"
+        )
+    elif kind == "frame" and data_end:
+        at = data.draw(st.integers(0, data_end - 1), label="at")
+        patch = data.draw(st.binary(min_size=1, max_size=8), label="bytes")
+        raw[at : min(at + len(patch), data_end)] = patch[: data_end - at]
+    elif kind == "header" and data_end >= 4:
+        at = data.draw(st.integers(0, data_end - 4), label="at")  # where a row's declared size might be
+        struct.pack_into("<i", raw, at, data.draw(st.sampled_from([0, -1, 47, 48, 49, 1 << 30, -(1 << 31)]), label="size"))
+    elif kind == "truncate":
+        del raw[data.draw(st.integers(0, max(0, len(raw) - 1)), label="length") :]
+    else:
+        raw += data.draw(st.binary(min_size=1, max_size=64), label="tail")
+    return bytes(raw)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+def test_crafted_shard_files_give_store_errors_only(shard_bases, arena, data):
+    """Shard files of the image array with crafted index entries, crc32c, row bytes and lengths: reading every
+    episode, sampling (LZ4 rows decoded in C, zstd rows in Python) and appending raise her_store errors only, within
+    bounded memory."""
+    base = data.draw(st.sampled_from(sorted(shard_bases)), label="base")
+    path, rows = shard_bases[base]
+    store = arena["root"] / "shard-case" / "store"
+    shutil.rmtree(store.parent, ignore_errors=True)
+    shutil.copytree(path, store)
+    shards = sorted(p for p in (store / "steps" / "pixels" / "c").rglob("*") if p.is_file())
+    for _ in range(data.draw(st.integers(1, 3), label="changes")):
+        shard = data.draw(st.sampled_from(shards), label="shard")
+        shard.write_bytes(_craft_shard(data, shard.read_bytes(), rows))
+    with bounded_memory():
+        for mode in ("r", "a"):
+            with contextlib.suppress(StoreError):
+                _use(store, mode)
