@@ -1,14 +1,18 @@
 """Every sampled row against a plain model of the committed episodes, whatever the storage and whoever samples.
 
-The matrix: {uncompressed local (memory-mapped), compressed local (decoded-chunk cache), S3 on loopback} x {a
-sampler on the writer's own handle sampling between appends, a reader's sampler in another process while this
-process appends} x {unbounded, a ring that wraps several times}. Episode ``e`` is a function of its id (each row
-encodes (e, step)), so the model is a formula: batches are checked by (episode id, step) from
-``batch.episode_ids`` / ``batch.steps``, in the reader process too, with nothing shared but the store.
+The matrix: {uncompressed local (memory-mapped), sharded LZ4 images (the default: decoded in C, in batches split
+across two threads), sharded Zstd images and observations (decoded row by row in Python, in the calling thread), S3
+on loopback (the default codec)} x {a sampler on the writer's own handle sampling between appends, a reader's
+sampler in another process while this process appends} x {unbounded, a ring that wraps}. Images of 3x8x8 in shards
+of 16 rows: most shards are filled by several commits, and a ring rewrites them as it wraps. Episode ``e`` is a
+function of its id (each row encodes (e, step)), so the model is a formula: batches are checked by (episode id,
+step) from ``batch.episode_ids`` / ``batch.steps``, in the reader process too, with nothing shared but the store.
 
-Run as ``python -m tests.test_differential URL STORAGE_OPTIONS_JSON``, this module is that reader process: for
-each line ``END`` on stdin (the writer has committed every episode below END) it samples two batches from a view
-that holds END, checks them and answers ``ok <rows checked>`` or ``bad <what was wrong>``; ``quit`` ends it.
+Run as ``python -m tests.test_differential``, this module is that reader process, one for the whole module (its
+start, importing torch, costs more than most cases): ``open {"url": ..., "opts": ..., "io_threads": ...}`` opens a
+store and a sampler and answers ``opened <gather paths>``; each line ``END`` (the writer has committed every episode
+below END) samples two batches from a view that holds END, checks them and answers ``ok <rows checked>`` or ``bad
+<what was wrong>``; ``close`` closes the store (answer ``closed``); end of input ends the process.
 """
 
 from __future__ import annotations
@@ -18,15 +22,15 @@ import os
 import subprocess
 import sys
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import pytest
-import zarr.codecs
 from gymnasium import spaces
 
 from her_store import EpisodeStore, HerBatch, HerSampler
-from her_store.reader import CachedArray, MappedArray
+from her_store.reader import ShardedArray
 from tests.test_sampler import sparse_reward
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -35,19 +39,29 @@ OBS = spaces.Dict(
         "observation": spaces.Box(-np.inf, np.inf, (4,), np.float32),
         "achieved_goal": spaces.Box(-np.inf, np.inf, (3,), np.float32),
         "desired_goal": spaces.Box(-np.inf, np.inf, (3,), np.float32),
-        "pixels": spaces.Box(0, 255, (3, 8, 8), np.uint8),  # a small image: Blosc-compressed by default
+        "pixels": spaces.Box(0, 255, (3, 8, 8), np.uint8),  # a small image: a sharded LZ4 array by default
     }
 )
 ACT = spaces.Box(-1.0, 1.0, (2,), np.float32)
 OBS_KEYS = tuple(OBS.spaces)
-CHUNK_ROWS = 16  # many chunks, most of them filled by several commits
-RING = 48  # transitions: a ring of 64 rows, wrapped four times or more by every ring case below
+CHUNK_ROWS = 16  # rows per chunk and per shard: many of each, most of them filled by several commits
+RING = 48  # transitions: a ring of 64 rows, wrapped twice or more by every ring case below
 BATCH = 64
-# what each storage passes to EpisodeStore.create, and the gather paths its sampler takes
-STORAGES: dict[str, tuple[dict[str, Any], set[type]]] = {
-    "mmap": ({"compressors": {"pixels": None}}, {MappedArray}),
-    "compressed": ({"compressors": {"observation": zarr.codecs.ZstdCodec()}}, {MappedArray, CachedArray}),
-    "s3": ({}, {CachedArray}),
+
+
+@dataclass(frozen=True)
+class Storage:
+    create: dict[str, Any]  # what EpisodeStore.create is given
+    paths: set[str]  # the gather paths of its sampler: an array class, and the codec of a sharded one
+    episodes: int  # appended by each case: 9 rows each on average
+    io_threads: int | None = None  # of the samplers
+
+
+STORAGES = {
+    "mmap": Storage({"compressors": {"pixels": None}}, {"MappedArray"}, 48),
+    "lz4": Storage({}, {"MappedArray", "ShardedArray lz4"}, 48, io_threads=2),
+    "zstd": Storage({"compressors": {"pixels": "zstd", "observation": "zstd"}}, {"MappedArray", "ShardedArray"}, 48, 0),
+    "s3": Storage({}, {"CachedArray", "ShardedArray lz4"}, 16),
 }
 
 
@@ -124,20 +138,84 @@ def wrong_rows(b: HerBatch, first: int, end: int) -> str | None:
     return "; ".join(bad) or None
 
 
+def gather_paths(sampler: HerSampler) -> set[str]:
+    """How the sampler's reader gathers each array: its class, and "lz4" for a sharded array decoded in C."""
+    arrays = sampler.reader.arrays.values()
+    return {type(a).__name__ + (" lz4" if isinstance(a, ShardedArray) and a.codec.is_lz4 else "") for a in arrays}
+
+
 # -- the reader process --------------------------------------------------------------------------------------
-def reader_main(url: str, storage_options: dict[str, Any]) -> None:
-    store = EpisodeStore.open(url, storage_options=storage_options or None)
-    with store, HerSampler(store, 2 * BATCH, reward_fn=sparse_reward, seed=1, refresh_interval=0) as sampler:
-        for line in sys.stdin:
-            if line.strip() == "quit":
-                return
-            target = int(line)
+def reader_main() -> None:
+    store: EpisodeStore | None = None
+    sampler: HerSampler | None = None
+    for line in sys.stdin:
+        command, _, arg = line.strip().partition(" ")
+        if command == "open":
+            case = json.loads(arg)
+            store = EpisodeStore.open(case["url"], storage_options=case["opts"] or None)
+            sampler = HerSampler(
+                store, 2 * BATCH, reward_fn=sparse_reward, seed=1, refresh_interval=0, io_threads=case["io_threads"]
+            )
+            paths = {"paths": sorted(gather_paths(sampler)), "decode_threads": sampler.reader.decode_threads}
+            print(f"opened {json.dumps(paths)}", flush=True)
+        elif command == "close":
+            assert store is not None and sampler is not None
+            sampler.close()
+            store.close()
+            print("closed", flush=True)
+        else:
+            assert store is not None and sampler is not None
+            target = int(command)
             seen = sampler.refresh().end
             if seen < target:
                 print(f"bad the reader sees episodes below {seen}, committed below {target}", flush=True)
                 continue
             problems = [p for p in (wrong_rows(sampler.sample(), 0, store.end_episode) for _ in range(2)) if p]
             print(f"bad {problems[0]}" if problems else f"ok {4 * BATCH}", flush=True)
+
+
+class ReaderProcess:
+    """This module run as the reader process, started again when a case left it dead or mid-answer."""
+
+    def __init__(self) -> None:
+        self.proc: subprocess.Popen | None = None
+
+    def send(self, line: str) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "tests.test_differential"],
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+            )
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(line + "\n")
+        self.proc.stdin.flush()
+
+    def answer(self) -> str:
+        assert self.proc is not None and self.proc.stdout is not None
+        answer = self.proc.stdout.readline()
+        if not answer:
+            pytest.fail(f"the reader process died: {self.stop()}")
+        return answer.strip()
+
+    def ask(self, line: str) -> str:
+        self.send(line)
+        return self.answer()
+
+    def stop(self) -> str:
+        """End the process; its stderr."""
+        if self.proc is None:
+            return ""
+        proc, self.proc = self.proc, None
+        if proc.poll() is None:
+            proc.kill()
+        return proc.communicate()[1]
+
+
+@pytest.fixture(scope="module")
+def reader_process() -> Iterator[ReaderProcess]:
+    reader = ReaderProcess()
+    yield reader
+    reader.stop()
 
 
 # -- the matrix ----------------------------------------------------------------------------------------------
@@ -152,32 +230,40 @@ def storage(request, tmp_path) -> Iterator[tuple[str, str, dict[str, Any]]]:
 
 
 def _create(name: str, url: str, opts: dict[str, Any], capacity: int | None) -> EpisodeStore:
-    kwargs, _ = STORAGES[name]
     return EpisodeStore.create(
         url, OBS, ACT, capacity=capacity, chunk_rows=CHUNK_ROWS, commit_interval=0, storage_options=opts or None,
-        **kwargs,
+        **STORAGES[name].create,
     )
 
 
-def _episodes(name: str) -> int:
-    """Episodes a case appends: 9 rows each on average, so a ring (64 rows) wraps four times or more."""
-    return 64 if name != "s3" else 32
+def _check_layout(store: EpisodeStore, name: str) -> None:
+    """Images are in shards of CHUNK_ROWS rows, one row per inner chunk (mmap: one uncompressed array of rows)."""
+    specs = {a.path: a for a in store.layout.arrays}
+    if name == "mmap":
+        assert "steps/pixels" not in specs and not any(a.compressed for a in specs.values())
+        return
+    array = store._root["steps/pixels"]
+    assert specs["steps/pixels"].sharded and array.shards == (CHUNK_ROWS, 3, 8, 8) and array.chunks == (1, 3, 8, 8)
 
 
 def _assert_wrapped(store: EpisodeStore, capacity: int | None) -> None:
-    """A ring case wrapped its rows four times or more."""
+    """A ring case wrapped its rows twice or more."""
     if capacity is not None:
         written = int((length(np.arange(store.end_episode)) + 1).sum())
-        assert written >= 4 * store.commit_record.array_rows, (written, store.commit_record.array_rows)
+        assert written >= 2 * store.commit_record.array_rows, (written, store.commit_record.array_rows)
 
 
 @pytest.mark.parametrize("capacity", [None, RING], ids=["unbounded", "ring"])
 def test_a_sampler_on_the_writers_handle_between_appends(storage, capacity):
     name, url, opts = storage
+    case = STORAGES[name]
     with _create(name, url, opts, capacity) as store:
-        with HerSampler(store, BATCH, reward_fn=sparse_reward, seed=0) as sampler:
-            assert {type(a) for a in sampler.reader.arrays.values()} == STORAGES[name][1]
-            for e in range(_episodes(name)):
+        _check_layout(store, name)
+        with HerSampler(store, BATCH, reward_fn=sparse_reward, seed=0, io_threads=case.io_threads) as sampler:
+            assert gather_paths(sampler) == case.paths
+            if case.io_threads is not None:
+                assert sampler.reader.decode_threads == case.io_threads
+            for e in range(case.episodes):
                 assert store.append_episode(episode(e)) == e
                 problem = wrong_rows(sampler.sample(), store.first_episode, store.end_episode)
                 assert problem is None, f"after episode {e}: {problem}"
@@ -185,36 +271,32 @@ def test_a_sampler_on_the_writers_handle_between_appends(storage, capacity):
 
 
 @pytest.mark.parametrize("capacity", [None, RING], ids=["unbounded", "ring"])
-def test_a_readers_sampler_in_another_process_while_appending(storage, capacity):
+def test_a_readers_sampler_in_another_process_while_appending(storage, capacity, reader_process):
     name, url, opts = storage
-    per_round = 4  # about 32 transitions: the writer is one round ahead of the reader
-    rounds = _episodes(name) // per_round - 1
+    case = STORAGES[name]
+    per_round = 4  # about 36 rows: the writer is one round ahead of the reader
     with _create(name, url, opts, capacity) as store:
         for e in range(per_round):
             store.append_episode(episode(e))
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "tests.test_differential", url, json.dumps(opts)],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
-        )
+        opened = reader_process.ask("open " + json.dumps({"url": url, "opts": opts, "io_threads": case.io_threads}))
         try:
-            assert proc.stdin is not None and proc.stdout is not None
-            for r in range(1, rounds + 1):
-                proc.stdin.write(f"{store.end_episode}\n")
-                proc.stdin.flush()
+            assert opened.startswith("opened "), opened
+            got = json.loads(opened.split(" ", 1)[1])
+            assert set(got["paths"]) == case.paths, opened
+            if case.io_threads is not None:
+                assert got["decode_threads"] == case.io_threads
+            for r in range(1, case.episodes // per_round):
+                reader_process.send(str(store.end_episode))
                 for e in range(r * per_round, (r + 1) * per_round):  # while the reader samples
                     store.append_episode(episode(e))
-                answer = proc.stdout.readline()
-                if not answer:
-                    pytest.fail(f"the reader process died: {proc.communicate(timeout=60)[1]}")
+                answer = reader_process.answer()
                 assert answer.startswith("ok"), f"round {r}: {answer}"
-            _, err = proc.communicate("quit\n", timeout=60)
-            assert proc.returncode == 0, err
-            _assert_wrapped(store, capacity)
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-                proc.communicate()
+            assert reader_process.ask("close") == "closed"
+        except BaseException:
+            reader_process.stop()
+            raise
+        _assert_wrapped(store, capacity)
 
 
 if __name__ == "__main__":
-    reader_main(sys.argv[1], json.loads(sys.argv[2]))
+    reader_main()
