@@ -18,6 +18,7 @@ committed end under which it was read, and each array records the newest episode
 
 from __future__ import annotations
 
+import asyncio
 import io
 import mmap
 import os
@@ -27,13 +28,14 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, NamedTuple
 
+import fsspec.asyn
 import numpy as np
 import zarr
 
+from her_store import _frames
 from her_store.errors import CorruptStoreError
 from her_store.format import ArraySpec
 from her_store.index import IndexView
-from her_store import _frames
 from her_store.shard import FrameCodec, index_nbytes, parse_index
 from her_store.storage import Location, chunk_key, drop_page_cache
 
@@ -209,6 +211,16 @@ class CachedArray:
         return self.chunk_nbytes
 
     def _chunk(self, chunk: int) -> Any:
+        hit, tag = self._cached(chunk)
+        if hit is not None:
+            return hit
+        buf = self._load(chunk)
+        self._keep(chunk, tag, buf)
+        return buf
+
+    def _cached(self, chunk: int) -> tuple[Any, int]:
+        """The cached item of ``chunk`` if it still serves every recorded episode (else None), and the tag an item
+        read from now on carries."""
         with self._lock:
             hit = self._cache.get(chunk)
             newest = int(self._newest[chunk]) if chunk < len(self._newest) else -1
@@ -217,19 +229,20 @@ class CachedArray:
             if hit is not None and newest < hit[0]:
                 self._cache.move_to_end(chunk)
                 self.hits += 1
-                return hit[1]
-            tag = self._end  # read before the chunk: episodes below it were committed before the read
-        buf = self._load(chunk)
+                return hit[1], hit[0]
+            return None, self._end  # read before the chunk: episodes below it were committed before the read
+
+    def _keep(self, chunk: int, tag: int, item: Any) -> None:
+        """Cache ``item``, read for ``chunk`` with ``tag`` (from :meth:`_cached`), evicting the least recently used."""
         with self._lock:
             self.misses += 1
             old = self._cache.pop(chunk, None)
             if old is not None:
                 self._bytes -= self._cost(old[1])
-            self._cache[chunk] = (tag, buf)
-            self._bytes += self._cost(buf)
+            self._cache[chunk] = (tag, item)
+            self._bytes += self._cost(item)
             while len(self._cache) > 1 and (self._bytes > self.cache_bytes or len(self._cache) > self.max_entries):
                 self._bytes -= self._cost(self._cache.popitem(last=False)[1][1])
-        return buf
 
     def gather(self, rows: np.ndarray, out: np.ndarray) -> None:
         cr = self.chunk_rows
@@ -270,11 +283,34 @@ class _Tail:
 
 
 class _Shard(NamedTuple):
-    """A shard as read: its file (local) or its bytes (fetched whole remotely), and each row's byte range."""
+    """A shard as read: its file (local), its bytes (fetched whole remotely) or its index alone (remotely, rows then
+    read by ranged GETs conditioned on ``etag``), and each row's byte range."""
 
-    buf: Any  # io.FileIO, bytes, or None for a shard never written (every row zeros)
+    buf: Any  # io.FileIO, bytes, or None for a shard never written (every row zeros) or read by ranges
     offsets: np.ndarray  # int64, -1 for a row never written
     nbytes: np.ndarray
+    etag: str | None = None  # remotely, the ETag of the object whose index this is, when rows are read by ranges
+
+
+class _Changed(Exception):
+    """A conditional GET found its object replaced since its index was read (HTTP 412)."""
+
+
+def _precondition_failed(e: BaseException) -> bool:
+    """Whether an error s3fs raised is S3's 412 Precondition Failed (an If-Match that no longer holds)."""
+    response = getattr(e.__cause__, "response", None) or {}
+    return response.get("Error", {}).get("Code") == "PreconditionFailed" or (
+        response.get("ResponseMetadata", {}).get("HTTPStatusCode") == 412
+    )
+
+
+def _is_s3(fs: Any) -> bool:
+    """Whether ``fs`` is s3fs's filesystem, whose GETs take S3's If-Match."""
+    try:
+        import s3fs
+    except ImportError:
+        return False
+    return isinstance(fs, s3fs.S3FileSystem)
 
 
 class ShardedArray(CachedArray):
@@ -282,13 +318,22 @@ class ShardedArray(CachedArray):
 
     Shards are kept in the same committed-end-tagged LRU as decoded chunks: locally an open shard file and its parsed
     index (bounded by count; a frame is one ``pread``, so a cold store is read one frame per disk read, in parallel
-    across ``io_threads``), remotely the shard's compressed bytes fetched in one GET (bounded by ``cache_bytes``). A
-    shard that a commit rewrote since it was opened is opened again by the gathers that need it; until then, the old
-    file still holds every row committed when it was opened (a shard is replaced by a rename, never written in
-    place).
+    across ``io_threads``). A shard that a commit rewrote since it was opened is opened again by the gathers that
+    need it; until then, the old file still holds every row committed when it was opened (a shard is replaced by a
+    rename, never written in place).
+
+    On object storage (bounded by ``cache_bytes``) a shard is kept as its parsed index alone, read by one ranged GET
+    of the object's last bytes, and the frames of a gather are fetched by concurrent ranged GETs (adjacent frames,
+    such as rows ``t`` and ``t + 1``, in one), each conditioned on the ETag the index was read with: a shard a
+    commit replaced since (one PUT) answers 412, and its index is read again before its frames are, so old offsets
+    are never applied to new bytes. A shard a gather needs at least ``WHOLE_FRACTION`` of the rows of is fetched
+    whole and kept whole, as is every shard on a store that cannot condition a GET on an ETag (checked, not
+    assumed: S3 through s3fs can).
     """
 
     MAX_OPEN = 512  # open shard files per array
+    WHOLE_FRACTION = 0.25  # of a shard's rows: a gather needing as many fetches the shard whole (README, measured)
+    REREADS = 2  # a shard replaced under this many successive reads of its index is then fetched whole
 
     def __init__(self, array: Any, spec: ArraySpec, cache_bytes: int, location: Location) -> None:
         super().__init__(array, spec, cache_bytes, root=location.root if location.is_local else None)
@@ -297,32 +342,277 @@ class ShardedArray(CachedArray):
         self._ndim = 1 + len(spec.row_shape)
         if location.is_local:
             self.max_entries = self.MAX_OPEN
+        self._s3 = not location.is_local and _is_s3(location.fs)
+        # whether GETs here honour If-Match: None until a probe could tell (only S3 can; then it is checked)
+        self._ranged: bool | None = None if self._s3 else False
+        self.gets = 0  # requests sent to object storage
+        self.replaced = 0  # conditional GETs that found their shard replaced since its index was read
 
     def _cost(self, item: Any) -> int:
-        return 0 if self.root is not None or item.buf is None else len(item.buf)
+        if self.root is not None:
+            return 0
+        return len(item.buf) if item.buf is not None else item.offsets.nbytes + item.nbytes.nbytes
+
+    def _key(self, chunk: int) -> str:
+        return chunk_key(self.spec.path, chunk, self._ndim)
 
     def _load(self, chunk: int) -> _Shard:
-        key = chunk_key(self.spec.path, chunk, self._ndim)
-        if self.root is None:
-            buf: Any = self.location.read_bytes(key)
-            index = buf
-        else:
-            try:
-                buf = open(os.path.join(self.root, key), "rb", buffering=0)  # closed when no gather holds it
-            except FileNotFoundError:
-                buf = None
-            else:
-                os.posix_fadvise(buf.fileno(), 0, 0, os.POSIX_FADV_RANDOM)  # a frame is one read, no readahead
-                size = os.fstat(buf.fileno()).st_size
-                need = min(size, index_nbytes(self.chunk_rows))
-                index = _Tail(size, os.pread(buf.fileno(), need, size - need))
-        if buf is None:
-            empty = np.full(self.chunk_rows, -1, np.int64)
-            return _Shard(None, empty, empty)
+        """A local shard: its file, open, and its index (object storage: :meth:`_remote_frames`)."""
+        key = self._key(chunk)
+        assert self.root is not None
+        try:
+            buf = open(os.path.join(self.root, key), "rb", buffering=0)  # closed when no gather holds it
+        except FileNotFoundError:
+            return self._empty()
+        os.posix_fadvise(buf.fileno(), 0, 0, os.POSIX_FADV_RANDOM)  # a frame is one read, no readahead
+        size = os.fstat(buf.fileno()).st_size
+        need = min(size, index_nbytes(self.chunk_rows))
+        index = _Tail(size, os.pread(buf.fileno(), need, size - need))
         offsets, nbytes = parse_index(index, self.chunk_rows, f"{self.location}/{key}")
         return _Shard(buf, offsets, nbytes)
 
+    def _empty(self) -> _Shard:
+        """A shard never written: every row zeros."""
+        empty = np.full(self.chunk_rows, -1, np.int64)
+        return _Shard(None, empty, empty)
+
+    # object storage ---------------------------------------------------------------------------------------------
+
+    def _run(self, coro: Callable[..., Any], *args: Any) -> Any:
+        """Run a coroutine function on the filesystem's event loop (fsspec's I/O thread), from any other thread."""
+        return fsspec.asyn.sync(self.location.fs.loop, coro, *args)
+
+    async def _get(self, chunk: int, rng: str | None = None, etag: str | None = None) -> tuple[bytes | None, str, int]:
+        """One GET of shard ``chunk`` (S3): its bytes (None when it does not exist), its ETag and the object's size.
+
+        Raises
+        ------
+        _Changed
+            ``etag`` is given and the object no longer has it.
+        """
+        fs = self.location.fs
+        bucket, key, _ = fs.split_path(self.location.key_path(self._key(chunk)))
+        kw = {"Range": rng} if rng else {}
+        if etag is not None:
+            kw["IfMatch"] = etag
+        self.gets += 1
+        try:
+            resp = await fs._call_s3("get_object", Bucket=bucket, Key=key, **kw)
+        except FileNotFoundError:
+            if etag is not None:  # the object its index was read from is gone: read the index again
+                raise _Changed from None
+            return None, "", 0
+        except OSError as e:
+            if etag is not None and _precondition_failed(e):
+                raise _Changed from e
+            raise
+        try:
+            body = await resp["Body"].read()
+        finally:
+            resp["Body"].close()
+        total = str(resp.get("ContentRange") or "").rpartition("/")[2]  # "bytes a-b/size" answers a ranged GET
+        return body, str(resp.get("ETag") or ""), int(total) if total.isdigit() else len(body)
+
+    async def _fetch_one(self, chunk: int, whole: bool) -> _Shard:
+        """Shard ``chunk`` from S3: whole (one GET), or its index alone (one GET of the object's last bytes: a
+        suffix range, so no HEAD), remembering the ETag its rows are then read under."""
+        where = f"{self.location}/{self._key(chunk)}"
+        if whole:
+            raw, _, _ = await self._get(chunk)
+            return self._empty() if raw is None else _Shard(raw, *parse_index(raw, self.chunk_rows, where))
+        need = index_nbytes(self.chunk_rows)
+        tail, etag, size = await self._get(chunk, f"bytes=-{need}")
+        if tail is None:
+            return self._empty()
+        if len(tail) != min(need, size):
+            raise CorruptStoreError(f"{where}: a GET of its last {need} bytes returned {len(tail)} of {size}")
+        offsets, nbytes = parse_index(_Tail(size, tail), self.chunk_rows, where)
+        if not etag:  # nothing to condition its rows' reads on: read it whole
+            return await self._fetch_one(chunk, True)
+        return _Shard(None, offsets, nbytes, etag)
+
+    async def _fetch_many(self, chunks: list[int], whole: list[bool]) -> list[_Shard]:
+        return list(await asyncio.gather(*(self._fetch_one(c, w) for c, w in zip(chunks, whole))))
+
+    async def _get_ranges(self, reqs: list[tuple[int, str, int, int]]) -> list[Any]:
+        """Concurrent conditional GETs of ``(chunk, etag, start, end)``: each range's bytes, or the exception."""
+        return list(
+            await asyncio.gather(*(self._get(c, f"bytes={a}-{b - 1}", etag) for c, etag, a, b in reqs), return_exceptions=True)
+        )
+
+    def _probe(self, chunk: int) -> bool | None:
+        """Whether GETs here are refused when their If-Match names another ETag (None: shard ``chunk`` is absent,
+        so it could not tell). A store that ignored If-Match would let old offsets read a replaced shard's bytes,
+        so that is checked, not assumed."""
+        try:
+            raw, _, _ = self._run(self._get, chunk, "bytes=-1", '"her_store-if-match-probe"')
+        except _Changed:
+            return True
+        return None if raw is None else False
+
+    def _fetch_shards(self, chunks: list[int], whole: list[bool]) -> list[_Shard]:
+        """Shards ``chunks``, fetched concurrently: whole, or (on S3) their index alone where ``whole`` is False."""
+        if self._s3:
+            return self._run(self._fetch_many, chunks, whole)
+        # no conditional GET on this filesystem: whole shards, concurrently where the filesystem is asynchronous
+        paths = [self.location.key_path(self._key(c)) for c in chunks]
+        self.gets += len(paths)
+        got = self.location.fs.cat_ranges(paths, [None] * len(paths), [None] * len(paths), on_error="return")
+        out = []
+        for c, raw in zip(chunks, got):
+            if isinstance(raw, FileNotFoundError):
+                out.append(self._empty())
+            elif isinstance(raw, BaseException):
+                raise raw
+            else:
+                out.append(_Shard(raw, *parse_index(raw, self.chunk_rows, f"{self.location}/{self._key(c)}")))
+        return out
+
+    def _remote_frames(self, rows: np.ndarray) -> tuple[list[bytes], np.ndarray, np.ndarray, np.ndarray]:
+        """Fetch the encoded bytes of ``rows`` from object storage: the buffers holding them, and per row its
+        buffer, its offset there and its size (-1: a row never written).
+
+        Shards come from the cache while no commit recorded since reached them; the others are fetched at once
+        (their index alone, or whole when the gather needs ``WHOLE_FRACTION`` of their rows). The frames of shards
+        read by index are then fetched in one round of concurrent ranged GETs conditioned on each index's ETag; a
+        shard whose object changed since (412) has its index read again and its frames fetched again.
+        """
+        cr = self.chunk_rows
+        frames, inv = np.unique(rows, return_inverse=True)  # a frame asked for twice is fetched once
+        shard_of = frames // cr
+        local = frames - shard_of * cr
+        uniq, sidx, counts = np.unique(shard_of, return_inverse=True, return_counts=True)
+        chunks = uniq.tolist()
+        if self._ranged is None:
+            self._ranged = self._probe(chunks[0])
+        whole = ((counts >= self.WHOLE_FRACTION * cr) | (self._ranged is not True)).tolist()
+        shards: list[Any] = []
+        tags: list[int] = []
+        for c, w in zip(chunks, whole):
+            hit, tag = self._cached(c)
+            # a cached whole shard serves any gather; a cached index, one that reads the shard by ranges
+            shards.append(hit if hit is not None and (hit.etag is None or not w) else None)
+            tags.append(tag)
+        missing = [j for j, s in enumerate(shards) if s is None]
+        self._refresh(chunks, shards, tags, missing, [whole[j] for j in missing])
+
+        n = len(frames)
+        src = np.zeros(n, np.int64)  # 0: the ranged frames' buffer, k > 0: whole shard k - 1 of `held`
+        pos = np.zeros(n, np.int64)
+        pieces: list[bytes] = []
+        at = 0  # bytes in `pieces`
+        pending = np.array([s.etag is not None for s in shards], bool)
+        attempt = 0
+        while True:
+            offsets = np.stack([s.offsets for s in shards])[sidx, local]
+            nbytes = np.stack([s.nbytes for s in shards])[sidx, local]
+            f = np.flatnonzero(pending[sidx] & (offsets >= 0))
+            if len(f) == 0:
+                break
+            f = f[np.lexsort((offsets[f], sidx[f]))]  # by shard, then by offset: adjacent frames make one range
+            o, e, s = offsets[f], offsets[f] + nbytes[f], sidx[f]
+            new = np.ones(len(f), bool)
+            new[1:] = (s[1:] != s[:-1]) | (o[1:] != e[:-1])
+            first = np.flatnonzero(new)
+            rid = np.cumsum(new) - 1
+            starts, ends, rshard = o[first], np.maximum.reduceat(e, first), s[first]
+            reqs = [(chunks[j], shards[j].etag, a, b) for j, a, b in zip(rshard.tolist(), starts.tolist(), ends.tolist())]
+            got = self._run(self._get_ranges, reqs)
+            changed = sorted({j for j, g in zip(rshard.tolist(), got) if isinstance(g, _Changed)})
+            for g in got:
+                if isinstance(g, BaseException) and not isinstance(g, _Changed):
+                    raise g
+            ok = ~np.isin(rshard, changed)
+            lens = np.zeros(len(got), np.int64)
+            for k in np.flatnonzero(ok).tolist():
+                body = got[k][0]
+                if len(body) != ends[k] - starts[k]:
+                    where = f"{self.location}/{self._key(chunks[int(rshard[k])])}"
+                    raise CorruptStoreError(f"{where}: bytes {starts[k]}..{ends[k]} read as {len(body)} bytes")
+                pieces.append(body)
+                lens[k] = len(body)
+            base = at + np.cumsum(lens) - lens  # where each range's bytes start in the joined buffer
+            at += int(lens.sum())
+            done = ok[rid]
+            pos[f[done]] = base[rid[done]] + o[done] - starts[rid[done]]
+            pending[:] = False
+            if not changed:
+                break
+            self.replaced += len(changed)
+            # replaced since its index was read: the index again, then (after REREADS) the whole shard
+            attempt += 1
+            self._refresh(chunks, shards, tags, changed, [attempt >= self.REREADS] * len(changed))
+            pending[changed] = [shards[j].etag is not None for j in changed]
+
+        held = [j for j, s in enumerate(shards) if s.buf is not None]
+        buffers = [b"".join(pieces)] + [shards[j].buf for j in held]
+        if held:
+            in_held = np.zeros(len(shards), np.int64)
+            in_held[held] = np.arange(1, len(held) + 1)
+            k = in_held[sidx]
+            src[k > 0] = k[k > 0]
+            pos[k > 0] = offsets[k > 0]
+        nbytes[offsets < 0] = -1
+        return buffers, src[inv], pos[inv], nbytes[inv]
+
+    def _refresh(self, chunks: list[int], shards: list[Any], tags: list[int], js: list[int], whole: list[bool]) -> None:
+        """Fetch shards ``chunks[j]`` for ``j`` in ``js`` (the i-th whole where ``whole[i]``), into ``shards`` and the
+        cache."""
+        if not js:
+            return
+        got = self._fetch_shards([chunks[j] for j in js], whole)
+        for j, shard in zip(js, got):
+            self._keep(chunks[j], tags[j], shard)
+            shards[j] = shard
+
+    def _gather_remote(self, rows: np.ndarray, out: np.ndarray) -> None:
+        """Rows of a codec decoded row by row (not LZ4), fetched from object storage."""
+        buffers, src, pos, nbytes = self._remote_frames(rows)
+        decode = self.codec.decode
+        for i, (k, o, n) in enumerate(zip(src.tolist(), pos.tolist(), nbytes.tolist())):
+            if n < 0:
+                out[i] = 0
+                continue
+            try:
+                decode(buffers[k][o : o + n], out[i])
+            except (ValueError, RuntimeError, TypeError) as e:  # what the codecs raise for undecodable bytes
+                c, r = divmod(int(rows[i]), self.chunk_rows)
+                raise CorruptStoreError(f"{self.location}/{self._key(c)}: row {r} cannot be decoded ({e})") from e
+
+    def _gather_remote_lz4(self, rows: np.ndarray, out: np.ndarray, pool: ThreadPoolExecutor | None, parts: int) -> None:
+        """LZ4 rows fetched from object storage, decoded in C from each buffer holding them (the ranged frames' one,
+        each whole shard's), split across ``parts`` threads of ``pool``."""
+        buffers, src, pos, nbytes = self._remote_frames(rows)
+        n = len(rows)
+        order = np.argsort(src, kind="stable") if len(buffers) > 1 else np.arange(n)
+        dst = out if len(buffers) == 1 else np.empty_like(out)
+        src, pos, nbytes = src[order], pos[order], nbytes[order]
+        # runs of one buffer, cut into pieces of at most n / parts rows
+        cuts = np.union1d(np.flatnonzero(np.diff(src)) + 1, np.linspace(0, n, max(1, parts) + 1).astype(np.int64))
+        edges = np.union1d(cuts, [0, n])
+
+        def decode(i: int) -> int:
+            a, b = int(edges[i]), int(edges[i + 1])
+            failed, _ = _frames.decode_lz4(buffers[int(src[a])], pos[a:b], nbytes[a:b], dst[a:b], self.spec.row_nbytes)
+            return a + failed if failed >= 0 else -1
+
+        k = len(edges) - 1
+        if pool is None or parts <= 1:
+            results = [decode(i) for i in range(k)]
+        else:
+            results = list(pool.map(decode, range(k)))
+        for failed in results:
+            if failed >= 0:
+                self._undecodable(int(rows[order[failed]]), 0)
+        if dst is not out:
+            out[order] = dst
+
+    # gathers ----------------------------------------------------------------------------------------------------
+
     def gather(self, rows: np.ndarray, out: np.ndarray) -> None:
+        if self.root is None and not self.codec.is_lz4:
+            self._gather_remote(rows, out)
+            return
         cr = self.chunk_rows
         shard_of = rows // cr
         order = np.argsort(shard_of, kind="stable")
@@ -353,6 +643,9 @@ class ShardedArray(CachedArray):
     def gather_lz4(self, rows: np.ndarray, out: np.ndarray, pool: ThreadPoolExecutor | None, parts: int) -> None:
         """The default codec's path: every row's byte range is found here, once, then the rows are read (locally)
         and decoded in C with the GIL released, split across ``parts`` threads of ``pool``."""
+        if self.root is None:
+            self._gather_remote_lz4(rows, out, pool, parts)
+            return
         cr, row_nbytes = self.chunk_rows, self.spec.row_nbytes
         shard_of = rows // cr
         uniq, inv = np.unique(shard_of, return_inverse=True)
@@ -361,15 +654,6 @@ class ShardedArray(CachedArray):
         offsets = np.stack([s.offsets for s in shards])[inv, local]
         nbytes = np.stack([s.nbytes for s in shards])[inv, local]
         nbytes[offsets < 0] = -1
-        if self.root is None:  # remote: each shard's bytes are in memory
-            for j, shard in enumerate(shards):
-                sel = np.flatnonzero(inv == j)
-                part = np.empty((len(sel), *self.spec.row_shape), self.spec.dtype)
-                failed, err = _frames.decode_lz4(shard.buf or b"", offsets[sel], nbytes[sel], part, row_nbytes)
-                if failed >= 0:
-                    self._undecodable(int(rows[sel[failed]]), err)
-                out[sel] = part
-            return
         fds = np.array([s.buf.fileno() if s.buf is not None else -1 for s in shards], np.int32)[inv]
         edges = np.linspace(0, len(rows), max(1, parts) + 1).astype(np.int64)
 
