@@ -2,7 +2,9 @@
 
 Counted are the calls that put bytes of the store somewhere: ``os.write``/``os.pwrite``/``os.fsync`` on a file
 under the store's directory, zarr's local ``_put`` (array metadata, compressed chunks) under it, and s3fs PUTs
-(``_pipe_file``) under the store's URL. Modes:
+(``_pipe_file``) under the store's URL; with ``renames``, also the ``os.replace`` that puts a written temp file in
+place (a whole-object write). ``under`` narrows all of these to one part of the store, such as one sharded array's
+shards. Modes:
 
 - ``short``: that call writes half of its bytes and returns the short count (a whole-object write raises ENOSPC
   instead); every later write raises ENOSPC: a disk filling up.
@@ -33,12 +35,15 @@ MODES = ("short", "enospc", "eio", "kill")
 
 
 class WriteFaults:
-    """Count (``at=None``) or fail (``at=n``) the writes into one store while the context is active."""
+    """Count (``at=None``) or fail (``at=n``) the writes into one store (or the part ``under`` it) while the context
+    is active."""
 
-    def __init__(self, root: str, at: int | None = None, mode: str = "enospc") -> None:
+    def __init__(self, root: str, at: int | None = None, mode: str = "enospc", under: str = "", renames: bool = False) -> None:
         if mode not in MODES:
             raise ValueError(mode)
         self.root = root.rstrip("/")
+        self.prefix = f"{self.root}/{under}"  # a counted write's path starts with this
+        self.renames = renames
         self.at = at
         self.mode = mode
         self.calls = 0
@@ -66,7 +71,7 @@ class WriteFaults:
 
     def _ours_fd(self, fd: int) -> bool:
         try:
-            return os.readlink(f"/proc/self/fd/{fd}").startswith(self.root + "/")
+            return os.readlink(f"/proc/self/fd/{fd}").startswith(self.prefix)
         except OSError:
             return False
 
@@ -75,7 +80,8 @@ class WriteFaults:
         import s3fs
         import zarr.storage._local as zlocal
 
-        write, pwrite, fsync, put, pipe = os.write, os.pwrite, os.fsync, zlocal._put, s3fs.S3FileSystem._pipe_file
+        write, pwrite, fsync, replace = os.write, os.pwrite, os.fsync, os.replace
+        put, pipe = zlocal._put, s3fs.S3FileSystem._pipe_file
 
         def p_write(fd: int, data: Any) -> int:
             if self._ours_fd(fd) and self._fault(False) == "short":
@@ -92,19 +98,25 @@ class WriteFaults:
                 self._fault(True)
             return fsync(fd)
 
+        def p_replace(src: Any, dst: Any, *args: Any, **kwargs: Any) -> None:
+            if self.renames and os.path.abspath(dst).startswith(self.prefix):
+                self._fault(True)
+            return replace(src, dst, *args, **kwargs)
+
         def p_put(path: Any, *args: Any, **kwargs: Any) -> Any:
-            if str(path).startswith(self.root + "/"):
+            if str(path).startswith(self.prefix):
                 self._fault(True)
             return put(path, *args, **kwargs)
 
         async def p_pipe(fs: Any, path: str, *args: Any, **kwargs: Any) -> Any:
-            if path.startswith(self.root + "/"):
+            if path.startswith(self.prefix):
                 self._fault(True)
             return await pipe(fs, path, *args, **kwargs)
 
         self._patch(os, "write", p_write)
         self._patch(os, "pwrite", p_pwrite)
         self._patch(os, "fsync", p_fsync)
+        self._patch(os, "replace", p_replace)
         self._patch(zlocal, "_put", p_put)
         self._patch(s3fs.S3FileSystem, "_pipe_file", p_pipe)
         # a filesystem instance binds its sync methods (fs.pipe_file) to _pipe_file when it is made: new ones only

@@ -13,10 +13,12 @@ import subprocess
 import sys
 import uuid
 import warnings
+from typing import Any
 
+import numpy as np
 import pytest
 
-from her_store import EpisodeStore, StoreError, open_store
+from her_store import EpisodeStore, HerSampler, StoreError, open_store
 from tests.conftest import assert_episode_equal
 from tests.faults import ACT, CONFIGS, WriteFaults, episode_for, store_options, workload
 
@@ -42,8 +44,8 @@ def _check_and_retry(config: str, path: str, opts: dict | None, at_least: int) -
     return end
 
 
-def _faulty_run(config: str, path: str, root: str, at: int, mode: str, opts: dict | None = None) -> None:
-    with warnings.catch_warnings(record=True) as caught, WriteFaults(root, at, mode):
+def _faulty_run(config: str, path: str, root: str, at: int, mode: str, opts: dict | None = None, **where: Any) -> None:
+    with warnings.catch_warnings(record=True) as caught, WriteFaults(root, at, mode, **where):
         warnings.simplefilter("always")
         try:
             workload(config, path, BASELINE, MORE, opts)
@@ -54,20 +56,20 @@ def _faulty_run(config: str, path: str, root: str, at: int, mode: str, opts: dic
     assert any(isinstance(w.message, RuntimeWarning) for w in caught), f"write {at} failing ({mode}) went unnoticed"
 
 
-def _count_writes(config: str, path: str, root: str, opts: dict | None = None) -> list[str]:
+def _count_writes(config: str, path: str, root: str, opts: dict | None = None, **where: Any) -> list[str]:
     """The kinds of the writes a fault-free run makes, in order (write ``at`` is ``kinds[at - 1]``)."""
-    with WriteFaults(root) as counter:
+    with WriteFaults(root, **where) as counter:
         workload(config, path, BASELINE, MORE, opts)
     return counter.kinds
 
 
-def _baseline(tmp_path, config: str) -> tuple[str, list[str]]:
+def _baseline(tmp_path, config: str, **where: Any) -> tuple[str, list[str]]:
     """A store holding the baseline episodes, and the kinds of the writes the faulty run makes on a copy of it."""
     base = str(tmp_path / "base")
     workload(config, base, 0, BASELINE)
     probe = str(tmp_path / "probe")
     shutil.copytree(base, probe)
-    return base, _count_writes(config, probe, probe)
+    return base, _count_writes(config, probe, probe, **where)
 
 
 def _modes(kind: str) -> tuple[str, ...]:
@@ -90,6 +92,42 @@ def test_every_local_write_failing_every_way(tmp_path, config):
             shutil.copytree(base, path)
             _faulty_run(config, path, path, at, mode)
             _check_and_retry(config, path, None, BASELINE)
+            shutil.rmtree(path)
+
+
+def _sampled_frames_equal(config: str, path: str) -> None:
+    """Every frame the sampler (LZ4 rows decoded in C) returns is the committed episode's frame at its step."""
+    with EpisodeStore.open(path) as store, HerSampler(store, 256, n_sampled_goal=0, seed=0) as sampler:
+        assert {a.path for a in store.layout.arrays if a.sharded} == {"steps/pixels"}
+        b = sampler.sample()
+        ids, t = b.episode_ids.numpy(), b.steps.numpy()
+        eps = {int(i): episode_for(config, int(i))["pixels"] for i in np.unique(ids)}
+        want = np.stack([eps[int(i)][s] for i, s in zip(ids, t)])
+        after = np.stack([eps[int(i)][s + 1] for i, s in zip(ids, t)])
+        np.testing.assert_array_equal(b.observations["pixels"].numpy(), want)
+        np.testing.assert_array_equal(b.next_observations["pixels"].numpy(), after)
+
+
+SHARDS = {"under": "steps/pixels/", "renames": True}  # the writes and renames that replace an image shard
+
+
+def test_every_shard_write_failing_every_way(tmp_path):
+    """Each write of a shard's temp file failing and each rename putting it in place failing, one mode each in turn
+    (write: short, ENOSPC, EIO; rename: ENOSPC, EIO): the last commit stays whole (through episode() and the
+    sampler) and a retry commits."""
+    config = "ring-compressed"
+    base, kinds = _baseline(tmp_path, config, **SHARDS)
+    assert len(kinds) >= 12 and kinds == ["bytes", "object"] * (len(kinds) // 2), kinds  # each shard: written, renamed
+    for at, kind in enumerate(kinds, 1):
+        modes = _modes(kind)
+        for mode in modes[(at // 2) % len(modes) :][:1]:
+            path = str(tmp_path / f"{at}-{mode}")
+            shutil.copytree(base, path)
+            _faulty_run(config, path, path, at, mode, **SHARDS)
+            assert not [f for _, _, files in os.walk(path) for f in files if f.endswith(".tmp")], "a temp file left"
+            _sampled_frames_equal(config, path)
+            _check_and_retry(config, path, None, BASELINE)
+            _sampled_frames_equal(config, path)
             shutil.rmtree(path)
 
 
