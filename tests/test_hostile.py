@@ -13,7 +13,7 @@ import sys
 import zlib
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 import pytest
@@ -333,7 +333,7 @@ class _Watch:
                         "os.scandir", "os.link", "os.symlink", "os.chmod", "os.utime", "shutil.copyfile"})
     root: str | None = None
     allowed = ""
-    hits: list[tuple[str, str]] = []
+    hits: ClassVar[list[tuple[str, str]]] = []
     installed = False
 
     @classmethod

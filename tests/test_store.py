@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import shutil
@@ -164,7 +165,7 @@ def test_ring_evicts_oldest_whole_episodes_and_never_straddles(store_path, fetch
             starts = table["start_row"]
             assert ((starts >= 0) & (starts + live + 1 <= ring_rows)).all(), "an episode straddles the wrap"
             spans = sorted(zip(starts, starts + live + 1))
-            assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:])), "live episodes overlap"
+            assert all(a[1] <= b[0] for a, b in itertools.pairwise(spans)), "live episodes overlap"
         first = store.first_episode
         assert first > 0 and store.end_episode == 200
         assert store.num_transitions == lengths[first:].sum()
@@ -306,17 +307,17 @@ def test_corrupt_commit_record(store_path, fetch, damage, msg):
         for i in range(3):
             store.append_episode(make_episode(obs, act, 4, seed=i))
     path = os.path.join(store_path, "commit.json")
-    raw = open(path, "rb").read()
+    raw = Path(path).read_bytes()
     if damage is None:
         os.remove(path)
     else:
-        open(path, "wb").write(damage(raw))
+        Path(path).write_bytes(damage(raw))
     with pytest.raises(CorruptStoreError, match=msg):
         EpisodeStore.open(store_path)
     with pytest.raises(CorruptStoreError):
         EpisodeStore.open(store_path, mode="a")
     if damage is not None:  # the data is untouched: restoring the record restores the store
-        open(path, "wb").write(raw)
+        Path(path).write_bytes(raw)
         with EpisodeStore.open(store_path) as store:
             assert store.num_episodes == 3
 
@@ -345,7 +346,7 @@ def test_second_writer_gets_a_clear_error_naming_the_holder(store_path, fetch):
             "try:\n    her_store.EpisodeStore.open(sys.argv[1], mode='a')\n"
             "except her_store.StoreLockedError as e:\n    print(e); sys.exit(3)\n"
         )
-        out = subprocess.run([sys.executable, "-c", code, store_path], capture_output=True, text=True)
+        out = subprocess.run([sys.executable, "-c", code, store_path], capture_output=True, text=True, check=False)
         assert out.returncode == 3 and f"pid {os.getpid()}" in out.stdout
         with EpisodeStore.open(store_path, mode="r") as reader:  # readers need no lock
             assert reader.num_episodes == 0
@@ -376,7 +377,7 @@ def test_a_plain_zarr_user_reads_any_field_and_the_index(store_path):
             store.append_episode(e)  # the third evicts the first
     root = zarr.open_group(store_path, mode="r")
     meta = root.attrs["her_store"]
-    commit = json.loads(open(os.path.join(store_path, "commit.json")).read())
+    commit = json.loads(Path(store_path, "commit.json").read_text())
     slots = meta["index_slots"]
     where = {name: (arr["path"], a, b) for arr in meta["layout"] for name, a, b in arr["columns"]}
     fields = {f["name"]: f for f in meta["schema"]["fields"]}
@@ -551,10 +552,10 @@ def test_a_create_killed_before_its_commit_record_is_started_again(store_path, f
 @pytest.mark.parametrize(
     "option, msg",
     [
-        (dict(capacity=999), r"created with capacity=None, got capacity=999"),
-        (dict(chunk_rows=128), r"chunk_rows=128 makes"),
-        (dict(compressors={"observation": numcodecs.Zstd()}), r"compress \['observation'\]"),
-        (dict(metadata={"env_id": "Other-v0"}), r"metadata \['env_id'\] differ"),
+        ({"capacity": 999}, r"created with capacity=None, got capacity=999"),
+        ({"chunk_rows": 128}, r"chunk_rows=128 makes"),
+        ({"compressors": {"observation": numcodecs.Zstd()}}, r"compress \['observation'\]"),
+        ({"metadata": {"env_id": "Other-v0"}}, r"metadata \['env_id'\] differ"),
     ],
 )
 def test_open_store_refuses_changed_creation_options(store_path, fetch, option, msg):
@@ -585,7 +586,7 @@ def test_a_forked_child_cannot_write_through_its_parents_handle(store_path, fetc
         try:
             store.append_episode(make_episode(obs, act, 4, seed=1))
             os.write(write, b"appended")
-        except BaseException as e:
+        except BaseException as e:  # noqa: BLE001 - whatever the child meets is reported to the parent
             os.write(write, b"refused" if "forked child" in str(e) else repr(e).encode())
         finally:
             os._exit(0)
@@ -623,7 +624,7 @@ def test_a_restart_of_an_unfinished_create_cut_short_anywhere_still_restarts(sto
         os.unlink(os.path.join(store_path, "commit.json"))
         calls = {"n": 0}
 
-        def removal(real):
+        def removal(real, calls=calls, cut=cut):
             def remove(path, *a, **k):
                 calls["n"] += 1
                 if calls["n"] == cut:
