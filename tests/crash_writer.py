@@ -2,10 +2,11 @@
 
 Usage: python tests/crash_writer.py PATH CAPACITY [KILL_ON KILL_AT]
 
-Episode ``i`` is ``episode_for(i)``, so any reader can check every committed episode bit for bit. After each
-``flush()`` the writer prints ``committed <end>``: every id below ``end`` is committed. With KILL_ON (``data``,
-``index`` or ``commit``) and KILL_AT = N, the process SIGKILLs itself during the N-th such write of the commit
-protocol, a kill point chosen rather than timed.
+Episode ``i`` is ``episode_for(i)`` (with a small image, a sharded array), so any reader can check every committed
+episode bit for bit. After each ``flush()`` the writer prints ``committed <end>``: every id below ``end`` is
+committed. With KILL_ON (``data``, ``index`` or ``commit``) and KILL_AT = N, the process SIGKILLs itself during the
+N-th such write of the commit protocol, a kill point chosen rather than timed; ``shard`` dies half-way through
+writing the N-th image shard's temp file, ``rename`` with that temp file whole but not yet renamed into place.
 """
 
 from __future__ import annotations
@@ -15,21 +16,58 @@ import signal
 import sys
 
 import numpy as np
+from gymnasium import spaces
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from her_store import open_store, storage  # noqa: E402
-from tests.conftest import fetch_spaces, make_episode  # noqa: E402
+from tests.conftest import fetch_spaces, make_episode, random_rows  # noqa: E402
 
 OBS, ACT = fetch_spaces()
+OBS = type(OBS)({**OBS.spaces, "pixels": spaces.Box(0, 255, (3, 8, 8), np.uint8)})  # shards of 64 rows
 
 
 def episode_for(i: int) -> dict:
     T = int(np.random.default_rng(i).integers(1, 40))
-    return make_episode(OBS, ACT, T, seed=i, info_keys=("is_success",))
+    ep = make_episode(OBS, ACT, T, seed=i, info_keys=("is_success",))
+    ep["pixels"] = random_rows(OBS["pixels"], T + 1, np.random.default_rng(i))
+    return ep
+
+
+def _kill_in_shard(kind: str, at: int) -> None:
+    calls = {"n": 0}
+
+    def due(path: str) -> bool:
+        if "/steps/pixels/" not in path:
+            return False
+        calls["n"] += 1
+        return calls["n"] == at
+
+    if kind == "rename":
+        replace = os.replace
+
+        def p_replace(src, dst, *args, **kwargs):
+            if due(str(dst)):
+                os.kill(os.getpid(), signal.SIGKILL)
+            return replace(src, dst, *args, **kwargs)
+
+        os.replace = p_replace
+    else:
+        write_all = storage.write_all
+
+        def p_write_all(fd, data, offset=None):
+            if due(os.readlink(f"/proc/self/fd/{fd}")):
+                write_all(fd, memoryview(data)[: len(data) // 2], offset)
+                os.kill(os.getpid(), signal.SIGKILL)
+            return write_all(fd, data, offset)
+
+        storage.write_all = p_write_all
 
 
 def _kill_on(kind: str, at: int) -> None:
+    if kind in ("shard", "rename"):
+        _kill_in_shard(kind, at)
+        return
     calls = {"n": 0}
 
     def wrap(fn):

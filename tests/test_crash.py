@@ -77,6 +77,29 @@ def test_kill_9_inside_the_commit_protocol(tmp_path, capacity, kill_on):
         committed = _check_recovered(path, committed)
 
 
+@pytest.mark.parametrize("kill_on", ["shard", "rename"])
+def test_kill_9_while_an_image_shard_is_replaced(tmp_path, kill_on):
+    """Die half-way through a shard's temp file, or with it whole but not renamed: the shard keeps every committed
+    row, and the resumed writer appends into the partly filled tail shard."""
+    path = str(tmp_path / "store")
+    EpisodeStore.create(path, *episode_space(), info_keys=["is_success"], chunk_rows=64).close()
+    committed, tails = 0, []
+    for at in (1, 3, 8):
+        proc = _spawn(path, 0, kill_on, str(at))
+        out, err = proc.communicate(timeout=120)
+        assert proc.returncode == -9, err
+        with EpisodeStore.open(path) as store:
+            spec = next(a for a in store.layout.arrays if a.sharded)
+            tails.append(store.commit_record.write_row % spec.chunk_rows)
+        committed = max(committed, _last_committed(out))
+        committed = _check_recovered(path, committed)
+    assert any(tails), f"no resume appended into a partly filled shard: rows in the tail shard {tails}"
+    with EpisodeStore.open(path) as store:
+        assert store.end_episode == committed
+        for i in range(committed):
+            assert_episode_equal(store.episode(i), episode_for(i))
+
+
 @pytest.mark.parametrize("capacity", [0, 300])
 def test_concurrent_reader_never_sees_a_torn_or_uncommitted_episode(tmp_path, capacity):
     path = str(tmp_path / "store")
