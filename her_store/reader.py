@@ -326,13 +326,13 @@ class ShardedArray(CachedArray):
     of the object's last bytes, and the frames of a gather are fetched by concurrent ranged GETs (adjacent frames,
     such as rows ``t`` and ``t + 1``, in one), each conditioned on the ETag the index was read with: a shard a
     commit replaced since (one PUT) answers 412, and its index is read again before its frames are, so old offsets
-    are never applied to new bytes. A shard a gather needs at least ``WHOLE_FRACTION`` of the rows of is fetched
-    whole and kept whole, as is every shard on a store that cannot condition a GET on an ETag (checked, not
+    are never applied to new bytes. A shard a gather needs ``WHOLE_RUNS`` separate runs of rows from (as many
+    GETs by range) is fetched whole in one GET and kept whole, as is every shard on a store that cannot condition a GET on an ETag (checked, not
     assumed: S3 through s3fs can).
     """
 
     MAX_OPEN = 512  # open shard files per array
-    WHOLE_FRACTION = 0.25  # of a shard's rows: a gather needing as many fetches the shard whole (README, measured)
+    WHOLE_RUNS = 2  # a gather needing this many separate runs of rows of a shard fetches it whole (README, measured)
     REREADS = 2  # a shard replaced under this many successive reads of its index is then fetched whole
 
     def __init__(self, array: Any, spec: ArraySpec, cache_bytes: int, location: Location) -> None:
@@ -473,7 +473,7 @@ class ShardedArray(CachedArray):
         buffer, its offset there and its size (-1: a row never written).
 
         Shards come from the cache while no commit recorded since reached them; the others are fetched at once
-        (their index alone, or whole when the gather needs ``WHOLE_FRACTION`` of their rows). The frames of shards
+        (their index alone, or whole when the gather needs ``WHOLE_RUNS`` separate runs of their rows). The frames of shards
         read by index are then fetched in one round of concurrent ranged GETs conditioned on each index's ETag; a
         shard whose object changed since (412) has its index read again and its frames fetched again.
         """
@@ -481,11 +481,16 @@ class ShardedArray(CachedArray):
         frames, inv = np.unique(rows, return_inverse=True)  # a frame asked for twice is fetched once
         shard_of = frames // cr
         local = frames - shard_of * cr
-        uniq, sidx, counts = np.unique(shard_of, return_inverse=True, return_counts=True)
+        uniq, sidx = np.unique(shard_of, return_inverse=True)
         chunks = uniq.tolist()
         if self._ranged is None:
             self._ranged = self._probe(chunks[0])
-        whole = ((counts >= self.WHOLE_FRACTION * cr) | (self._ranged is not True)).tolist()
+        # rows are stored in order, so a run of consecutive rows is one range (one GET): ranges cost a request each
+        # whatever their size, so a shard needing several is cheaper fetched whole
+        starts_run = np.ones(len(frames), bool)
+        starts_run[1:] = (frames[1:] != frames[:-1] + 1) | (shard_of[1:] != shard_of[:-1])
+        runs = np.bincount(sidx[starts_run], minlength=len(chunks))
+        whole = ((runs >= self.WHOLE_RUNS) | (self._ranged is not True)).tolist()
         shards: list[Any] = []
         tags: list[int] = []
         for c, w in zip(chunks, whole):

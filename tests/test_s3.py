@@ -332,3 +332,96 @@ def test_a_writer_frozen_in_the_middle_of_a_commit_cannot_replace_the_next_write
                 assert_episode_equal(store.episode(i), e)
             except CorruptStoreError:
                 pass  # rows of the one data chunk A wrote while frozen: found by their crc32
+
+
+# -- sharded image arrays read by byte range ------------------------------------------------------------------------
+PIXELS = (3, 8, 8)
+
+
+def _pixel_spaces():
+    from gymnasium import spaces
+
+    box = spaces.Box(-np.inf, np.inf, (2,), np.float32)
+    obs = spaces.Dict({"observation": spaces.Box(0, 255, PIXELS, np.uint8), "achieved_goal": box, "desired_goal": box})
+    return obs, spaces.Box(-1.0, 1.0, (2,), np.float32)
+
+
+def _frames(e, s) -> np.ndarray:
+    """The model's frames of episodes ``e`` at steps ``s``: the first pixels say (e, s); a third of the frames are
+    otherwise zeros, the rest noise, so frames compress to different sizes and rewriting rows of a shard moves the
+    byte ranges of the rows after them."""
+    e, s = np.asarray(e, np.uint64), np.asarray(s, np.uint64)
+    x = (e[:, None] * np.uint64(7919) + s[:, None] * np.uint64(104729) + np.arange(192, dtype=np.uint64)) * np.uint64(
+        2654435761
+    )
+    f = ((x >> np.uint64(13)) % np.uint64(251)).astype(np.uint8)
+    f[(e + s) % np.uint64(3) == 0] = 0
+    f[:, 0], f[:, 1], f[:, 2] = e % np.uint64(256), e // np.uint64(256), s
+    return f.reshape(-1, *PIXELS)
+
+
+def _pixel_episode(e: int) -> dict[str, np.ndarray]:
+    T = 2 + e % 5
+    s = np.arange(T + 1)
+    goal = np.stack([np.full(T + 1, e), s], axis=1).astype(np.float32)
+    return {
+        "observation": _frames(np.full(T + 1, e), s), "achieved_goal": goal, "desired_goal": goal + 100,
+        "action": np.zeros((T, 2), np.float32), "reward": np.zeros(T, np.float32),
+        "terminated": np.zeros(T, bool), "truncated": np.arange(T) == T - 1,
+    }
+
+
+def _pixel_store(url: str, opts: dict, capacity: int | None = None) -> EpisodeStore:
+    obs, act = _pixel_spaces()
+    return EpisodeStore.create(url, obs, act, storage_options=opts, chunk_rows=16, capacity=capacity, commit_interval=0)
+
+
+def _rows_of(view, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(episode, step) of array rows of the view's episodes."""
+    e = np.array([i for i in range(view.first, view.end) for _ in range(int(view.lengths[i - view.first]) + 1)])
+    s = np.concatenate([np.arange(int(n) + 1) for n in view.lengths])
+    at = np.concatenate([np.arange(int(r), int(r) + int(n) + 1) for r, n in zip(view.start_rows, view.lengths)])
+    where = {int(a): i for i, a in enumerate(at)}
+    k = np.array([where[int(r)] for r in rows])
+    return e[k], s[k]
+
+
+def test_a_sharded_frame_read_under_a_replaced_shards_index_reads_the_index_again(s3_url):
+    from her_store.reader import ChunkReader
+    from her_store.shard import parse_index
+
+    url, opts = s3_url
+    fs = __import__("s3fs").S3FileSystem(**opts)
+    with _pixel_store(url, opts, capacity=40) as w, EpisodeStore.open(url, storage_options=opts) as r:
+        for e in range(16):  # the ring has wrapped: the next episode overwrites rows in the middle of a shard
+            w.append_episode(_pixel_episode(e))
+        r.refresh()
+        reader = ChunkReader(r, io_threads=0)
+        arr = reader.arrays["steps/observation"]
+        arr.WHOLE_RUNS = 1 << 30  # every shard read by ranges
+        view = r.snapshot()
+        reader.observe(view)
+        cr, n_shards = arr.chunk_rows, w.commit_record.array_rows // arr.chunk_rows
+
+        def index(c: int) -> np.ndarray:
+            return np.stack(parse_index(fs.cat_file(f"{url[5:]}/{arr._key(c)}"), cr, "")).T
+
+        live = np.concatenate([np.arange(a, a + n + 1) for a, n in zip(view.start_rows, view.lengths)])
+        np.testing.assert_array_equal(reader.gather("steps/observation", live), _frames(*_rows_of(view, live)))
+        assert arr._ranged is True  # moto refuses a GET whose If-Match names another ETag
+        assert arr.misses == n_shards and arr.replaced == 0  # each shard's index read once
+        gets = arr.gets
+        np.testing.assert_array_equal(reader.gather("steps/observation", live[:2]), _frames(*_rows_of(view, live[:2])))
+        assert arr.gets == gets + 1  # two adjacent frames: one ranged GET, the index cached
+
+        before = np.stack([index(c) for c in range(n_shards)])
+        w.append_episode(_pixel_episode(16))  # replaces the shards it writes (one PUT each); not observed here
+        after = np.stack([index(c) for c in range(n_shards)])
+        r.refresh()
+        new = np.arange(r.snapshot().start_rows[-1], r.snapshot().start_rows[-1] + r.snapshot().lengths[-1] + 1)
+        kept = np.setdiff1d(live, new)  # rows of the view's episodes the commit did not overwrite
+        moved = kept[(before[kept // cr, kept % cr] != after[kept // cr, kept % cr]).any(axis=1)]
+        assert len(moved), "the commit moved no live frame: old offsets would still be right"
+        np.testing.assert_array_equal(reader.gather("steps/observation", moved), _frames(*_rows_of(view, moved)))
+        assert arr.replaced == len(np.unique(moved // cr))  # each such shard answered 412, its index read again
+        reader.close()
