@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 
 import numpy as np
 import pytest
 import torch
+from gymnasium import spaces
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -392,6 +394,48 @@ def test_iteration_and_threaded_gathers_agree(coded_store):
         for k in x.observations:
             assert torch.equal(x.observations[k], y.observations[k])
         assert torch.equal(x.rewards, y.rewards)
+
+
+def _image_store(path, compressors: dict) -> tuple[EpisodeStore, list[dict]]:
+    """12 episodes with a 3x8x8 image (a sharded LZ4 array by default, in shards of 16 rows)."""
+    obs, act = fetch_spaces()
+    obs = spaces.Dict({**obs.spaces, "pixels": spaces.Box(0, 255, (3, 8, 8), np.uint8)})
+    eps = [make_episode(obs, act, 5 + i, seed=i) for i in range(12)]
+    store = EpisodeStore.create(path, obs, act, chunk_rows=16, compressors=compressors)
+    for e in eps:
+        store.append_episode(e)
+    return store, eps
+
+
+def _assert_frames(b, eps: list[dict]) -> None:
+    ids, t = b.episode_ids.numpy(), b.steps.numpy()
+    np.testing.assert_array_equal(b.observations["pixels"].numpy(), np.stack([eps[e]["pixels"][s] for e, s in zip(ids, t)]))
+    np.testing.assert_array_equal(
+        b.next_observations["pixels"].numpy(), np.stack([eps[e]["pixels"][s + 1] for e, s in zip(ids, t)])
+    )
+
+
+def test_io_threads_default_decodes_images_on_every_core_and_zero_in_the_caller(tmp_path):
+    """By default the frames of a store with sharded arrays are decoded on one thread per core (other stores gather
+    in the calling thread); io_threads=0 decodes them in the calling thread: the same batches, the stored frames."""
+    store, eps = _image_store(tmp_path / "sharded", {})
+    with store, HerSampler(store, 256, reward_fn=sparse_reward, seed=5) as default:
+        assert any(a.sharded for a in store.layout.arrays)
+        assert (default.reader.io_threads, default.reader.decode_threads) == (0, os.cpu_count())
+        with HerSampler(store, 256, reward_fn=sparse_reward, seed=5, io_threads=0) as caller:
+            assert (caller.reader.io_threads, caller.reader.decode_threads) == (0, 0)
+            for _ in range(2):
+                a, b = default.sample(), caller.sample()
+                _assert_frames(a, eps)
+                assert torch.equal(a.episode_ids, b.episode_ids) and torch.equal(a.steps, b.steps)
+                for k in a.observations:
+                    assert torch.equal(a.observations[k], b.observations[k])
+                    assert torch.equal(a.next_observations[k], b.next_observations[k])
+    store, eps = _image_store(tmp_path / "raw", {"pixels": None})
+    with store, HerSampler(store, 256, reward_fn=sparse_reward, seed=5) as raw:
+        assert not any(a.sharded for a in store.layout.arrays)
+        assert (raw.reader.io_threads, raw.reader.decode_threads) == (0, 0)
+        _assert_frames(raw.sample(), eps)
 
 
 def test_a_reader_process_sees_new_commits(tmp_path):
