@@ -98,13 +98,15 @@ class Committer:
         self.head = commit.write_row  # where the next episode starts
         self.array_rows = commit.array_rows
         self.index_rows = index_rows
-        # rows of a lossy array are not what readers decode: the episode's crc32 leaves them out (each encoded frame
-        # carries its own crc32c, her_store.lossy)
-        self._unchecked = {p for p, io in arrays.items() if isinstance(io, ShardWriter) and not io.codec.lossless}
+        # sharded arrays stage their rows encoded (encoding happens as episodes arrive, not all at the commit), and an
+        # episode's crc32 covers those stored bytes
+        self._sharded = {p: io for p, io in arrays.items() if isinstance(io, ShardWriter)}
+        self._frames: dict[str, list[bytes]] = {p: [] for p in self._sharded}  # one per staged row
         self._stage: dict[str, np.ndarray] = {
-            spec.path: np.zeros((1024, *spec.row_shape), spec.dtype) for spec in layout.arrays
+            spec.path: np.zeros((1024, *spec.row_shape), spec.dtype) for spec in layout.arrays if spec.path not in self._sharded
         }
         self._plan = [_staging_plan(spec, schema) for spec in layout.arrays]
+        self._plan_of = {path: members for path, members, _ in self._plan}
         self._commit_rows = min(COMMIT_ROWS, layout.arrays[0].chunk_rows)
         self._stage_row0 = self.head
         self._stage_n = 0  # staged rows, a contiguous run from _stage_row0
@@ -165,7 +167,7 @@ class Committer:
                 # all of it; evictions already committed stay, and so must those whose index rows were dropped
                 idx.truncate(end)
                 if staged is not None:
-                    self._stage_n = staged
+                    self._unstage(staged)
                 self.head = head
                 idx.first = max(first, self.commit_record.first_episode, idx.base)
             raise  # (an interrupt after the record was in place: the episode is committed, and the interrupt goes on)
@@ -203,14 +205,19 @@ class Committer:
         self.array_rows = new
 
     def _stage_rows(self, start: int, T: int, data: Mapping[str, np.ndarray]) -> int:
-        """Copy an episode's rows into the staging buffers (one contiguous run of rows per commit); returns their crc32."""
+        """Copy an episode's rows into the staging buffers, or encode them for a sharded array (one contiguous run of
+        rows per commit); returns the episode's crc32 (FORMAT.md, Checksums)."""
         if self._stage_n == 0:
             self._stage_row0 = start
         at = self._stage_n
         if start != self._stage_row0 + at:
             raise AssertionError("staged rows must be contiguous")
         need, crc = at + T + 1, 0
+        encoded = {path: io.encode(self._episode_rows(path, T, data)) for path, io in self._sharded.items()}
         for path, members, step_cols in self._plan:
+            if path in encoded:  # one field, T + 1 rows: its frames as they will be stored
+                crc = zlib.crc32(b"".join(encoded[path]), crc)
+                continue
             buf = self._stage[path]
             if len(buf) < need:
                 grown = np.zeros((max(need, 2 * len(buf)), *buf.shape[1:]), buf.dtype)
@@ -220,10 +227,22 @@ class Committer:
                 d = data[name]
                 buf[at : at + len(d), cols] = d.reshape(len(d), -1) if flat else d
             buf[at + T, step_cols] = 0  # the unused last row of per-step fields
-            if path not in self._unchecked:
-                crc = zlib.crc32(buf[at:need].data, crc)
+            crc = zlib.crc32(buf[at:need].data, crc)
+        for path, frames in encoded.items():
+            self._frames[path].extend(frames)
         self._stage_n = need
         return crc
+
+    def _episode_rows(self, path: str, T: int, data: Mapping[str, np.ndarray]) -> np.ndarray:
+        """The T + 1 rows of the one field of a sharded array (a per-step field's last row is zeros)."""
+        d = data[self._plan_of[path][0][0]]
+        return d if len(d) == T + 1 else np.concatenate([d, np.zeros((1, *d.shape[1:]), d.dtype)])
+
+    def _unstage(self, n: int) -> None:
+        """Keep only the first ``n`` staged rows."""
+        self._stage_n = n
+        for frames in self._frames.values():
+            del frames[n:]
 
     # -- the commit -----------------------------------------------------------------------------------------
     def commit(self) -> None:
@@ -249,7 +268,10 @@ class Committer:
             self._publish(evicted)  # a sampler of this process checks it after reading rows (live_first)
         if self._stage_n:
             for path, w in self.arrays.items():
-                w.write(self._stage_row0, self._stage[path][: self._stage_n])
+                if isinstance(w, ShardWriter):
+                    w.put(self._stage_row0, self._frames[path])
+                else:
+                    w.write(self._stage_row0, self._stage[path][: self._stage_n])
         for w in self.arrays.values():
             w.flush(self.fsync)
         if idx.end > old.end_episode:
@@ -265,7 +287,7 @@ class Committer:
             self._publish(new)
         finally:
             if self.commit_record is new:  # also when an interrupt arrived after the record was in place
-                self._stage_n = 0
+                self._unstage(0)
                 self._stage_row0 = self.head
                 self._last_commit = time.monotonic()
 

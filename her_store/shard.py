@@ -314,8 +314,8 @@ class ShardWriter:
             return [bytes(view[a:b]) for a, b in zip([0, *ends[:-1]], ends)]
         return [self.codec.encode(r) for r in rows]
 
-    def _encode(self, rows: np.ndarray) -> list[bytes]:
-        """Every row encoded, in parallel across the cores (LZ4 and most codecs release the GIL)."""
+    def encode(self, rows: np.ndarray) -> list[bytes]:
+        """Every row encoded, in parallel across the cores (the default LZ4 in C without the GIL)."""
         n = len(rows)
         threads = min(os.cpu_count() or 1, n // MIN_ROWS_PER_THREAD)
         if threads < 2:
@@ -326,16 +326,20 @@ class ShardWriter:
         parts = self._pool.map(lambda i: self._encode_part(rows[edges[i] : edges[i + 1]]), range(threads))
         return [f for part in parts for f in part]
 
-    def write(self, row0: int, rows: np.ndarray) -> None:
-        """Encode ``rows`` as rows ``row0, row0 + 1, ...`` (published by the next :meth:`flush`)."""
-        encoded = self._encode(rows)
-        at, n = 0, len(encoded)
+    def put(self, row0: int, frames: Sequence[bytes]) -> None:
+        """Place encoded rows (from :meth:`encode`) at rows ``row0, row0 + 1, ...``, published by the next
+        :meth:`flush`."""
+        at, n = 0, len(frames)
         while at < n:
             shard, r = divmod(row0 + at, self.chunk_rows)
             take = min(n - at, self.chunk_rows - r)
-            self._frames(shard)[r : r + take] = encoded[at : at + take]
+            self._frames(shard)[r : r + take] = frames[at : at + take]
             self._dirty.add(shard)
             at += take
+
+    def write(self, row0: int, rows: np.ndarray) -> None:
+        """Encode ``rows`` and place them at rows ``row0, row0 + 1, ...`` (published by the next :meth:`flush`)."""
+        self.put(row0, self.encode(rows))
 
     def flush(self, fsync: bool) -> None:
         """Replace every shard written since the last flush, whole and atomically."""
@@ -348,27 +352,41 @@ class ShardWriter:
             self._shards = {keep: self._shards[keep]}
         self._dirty.clear()
 
-    def read(self, row0: int, row1: int) -> np.ndarray:
-        """Rows ``row0 .. row1`` decoded (rows never written are zeros), as published or being written here."""
+    def read_encoded(self, row0: int, row1: int) -> list[bytes | None]:
+        """The stored bytes of rows ``row0 .. row1`` (None for a row never written), as published or being written
+        here: what an episode's crc32 covers."""
         if row1 > self.array.shape[0]:
             raise IndexError(f"rows {row0}..{row1} of {self.array.path} past its {self.array.shape[0]} rows")
-        out = np.zeros((row1 - row0, *self.codec.row_shape), self.codec.dtype)
+        out: list[bytes | None] = []
         at = row0
         while at < row1:
             shard, r = divmod(at, self.chunk_rows)
             take = min(row1 - at, self.chunk_rows - r)
-            frames = self._shards.get(shard) or self._load(shard)
-            for i in range(take):
-                raw = frames[r + i]
-                if raw is not None:
-                    try:
-                        self.codec.decode(raw, out[at - row0 + i])
-                    except (ValueError, RuntimeError, TypeError) as e:
-                        raise CorruptStoreError(
-                            f"{self.location}/{self._key(shard)}: row {r + i} cannot be decoded ({e})"
-                        ) from e
+            out.extend((self._shards.get(shard) or self._load(shard))[r : r + take])
             at += take
         return out
+
+    def decode(self, frames: Sequence[bytes | None], row0: int = 0) -> np.ndarray:
+        """Encoded rows (as :meth:`read_encoded` gives them, from row ``row0``) decoded; rows never written are zeros.
+
+        Raises
+        ------
+        CorruptStoreError
+            A row's bytes do not decode to one row.
+        """
+        out = np.zeros((len(frames), *self.codec.row_shape), self.codec.dtype)
+        for i, raw in enumerate(frames):
+            if raw is not None:
+                try:
+                    self.codec.decode(raw, out[i])
+                except (ValueError, RuntimeError, TypeError) as e:
+                    shard, r = divmod(row0 + i, self.chunk_rows)
+                    raise CorruptStoreError(f"{self.location}/{self._key(shard)}: row {r} cannot be decoded ({e})") from e
+        return out
+
+    def read(self, row0: int, row1: int) -> np.ndarray:
+        """Rows ``row0 .. row1`` decoded (rows never written are zeros), as published or being written here."""
+        return self.decode(self.read_encoded(row0, row1), row0)
 
     def close(self) -> None:
         self._shards.clear()

@@ -601,8 +601,9 @@ def test_a_forked_child_cannot_write_through_its_parents_handle(store_path, fetc
     # the writer dies; a forked child of it lingers and must not keep the lock
     code = (
         "import os, sys, time\nfrom her_store import EpisodeStore\n"
-        "s = EpisodeStore.open(sys.argv[1], mode='a')\n"
-        "if os.fork() == 0:\n    time.sleep(30); os._exit(0)\n"
+        "s = EpisodeStore.open(sys.argv[1], mode='a')\nr, w = os.pipe()\n"
+        "if os.fork() == 0:\n    os.write(w, b'x'); time.sleep(30); os._exit(0)\n"
+        "os.read(r, 1)\n"  # the child runs (its after-fork handlers have run): only then is the writer killed
         "print('ready', flush=True); time.sleep(60)\n"
     )
     proc = subprocess.Popen([sys.executable, "-c", code, store_path], stdout=subprocess.PIPE, text=True)
