@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from gymnasium import spaces
 
-from her_store import EpisodeStore, EpisodeValidationError, StoreError, StoreLockedError
+from her_store import EpisodeStore, EpisodeValidationError, HerSampler, StoreError, StoreLockedError
 from her_store.storage import Location
 from tests.conftest import assert_episode_equal, fetch_spaces, make_episode
 
@@ -67,6 +67,33 @@ def test_interleaved_envs_produce_the_same_episodes(store_path, fetch, n_envs, i
             for i, eid in enumerate(ids):
                 assert_episode_equal(store.episode(int(eid)), per_env[e][i])
         assert sorted(writer.episode_ids) == list(range(5 * n_envs))
+
+
+def test_eight_envs_append_image_episodes_into_shards_and_sampled_frames_are_theirs(store_path, fetch):
+    """Eight envs' image episodes, interleaved step by step, land in a sharded array (shards of 16 rows, most
+    filled by several episodes): every episode reads back whole, and every sampled frame is its episode's."""
+    obs, act = fetch
+    obs = spaces.Dict({**obs.spaces, "pixels": spaces.Box(0, 255, (3, 8, 8), np.uint8)})
+    rng = np.random.default_rng(8)
+    per_env = [[make_episode(obs, act, int(rng.integers(1, 12)), seed=100 * e + i) for i in range(3)] for e in range(8)]
+    with EpisodeStore.create(store_path, obs, act, chunk_rows=16) as store:
+        writer = store.writer(8)
+        _drive(writer, per_env)
+        store.flush()
+        assert store._root["steps/pixels"].shards == (16, 3, 8, 8)
+        table = store.episodes
+        assert store.num_episodes == 24
+        model = {}
+        for e in range(8):
+            for i, eid in enumerate(table["episode_id"][table["env_index"] == e]):
+                model[int(eid)] = per_env[e][i]
+                assert_episode_equal(store.episode(int(eid)), per_env[e][i])
+        with HerSampler(store, 256, n_sampled_goal=0, seed=0) as sampler:
+            b = sampler.sample()
+        ids, t = b.episode_ids.numpy(), b.steps.numpy()
+        assert len(set(ids.tolist())) > 16
+        np.testing.assert_array_equal(b.observations["pixels"].numpy(), [model[e]["pixels"][s] for e, s in zip(ids, t)])
+        np.testing.assert_array_equal(b.next_observations["pixels"].numpy(), [model[e]["pixels"][s + 1] for e, s in zip(ids, t)])
 
 
 def test_flush_partial_ends_unfinished_episodes_as_truncated(store_path, fetch):
