@@ -20,8 +20,8 @@ from gymnasium import spaces
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from her_store import open_store, storage  # noqa: E402
-from tests.conftest import fetch_spaces, make_episode, random_rows  # noqa: E402
+from her_store import open_store, storage
+from tests.conftest import fetch_spaces, make_episode, random_rows
 
 OBS, ACT = fetch_spaces()
 OBS = type(OBS)({**OBS.spaces, "pixels": spaces.Box(0, 255, (3, 8, 8), np.uint8)})  # shards of 64 rows

@@ -23,13 +23,13 @@ import os
 import signal
 import sys
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Self
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import numpy as np  # noqa: E402
+import numpy as np
 
-from tests.conftest import fetch_spaces, make_episode, random_rows  # noqa: E402
+from tests.conftest import fetch_spaces, make_episode, random_rows
 
 MODES = ("short", "enospc", "eio", "kill")
 
@@ -76,7 +76,7 @@ class WriteFaults:
             return False
 
     # -- the patched calls ----------------------------------------------------------------------------------------
-    def __enter__(self) -> WriteFaults:
+    def __enter__(self) -> Self:
         import s3fs
         import zarr.storage._local as zlocal
 
@@ -142,11 +142,14 @@ IMAGE_OBS = type(OBS)({**OBS.spaces, "pixels": __import__("gymnasium").spaces.Bo
 
 CONFIGS: dict[str, dict[str, Any]] = {
     # uncompressed packs written with pwrite, unbounded, flush
-    "raw": dict(obs=OBS, kwargs=dict(chunk_rows=64, info_keys=["is_success"])),
+    "raw": {"obs": OBS, "kwargs": {"chunk_rows": 64, "info_keys": ["is_success"]}},
     # a compressed field (whole chunks through zarr) in a ring that wraps
-    "ring-compressed": dict(obs=IMAGE_OBS, kwargs=dict(chunk_rows=32, capacity=120, info_keys=["is_success"])),
+    "ring-compressed": {"obs": IMAGE_OBS, "kwargs": {"chunk_rows": 32, "capacity": 120, "info_keys": ["is_success"]}},
     # the same with every commit fsync'ed (files and directories)
-    "ring-compressed-fsync": dict(obs=IMAGE_OBS, kwargs=dict(chunk_rows=32, capacity=120, durability="fsync", info_keys=["is_success"])),
+    "ring-compressed-fsync": {
+        "obs": IMAGE_OBS,
+        "kwargs": {"chunk_rows": 32, "capacity": 120, "durability": "fsync", "info_keys": ["is_success"]},
+    },
 }
 
 

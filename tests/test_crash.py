@@ -10,7 +10,7 @@ import time
 import numpy as np
 import pytest
 
-from her_store import EpisodeNotFoundError, EpisodeStore
+from her_store import EpisodeNotFoundError, EpisodeStore, StoreError
 from tests.conftest import assert_episode_equal
 from tests.crash_writer import episode_for
 
@@ -84,7 +84,7 @@ def test_kill_9_while_an_image_shard_is_replaced(tmp_path, kill_on):
     path = str(tmp_path / "store")
     EpisodeStore.create(path, *episode_space(), info_keys=["is_success"], chunk_rows=64).close()
     committed, tails = 0, []
-    for at in (1, 3, 8):
+    for at in (2, 7):
         proc = _spawn(path, 0, kill_on, str(at))
         out, err = proc.communicate(timeout=120)
         assert proc.returncode == -9, err
@@ -149,7 +149,7 @@ def test_sampler_in_a_reader_process_never_returns_overwritten_rows(tmp_path):
             while time.monotonic() < deadline:
                 try:
                     b = sampler.sample()
-                except Exception as e:  # only "nothing committed yet" is acceptable
+                except StoreError as e:  # only "nothing committed yet" is acceptable
                     assert "no committed episode" in str(e)
                     continue
                 ids, t = b.episode_ids.numpy(), b.steps.numpy()

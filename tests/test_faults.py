@@ -152,7 +152,7 @@ def _kill_at(config: str, path: str, at: int, opts: dict | None = None, first: i
     args = [sys.executable, os.path.join(ROOT, "tests", "faults.py"), config, path, str(at), "kill", str(first)]
     if opts is not None:
         args.append(json.dumps(opts))
-    proc = subprocess.run(args, capture_output=True, text=True, cwd=ROOT, timeout=120)
+    proc = subprocess.run(args, check=False, capture_output=True, text=True, cwd=ROOT, timeout=120)
     return proc.returncode
 
 
@@ -173,7 +173,7 @@ def test_kill_9_at_writes(tmp_path, config):
             "from tests.faults import WriteFaults, workload\n"
             "with WriteFaults(sys.argv[3], int(sys.argv[4]), 'kill'):\n    workload(sys.argv[2], sys.argv[3], 0, 1)\n"
         ), ROOT, config, path, str(at)]
-        assert subprocess.run(args, capture_output=True, cwd=ROOT, timeout=120).returncode in (-9, 0)
+        assert subprocess.run(args, check=False, capture_output=True, cwd=ROOT, timeout=120).returncode in (-9, 0)
         with open_store(path, CONFIGS[config]["obs"], ACT, **store_options(config, None)) as store:
             assert store.end_episode in (0, 1)
 

@@ -62,7 +62,7 @@ def test_relabelled_fraction_is_sb3s(coded_store):
 
 @pytest.mark.parametrize("strategy", ["future", "final", "episode"])
 def test_goal_index_distribution_given_t(coded_store, strategy):
-    store, eps = coded_store
+    store, _ = coded_store
     s = HerSampler(store, 65_536, n_sampled_goal=4, goal_selection_strategy=strategy, reward_fn=sparse_reward, seed=2)
     batches = [s.sample() for _ in range(8)]
     n = int(batches[0].is_relabeled.sum())
@@ -164,7 +164,7 @@ def test_episodes_of_length_one_and_extreme_batch_sizes(tmp_path):
     ids=["column", "list"],
 )
 def test_reward_fn_may_return_a_column_or_a_list(coded_store, reward_fn):
-    store, eps = coded_store
+    store, _ = coded_store
     b = HerSampler(store, 512, reward_fn=reward_fn, seed=5).sample()
     n = int(b.is_relabeled.sum())
     want = sparse_reward(b.next_observations["achieved_goal"][:n].numpy(), b.observations["desired_goal"][:n].numpy(), None)
@@ -287,9 +287,9 @@ def test_other_spaces_sample_with_their_dtypes(tmp_path, case):
     with EpisodeStore.create(tmp_path / "s", obs, act) as store:
         for e in eps:
             store.append_episode(e)
-        rf = lambda a, d, i: -(np.abs(np.asarray(a, np.float32) - np.asarray(d, np.float32)).sum(-1) > 0).astype(np.float32)  # noqa: E731
+        rf = lambda a, d, i: -(np.abs(np.asarray(a, np.float32) - np.asarray(d, np.float32)).sum(-1) > 0).astype(np.float32)
         b = HerSampler(store, 300, reward_fn=rf, seed=0).sample()
-        for k, space in obs.spaces.items():
+        for k in obs.spaces:
             assert b.observations[k].dtype == torch.from_numpy(np.zeros(1, eps[0][k].dtype)).dtype
         ids, t = b.episode_ids.numpy(), b.steps.numpy()
         for k in obs.spaces:

@@ -27,17 +27,17 @@ def _drive(writer, per_env: list[list[dict]], info_style: str = "list") -> None:
         keys = [k for k in eps[0] if eps[0][k].shape[0] == eps[0]["action"].shape[0] + 1]
         obs = {k: np.stack([eps[e][k][step[e]] for e in range(n_envs)]) for k in keys}
         nxt = {k: np.stack([eps[e][k][step[e] + 1] for e in range(n_envs)]) for k in keys}
-        col = lambda name: np.stack([eps[e][name][step[e]] for e in range(n_envs)])  # noqa: E731
-        term, trunc = col("terminated"), col("truncated")
+        col = {name: np.stack([eps[e][name][step[e]] for e in range(n_envs)]) for name in eps[0] if name not in keys}
+        term, trunc = col["terminated"], col["truncated"]
         # a spare (finished) env must not end an episode: it only fills the batch
         term = term & np.array(live)
         trunc = trunc & np.array(live)
         if "is_success" in eps[0]:
-            succ = col("is_success")
+            succ = col["is_success"]
             infos = [{"is_success": s} for s in succ] if info_style == "list" else {"is_success": succ}
         else:
             infos = None
-        writer.add(obs, nxt, col("action"), col("reward"), term, trunc, infos)
+        writer.add(obs, nxt, col["action"], col["reward"], term, trunc, infos)
         for e in range(n_envs):
             if not live[e]:
                 continue
@@ -168,7 +168,7 @@ def test_plain_python_values_take_the_converting_path(store_path):
 
 def _steps(ep: dict, keys, t: int, n_envs: int) -> tuple:
     """Step ``t`` of ``ep`` for every env: (obs, next_obs, action, reward, terminated, truncated) with n_envs rows."""
-    rows = lambda a: np.repeat(a[t : t + 1], n_envs, axis=0)  # noqa: E731
+    rows = lambda a: np.repeat(a[t : t + 1], n_envs, axis=0)
     obs = {k: rows(ep[k]) for k in keys}
     nxt = {k: np.repeat(ep[k][t + 1 : t + 2], n_envs, axis=0) for k in keys}
     return obs, nxt, rows(ep["action"]), rows(ep["reward"]), rows(ep["terminated"]), rows(ep["truncated"])
@@ -258,7 +258,7 @@ def test_an_episode_longer_than_the_capacity_is_dropped_and_its_env_writes_again
     long_ep, short = make_episode(obs, act, 6, seed=1), make_episode(obs, act, 2, seed=2)
     with EpisodeStore.create(store_path, obs, act, capacity=5) as store:
         w = store.writer(2)
-        both = lambda a, b: tuple(  # noqa: E731  env 0 steps long_ep, env 1 short then short again
+        both = lambda a, b: tuple(
             {k: np.concatenate([x[k], y[k]]) for k in x} if isinstance(x, dict) else np.concatenate([x, y])
             for x, y in zip(a, b)
         )
@@ -460,8 +460,7 @@ def test_pending_gives_each_envs_unfinished_episode_as_append_episode_takes_it(s
         for t in range(3):
             obs = {k: np.stack([e[k][t] for e in eps]) for k in obs_space.spaces}
             nxt = {k: np.stack([e[k][t + 1] for e in eps]) for k in obs_space.spaces}
-            col = lambda name: np.stack([e[name][t] for e in eps])  # noqa: E731
-            w.add(obs, nxt, col("action"), col("reward"), col("terminated"), col("truncated"))
+            w.add(obs, nxt, *(np.stack([e[name][t] for e in eps]) for name in ("action", "reward", "terminated", "truncated")))
         for env, ep in enumerate(eps):
             got = w.pending(env)
             for k in obs_space.spaces:
