@@ -425,3 +425,81 @@ def test_a_sharded_frame_read_under_a_replaced_shards_index_reads_the_index_agai
         np.testing.assert_array_equal(reader.gather("steps/observation", moved), _frames(*_rows_of(view, moved)))
         assert arr.replaced == len(np.unique(moved // cr))  # each such shard answered 412, its index read again
         reader.close()
+
+
+def test_a_readers_sampler_reads_every_frame_while_the_writer_appends_and_a_ring_wraps(s3_url):
+    from her_store import HerSampler
+    from tests.test_sampler import sparse_reward
+
+    url, opts = s3_url
+    with _pixel_store(url, opts, capacity=16) as w, EpisodeStore.open(url, storage_options=opts) as r:
+        for e in range(4):
+            w.append_episode(_pixel_episode(e))
+        r.refresh()
+        # the view is refreshed every third batch only: most batches read shards replaced since it was taken
+        with HerSampler(r, 24, reward_fn=sparse_reward, seed=0, refresh_interval=3600) as sampler:
+            arr = sampler.reader.arrays["steps/observation"]
+            for e in range(4, 14):
+                arr.WHOLE_RUNS = 1 << 30 if e % 4 < 2 else 1  # shards read by ranges, then whole, then by ranges
+                if e % 3 == 0:
+                    sampler.refresh()
+                b = sampler.sample()
+                ids, t = b.episode_ids.numpy(), b.steps.numpy()
+                np.testing.assert_array_equal(b.observations["observation"].numpy(), _frames(ids, t), f"batch {e}")
+                np.testing.assert_array_equal(b.next_observations["observation"].numpy(), _frames(ids, t + 1))
+                w.append_episode(_pixel_episode(e))
+            assert arr._ranged is True and arr.replaced > 0  # conditional GETs found replaced shards
+        written = sum(2 + e % 5 + 1 for e in range(14))
+        assert written >= 2 * w.commit_record.array_rows  # the ring wrapped twice
+
+
+def test_a_crafted_shard_on_s3_is_a_corrupt_store(s3_url):
+    import google_crc32c
+    import s3fs
+
+    from her_store.reader import ChunkReader
+    from her_store.shard import build_shard, index_nbytes
+
+    url, opts = s3_url
+    with _pixel_store(url, opts) as w:
+        for e in range(3):
+            w.append_episode(_pixel_episode(e))
+    fs = s3fs.S3FileSystem(**opts)
+    key = f"{url[5:]}/steps/observation/c/0/0/0/0"
+    good, n = fs.cat_file(key), index_nbytes(16)
+    index = np.frombuffer(good[-n:-4], "<u8").reshape(16, 2).copy()
+    index[5] = [len(good) - n - 10, 20]  # ten bytes past the shard's data
+    past = good[:-n] + index.tobytes() + google_crc32c.value(index.tobytes()).to_bytes(4, "little")
+    crafted = {
+        "fails its crc32c": good[:-1] + bytes([good[-1] ^ 1]),
+        "points past the shard": past,
+        "not one row's LZ4 block": build_shard([b"\xff" * 40] * 16),
+        "shorter than the index": b"tiny",
+    }
+    for match, raw in crafted.items():
+        fs.pipe_file(key, raw)
+        with EpisodeStore.open(url, storage_options=opts) as r:
+            for runs in (1 << 30, 1):  # rows 0 and 5 read by ranges, then the shard whole
+                reader = ChunkReader(r, io_threads=0)
+                reader.arrays["steps/observation"].WHOLE_RUNS = runs
+                reader.observe(r.snapshot())
+                with pytest.raises(CorruptStoreError, match=match):
+                    reader.gather("steps/observation", np.array([0, 5]))
+                reader.close()
+
+
+def test_sharded_frames_where_gets_cannot_be_conditioned_are_read_whole():
+    from her_store.reader import ChunkReader
+
+    url = f"memory://s{os.getpid()}-{time.monotonic_ns()}/store"
+    with _pixel_store(url, {}) as w:
+        for e in range(6):
+            w.append_episode(_pixel_episode(e))
+        reader = ChunkReader(w, io_threads=0)
+        view = w.snapshot()
+        reader.observe(view)
+        arr = reader.arrays["steps/observation"]
+        rows = np.array([1, 9, 20, 21, 2])
+        np.testing.assert_array_equal(reader.gather("steps/observation", rows), _frames(*_rows_of(view, rows)))
+        assert arr._ranged is False and arr.gets == 2  # no ETag to condition on: shards 0 and 1 fetched whole
+        reader.close()
