@@ -7,7 +7,7 @@
  *
  *   pread_lz4(fds, offsets, nbytes, out, row_nbytes) -> (index, errno)
  *       row i: pread nbytes[i] bytes at offsets[i] of file descriptor fds[i], decode into out[i * row_nbytes].
- *       A row with nbytes[i] < 0 was never written: zeros.
+ *       A row with nbytes[i] < 0 (never written) fails: a gather asks only for rows that were written.
  *   decode_lz4(src, offsets, nbytes, out, row_nbytes) -> (index, errno)
  *       the same, reading row i from src[offsets[i] : offsets[i] + nbytes[i]] (a shard fetched whole).
  *   encode_lz4(rows, row_nbytes, acceleration) -> (blob, nbytes)
@@ -92,11 +92,7 @@ static PyObject *pread_lz4(PyObject *self, PyObject *args) {
     for (Py_ssize_t i = 0; i < n; i++) {
         char *dst = out + i * row_nbytes;
         int64_t size = nbytes[i];
-        if (size < 0) {
-            memset(dst, 0, (size_t)row_nbytes);
-            continue;
-        }
-        if (offsets[i] < 0 || size > (int64_t)row_nbytes + row_nbytes / 4 + 1024) { /* LZ4's bound for one row */
+        if (size < 0 || offsets[i] < 0 || size > (int64_t)row_nbytes + row_nbytes / 4 + 1024) { /* LZ4's bound for one row */
             failed = i;
             break;
         }
@@ -154,11 +150,7 @@ static PyObject *decode_lz4(PyObject *self, PyObject *args) {
     for (Py_ssize_t i = 0; i < n; i++) {
         char *dst = out + i * row_nbytes;
         int64_t size = nbytes[i], at = offsets[i];
-        if (size < 0) {
-            memset(dst, 0, (size_t)row_nbytes);
-            continue;
-        }
-        if (at < 0 || at > src_len || size > src_len - at || decode_row(src + at, size, dst, row_nbytes) != 0) {
+        if (size < 0 || at < 0 || at > src_len || size > src_len - at || decode_row(src + at, size, dst, row_nbytes) != 0) {
             failed = i;
             break;
         }

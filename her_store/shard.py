@@ -62,6 +62,8 @@ class FrameCodec:
     decoded straight into the batch, a few microseconds a frame), Blosc, Zstd or Gzip (lossless), or
     the JPEG codec of :mod:`her_store.lossy`. A chain naming anything else is refused when the store is opened.
 
+    Also the decoder of a whole chunk of a version 1 array (:meth:`of_chunks`): a "row" is then a chunk.
+
     Parameters
     ----------
     array : zarr.Array
@@ -77,10 +79,18 @@ class FrameCodec:
     """
 
     def __init__(self, array: zarr.Array, where: str) -> None:
-        shard = array.metadata.codecs[0]
-        inner = list(shard.codecs)
-        self.dtype = np.dtype(array.dtype)
-        self.row_shape = tuple(array.shape[1:])
+        self._setup(list(array.metadata.codecs[0].codecs), np.dtype(array.dtype), tuple(array.shape[1:]), where)
+
+    @classmethod
+    def of_chunks(cls, array: zarr.Array, rows: int, where: str) -> FrameCodec:
+        """The decoder of whole chunks of ``rows`` rows of an unsharded (version 1) array, with the same checks."""
+        self = cls.__new__(cls)
+        self._setup(list(array.metadata.codecs), np.dtype(array.dtype), (rows, *array.shape[1:]), where)
+        return self
+
+    def _setup(self, inner: list[Any], dtype: np.dtype, row_shape: tuple[int, ...], where: str) -> None:
+        self.dtype = dtype
+        self.row_shape = row_shape
         self.nbytes = int(np.prod(self.row_shape, dtype=np.int64)) * self.dtype.itemsize
         if not inner or not isinstance(inner[0], zc.BytesCodec) or inner[0].endian not in (None, zc.Endian.little):
             raise CorruptStoreError(f"{where}: inner codecs {inner!r}, expected little-endian bytes first")

@@ -2,15 +2,21 @@
 
 from __future__ import annotations
 
+import shutil
+from pathlib import Path
+
 import numpy as np
+import pytest
 import zarr.codecs
 
 from her_store import EpisodeStore, HerSampler
-from her_store.reader import CachedArray, ChunkReader
+from her_store.errors import CorruptStoreError
+from her_store.reader import CachedArray, ChunkReader, ShardedArray
 from tests.test_differential import ACT, OBS, episode, rows, wrong_rows
 from tests.test_sampler import sparse_reward
 
 CHUNK_ROWS = 16
+V1_STORE = Path(__file__).parent / "data" / "v1_store"  # made by the version 1 code: tests/data/make_v1_store.py
 
 
 def _create(path, capacity: int | None = None) -> EpisodeStore:
@@ -82,3 +88,55 @@ def test_the_prefetch_thread_gathers_while_commits_change_cached_chunks(tmp_path
                     store.append_episode(episode(e))
                     problem = wrong_rows(sampler.sample(), 0, store.end_episode)
                     assert problem is None, f"capacity {capacity}, after episode {e}: {problem}"
+
+
+def _drop_row_from_its_shard(store_path, path: str, row: int, shard_rows: int) -> None:
+    """Rewrite the shard holding ``row`` with a valid index that marks the row never written."""
+    from her_store.shard import build_shard, parse_index
+
+    f = store_path / path / "c" / str(row // shard_rows) / "0" / "0" / "0"
+    raw = f.read_bytes()
+    offsets, nbytes = parse_index(raw, shard_rows, str(f))
+    frames = [None if o < 0 else raw[o : o + n] for o, n in zip(offsets.tolist(), nbytes.tolist())]
+    frames[row % shard_rows] = None
+    f.write_bytes(build_shard(frames))
+
+
+@pytest.mark.parametrize("codec", ["lz4", "zstd"])  # the C batch path and the row-by-row path
+def test_a_committed_row_missing_from_its_shard_is_damage_not_zeros(tmp_path, codec):
+    with EpisodeStore.create(tmp_path / "s", OBS, ACT, chunk_rows=CHUNK_ROWS, compressors={"pixels": codec}) as store:
+        for e in range(4):
+            store.append_episode(episode(e))
+    _drop_row_from_its_shard(tmp_path / "s", "steps/pixels", 1, CHUNK_ROWS)  # episode 0, step 1
+    store = EpisodeStore.open(tmp_path / "s")
+    reader = ChunkReader(store, io_threads=0)
+    reader.observe(store.snapshot())
+    np.testing.assert_array_equal(reader.gather("steps/pixels", np.array([2]))[0], rows(np.array([0]), np.array([2]))["pixels"][0])
+    with pytest.raises(CorruptStoreError, match="committed row 1 is missing from its shard"):
+        reader.gather("steps/pixels", np.array([3, 1]))
+    with pytest.raises(CorruptStoreError, match="do not match the crc32"):
+        store.episode(0)
+    reader.close()
+    store.close()
+
+
+def test_a_version_1_chunk_decoding_to_fewer_bytes_is_damage(tmp_path):
+    """A version 1 Blosc chunk whose frame is valid but holds less than a chunk: refused, not half-filled."""
+    import numcodecs
+
+    path = tmp_path / "v1"
+    shutil.copytree(V1_STORE, path)
+    store = EpisodeStore.open(path)
+    reader = ChunkReader(store)
+    reader.observe(store.snapshot())
+    arr = reader.arrays["steps/pixels"]
+    assert isinstance(arr, CachedArray) and not isinstance(arr, ShardedArray)
+    rows_live = np.arange(store.episodes["start_row"][0], store.episodes["start_row"][0] + 3)
+    chunk = int(rows_live[0]) // arr.chunk_rows
+    (path / "steps" / "pixels" / "c" / str(chunk) / "0" / "0" / "0").write_bytes(
+        numcodecs.Blosc("lz4").encode(np.full(100, 7, np.uint8))
+    )
+    with pytest.raises(CorruptStoreError, match="cannot be decoded"):
+        reader.gather("steps/pixels", rows_live)
+    reader.close()
+    store.close()
