@@ -99,13 +99,17 @@ def _sampled_frames_equal(config: str, path: str) -> None:
     """Every frame the sampler (LZ4 rows decoded in C) returns is the committed episode's frame at its step."""
     with EpisodeStore.open(path) as store, HerSampler(store, 256, n_sampled_goal=0, seed=0) as sampler:
         assert {a.path for a in store.layout.arrays if a.sharded} == {"steps/pixels"}
-        b = sampler.sample()
-        ids, t = b.episode_ids.numpy(), b.steps.numpy()
-        eps = {int(i): episode_for(config, int(i))["pixels"] for i in np.unique(ids)}
-        want = np.stack([eps[int(i)][s] for i, s in zip(ids, t)])
-        after = np.stack([eps[int(i)][s + 1] for i, s in zip(ids, t)])
-        np.testing.assert_array_equal(b.observations["pixels"].numpy(), want)
-        np.testing.assert_array_equal(b.next_observations["pixels"].numpy(), after)
+        _assert_frames(config, sampler)
+
+
+def _assert_frames(config: str, sampler: HerSampler) -> None:
+    b = sampler.sample()
+    ids, t = b.episode_ids.numpy(), b.steps.numpy()
+    eps = {int(i): episode_for(config, int(i))["pixels"] for i in np.unique(ids)}
+    want = np.stack([eps[int(i)][s] for i, s in zip(ids, t)])
+    after = np.stack([eps[int(i)][s + 1] for i, s in zip(ids, t)])
+    np.testing.assert_array_equal(b.observations["pixels"].numpy(), want)
+    np.testing.assert_array_equal(b.next_observations["pixels"].numpy(), after)
 
 
 SHARDS = {"under": "steps/pixels/", "renames": True}  # the writes and renames that replace an image shard
@@ -129,6 +133,29 @@ def test_every_shard_write_failing_every_way(tmp_path):
             _check_and_retry(config, path, None, BASELINE)
             _sampled_frames_equal(config, path)
             shutil.rmtree(path)
+
+
+def test_a_handle_whose_shard_write_failed_appends_again(tmp_path):
+    """The append whose shard write or rename failed raised and left no trace: the same handle appends that episode
+    again, and its sampler, sampling between, returns only committed frames."""
+    config = "ring-compressed"
+    path = str(tmp_path / "store")
+    workload(config, path, 0, BASELINE)
+    with open_store(path, CONFIGS[config]["obs"], ACT, **store_options(config, None)) as store:
+        sampler = HerSampler(store, 256, n_sampled_goal=0, seed=0)
+        for at, mode in [(1, "short"), (1, "eio"), (2, "enospc"), (2, "eio")]:  # the temp file; the rename
+            i = store.end_episode
+            with WriteFaults(path, at, mode, **SHARDS), pytest.raises(OSError):
+                store.append_episode(episode_for(config, i))
+            assert store.end_episode == i
+            _assert_frames(config, sampler)
+            assert store.append_episode(episode_for(config, i)) == i
+            _assert_frames(config, sampler)
+        sampler.close()
+    with EpisodeStore.open(path) as store:
+        assert store.end_episode == BASELINE + 4
+        for i in range(store.first_episode, store.end_episode):
+            assert_episode_equal(store.episode(i), episode_for(config, i))
 
 
 @pytest.mark.parametrize("config", ["raw", "ring-compressed"])
