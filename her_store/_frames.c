@@ -5,8 +5,10 @@
  * and holds the GIL between rows, so threads cannot share the work. These functions decode many rows per call with
  * the GIL released: her_store/reader.py splits a batch across its io_threads, each calling one of them.
  *
- *   pread_lz4(fds, offsets, nbytes, out, row_nbytes) -> (index, errno)
- *       row i: pread nbytes[i] bytes at offsets[i] of file descriptor fds[i], decode into out[i * row_nbytes].
+ *   pread_lz4(fds, offsets, nbytes, dst, out, row_nbytes) -> (index, errno)
+ *       row i: nbytes[i] bytes at offsets[i] of file descriptor fds[i], decoded into row dst[i] of out. Rows that
+ *       follow each other in one file (given in that order) are read with one pread: a sampled transition's two
+ *       frames, t and t + 1, are then one disk read.
  *       A row with nbytes[i] < 0 (never written) fails: a gather asks only for rows that were written.
  *   decode_lz4(src, offsets, nbytes, out, row_nbytes) -> (index, errno)
  *       the same, reading row i from src[offsets[i] : offsets[i] + nbytes[i]] (a shard fetched whole).
@@ -68,17 +70,35 @@ static int decode_row(const char *raw, int64_t size, char *dst, Py_ssize_t row_n
     return got == row_nbytes ? 0 : -1;
 }
 
+#define RUN_BYTES (1 << 20) /* rows read in one pread: adjacent rows of one file, up to this many bytes */
+
 static PyObject *pread_lz4(PyObject *self, PyObject *args) {
     Args a;
     memset(&a, 0, sizeof a);
+    Py_buffer dst_rows;
+    memset(&dst_rows, 0, sizeof dst_rows);
     Py_ssize_t row_nbytes;
-    if (!PyArg_ParseTuple(args, "y*y*y*w*n", &a.fds, &a.offsets, &a.nbytes, &a.out, &row_nbytes)) {
+    if (!PyArg_ParseTuple(args, "y*y*y*y*w*n", &a.fds, &a.offsets, &a.nbytes, &dst_rows, &a.out, &row_nbytes)) {
         release(&a);
+        if (dst_rows.buf) PyBuffer_Release(&dst_rows);
         return NULL;
     }
     Py_ssize_t n = check(&a, row_nbytes, 1);
+    if (n >= 0 && dst_rows.len != n * 8) {
+        PyErr_SetString(PyExc_ValueError, "dst (int64) must hold one entry per row");
+        n = -1;
+    }
+    const int64_t *dst_of = dst_rows.buf;
+    Py_ssize_t out_rows = a.out.len / (row_nbytes > 0 ? row_nbytes : 1);
+    for (Py_ssize_t i = 0; n >= 0 && i < n; i++) {
+        if (dst_of[i] < 0 || dst_of[i] >= out_rows) {
+            PyErr_SetString(PyExc_ValueError, "dst names a row outside out");
+            n = -1;
+        }
+    }
     if (n < 0) {
         release(&a);
+        PyBuffer_Release(&dst_rows);
         return NULL;
     }
     const int32_t *fds = a.fds.buf;
@@ -86,29 +106,39 @@ static PyObject *pread_lz4(PyObject *self, PyObject *args) {
     char *out = a.out.buf;
     Py_ssize_t failed = -1;
     int err = 0;
+    const int64_t row_bound = (int64_t)row_nbytes + row_nbytes / 4 + 1024; /* above LZ4's bound for one row */
     Py_BEGIN_ALLOW_THREADS
     size_t cap = 0;
     char *tmp = NULL;
-    for (Py_ssize_t i = 0; i < n; i++) {
-        char *dst = out + i * row_nbytes;
-        int64_t size = nbytes[i];
-        if (size < 0 || offsets[i] < 0 || size > (int64_t)row_nbytes + row_nbytes / 4 + 1024) { /* LZ4's bound for one row */
+    Py_ssize_t i = 0;
+    while (i < n && failed < 0) {
+        /* a run: rows i..j-1 of one file, each starting where the previous ended (frames t and t + 1 of an
+           episode, sorted next to each other by the caller), read with one pread */
+        Py_ssize_t j = i;
+        int64_t total = 0;
+        while (j < n) {
+            if (nbytes[j] < 0 || offsets[j] < 0 || nbytes[j] > row_bound) break;
+            if (j > i && (fds[j] != fds[i] || offsets[j] != offsets[i] + total || total + nbytes[j] > RUN_BYTES)) break;
+            total += nbytes[j];
+            j++;
+        }
+        if (j == i) { /* row i itself is not a row to read */
             failed = i;
             break;
         }
-        if ((size_t)size > cap) {
-            char *grown = realloc(tmp, (size_t)size);
+        if ((size_t)total > cap) {
+            char *grown = realloc(tmp, (size_t)total);
             if (!grown) {
                 failed = i;
                 err = ENOMEM;
                 break;
             }
             tmp = grown;
-            cap = (size_t)size;
+            cap = (size_t)total;
         }
         int64_t done = 0;
-        while (done < size) {
-            ssize_t r = pread(fds[i], tmp + done, (size_t)(size - done), (off_t)(offsets[i] + done));
+        while (done < total) {
+            ssize_t r = pread(fds[i], tmp + done, (size_t)(total - done), (off_t)(offsets[i] + done));
             if (r < 0 && errno == EINTR) continue;
             if (r <= 0) {
                 err = r < 0 ? errno : EIO; /* a file shorter than its index says */
@@ -116,15 +146,23 @@ static PyObject *pread_lz4(PyObject *self, PyObject *args) {
             }
             done += r;
         }
-        if (err || decode_row(tmp, size, dst, row_nbytes) != 0) {
-            failed = i;
-            break;
+        int64_t at = 0;
+        for (Py_ssize_t k = i; k < j; k++) {
+            /* with a short read, the rows it did not reach fail, the ones before are decoded */
+            if (at + nbytes[k] > done || decode_row(tmp + at, nbytes[k], out + dst_of[k] * row_nbytes, row_nbytes) != 0) {
+                failed = k;
+                if (at + nbytes[k] <= done) err = 0;
+                break;
+            }
+            at += nbytes[k];
         }
+        i = j;
     }
     free(tmp);
     Py_END_ALLOW_THREADS
     release(&a);
-    return Py_BuildValue("(ni)", failed, err);
+    PyBuffer_Release(&dst_rows);
+    return Py_BuildValue("(ni)", failed, failed >= 0 ? err : 0);
 }
 
 static PyObject *decode_lz4(PyObject *self, PyObject *args) {

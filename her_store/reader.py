@@ -22,6 +22,7 @@ import asyncio
 import io
 import mmap
 import os
+import resource
 import threading
 from collections import OrderedDict
 from collections.abc import Callable
@@ -315,7 +316,8 @@ class ShardedArray(CachedArray):
     assumed: S3 through s3fs can).
     """
 
-    MAX_OPEN = 512  # open shard files per array
+    # open shard files per array: a store of 1,000,000 frames has about 4,000 shards of 3x84x84 frames
+    MAX_OPEN = max(64, min(8192, resource.getrlimit(resource.RLIMIT_NOFILE)[0] // 4))
     WHOLE_RUNS = 2  # a gather needing this many separate runs of rows of a shard fetches it whole (README, measured)
     REREADS = 2  # a shard replaced under this many successive reads of its index is then fetched whole
 
@@ -638,19 +640,22 @@ class ShardedArray(CachedArray):
         cr, row_nbytes = self.chunk_rows, self.spec.row_nbytes
         shard_of = rows // cr
         uniq, inv = np.unique(shard_of, return_inverse=True)
-        shards = [self._chunk(int(c)) for c in uniq]  # held open until their rows are decoded
+        shards = self._open_shards(uniq.tolist(), pool)  # held open until their rows are decoded
         local = rows - shard_of * cr
         offsets = np.stack([s.offsets for s in shards])[inv, local]
         nbytes = np.stack([s.nbytes for s in shards])[inv, local]
         if (offsets < 0).any():
             self._never_written(int(rows[np.argmax(offsets < 0)]))
-        fds = np.array([s.buf.fileno() if s.buf is not None else -1 for s in shards], np.int32)[inv]
+        fds = np.array([s.buf.fileno() for s in shards], np.int32)[inv]
+        # by file and offset: frames t and t + 1 of an episode follow each other in their shard and are read at once
+        order = np.lexsort((offsets, fds))
+        fds, offsets, nbytes = fds[order], offsets[order], nbytes[order]
         edges = np.linspace(0, len(rows), max(1, parts) + 1).astype(np.int64)
 
         def decode(i: int) -> tuple[int, int]:
             a, b = int(edges[i]), int(edges[i + 1])
-            failed, err = _frames.pread_lz4(fds[a:b], offsets[a:b], nbytes[a:b], out[a:b], row_nbytes)
-            return (a + failed if failed >= 0 else -1), err
+            failed, err = _frames.pread_lz4(fds[a:b], offsets[a:b], nbytes[a:b], order[a:b], out, row_nbytes)
+            return (int(order[a + failed]) if failed >= 0 else -1), err
 
         k = len(edges) - 1
         if pool is None or k == 1:
@@ -661,6 +666,31 @@ class ShardedArray(CachedArray):
         for failed, err in results:
             if failed >= 0:
                 self._undecodable(int(rows[failed]), err)
+
+    def _open_shards(self, chunks: list[int], pool: ThreadPoolExecutor | None) -> list[_Shard]:
+        """Local shards ``chunks``: from the cache, or opened (their index read), on the pool's threads when there
+        are several: each is a small read at the end of a file, which a cold store serves from the disk."""
+        got = [self._cached(c) for c in chunks]
+        missing = [j for j, (hit, _) in enumerate(got) if hit is None]
+        if pool is not None and len(missing) > 1:
+            loaded = list(pool.map(self._load, [chunks[j] for j in missing]))
+        else:
+            loaded = [self._load(chunks[j]) for j in missing]
+        shards = [hit for hit, _ in got]
+        for j, shard in zip(missing, loaded):
+            self._keep(chunks[j], got[j][1], shard)
+            shards[j] = shard
+        return shards
+
+    def evict_page_cache(self) -> None:
+        """Drop the shard files from the page cache. Locally the open shards and their parsed indexes stay: an
+        index is the sampler's own memory (16 bytes a row), not a page of the store, so cold reads are frames."""
+        if self.root is None:
+            super().evict_page_cache()
+            return
+        for d, _, files in os.walk(os.path.join(self.root, self.spec.path, "c")):
+            for f in files:
+                drop_page_cache(os.path.join(d, f))
 
     def _never_written(self, row: int) -> None:
         """A gather asks only for committed rows, so a row its shard's index marks never written is damage."""

@@ -302,6 +302,9 @@ def test_a_damaged_shard_on_disk_is_a_corrupt_store_for_the_writer(tmp_path):
 
 
 # -- her_store._frames ---------------------------------------------------------------------------------------------------
+DST3, DST5 = np.arange(3, dtype=np.int64), np.arange(5, dtype=np.int64)  # pread_lz4 decodes row i into out[i]
+
+
 def _lz4_rows(n: int) -> tuple[bytes, np.ndarray, np.ndarray, np.ndarray]:
     rows = _frames_of(n)
     blob, sizes = _frames.encode_lz4(rows, ROW_NBYTES, 1)
@@ -322,10 +325,10 @@ def test_encode_lz4_writes_numcodecs_lz4_and_the_decoders_read_it(tmp_path):
     with open(tmp_path / "f", "rb") as f:
         out[:] = 7
         fds = np.full(5, f.fileno(), np.int32)
-        assert _frames.pread_lz4(fds, offsets + 3, nbytes, out, ROW_NBYTES) == (-1, 0)
+        assert _frames.pread_lz4(fds, offsets + 3, nbytes, DST5, out, ROW_NBYTES) == (-1, 0)
         np.testing.assert_array_equal(out, rows)
         nbytes[2] = -1  # a row never written is not a row to decode: the gathers ask only for committed rows
-        assert _frames.pread_lz4(fds, offsets + 3, nbytes, out, ROW_NBYTES) == (2, 0)
+        assert _frames.pread_lz4(fds, offsets + 3, nbytes, DST5, out, ROW_NBYTES) == (2, 0)
     assert _frames.decode_lz4(blob, offsets, nbytes, out, ROW_NBYTES) == (2, 0)
 
 
@@ -391,7 +394,7 @@ def test_decode_lz4_and_pread_lz4_report_the_first_bad_row(tmp_path, change):
     np.testing.assert_array_equal(out[0], rows[0])
     (tmp_path / "f").write_bytes(bytes(src))
     with open(tmp_path / "f", "rb") as f:
-        failed, err = _frames.pread_lz4(np.full(3, f.fileno(), np.int32), offsets, nbytes, out, ROW_NBYTES)
+        failed, err = _frames.pread_lz4(np.full(3, f.fileno(), np.int32), offsets, nbytes, DST3, out, ROW_NBYTES)
     assert failed == i
     # past the end of the file pread reads nothing: an I/O error; anything else is not one row's block
     assert err == (errno.EIO if change in ("offset past the source", "range past the source") else 0)
@@ -404,16 +407,34 @@ def test_pread_lz4_reports_a_closed_fd_a_short_file_and_bad_arguments(tmp_path):
     with open(tmp_path / "f", "rb") as f:
         fds = np.full(3, f.fileno(), np.int32)
         with pytest.raises(ValueError, match="one entry per row"):
-            _frames.pread_lz4(fds[:2], offsets, nbytes, out, ROW_NBYTES)
+            _frames.pread_lz4(fds[:2], offsets, nbytes, DST3, out, ROW_NBYTES)
         with pytest.raises(ValueError, match="out is smaller"):
-            _frames.pread_lz4(fds, offsets, nbytes, out[:1], ROW_NBYTES)
-    assert _frames.pread_lz4(fds, offsets, nbytes, out, ROW_NBYTES) == (0, errno.EBADF)
+            _frames.pread_lz4(fds, offsets, nbytes, DST3, out[:1], ROW_NBYTES)
+    assert _frames.pread_lz4(fds, offsets, nbytes, DST3, out, ROW_NBYTES) == (0, errno.EBADF)
     fds[:] = -1
     nbytes[:] = -1  # a row never written fails before its (absent) file is read
-    assert _frames.pread_lz4(fds, offsets, nbytes, out, ROW_NBYTES) == (0, 0)
+    assert _frames.pread_lz4(fds, offsets, nbytes, DST3, out, ROW_NBYTES) == (0, 0)
     _, offsets, nbytes, _ = _lz4_rows(3)
     (tmp_path / "f").write_bytes(blob[: offsets[2] + 3])  # the file cut inside the last row
     with open(tmp_path / "f", "rb") as f:
         fds[:] = f.fileno()
-        assert _frames.pread_lz4(fds, offsets, nbytes, out, ROW_NBYTES) == (2, errno.EIO)
+        assert _frames.pread_lz4(fds, offsets, nbytes, DST3, out, ROW_NBYTES) == (2, errno.EIO)
     np.testing.assert_array_equal(out[:2], rows[:2])
+
+
+def test_pread_lz4_reads_adjacent_rows_together_into_the_rows_dst_names(tmp_path):
+    """Rows that follow each other in a file are one read (one run); each lands in the row of ``out`` its dst names."""
+    blob, offsets, nbytes, rows = _lz4_rows(5)
+    (tmp_path / "f").write_bytes(blob)
+    dst = np.array([4, 2, 0, 1, 3], np.int64)
+    out = np.zeros((5, *ROW), np.uint8)
+    with open(tmp_path / "f", "rb") as f:
+        fds = np.full(5, f.fileno(), np.int32)
+        assert _frames.pread_lz4(fds, offsets, nbytes, dst, out, ROW_NBYTES) == (-1, 0)
+        np.testing.assert_array_equal(out[dst], rows)
+        for bad in (np.array([0, 1, 2, 3, 5]), np.array([0, 1, -1, 3, 4]), np.arange(4)):
+            with pytest.raises(ValueError, match="dst"):
+                _frames.pread_lz4(fds, offsets, nbytes, bad.astype(np.int64), out, ROW_NBYTES)
+        nbytes[3] += 1  # a row whose range runs into the next: the run reads on, the row fails to decode
+        failed, err = _frames.pread_lz4(fds, offsets, nbytes, dst, out, ROW_NBYTES)
+        assert (failed, err) == (3, 0)
