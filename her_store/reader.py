@@ -6,8 +6,9 @@ zarr's indexing costs tens of milliseconds per 1,024 random rows (FACTS.md), so 
   thread pool; numpy releases the GIL while it copies, so the page faults of a cold store (one larger than RAM)
   are served in parallel, at the disk's queue depth rather than one read at a time.
 - sharded arrays (compressed images, format version 2): each row is its own inner chunk, so a gathered row is one
-  byte range of a shard (memory-mapped locally, the shard fetched whole in one GET remotely) and one decode,
-  straight into the batch. Decoding is CPU work done in C without the GIL, so it is split across ``io_threads``
+  byte range of a shard (a pread locally; remotely a ranged GET conditioned on the shard's ETag, adjacent rows in
+  one, or the shard fetched whole when a gather needs several runs of its rows) and one decode, straight into the
+  batch. Decoding is CPU work done in C without the GIL, so it is split across ``io_threads``
   (by default one per core).
 - other compressed arrays (version 1) and uncompressed arrays on object storage: whole chunks are read (one GET
   each remotely), decoded and kept in a bounded LRU cache of decoded chunks.
