@@ -95,9 +95,9 @@ def test_every_local_write_failing_every_way(tmp_path, config):
             shutil.rmtree(path)
 
 
-def _sampled_frames_equal(config: str, path: str) -> None:
+def _sampled_frames_equal(config: str, path: str, opts: dict | None = None) -> None:
     """Every frame the sampler (LZ4 rows decoded in C) returns is the committed episode's frame at its step."""
-    with EpisodeStore.open(path) as store, HerSampler(store, 256, n_sampled_goal=0, seed=0) as sampler:
+    with EpisodeStore.open(path, storage_options=opts) as store, HerSampler(store, 256, n_sampled_goal=0, seed=0) as sampler:
         assert {a.path for a in store.layout.arrays if a.sharded} == {"steps/pixels"}
         _assert_frames(config, sampler)
 
@@ -231,3 +231,19 @@ def test_s3_writes_failing_every_way(s3_url):
         path, root = fresh()
         assert _kill_at(config, path, at, opts) == -9
         _check_and_retry(config, path, opts, BASELINE)
+
+
+def test_s3_shard_puts_failing(s3_url):
+    """A PUT replacing an image shard on object storage failing: the last commit stays whole, through episode() and
+    the sampler, and a retry commits (the local tests above fail every shard write in every way)."""
+    url, opts = s3_url
+    config = "ring-compressed"
+    workload(config, url, 0, BASELINE, opts)
+    fs = __import__("fsspec").filesystem("s3", **opts)
+    src = url.split("://", 1)[1]
+    root = f"{src.rsplit('/', 1)[0]}/s{uuid.uuid4().hex[:8]}"
+    fs.copy(src, root, recursive=True)
+    # the second shard PUT fails, and every later one (a full store)
+    _faulty_run(config, f"s3://{root}", root, 2, "enospc", opts, under="steps/pixels/")
+    _sampled_frames_equal(config, f"s3://{root}", opts)
+    _check_and_retry(config, f"s3://{root}", opts, BASELINE)
