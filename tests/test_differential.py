@@ -51,6 +51,8 @@ BATCH = 64
 
 @dataclass(frozen=True)
 class Storage:
+    """One storage of the matrix."""
+
     create: dict[str, Any]  # what EpisodeStore.create is given
     paths: set[str]  # the gather paths of its sampler: an array class, and the codec of a sharded one
     episodes: int  # appended by each case: 9 rows each on average
