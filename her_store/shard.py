@@ -293,6 +293,7 @@ class ShardWriter:
         self._ndim = array.ndim
         self._shards: dict[int, list[bytes | None]] = {}
         self._dirty: set[int] = set()
+        self._made: set[int] = set()  # shards whose directory exists
         self._pool: ThreadPoolExecutor | None = None
 
     def _key(self, shard: int) -> str:
@@ -354,8 +355,9 @@ class ShardWriter:
     def flush(self, fsync: bool) -> None:
         """Replace every shard written since the last flush, whole and atomically."""
         for shard in sorted(self._dirty):
-            if self.location.is_local:
+            if self.location.is_local and shard not in self._made:  # its directory, once per shard and handle
                 os.makedirs(os.path.dirname(self.location.key_path(self._key(shard))), exist_ok=True)
+                self._made.add(shard)
             self.location.write_atomic(self._key(shard), build_shard(self._shards[shard]), fsync)
         if self._dirty:
             keep = max(self._dirty)
