@@ -348,10 +348,6 @@ class ShardWriter:
             self._dirty.add(shard)
             at += take
 
-    def write(self, row0: int, rows: np.ndarray) -> None:
-        """Encode ``rows`` and place them at rows ``row0, row0 + 1, ...`` (published by the next :meth:`flush`)."""
-        self.put(row0, self.encode(rows))
-
     def flush(self, fsync: bool) -> None:
         """Replace every shard written since the last flush, whole and atomically."""
         for shard in sorted(self._dirty):

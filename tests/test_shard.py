@@ -214,7 +214,7 @@ def _zarr_rows(root) -> np.ndarray:
 def test_rows_written_across_shard_boundaries_are_read_back_by_the_writer_and_by_zarr(tmp_path):
     w = _writer(tmp_path)
     rows = _frames_of(13)
-    w.write(5, rows)  # rows 5..17: the tail of shard 0, all of shard 1, the head of shard 2
+    w.put(5, w.encode(rows))  # rows 5..17: the tail of shard 0, all of shard 1, the head of shard 2
     np.testing.assert_array_equal(w.read(5, 18), rows)  # before flush: the rows being written
     assert not os.path.exists(_shard_file(tmp_path, 0))
     w.flush(fsync=True)
@@ -231,11 +231,11 @@ def test_rows_written_across_shard_boundaries_are_read_back_by_the_writer_and_by
 def test_rows_written_into_a_shard_on_disk_keep_its_other_rows(tmp_path):
     w = _writer(tmp_path)
     first, second = _frames_of(3, seed=1), _frames_of(4, seed=2)
-    w.write(0, first)
+    w.put(0, w.encode(first))
     w.flush(fsync=False)
     w.close()
     w = _reopen(tmp_path)
-    w.write(3, second)  # a new handle: shard 0 is read from disk, then rewritten whole
+    w.put(3, w.encode(second))  # a new handle: shard 0 is read from disk, then rewritten whole
     w.flush(fsync=False)
     np.testing.assert_array_equal(_zarr_rows(tmp_path)[:7], np.concatenate([first, second]))
     w.close()
@@ -245,9 +245,9 @@ def test_rows_written_into_a_shard_on_disk_keep_its_other_rows(tmp_path):
 def test_a_ring_overwrite_replaces_only_the_rows_written(tmp_path, name):
     w = _writer(tmp_path, CODECS[name]())
     old, new = _frames_of(4 * SHARD_ROWS, seed=3), _frames_of(11, seed=4)
-    w.write(0, old)  # 32 rows: enough to be encoded across threads
+    w.put(0, w.encode(old))  # 32 rows: enough to be encoded across threads
     w.flush(fsync=False)
-    w.write(6, new)  # rows 6..16 again, over shards 0, 1 and 2
+    w.put(6, w.encode(new))  # rows 6..16 again, over shards 0, 1 and 2
     w.flush(fsync=False)
     want = old.copy()
     want[6:17] = new
@@ -259,13 +259,13 @@ def test_a_ring_overwrite_replaces_only_the_rows_written(tmp_path, name):
 def test_flush_replaces_a_shard_whole_and_a_reader_holding_the_old_file_reads_the_old_rows(tmp_path):
     w = _writer(tmp_path)
     old, new = _frames_of(SHARD_ROWS, seed=5), _frames_of(2, seed=6)
-    w.write(0, old[:6])
+    w.put(0, w.encode(old[:6]))
     w.flush(fsync=False)
     path = _shard_file(tmp_path, 0)
     inode = os.stat(path).st_ino
     with open(path, "rb") as held:
-        w.write(2, new)  # rows 2, 3 again
-        w.write(6, old[6:])
+        w.put(2, w.encode(new))  # rows 2, 3 again
+        w.put(6, w.encode(old[6:]))
         w.flush(fsync=False)
         assert os.stat(path).st_ino != inode  # renamed into place, never written in place
         raw = held.read()
@@ -285,7 +285,7 @@ def test_flush_replaces_a_shard_whole_and_a_reader_holding_the_old_file_reads_th
 
 def test_a_damaged_shard_on_disk_is_a_corrupt_store_for_the_writer(tmp_path):
     w = _writer(tmp_path)
-    w.write(0, _frames_of(4))
+    w.put(0, w.encode(_frames_of(4)))
     w.flush(fsync=False)
     w.close()
     path = Path(_shard_file(tmp_path, 0))
@@ -297,7 +297,7 @@ def test_a_damaged_shard_on_disk_is_a_corrupt_store_for_the_writer(tmp_path):
         w.read(0, 4)
     path.write_bytes(bytes(raw[:-3]))
     with pytest.raises(CorruptStoreError, match="crc32c"):
-        w.write(4, _frames_of(1))  # appending into it reads its index first
+        w.put(4, w.encode(_frames_of(1)))  # appending into it reads its index first
     w.close()
 
 
