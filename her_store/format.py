@@ -317,6 +317,11 @@ def check_array(
     meta = array.metadata
     if not isinstance(meta, ArrayV3Metadata):
         raise CorruptStoreError(f"{where}: Zarr v{meta.zarr_format} array metadata, expected v3")
+    if meta.storage_transformers or not np.all(np.asarray(meta.fill_value) == 0):
+        raise CorruptStoreError(
+            f"{where}: fill value {short_repr(meta.fill_value)} and storage transformers "
+            f"{short_repr(meta.storage_transformers)}, expected 0 and none (a row never written reads as zeros)"
+        )
     encoding = meta.chunk_key_encoding
     if not isinstance(encoding, DefaultChunkKeyEncoding) or encoding.separator != "/":
         raise CorruptStoreError(f"{where}: chunk key encoding {encoding!r}, expected the default with '/'")
@@ -384,9 +389,10 @@ class Commit:
         return json.dumps(body, sort_keys=True, indent=1).encode()
 
     @classmethod
-    def from_bytes(cls, raw: bytes, where: str) -> Commit:
+    def from_bytes(cls, raw: bytes, where: str, version: int | None = None) -> Commit:
         """Parse and check a commit record: exactly the keys of FORMAT.md, its crc32, non-negative integers that
-        agree with each other. Anything else raises CorruptStoreError (FormatVersionError for a newer format)."""
+        agree with each other, and (given ``version``) the store's format version. Anything else raises
+        CorruptStoreError (FormatVersionError for a newer format)."""
         names = [f.name for f in fields(cls)]
         try:
             body = json.loads(raw)
@@ -404,9 +410,13 @@ class Commit:
         crc = body.pop("crc32")
         if crc != zlib.crc32(json.dumps(body, sort_keys=True).encode()):
             raise CorruptStoreError(f"{where}: commit record {COMMIT_KEY} fails its crc32 check")
-        version = body.pop("format_version")
-        if version > FORMAT_VERSION:
-            raise FormatVersionError(f"{where}: commit record has format version {version}; this her_store reads up to {FORMAT_VERSION}")
+        found = body.pop("format_version")
+        if found > FORMAT_VERSION:
+            raise FormatVersionError(f"{where}: commit record has format version {found}; this her_store reads up to {FORMAT_VERSION}")
+        if version is not None and found != version:
+            raise CorruptStoreError(
+                f"{where}: commit record has format version {found}, the store's attributes {version}; they must agree"
+            )
         commit = cls(**body)
         live = commit.end_episode - commit.first_episode
         # every live episode has >= 1 transition and owns its T + 1 rows, disjoint from the others'

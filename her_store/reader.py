@@ -38,8 +38,8 @@ from her_store import _frames
 from her_store.errors import CorruptStoreError
 from her_store.format import ArraySpec
 from her_store.index import IndexView
-from her_store.shard import FrameCodec, index_nbytes, parse_index
-from her_store.storage import Location, chunk_key, drop_page_cache
+from her_store.shard import FrameCodec, index_nbytes, parse_index, shard_limit
+from her_store.storage import Location, chunk_key, drop_page_cache, open_regular
 
 if TYPE_CHECKING:
     from her_store.store import EpisodeStore
@@ -348,11 +348,13 @@ class ShardedArray(CachedArray):
         key = self._key(chunk)
         assert self.root is not None
         try:
-            buf = open(os.path.join(self.root, key), "rb", buffering=0)  # closed when no gather holds it
+            buf = io.FileIO(open_regular(os.path.join(self.root, key)), "rb")  # closed when no gather holds it
         except FileNotFoundError:
             return self._empty()
         os.posix_fadvise(buf.fileno(), 0, 0, os.POSIX_FADV_RANDOM)  # a frame is one read, no readahead
         size = os.fstat(buf.fileno()).st_size
+        if size > shard_limit(self.chunk_rows, self.spec.row_nbytes):
+            raise CorruptStoreError(f"{self.location}/{key}: {size:,} bytes, more than a shard of its rows may hold")
         need = min(size, index_nbytes(self.chunk_rows))
         index = _Tail(size, os.pread(buf.fileno(), need, size - need))
         offsets, nbytes = parse_index(index, self.chunk_rows, f"{self.location}/{key}")
@@ -394,6 +396,9 @@ class ShardedArray(CachedArray):
                 raise _Changed from e
             raise
         try:
+            length = int(resp.get("ContentLength") or 0)
+            if length > shard_limit(self.chunk_rows, self.spec.row_nbytes):  # refused before a byte is read
+                raise CorruptStoreError(f"{self.location}/{self._key(chunk)}: {length:,} bytes, more than a shard may hold")
             body = await resp["Body"].read()
         finally:
             resp["Body"].close()

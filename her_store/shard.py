@@ -33,7 +33,7 @@ import zarr.codecs as zc
 from zarr.codecs.numcodecs import LZ4
 
 from her_store import _frames
-from her_store.errors import CorruptStoreError, StoreError
+from her_store.errors import CorruptStoreError, StoreError, short_repr
 from her_store.lossy import check_frames, frame_codec, is_lossy
 from her_store.schema import Field
 from her_store.storage import Location, chunk_key
@@ -46,8 +46,15 @@ warnings.filterwarnings(
     "ignore", "Numcodecs codecs are not in the Zarr version 3 specification", UserWarning, r"zarr\.codecs\.numcodecs"
 )
 
-EMPTY = (1 << 64) - 1  # offset and nbytes of a row never written
+EMPTY = (1 << 64) - 1
+LZ4_MAX_ACCELERATION = 65537  # LZ4_ACCELERATION_MAX of lz4.c  # offset and nbytes of a row never written
 MIN_ROWS_PER_THREAD = 8  # below this, encoding in the calling thread is faster than handing rows to a pool
+
+
+def shard_limit(rows: int, row_nbytes: int) -> int:
+    """The most bytes a shard of ``rows`` rows may hold: every row encoded at up to twice its size (LZ4's, zstd's and
+    gzip's worst cases are a few percent over it, a JPEG of noise about 1.5x), plus the index."""
+    return rows * (2 * row_nbytes + 1024) + index_nbytes(rows)
 
 
 def index_nbytes(rows: int) -> int:
@@ -100,7 +107,14 @@ class FrameCodec:
         if len(inner) == 2:
             c = inner[1]
             if isinstance(c, LZ4):
-                self._lz4 = int(c.codec_config.get("acceleration", 1))
+                config = dict(c.codec_config)
+                acceleration = config.pop("acceleration", 1)
+                if config.pop("id", "lz4") != "lz4" or config or not (type(acceleration) is int and 1 <= acceleration <= LZ4_MAX_ACCELERATION):
+                    raise CorruptStoreError(
+                        f"{where}: numcodecs.lz4 configuration {short_repr(c.codec_config)}, expected only "
+                        f"'acceleration', an integer 1..{LZ4_MAX_ACCELERATION}"
+                    )
+                self._lz4 = acceleration
                 self._codec = numcodecs.LZ4(self._lz4)
             elif isinstance(c, zc.BloscCodec):
                 shuffle = {"noshuffle": 0, "shuffle": 1, "bitshuffle": 2}[str(getattr(c.shuffle, "value", c.shuffle))]
@@ -301,7 +315,7 @@ class ShardWriter:
 
     def _load(self, shard: int) -> list[bytes | None]:
         """The encoded rows of a shard as published: those on disk, or all empty."""
-        raw = self.location.read_bytes(self._key(shard))
+        raw = self.location.read_bytes(self._key(shard), shard_limit(self.chunk_rows, self.codec.nbytes))
         if raw is None:
             return [None] * self.chunk_rows
         offsets, nbytes = parse_index(raw, self.chunk_rows, f"{self.location}/{self._key(shard)}")

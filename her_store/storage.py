@@ -16,6 +16,7 @@ import math
 import os
 import shutil
 import socket
+import stat
 import threading
 import time
 import uuid
@@ -35,6 +36,7 @@ from her_store.errors import CorruptStoreError, StoreLockedError
 __all__ = ["Location", "WriterLock", "RawChunkFile", "ZarrChunks", "chunk_io", "ZARR_CONFIG"]
 
 DEFAULT_LEASE_TTL = 300.0  # seconds an object-storage writer lease lasts unless renewed
+METADATA_LIMIT = 64 << 20  # bytes a commit record, lease or zarr.json may hold (spaces with per-pixel bounds included)
 ZARR_CONFIG: ArrayConfigParams = {"write_empty_chunks": True}  # an all-zero chunk is data here, not absence
 
 
@@ -74,15 +76,44 @@ class Location:
             return zarr.storage.LocalStore(self.root, read_only=read_only)
         return zarr.storage.FsspecStore.from_url(self.url, storage_options=self.storage_options, read_only=read_only)
 
-    def read_bytes(self, key: str) -> bytes | None:
-        """Contents of ``key``, or None when it does not exist."""
+    def read_bytes(self, key: str, limit: int = METADATA_LIMIT) -> bytes | None:
+        """Contents of ``key``, or None when it does not exist.
+
+        Nothing in a store is trusted: locally ``key`` must be a regular file (not a symbolic link, a FIFO, a device
+        or a directory), and anywhere it must hold at most ``limit`` bytes; otherwise CorruptStoreError.
+        """
+        path = self.key_path(key)
         try:
             if self.is_local:
-                with open(self.key_path(key), "rb") as f:
-                    return f.read()
-            return self.fs.cat_file(self.key_path(key))
+                fd = open_regular(path)
+                try:
+                    size = os.fstat(fd).st_size
+                    if size > limit:
+                        raise CorruptStoreError(f"{path} holds {size:,} bytes, more than the {limit:,} it may")
+                    return os.pread(fd, size, 0)
+                finally:
+                    os.close(fd)
+            raw = self.fs.cat_file(path, start=0, end=limit + 1)
         except FileNotFoundError:
             return None
+        if len(raw) > limit:
+            raise CorruptStoreError(f"{path} holds more than the {limit:,} bytes it may")
+        return raw
+
+    def check_file(self, key: str, limit: int = METADATA_LIMIT) -> None:
+        """Before a library (zarr) reads local ``key`` itself: a regular file of at most ``limit`` bytes, or missing."""
+        if not self.is_local:
+            return
+        try:
+            fd = open_regular(self.key_path(key))
+        except FileNotFoundError:
+            return
+        try:
+            size = os.fstat(fd).st_size
+        finally:
+            os.close(fd)
+        if size > limit:
+            raise CorruptStoreError(f"{self.key_path(key)} holds {size:,} bytes, more than the {limit:,} it may")
 
     def write_atomic(self, key: str, data: bytes, fsync: bool, if_match: str | None = None) -> str | None:
         """Replace ``key`` so that a reader sees the old or the new bytes, never a mix.
@@ -151,8 +182,48 @@ class Location:
             self.fs.rm(doomed)
         self.fs.rm_file(root_meta)
 
+    def remove_temp_files(self) -> int:
+        """Remove the temp files that atomic writes of a writer killed mid-write left (``<key>.<pid>.tmp``, local disk
+        only: on object storage a write is one PUT). Call it holding the writer lock. Returns how many."""
+        if not self.is_local:
+            return 0
+        removed = 0
+        for d, _, files in os.walk(self.root):
+            for name in files:
+                stem, _, pid = name[: -len(".tmp")].rpartition(".") if name.endswith(".tmp") else ("", "", "")
+                if stem and pid.isdigit():
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(os.path.join(d, name))
+                        removed += 1
+        return removed
+
     def exists(self, key: str) -> bool:
         return bool(self.fs.exists(self.key_path(key)))
+
+
+def open_regular(path: str) -> int:
+    """A read-only descriptor of ``path``, which must be a regular file: opening a FIFO would block forever, a device
+    such as /dev/zero never ends, and a store's files are never symbolic links (so none leads outside it).
+
+    Raises
+    ------
+    FileNotFoundError
+        Nothing is there.
+    CorruptStoreError
+        Something other than a regular file is.
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise CorruptStoreError(f"{path} is a symbolic link; a store's files are regular files") from e
+        if e.errno in (errno.EISDIR, errno.ENXIO):
+            raise CorruptStoreError(f"{path} is not a regular file ({e.strerror})") from e
+        raise
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise CorruptStoreError(f"{path} is not a regular file (a directory, FIFO, socket or device)")
+    return fd
 
 
 def write_all(fd: int, data: Any, offset: int | None = None) -> None:

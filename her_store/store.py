@@ -167,6 +167,7 @@ class EpisodeStore:
         self.mode = mode
         self.durability: Durability = durability
         self._committer: Committer | None = None
+        self._version = FORMAT_VERSION  # the store's, from its attributes once opened
         self.commit_interval = LOCAL_COMMIT_INTERVAL if location.is_local else REMOTE_COMMIT_INTERVAL
         if commit_interval is not None:
             self.commit_interval = commit_interval
@@ -349,6 +350,9 @@ class EpisodeStore:
             self._lock = WriterLock(loc, LOCK_KEY, lease_ttl)
             self._lock.acquire()
         try:
+            if mode == "a":
+                loc.remove_temp_files()  # what a writer killed in an atomic write left (a shard, a commit record)
+            self._version = attrs["format_version"]
             self._attach(root, attrs, self._read_commit())
         except BaseException:
             if self._lock is not None:
@@ -365,7 +369,7 @@ class EpisodeStore:
             )
         if raw is None:
             raise CorruptStoreError(f"{self._loc} has no commit record {COMMIT_KEY}; expected one in every store (FORMAT.md)")
-        return Commit.from_bytes(raw, str(self._loc))
+        return Commit.from_bytes(raw, str(self._loc), self._version)
 
     def _attach(self, root: zarr.Group, attrs: dict[str, Any], commit: Commit) -> None:
         self._root = root
@@ -408,6 +412,7 @@ class EpisodeStore:
         sharded: bool = False,
     ) -> zarr.Array:
         where = f"{self._loc}/{path}/zarr.json"
+        self._loc.check_file(f"{path}/zarr.json")  # zarr reads it whole: a regular file of bounded size
         try:
             array = self._root[path]
         except (KeyError, ValueError, TypeError, AttributeError, OverflowError, RecursionError) as e:  # zarr's parse
@@ -910,6 +915,7 @@ def _default_codec(field: Any) -> Any:
 def _open_root(loc: Location, read_only: bool) -> zarr.Group:
     """The store's root group. A path holding anything else is not a store; a zarr.json zarr cannot parse is a
     damaged one."""
+    loc.check_file("zarr.json")  # zarr reads it whole: a regular file of bounded size
     try:
         return zarr.open_group(loc.zarr_store(read_only=read_only), mode="r" if read_only else "r+", zarr_format=3)
     except zarr.errors.ContainsArrayError as e:

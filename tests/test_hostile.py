@@ -534,3 +534,60 @@ def test_crafted_shard_files_give_store_errors_only(shard_bases, arena, data):
         for mode in ("r", "a"):
             with contextlib.suppress(StoreError):
                 _use(store, mode)
+
+
+# -- files that are not files: each would hang or grow without bound if opened and read as one ---------------------
+SHARD = Path("steps") / "pixels" / "c" / "0" / "0" / "0" / "0"
+
+
+def _replace_with(path: Path, kind: str) -> None:
+    path.unlink()
+    if kind == "fifo":
+        os.mkfifo(path)
+    elif kind == "directory":
+        path.mkdir()
+    else:  # a symbolic link to a device that never ends
+        path.symlink_to("/dev/zero")
+
+
+@pytest.mark.parametrize("kind", ["fifo", "directory", "dev-zero"])
+@pytest.mark.parametrize("where", [str(SHARD), "commit.json", "zarr.json", "steps/pixels/zarr.json"])
+@pytest.mark.parametrize("mode", ["r", "a"])
+def test_a_file_that_is_a_fifo_a_directory_or_a_link_to_dev_zero(store, kind, where, mode):
+    """A FIFO blocked open() forever, /dev/zero behind a link grew a read until memory ran out, a directory raised
+    IsADirectoryError: each is a CorruptStoreError naming the file, within bounded memory."""
+    _replace_with(store / where, kind)
+    with bounded_memory(), pytest.raises(CorruptStoreError, match=r"regular file|symbolic link"):
+        _use(store, mode)
+
+
+def test_a_commit_record_of_another_format_version_than_the_store(store):
+    body = json.loads((store / "commit.json").read_text())
+    _write_commit(store, {**body, "format_version": 1})  # the store's attributes say 2
+    with pytest.raises(CorruptStoreError, match="format version 1, the store's attributes 2"):
+        EpisodeStore.open(store)
+
+
+@pytest.mark.parametrize(
+    "edit, msg",
+    [
+        (lambda c: c.update(acceleration="fast"), "numcodecs.lz4 configuration"),
+        (lambda c: c.update(acceleration=2**40), "numcodecs.lz4 configuration"),
+        (lambda c: c.update(acceleration=1.5), "numcodecs.lz4 configuration"),
+        (lambda c: c.update(extra=1), "numcodecs.lz4 configuration"),
+    ],
+)
+def test_a_crafted_lz4_configuration(store, edit, msg):
+    def change(doc):
+        edit(doc["codecs"][0]["configuration"]["codecs"][1]["configuration"])
+
+    _edit_json(store / "steps" / "pixels" / "zarr.json", change)
+    with pytest.raises(CorruptStoreError, match=msg):
+        EpisodeStore.open(store)
+
+
+@pytest.mark.parametrize("key, value", [("fill_value", 7), ("storage_transformers", [{"name": "evil"}])])
+def test_a_fill_value_or_storage_transformer_the_format_does_not_have(store, key, value):
+    _edit_json(store / "steps" / "pixels" / "zarr.json", lambda d: d.update({key: value}))
+    with pytest.raises(CorruptStoreError):
+        EpisodeStore.open(store)

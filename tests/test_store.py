@@ -710,3 +710,21 @@ def test_appending_to_a_version_1_store_keeps_it_version_1(tmp_path):
     assert _v1_files(path) == before  # layout and array metadata untouched: still version 1, unsharded
     assert json.loads((path / "zarr.json").read_text())["attributes"]["her_store"]["format_version"] == 1
     _check_v1_store(path, {i: T for i, T in lengths.items() if i >= first})  # a later open: old and appended
+
+
+def test_opening_for_append_removes_the_temp_files_of_a_killed_writer(store_path, fetch):
+    """A writer killed during an atomic write leaves ``<key>.<pid>.tmp``; the next writer removes those, and only
+    those (a reader removes nothing)."""
+    obs, act = fetch
+    with EpisodeStore.create(store_path, obs, act) as store:
+        store.append_episode(make_episode(obs, act, 5, seed=0))
+    root = Path(store_path)
+    left = [root / "commit.json.4242.tmp", root / "episodes" / "length" / "c" / "0.17.tmp"]
+    kept = [root / "notes.tmp", root / "x.abc.tmp"]
+    for f in (*left, *kept):
+        f.write_bytes(b"partial")
+    EpisodeStore.open(store_path).close()
+    assert all(f.exists() for f in (*left, *kept))
+    with EpisodeStore.open(store_path, mode="a") as store:
+        assert store.num_episodes == 1
+    assert not any(f.exists() for f in left) and all(f.exists() for f in kept)
