@@ -44,7 +44,7 @@ from her_store.storage import Location, chunk_key, drop_page_cache, open_regular
 if TYPE_CHECKING:
     from her_store.store import EpisodeStore
 
-__all__ = ["ChunkReader", "MappedArray", "CachedArray", "ShardedArray"]
+__all__ = ["CachedArray", "ChunkReader", "MappedArray", "ShardedArray"]
 
 MIN_ROWS_PER_THREAD = 16  # below this a thread costs more than the rows it reads
 MIN_FRAMES_PER_THREAD = 4  # a compressed frame costs a decode: worth a thread from a few on
@@ -776,7 +776,7 @@ class ChunkReader:
             return out
         parts = min(threads, n // per_thread)
         edges = np.linspace(0, n, parts + 1).astype(np.int64)
-        work: Callable[[int], None] = lambda i: arr.gather(rows[edges[i] : edges[i + 1]], out[edges[i] : edges[i + 1]])  # noqa: E731
+        work: Callable[[int], None] = lambda i: arr.gather(rows[edges[i] : edges[i + 1]], out[edges[i] : edges[i + 1]])
         list(self._pool.map(work, range(parts)))
         return out
 

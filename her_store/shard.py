@@ -38,7 +38,7 @@ from her_store.lossy import check_frames, frame_codec, is_lossy
 from her_store.schema import Field
 from her_store.storage import Location, chunk_key
 
-__all__ = ["FrameCodec", "build_shard", "parse_index", "ShardWriter", "EMPTY", "index_nbytes", "lz4_codec", "frame_codecs"]
+__all__ = ["EMPTY", "FrameCodec", "ShardWriter", "build_shard", "frame_codecs", "index_nbytes", "lz4_codec", "parse_index"]
 
 # zarr warns, each time it builds a numcodecs codec (creating or opening a store), that other Zarr implementations
 # may not read it; FORMAT.md says so once, and her_store's own reader decodes it
