@@ -329,6 +329,14 @@ class ShardedArray(CachedArray):
         self._ndim = 1 + len(spec.row_shape)
         if location.is_local:
             self.max_entries = self.MAX_OPEN
+        # local shards (see _local_rows): open files, and per shard its descriptor, the committed end when it was
+        # opened (-1: not open) and the gather that last used it; per row its (offset, nbytes)
+        self._files: dict[int, Any] = {}
+        self._tags = np.full(0, -1, np.int64)
+        self._fds = np.full(0, -1, np.int32)
+        self._used = np.zeros(0, np.int64)
+        self._uses = 0
+        self._table = np.full((0, 2), -1, np.int64)
         self._s3 = not location.is_local and _is_s3(location.fs)
         # whether GETs here honour If-Match: None until a probe could tell (only S3 can; then it is checked)
         self._ranged: bool | None = None if self._s3 else False
@@ -608,34 +616,21 @@ class ShardedArray(CachedArray):
     # gathers ----------------------------------------------------------------------------------------------------
 
     def gather(self, rows: np.ndarray, out: np.ndarray) -> None:
-        if self.root is None and not self.codec.is_lz4:
-            self._gather_remote(rows, out)
-            return
-        cr = self.chunk_rows
-        shard_of = rows // cr
-        order = np.argsort(shard_of, kind="stable")
-        bounds = np.flatnonzero(np.diff(shard_of[order])) + 1
         if self.codec.is_lz4:
             self.gather_lz4(rows, out, None, 1)
-            return
-        decode = self.codec.decode
-        for sel in np.split(order, bounds):
-            c = int(shard_of[sel[0]])
-            shard = self._chunk(c)
-            local = rows[sel] - c * cr
-            offsets, ends = shard.offsets[local].tolist(), (shard.offsets[local] + shard.nbytes[local]).tolist()
-            buf = shard.buf
-            # locally one pread per frame (the GIL is released while the disk works), remotely a slice of the shard
-            fd = buf.fileno() if isinstance(buf, io.FileIO) else None
-            for i, o, e in zip(sel.tolist(), offsets, ends):
-                if o < 0:
-                    self._never_written(int(rows[i]))
+        elif self.root is None:
+            self._gather_remote(rows, out)
+        else:
+            held, fds, offsets, nbytes = self._local_rows(rows, None)
+            decode = self.codec.decode
+            # one pread per frame (the GIL is released while the disk works), then its decode
+            for i, (fd, o, n) in enumerate(zip(fds.tolist(), offsets.tolist(), nbytes.tolist())):
                 try:
-                    decode(buf[o:e] if fd is None else os.pread(fd, e - o, o), out[i])
+                    decode(os.pread(fd, n, o), out[i])
                 except (ValueError, RuntimeError, TypeError) as e:  # what the codecs raise for undecodable bytes
-                    key = chunk_key(self.spec.path, c, self._ndim)
-                    raise CorruptStoreError(f"{self.location}/{key}: row {int(rows[i]) - c * cr} cannot be decoded ({e})") from e
-
+                    c, r = divmod(int(rows[i]), self.chunk_rows)
+                    raise CorruptStoreError(f"{self.location}/{self._key(c)}: row {r} cannot be decoded ({e})") from e
+            del held
 
     def gather_lz4(self, rows: np.ndarray, out: np.ndarray, pool: ThreadPoolExecutor | None, parts: int) -> None:
         """The default codec's path: every row's byte range is found here, once, then the rows are read (locally)
@@ -643,16 +638,7 @@ class ShardedArray(CachedArray):
         if self.root is None:
             self._gather_remote_lz4(rows, out, pool, parts)
             return
-        cr, row_nbytes = self.chunk_rows, self.spec.row_nbytes
-        shard_of = rows // cr
-        uniq, inv = np.unique(shard_of, return_inverse=True)
-        shards = self._open_shards(uniq.tolist(), pool)  # held open until their rows are decoded
-        local = rows - shard_of * cr
-        offsets = np.stack([s.offsets for s in shards])[inv, local]
-        nbytes = np.stack([s.nbytes for s in shards])[inv, local]
-        if (offsets < 0).any():
-            self._never_written(int(rows[np.argmax(offsets < 0)]))
-        fds = np.array([s.buf.fileno() for s in shards], np.int32)[inv]
+        held, fds, offsets, nbytes = self._local_rows(rows, pool)
         # by file and offset: frames t and t + 1 of an episode follow each other in their shard and are read at once
         order = np.lexsort((offsets, fds))
         fds, offsets, nbytes = fds[order], offsets[order], nbytes[order]
@@ -660,7 +646,7 @@ class ShardedArray(CachedArray):
 
         def decode(i: int) -> tuple[int, int]:
             a, b = int(edges[i]), int(edges[i + 1])
-            failed, err = _frames.pread_lz4(fds[a:b], offsets[a:b], nbytes[a:b], order[a:b], out, row_nbytes)
+            failed, err = _frames.pread_lz4(fds[a:b], offsets[a:b], nbytes[a:b], order[a:b], out, self.spec.row_nbytes)
             return (int(order[a + failed]) if failed >= 0 else -1), err
 
         k = len(edges) - 1
@@ -669,24 +655,81 @@ class ShardedArray(CachedArray):
         else:  # the calling thread decodes the last part itself rather than wait idle
             futures = [pool.submit(decode, i) for i in range(k - 1)]
             results = [decode(k - 1)] + [f.result() for f in futures]
+        del held  # the files stay open until their rows are decoded
         for failed, err in results:
             if failed >= 0:
                 self._undecodable(int(rows[failed]), err)
 
-    def _open_shards(self, chunks: list[int], pool: ThreadPoolExecutor | None) -> list[_Shard]:
-        """Local shards ``chunks``: from the cache, or opened (their index read), on the pool's threads when there
-        are several: each is a small read at the end of a file, which a cold store serves from the disk."""
-        got = [self._cached(c) for c in chunks]
-        missing = [j for j, (hit, _) in enumerate(got) if hit is None]
-        if pool is not None and len(missing) > 1:
-            loaded = list(pool.map(self._load, [chunks[j] for j in missing]))
-        else:
-            loaded = [self._load(chunks[j]) for j in missing]
-        shards = [hit for hit, _ in got]
-        for j, shard in zip(missing, loaded):
-            self._keep(chunks[j], got[j][1], shard)
-            shards[j] = shard
-        return shards
+    # local shards: open files and a per-row table of byte ranges ---------------------------------------------------
+
+    def _local_rows(
+        self, rows: np.ndarray, pool: ThreadPoolExecutor | None
+    ) -> tuple[list[Any], np.ndarray, np.ndarray, np.ndarray]:
+        """(the open files held for this gather, and per row its file descriptor, offset and size) of local rows.
+
+        A shard is opened (its index read: a small read at the end of its file, on the pool's threads when several
+        are needed) the first time a gather needs it and again when a commit recorded since reached it; its rows'
+        byte ranges go into a table indexed by row, so a gather finds them in a few vectorised operations. Files,
+        descriptors and ranges are taken together under the lock, so a shard reopened by another thread meanwhile
+        cannot pair one file's descriptor with another's ranges.
+        """
+        cr = self.chunk_rows
+        shard_of = rows // cr
+        uniq = np.unique(shard_of)
+        with self._lock:
+            self._grow(int(uniq[-1]) + 1)
+            newest = np.full(len(uniq), -1, np.int64)  # the newest recorded episode whose rows reach each shard
+            inside = uniq < len(self._newest)
+            newest[inside] = self._newest[uniq[inside]]
+            tags = self._tags[uniq]
+            stale = uniq[(tags < 0) | (newest >= tags)].tolist()
+            tag = self._end  # read before the shards: episodes below it were committed before they were opened
+        if stale:
+            opened = list(pool.map(self._load, stale)) if pool is not None and len(stale) > 1 else [self._load(c) for c in stale]
+        with self._lock:
+            self._grow(int(uniq[-1]) + 1)
+            for c, shard in zip(stale, opened if stale else ()):
+                self.misses += 1
+                self._files[c] = shard.buf
+                self._fds[c] = shard.buf.fileno() if shard.buf is not None else -1
+                self._table[c * cr : (c + 1) * cr, 0] = shard.offsets
+                self._table[c * cr : (c + 1) * cr, 1] = np.where(shard.offsets < 0, -1, shard.nbytes)
+                self._tags[c] = tag
+            self.hits += len(uniq) - len(stale)
+            self._uses += 1
+            self._used[uniq] = self._uses
+            held = [self._files.get(c) for c in uniq.tolist()]
+            fds, offsets, nbytes = self._fds[shard_of], self._table[rows, 0], self._table[rows, 1]
+            if len(self._files) > self.max_entries:
+                self._close_oldest(len(self._files) - self.max_entries // 2)
+        if (offsets < 0).any():
+            self._never_written(int(rows[np.argmax(offsets < 0)]))
+        return held, fds, offsets, nbytes
+
+    def _grow(self, shards: int) -> None:
+        """Size the per-shard and per-row tables for ``shards`` shards (under the lock)."""
+        have = len(self._tags)
+        if shards <= have:
+            return
+        n = max(shards, 2 * have)
+        self._tags = np.concatenate([self._tags, np.full(n - have, -1, np.int64)])
+        self._fds = np.concatenate([self._fds, np.full(n - have, -1, np.int32)])
+        self._used = np.concatenate([self._used, np.zeros(n - have, np.int64)])
+        self._table = np.concatenate([self._table, np.full(((n - have) * self.chunk_rows, 2), -1, np.int64)])
+
+    def close(self) -> None:
+        super().close()
+        with self._lock:
+            self._files.clear()
+            self._tags[:] = -1
+            self._fds[:] = -1
+
+    def _close_oldest(self, k: int) -> None:
+        """Forget the ``k`` least recently used open shards (under the lock); gathers holding them finish first."""
+        open_ = np.fromiter(self._files, np.int64, len(self._files))
+        for c in open_[np.argsort(self._used[open_], kind="stable")[:k]].tolist():
+            del self._files[c]
+            self._tags[c], self._fds[c] = -1, -1
 
     def evict_page_cache(self) -> None:
         """Drop the shard files from the page cache. Locally the open shards and their parsed indexes stay: an
