@@ -683,6 +683,12 @@ class ShardedArray(CachedArray):
             newest[inside] = self._newest[uniq[inside]]
             tags = self._tags[uniq]
             stale = uniq[(tags < 0) | (newest >= tags)].tolist()
+            if self._uses == 0 and pool is not None:
+                # a sampler's first gather opens every shard holding committed rows (up to half the open-file
+                # bound), in parallel: a cold store then reads their indexes at once rather than one per gather
+                known = np.flatnonzero(self._newest >= 0)[: self.max_entries // 2]
+                stale = sorted(set(stale) | set(known.tolist()))
+                self._grow(int(known[-1]) + 1 if len(known) else 0)
             tag = self._end  # read before the shards: episodes below it were committed before they were opened
         if stale:
             opened = list(pool.map(self._load, stale)) if pool is not None and len(stale) > 1 else [self._load(c) for c in stale]

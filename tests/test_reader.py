@@ -140,3 +140,22 @@ def test_a_version_1_chunk_decoding_to_fewer_bytes_is_damage(tmp_path):
         reader.gather("steps/pixels", rows_live)
     reader.close()
     store.close()
+
+
+def test_a_samplers_first_gather_opens_every_shard_with_committed_rows_at_once(tmp_path):
+    """Cold, a shard's index is a disk read: the first gather reads them all in parallel rather than one per gather."""
+    with EpisodeStore.create(tmp_path / "s", OBS, ACT, chunk_rows=CHUNK_ROWS) as store:  # LZ4 pixels, 16-row shards
+        for e in range(12):
+            store.append_episode(episode(e))
+    store = EpisodeStore.open(tmp_path / "s")
+    shards = -(-store.commit_record.write_row // CHUNK_ROWS)
+    reader = ChunkReader(store, io_threads=2)
+    reader.observe(store.snapshot())
+    arr = reader.arrays["steps/pixels"]
+    assert isinstance(arr, ShardedArray) and shards > 4
+    np.testing.assert_array_equal(reader.gather("steps/pixels", np.array([0]))[0], rows(np.array([0]), np.array([0]))["pixels"][0])
+    assert arr.misses == shards  # every shard opened by the first gather
+    reader.gather("steps/pixels", np.arange(store.commit_record.write_row))
+    assert arr.misses == shards  # and none again
+    reader.close()
+    store.close()
