@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import io
+import itertools
 import mmap
 import os
 import resource
@@ -616,23 +617,33 @@ class ShardedArray(CachedArray):
     # gathers ----------------------------------------------------------------------------------------------------
 
     def gather(self, rows: np.ndarray, out: np.ndarray) -> None:
+        self.gather_split(rows, out, None, 1)
+
+    def gather_split(self, rows: np.ndarray, out: np.ndarray, pool: ThreadPoolExecutor | None, parts: int) -> None:
+        """Rows ``rows`` into ``out``, their byte ranges found once, then read and decoded in ``parts`` pieces on the
+        threads of ``pool`` (the calling thread takes one): LZ4 in C without the GIL, other codecs row by row."""
         if self.codec.is_lz4:
-            self.gather_lz4(rows, out, None, 1)
-        elif self.root is None:
+            self._gather_lz4(rows, out, pool, parts)
+            return
+        if self.root is None:
             self._gather_remote(rows, out)
-        else:
-            held, fds, offsets, nbytes = self._local_rows(rows, None)
-            decode = self.codec.decode
+            return
+        held, fds, offsets, nbytes = self._local_rows(rows, pool)
+        decode = self.codec.decode
+
+        def work(a: int, b: int) -> None:
             # one pread per frame (the GIL is released while the disk works), then its decode
-            for i, (fd, o, n) in enumerate(zip(fds.tolist(), offsets.tolist(), nbytes.tolist())):
+            for i, (fd, o, n) in enumerate(zip(fds[a:b].tolist(), offsets[a:b].tolist(), nbytes[a:b].tolist()), a):
                 try:
                     decode(os.pread(fd, n, o), out[i])
                 except (ValueError, RuntimeError, TypeError) as e:  # what the codecs raise for undecodable bytes
                     c, r = divmod(int(rows[i]), self.chunk_rows)
                     raise CorruptStoreError(f"{self.location}/{self._key(c)}: row {r} cannot be decoded ({e})") from e
-            del held
 
-    def gather_lz4(self, rows: np.ndarray, out: np.ndarray, pool: ThreadPoolExecutor | None, parts: int) -> None:
+        _split(work, len(rows), pool, parts)
+        del held  # the files stay open until their rows are decoded
+
+    def _gather_lz4(self, rows: np.ndarray, out: np.ndarray, pool: ThreadPoolExecutor | None, parts: int) -> None:
         """The default codec's path: every row's byte range is found here, once, then the rows are read (locally)
         and decoded in C with the GIL released, split across ``parts`` threads of ``pool``."""
         if self.root is None:
@@ -642,23 +653,17 @@ class ShardedArray(CachedArray):
         # by file and offset: frames t and t + 1 of an episode follow each other in their shard and are read at once
         order = np.lexsort((offsets, fds))
         fds, offsets, nbytes = fds[order], offsets[order], nbytes[order]
-        edges = np.linspace(0, len(rows), max(1, parts) + 1).astype(np.int64)
+        failed: list[tuple[int, int]] = []
 
-        def decode(i: int) -> tuple[int, int]:
-            a, b = int(edges[i]), int(edges[i + 1])
-            failed, err = _frames.pread_lz4(fds[a:b], offsets[a:b], nbytes[a:b], order[a:b], out, self.spec.row_nbytes)
-            return (int(order[a + failed]) if failed >= 0 else -1), err
+        def decode(a: int, b: int) -> None:
+            bad, err = _frames.pread_lz4(fds[a:b], offsets[a:b], nbytes[a:b], order[a:b], out, self.spec.row_nbytes)
+            if bad >= 0:
+                failed.append((int(order[a + bad]), err))
 
-        k = len(edges) - 1
-        if pool is None or k == 1:
-            results = [decode(0)]
-        else:  # the calling thread decodes the last part itself rather than wait idle
-            futures = [pool.submit(decode, i) for i in range(k - 1)]
-            results = [decode(k - 1)] + [f.result() for f in futures]
+        _split(decode, len(rows), pool, parts)
         del held  # the files stay open until their rows are decoded
-        for failed, err in results:
-            if failed >= 0:
-                self._undecodable(int(rows[failed]), err)
+        for row, err in failed:
+            self._undecodable(int(rows[row]), err)
 
     # local shards: open files and a per-row table of byte ranges ---------------------------------------------------
 
@@ -761,6 +766,21 @@ class ShardedArray(CachedArray):
         raise CorruptStoreError(f"{where}: row {row - c * self.chunk_rows} is not one row's LZ4 block")
 
 
+def _split(work: Callable[[int, int], None], n: int, pool: ThreadPoolExecutor | None, parts: int) -> None:
+    """``work(a, b)`` over ``parts`` consecutive pieces of ``range(n)``, on the pool's threads and the calling one (which
+    takes the last piece rather than wait idle); the first exception raised is raised here, after every piece ran."""
+    edges = np.linspace(0, n, max(1, parts) + 1).astype(np.int64).tolist()
+    if pool is None or parts <= 1:
+        work(0, n)
+        return
+    futures = [pool.submit(work, a, b) for a, b in itertools.pairwise(edges[:-1])]
+    try:
+        work(edges[-2], edges[-1])
+    finally:
+        for f in futures:
+            f.result()
+
+
 class ChunkReader:
     """Row gathers for every array of a store.
 
@@ -817,8 +837,8 @@ class ChunkReader:
         n = len(rows)
         per_thread = MIN_FRAMES_PER_THREAD if isinstance(arr, ShardedArray) else MIN_ROWS_PER_THREAD
         threads = self.decode_threads if isinstance(arr, ShardedArray) else self.io_threads
-        if isinstance(arr, ShardedArray) and arr.codec.is_lz4:
-            arr.gather_lz4(rows, out, self._pool, min(threads, n // per_thread))
+        if isinstance(arr, ShardedArray):
+            arr.gather_split(rows, out, self._pool, min(threads, n // per_thread))
             return out
         if self._pool is None or threads == 0 or n < 2 * per_thread:
             arr.gather(rows, out)
