@@ -8,9 +8,9 @@ written), then the index's crc32c. That is Zarr v3's ``sharding_indexed`` codec 
 - :class:`FrameCodec` encodes and decodes one row with the array's inner codecs, straight into the caller's buffer;
 - :func:`build_shard` and :func:`parse_index` make and check a shard's bytes (nothing read is trusted: every offset
   must lie in the shard, and a bad crc32c is a damaged shard);
-- :class:`ShardWriter` is the row access the commit protocol writes through: rows are encoded in parallel, and a
-  commit replaces each shard it touched whole and atomically (a temp file renamed into place, or one PUT), so a
-  reader or a crash sees the old shard or the new one, never a mix.
+- :class:`ShardWriter` is the row access the commit protocol writes through: rows are encoded (in parallel) as
+  episodes are staged, placed at commit, and a commit replaces each shard it touched whole and atomically (a temp
+  file renamed into place, or one PUT), so a reader or a crash sees the old shard or the new one, never a mix.
 """
 
 from __future__ import annotations
@@ -285,11 +285,18 @@ def parse_index(buf: Any, rows: int, where: str) -> tuple[np.ndarray, np.ndarray
 
 
 class ShardWriter:
-    """Rows of a sharded array, encoded when written and published as whole shards by :meth:`flush`.
+    """Rows of a sharded array: encoded by :meth:`encode`, placed by :meth:`put`, published as whole shards by
+    :meth:`flush`.
 
     The encoded rows of each shard a commit touches are held in memory (a shard already on disk is read first, so
     rows of other episodes in it are kept); :meth:`flush` replaces each such shard whole, then keeps only the newest,
     which the next commit most likely appends to.
+
+    Examples
+    --------
+    >>> w = ShardWriter(store._root["steps/observation"], store._loc)  # doctest: +SKIP
+    >>> w.put(0, w.encode(frames))  # doctest: +SKIP
+    >>> w.flush(fsync=False)  # doctest: +SKIP
 
     Parameters
     ----------
