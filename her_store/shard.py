@@ -136,7 +136,6 @@ class FrameCodec:
                 f"{where}: inner codecs {inner!r}; her_store reads bytes alone or bytes + one of numcodecs.lz4, blosc, "
                 "zstd, gzip, jpeg"
             )
-        self.lossless = not (len(inner) == 2 and is_lossy(inner[1]))  # lossy: the rows read are not those written
         self.is_lz4 = self._lz4 is not None  # encoded and decoded in batches by her_store._frames
         self.lz4_acceleration = self._lz4 or 1
 
