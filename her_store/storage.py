@@ -85,11 +85,8 @@ class Location:
         path = self.key_path(key)
         try:
             if self.is_local:
-                fd = open_regular(path)
+                fd, size = _open_bounded(path, limit)
                 try:
-                    size = os.fstat(fd).st_size
-                    if size > limit:
-                        raise CorruptStoreError(f"{path} holds {size:,} bytes, more than the {limit:,} it may")
                     return os.pread(fd, size, 0)
                 finally:
                     os.close(fd)
@@ -105,15 +102,9 @@ class Location:
         if not self.is_local:
             return
         try:
-            fd = open_regular(self.key_path(key))
+            os.close(_open_bounded(self.key_path(key), limit)[0])
         except FileNotFoundError:
             return
-        try:
-            size = os.fstat(fd).st_size
-        finally:
-            os.close(fd)
-        if size > limit:
-            raise CorruptStoreError(f"{self.key_path(key)} holds {size:,} bytes, more than the {limit:,} it may")
 
     def write_atomic(self, key: str, data: bytes, fsync: bool, if_match: str | None = None) -> str | None:
         """Replace ``key`` so that a reader sees the old or the new bytes, never a mix.
@@ -224,6 +215,16 @@ def open_regular(path: str) -> int:
         os.close(fd)
         raise CorruptStoreError(f"{path} is not a regular file (a directory, FIFO, socket or device)")
     return fd
+
+
+def _open_bounded(path: str, limit: int) -> tuple[int, int]:
+    """(descriptor, size) of ``path``, a regular file (:func:`open_regular`) of at most ``limit`` bytes."""
+    fd = open_regular(path)
+    size = os.fstat(fd).st_size
+    if size > limit:
+        os.close(fd)
+        raise CorruptStoreError(f"{path} holds {size:,} bytes, more than the {limit:,} it may")
+    return fd, size
 
 
 def write_all(fd: int, data: Any, offset: int | None = None) -> None:
