@@ -303,11 +303,12 @@ def _is_s3(fs: Any) -> bool:
 class ShardedArray(CachedArray):
     """A sharded array (format version 2 images): reading a row decodes that row alone.
 
-    Shards are kept in the same committed-end-tagged LRU as decoded chunks: locally an open shard file and its parsed
-    index (bounded by count; a frame is one ``pread``, so a cold store is read one frame per disk read, in parallel
-    across ``io_threads``). A shard that a commit rewrote since it was opened is opened again by the gathers that
-    need it; until then, the old file still holds every row committed when it was opened (a shard is replaced by a
-    rename, never written in place).
+    Locally a shard is an open file whose index is parsed into a per-row table of byte ranges (see
+    :meth:`_local_rows`; open shards bounded by count, least recently used closed first): a batch's frames are read
+    with one ``pread`` per pair of adjacent frames and decoded in C, in parallel across ``io_threads``. A shard that a
+    commit rewrote since it was opened (the same committed-end tags as :class:`CachedArray`) is opened again by the
+    gathers that need it; until then, the old file still holds every row committed when it was opened (a shard is
+    replaced by a rename, never written in place).
 
     On object storage (bounded by ``cache_bytes``) a shard is kept as its parsed index alone, read by one ranged GET
     of the object's last bytes, and the frames of a gather are fetched by concurrent ranged GETs (adjacent frames,
