@@ -1,11 +1,15 @@
-"""The ``her-store`` command: ``demo`` (collect, commit, reopen, read back), ``info`` (what a store holds) and ``train``.
+"""The ``her-store`` command: one sub-command per job, each implemented in the module that owns it.
 
-``train`` (an SB3 agent with HER on a store) is imported only when asked for: this module never imports SB3.
+``demo`` (collect, commit, reopen, read back) and ``info`` live here; the dataset commands (``inspect``, ``verify``,
+``card``, ``plot``, ``export``, ``import``, ``copy``, ``pack``) are in their own modules, which declare their
+arguments (``add_arguments``) and run them (``run``); ``train`` parses its own options. Modules are imported only
+when their command runs or shows its help, and a broken input ends as one line on stderr and a non-zero status.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 import time
 from collections.abc import Sequence
@@ -13,6 +17,8 @@ from typing import Any
 
 import numpy as np
 
+from her_store.errors import StoreError
+from her_store.progress import progress as progress_bar
 from her_store.store import EpisodeStore, open_store
 
 __all__ = ["collect", "describe", "main"]
@@ -73,7 +79,7 @@ def collect(store: EpisodeStore, env_id: str, n_envs: int, steps: int, seed: int
         env.action_space.seed(seed + i)
     writer = store.writer(n_envs)
     stack = lambda dicts: {k: np.stack([d[k] for d in dicts]) for k in dicts[0]}
-    bar = _progress(steps, "collecting", progress)
+    bar = progress_bar(steps, "collecting", progress, unit="step")
     for _ in range(steps):
         actions = np.stack([env.action_space.sample() for env in envs])
         results = [env.step(a) for env, a in zip(envs, actions)]
@@ -90,24 +96,6 @@ def collect(store: EpisodeStore, env_id: str, n_envs: int, steps: int, seed: int
     return writer.episode_ids
 
 
-class _NoBar:
-    def update(self, n: int) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
-
-
-def _progress(total: int, desc: str, enabled: bool) -> Any:
-    if not enabled:
-        return _NoBar()
-    try:
-        from tqdm import tqdm
-    except ImportError:
-        return _NoBar()
-    return tqdm(total=total, desc=desc, unit="step", leave=False)
-
-
 def cmd_demo(args: argparse.Namespace) -> int:
     import gymnasium as gym
 
@@ -118,7 +106,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     t = time.perf_counter()
     with open_store(
         args.path, env.observation_space, env.action_space, capacity=args.capacity, info_keys=["is_success"],
-        metadata={"env_id": args.env or ENV_ID, "algorithm": "random policy", "description": "her-store demo"},
+        metadata={"env_id": args.env or ENV_ID, "algorithm_name": "random policy", "description": "her-store demo"},
     ) as store:
         resumed_from = store.end_episode
         ids = collect(store, args.env or ENV_ID, args.n_envs, args.steps, seed=resumed_from, progress=not args.quiet)
@@ -143,13 +131,28 @@ def cmd_train(args: argparse.Namespace) -> int:
     return train_main(args.train_args)
 
 
+# command -> (module that runs it, one line of help). Each module has add_arguments(parser) and run(args) -> int.
+DATASET_COMMANDS: dict[str, tuple[str, str]] = {
+    "inspect": ("her_store.inspection", "what a store holds: format, fields, episodes, statistics, the dataset card"),
+    "verify": ("her_store.verify", "check every invariant of FORMAT.md and every episode's crc32; --repair"),
+    "card": ("her_store.inspection", "show or edit the dataset card (--set key=value), with a commit"),
+    "plot": ("her_store.plot", "success, return, episode lengths and goals reached, as a PNG"),
+    "export": ("her_store.interop", "write episodes as npz, hdf5, a Minari dataset or OGBench's npz"),
+    "import": ("her_store.interop", "read episodes from Minari, hdf5, npz, OGBench or an SB3 replay-buffer pickle"),
+    "copy": ("her_store.transfer", "copy a store between local disk and object storage (consistent, resumable)"),
+    "pack": ("her_store.pack", "pack a store into one zip file that opens read-only in place"),
+}
+EXIT_ERROR = 2  # a broken input or a failed operation; verify exits 1 for a corrupt store
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``her-store``.
 
     Examples
     --------
-    >>> main(["info", "runs/fetch"])  # doctest: +SKIP
+    >>> main(["inspect", "runs/fetch", "--json"])  # doctest: +SKIP
     """
+    argv = list(sys.argv[1:] if argv is None else argv)
     p = argparse.ArgumentParser(prog="her-store", description="Persistent episode stores for Hindsight Experience Replay")
     sub = p.add_subparsers(dest="command", required=True)
     d = sub.add_parser("demo", help="collect episodes with a random policy into a store, reopen it, read it back")
@@ -166,11 +169,28 @@ def main(argv: Sequence[str] | None = None) -> int:
     # train's options are parsed by its own parser (her_store.integrations.train), imported only when it runs
     t = sub.add_parser("train", add_help=False, help="train an SB3 agent with HER on a store; run again to resume")
     t.set_defaults(func=cmd_train)
+    chosen = next((a for a in argv if not a.startswith("-")), None)
+    for name, (_, text) in DATASET_COMMANDS.items():
+        c = sub.add_parser(name, help=text, description=text)
+        if name == chosen:  # only the command that runs imports its module
+            module = importlib.import_module(DATASET_COMMANDS[name][0])
+            module.add_arguments(c, name)
+            c.set_defaults(func=module.run)
     args, rest = p.parse_known_args(argv)
     if args.command != "train" and rest:
         p.error(f"unrecognized arguments: {' '.join(rest)}")
     args.train_args = rest
-    return int(args.func(args))
+    try:
+        return int(args.func(args))
+    except KeyboardInterrupt:
+        print(f"her-store {args.command}: interrupted", file=sys.stderr)
+        return 130
+    except (StoreError, OSError, ValueError, ImportError, KeyError) as e:
+        if args.command in ("demo", "train"):
+            raise
+        message = e.args[0] if isinstance(e, KeyError) and e.args else e
+        print(f"her-store {args.command}: {message}", file=sys.stderr)
+        return EXIT_ERROR
 
 
 if __name__ == "__main__":

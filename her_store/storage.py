@@ -22,7 +22,7 @@ import time
 import uuid
 import warnings
 import weakref
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import fsspec
@@ -33,7 +33,7 @@ from zarr.core.array_spec import ArrayConfigParams
 
 from her_store.errors import CorruptStoreError, StoreLockedError
 
-__all__ = ["Location", "WriterLock", "RawChunkFile", "ZarrChunks", "chunk_io", "ZARR_CONFIG"]
+__all__ = ["Location", "WriterLock", "RawChunkFile", "ZarrChunks", "chunk_io", "staged_output", "ZARR_CONFIG"]
 
 DEFAULT_LEASE_TTL = 300.0  # seconds an object-storage writer lease lasts unless renewed
 METADATA_LIMIT = 64 << 20  # bytes a commit record, lease or zarr.json may hold (spaces with per-pixel bounds included)
@@ -190,6 +190,47 @@ class Location:
 
     def exists(self, key: str) -> bool:
         return bool(self.fs.exists(self.key_path(key)))
+
+
+@contextlib.contextmanager
+def staged_output(dest: str | os.PathLike[str]) -> Iterator[str]:
+    """A temporary path beside ``dest`` (a file or a directory) that becomes ``dest`` only if the block succeeds.
+
+    The block writes to the yielded path; on success it is renamed to ``dest`` (one ``rename``, so ``dest`` is
+    absent or whole), on any exception it is removed. ``dest`` must not exist.
+
+    Raises
+    ------
+    FileExistsError
+        ``dest`` exists (nothing is overwritten).
+
+    Examples
+    --------
+    >>> import tempfile; d = tempfile.mkdtemp()
+    >>> with staged_output(d + "/out.npz") as tmp:
+    ...     open(tmp, "wb").write(b"x")
+    1
+    >>> os.listdir(d)
+    ['out.npz']
+    """
+    dest = os.path.abspath(os.fspath(dest))
+    if os.path.lexists(dest):
+        raise FileExistsError(f"{dest} exists; choose a new destination (nothing was overwritten)")
+    parent, name = os.path.split(dest)
+    if not os.path.isdir(parent):
+        raise FileNotFoundError(f"the directory of {dest} does not exist")
+    tmp = os.path.join(parent, f".{name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.partial")
+    try:
+        yield tmp
+        if os.path.lexists(dest):
+            raise FileExistsError(f"{dest} appeared while it was being written; it was not overwritten")
+        os.rename(tmp, dest)
+    except BaseException:
+        if os.path.isdir(tmp) and not os.path.islink(tmp):
+            shutil.rmtree(tmp, ignore_errors=True)
+        elif os.path.lexists(tmp):
+            os.unlink(tmp)
+        raise
 
 
 def open_regular(path: str) -> int:

@@ -641,7 +641,32 @@ def _writer_figures(workdir: str, pool: list[dict[str, np.ndarray]], n: int) -> 
         out[f"writer: {name} frames/s"] = episodes * (EP_LEN + 1) / seconds
         out[f"writer: {name} compressed MB/s"] = written / seconds / 1e6
         out[f"writer: {name} x disk bandwidth"] = written / seconds / disk
+    out.update(_encode_ceiling(pool, disk))
     out["writer: target"] = ">= 0.25 x disk bandwidth in compressed bytes"
+    return out
+
+
+def _encode_ceiling(pool: list[dict[str, np.ndarray]], disk: float) -> dict[str, float]:
+    """What the writer could reach if it did nothing but LZ4-encode frames (the C encoder, one thread per core, on
+    the same frames): the ceiling the writer's compressed bytes/s are bounded by on this machine."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from her_store import _frames
+
+    frames = [ep["observation"] for ep in pool]
+    nbytes = frames[0][0].nbytes
+    threads = os.cpu_count() or 1
+    out: dict[str, float] = {}
+    with ThreadPoolExecutor(threads) as ex:
+        for t in sorted({1, threads}):
+            written, start = 0, time.perf_counter()
+            for _ in range(4):
+                blobs = ex.map(lambda f: _frames.encode_lz4(f, nbytes, 1)[0], frames) if t > 1 else map(
+                    lambda f: _frames.encode_lz4(f, nbytes, 1)[0], frames)
+                written += sum(len(b) for b in blobs)
+            seconds = time.perf_counter() - start
+            out[f"writer: LZ4 encode alone, {t} thread(s), compressed MB/s"] = written / seconds / 1e6
+            out[f"writer: LZ4 encode alone, {t} thread(s), x disk bandwidth"] = written / seconds / disk
     return out
 
 
