@@ -159,3 +159,38 @@ def test_a_failed_commit_record_write_leaves_no_temp_file(store_path, fetch, mon
     with EpisodeStore.open(store_path) as store:
         assert store.num_episodes == 1
         assert_episode_equal(store.episode(0), make_episode(obs, act, 4, seed=1))
+
+
+def test_staged_output_renames_on_success_and_leaves_nothing_on_failure(tmp_path):
+    from her_store.storage import staged_output
+
+    dest = tmp_path / "out"
+    with pytest.raises(RuntimeError, match="half-way"):
+        with staged_output(dest) as tmp:
+            os.makedirs(tmp)
+            (open(os.path.join(tmp, "part"), "wb")).close()
+            raise RuntimeError("half-way")
+    assert os.listdir(tmp_path) == []  # neither dest nor the temporary directory
+    with staged_output(dest) as tmp:
+        assert os.path.dirname(tmp) == str(tmp_path) and tmp != str(dest)
+        os.makedirs(tmp)
+        assert not dest.exists()  # invisible until the block succeeds
+    assert os.listdir(tmp_path) == ["out"]
+    with pytest.raises(FileExistsError, match="nothing was overwritten"):
+        with staged_output(dest):
+            pass
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        with staged_output(tmp_path / "missing" / "out.npz"):
+            pass
+
+
+def test_staged_output_never_overwrites_a_dest_that_appeared_meanwhile(tmp_path):
+    from her_store.storage import staged_output
+
+    dest = tmp_path / "out.npz"
+    with pytest.raises(FileExistsError, match="appeared while"):
+        with staged_output(dest) as tmp:
+            open(tmp, "wb").write(b"new")
+            dest.write_bytes(b"someone else's")
+    assert dest.read_bytes() == b"someone else's"
+    assert os.listdir(tmp_path) == ["out.npz"]
