@@ -1,0 +1,372 @@
+"""Minari datasets: a store's episodes written as a local Minari dataset, and a Minari dataset read into a new store.
+
+A Minari dataset is a directory holding ``data/metadata.json`` and ``data/main_data.hdf5``; Minari keeps them at
+``<root>/<dataset_id>`` (the root is ``MINARI_DATASETS_PATH``, default ``~/.minari/datasets``), where
+``minari.load_dataset(dataset_id)`` finds them, and ``minari.MinariDataset(path + "/data")`` opens them anywhere.
+
+Export writes that directory through Minari's own storage (``MinariStorage.new`` at the destination, then
+``update_episodes`` with one ``EpisodeBuffer`` per episode), uncompressed (no JPEG encoding of images: the round
+trip is bit-exact). Episodes take Minari's shape: observations ``T + 1`` rows, actions, rewards, terminations and
+truncations ``T``, infos ``T + 1`` rows aligned with the observations as Minari's DataCollector records them (row 0
+is the reset's info, which a store does not keep: it is written as zeros). The dataset card becomes Minari's
+metadata: Minari's fields under their own names (``author`` and ``author_email`` as lists), every other card entry
+(``env_id``, ``reward_function``, ``goal_keys``, ``success_threshold``, ``versions``, ...) beside them, and the
+store's info spaces as ``her_store_info_spaces``.
+
+Import reads ``metadata.json`` itself and checks it before Minari opens anything: the spaces must be declared there
+(Minari would otherwise build the environment, running its code), and are parsed by her_store's own checked parser.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import warnings
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+from gymnasium import spaces
+
+from her_store.card import check_card
+from her_store.errors import SchemaMismatchError
+from her_store.extras import require
+from her_store.progress import progress as progress_bar
+from her_store.schema import DTYPES, GOAL_KEYS, space_from_json, space_to_json
+from her_store.storage import Location, staged_output
+from her_store.store import EpisodeStore
+
+__all__ = ["export_minari", "import_minari", "minari_dataset_id"]
+
+INFO_SPACES_KEY = "her_store_info_spaces"
+# Keys of metadata.json that Minari writes itself (or that describe the data, not the dataset): never card entries.
+MINARI_OWN_KEYS = frozenset(
+    ("observation_space", "action_space", "total_episodes", "total_steps", "data_format", "jpeg_encoding",
+     "minari_version", "dataset_size", INFO_SPACES_KEY)
+)
+_AUTHOR_KEYS = ("author", "author_email")
+_MAX_SPACE_DEPTH = 8
+# an inferred integer info's bounds: exact in the float64 a space's bounds pass through as JSON
+_INT_BOUND = 1 << 53
+
+
+def minari_dataset_id(dataset_id: Any, what: str) -> str:
+    """``dataset_id`` checked against Minari's syntax, ``(namespace/)name-v<version>``, else a ValueError naming ``what``.
+
+    Examples
+    --------
+    >>> minari_dataset_id("point/random-v0", "the card's dataset_id")
+    'point/random-v0'
+    >>> minari_dataset_id("point", "the destination's name")
+    Traceback (most recent call last):
+    ValueError: the destination's name 'point' is not a Minari dataset id: expected (namespace/)name-v<version>, e.g. 'point/random-v0'
+    """
+    from minari.dataset.minari_dataset import DATASET_ID_RE
+
+    m = DATASET_ID_RE.fullmatch(dataset_id) if isinstance(dataset_id, str) else None
+    if m is None or m.group("version") is None:  # Minari's loader needs the version
+        raise ValueError(
+            f"{what} {dataset_id!r} is not a Minari dataset id: expected (namespace/)name-v<version>, e.g. 'point/random-v0'"
+        )
+    return dataset_id
+
+
+def export_minari(
+    store: EpisodeStore, episode_ids: Sequence[int] | np.ndarray, dest: str | os.PathLike[str], *, progress: bool = False
+) -> None:
+    """Write episodes of ``store`` as a local Minari dataset at ``dest`` (a new directory).
+
+    Parameters
+    ----------
+    store : EpisodeStore
+        Any open store (local or remote, read-only is enough).
+    episode_ids : sequence of int
+        Live episode ids, written in this order as Minari episodes 0, 1, ...
+    dest : path
+        The dataset directory to create (``data/metadata.json`` and ``data/main_data.hdf5`` in it). Put it at
+        ``<Minari root>/<dataset_id>`` for ``minari.load_dataset(dataset_id)`` to find it.
+    progress : bool
+        Show a progress bar.
+
+    The dataset id is the card's ``dataset_id``, else ``dest``'s name; either must be a Minari id
+    (``name-v0``, ``namespace/name-v1``). Nothing is left at ``dest`` unless every episode was written.
+
+    Raises
+    ------
+    ValueError
+        The id is not a Minari id, the card holds a key Minari writes itself or an ``env_spec`` gymnasium cannot
+        read.
+    FileExistsError
+        ``dest`` exists.
+
+    Examples
+    --------
+    >>> export_minari(store, store.episodes["episode_id"], "datasets/point/random-v0")  # doctest: +SKIP
+    >>> minari.MinariDataset("datasets/point/random-v0/data").total_episodes  # doctest: +SKIP
+    """
+    minari = require("minari", "minari")
+    require("h5py", "minari")
+    from minari.data_collector.episode_buffer import EpisodeBuffer
+    from minari.dataset.minari_storage import METADATA_FILE_NAME, MinariStorage
+
+    card = check_card(store.metadata, f"the dataset card of {store.url}")
+    dest = os.path.abspath(os.fspath(dest))
+    if card.get("dataset_id") is not None:
+        dataset_id = minari_dataset_id(card["dataset_id"], "the card's dataset_id")
+    else:
+        dataset_id = minari_dataset_id(os.path.basename(dest), "the card has no dataset_id and the destination's name")
+    metadata = _minari_metadata(card, dataset_id, minari.__version__, store.schema.info_spaces)
+    ids = np.asarray(episode_ids, np.int64).reshape(-1)
+    info_keys = store.info_keys
+
+    def buffers(bar: Any) -> Iterator[Any]:
+        for eid in ids:
+            ep = store.episode(int(eid))
+            infos = {k: np.concatenate([np.zeros((1, *ep[k].shape[1:]), ep[k].dtype), ep[k]]) for k in info_keys}
+            yield EpisodeBuffer(
+                observations={k: ep[k] for k in store.schema.observation_keys},
+                actions=ep["action"],
+                rewards=ep["reward"],
+                terminations=ep["terminated"],
+                truncations=ep["truncated"],
+                infos=infos or None,
+            )
+            bar.update(1)
+
+    with staged_output(dest) as tmp:
+        os.mkdir(tmp)
+        data = os.path.join(tmp, "data")
+        storage = MinariStorage.new(
+            data, observation_space=store.observation_space, action_space=store.action_space, data_format="hdf5",
+            jpeg_encoding=False,
+        )
+        # Written into Minari's own file rather than through update_metadata, which wants author sets and so would
+        # lose the order of a card's author list; Minari's later updates keep these keys as they are.
+        path = os.path.join(data, METADATA_FILE_NAME)
+        with open(path) as f:
+            written = json.load(f)
+        with open(path, "w") as f:
+            json.dump({**written, **metadata}, f)
+        with progress_bar(len(ids), "exporting to Minari", progress, unit="episode") as bar:
+            storage.update_episodes(buffers(bar))
+
+
+def _minari_metadata(
+    card: Mapping[str, Any], dataset_id: str, minari_version: str, info_spaces: Mapping[str, spaces.Space]
+) -> dict[str, Any]:
+    """The entries of Minari's metadata.json a card gives: every card entry, authors as lists, the info spaces."""
+    clash = sorted(MINARI_OWN_KEYS & card.keys())
+    if clash:
+        raise ValueError(f"the dataset card holds {clash}, which Minari's metadata keeps for itself; remove them first")
+    out = {k: v for k, v in card.items() if v is not None}
+    for key in _AUTHOR_KEYS:
+        if isinstance(out.get(key), str):
+            out[key] = [out[key]]
+    if "env_spec" in out:
+        _env_id(out["env_spec"], "the dataset card")  # Minari's loader reads it: one it cannot read would stop it
+    out["dataset_id"] = dataset_id
+    out["minari_version"] = minari_version
+    out[INFO_SPACES_KEY] = {k: space_to_json(s) for k, s in info_spaces.items()}
+    return out
+
+
+def import_minari(source: str | os.PathLike[str], store_path: str | os.PathLike[str], *, progress: bool = False) -> int:
+    """Read a Minari dataset into a new store at ``store_path``; returns the number of episodes imported.
+
+    Parameters
+    ----------
+    source : str or path
+        A dataset directory (the one holding ``data/``, or ``data/`` itself), or a dataset id in the local Minari
+        root (``MINARI_DATASETS_PATH``, default ``~/.minari/datasets``).
+    store_path : path
+        A local path where nothing exists yet; the store appears there only when every episode was imported.
+    progress : bool
+        Show a progress bar.
+
+    The observation space must be a Dict with ``observation``, ``achieved_goal`` and ``desired_goal`` (a goal
+    dataset). The card comes from Minari's metadata (a one-name author list becomes that name). Numeric infos become
+    info keys, with the spaces a her_store export recorded, else float scalars as found (integers keep their dtype,
+    booleans become float32); an info of ``T + 1`` rows (Minari's DataCollector: the reset's info first) is stored
+    from its second row, one of ``T`` rows whole. Other infos are skipped with a warning.
+
+    Raises
+    ------
+    ValueError
+        Not a Minari dataset, not a goal dataset, or metadata or an episode that does not fit (named).
+    FileNotFoundError
+        No such directory or dataset id.
+    FileExistsError
+        ``store_path`` exists.
+
+    Examples
+    --------
+    >>> import_minari("point/random-v0", "runs/point_offline")  # doctest: +SKIP
+    120
+    """
+    require("minari", "minari")
+    require("h5py", "minari")
+    from minari import MinariDataset
+    from minari.dataset._storages import get_storage_keys
+
+    data_dir = _data_dir(os.fspath(source))
+    where = f"the Minari dataset at {data_dir}"
+    raw = Location(data_dir).read_bytes("metadata.json")
+    if raw is None:
+        raise FileNotFoundError(f"{where} has no metadata.json")
+    try:
+        meta = json.loads(raw)
+    except ValueError as e:
+        raise ValueError(f"{where}: metadata.json is not JSON: {e}") from None
+    if not isinstance(meta, dict):
+        raise ValueError(f"{where}: metadata.json is a {type(meta).__name__}, expected a JSON object")
+    minari_dataset_id(meta.get("dataset_id"), f"{where}: its dataset_id")
+    if meta.get("data_format", "hdf5") not in get_storage_keys():
+        raise ValueError(f"{where}: data_format {meta.get('data_format')!r} is not one of Minari's {get_storage_keys()}")
+    for key in ("minari_version", "env_spec", "eval_env_spec"):
+        if key in meta and not isinstance(meta[key], str):
+            raise ValueError(f"{where}: {key} is {meta[key]!r}, expected a string")
+    observation_space = _declared_space(meta, "observation_space", where)
+    action_space = _declared_space(meta, "action_space", where)
+    if not isinstance(observation_space, spaces.Dict) or not set(GOAL_KEYS) <= observation_space.spaces.keys():
+        raise ValueError(
+            f"{where} is not a goal-conditioned dataset: its observation space is {observation_space}; a store needs a "
+            f"Dict observation space with {list(GOAL_KEYS)}"
+        )
+    card = {k: v for k, v in meta.items() if k not in MINARI_OWN_KEYS}
+    for key in _AUTHOR_KEYS:
+        if isinstance(card.get(key), list) and len(card[key]) == 1:
+            card[key] = card[key][0]
+    if INFO_SPACES_KEY not in meta and "env_id" not in card and "env_spec" in card:
+        card["env_id"] = _env_id(card["env_spec"], where)  # a dataset from elsewhere: its env's id, for reward lookups
+    card = check_card(card, f"{where}: its metadata")
+    try:
+        dataset = MinariDataset(data_dir)
+        episodes = iter(dataset.iterate_episodes())
+        first = next(episodes, None)
+    except (KeyError, TypeError, AssertionError) as e:
+        raise ValueError(f"{where} cannot be read by Minari: {type(e).__name__}: {e}") from None
+    declared = meta.get(INFO_SPACES_KEY)
+    if declared is not None:
+        if not isinstance(declared, dict):
+            raise ValueError(f"{where}: {INFO_SPACES_KEY} is {declared!r}, expected an object of spaces")
+        info_spaces = {k: space_from_json(s) for k, s in declared.items()}
+    else:
+        info_spaces = _inferred_info_spaces(first, where)
+    count = 0
+    with staged_output(store_path) as tmp:
+        with EpisodeStore.create(
+            tmp, observation_space, action_space, info_keys=info_spaces, metadata=card, commit_interval=60.0
+        ) as store:
+            total = meta.get("total_episodes")
+            with progress_bar(total if isinstance(total, int) else None, "importing Minari", progress, unit="episode") as bar:
+                while first is not None:
+                    try:  # episode `count` is appended, then the next one read
+                        store.append_episode(_store_episode(first, store.schema.observation_keys, info_spaces))
+                        count += 1
+                        bar.update(1)
+                        first = next(episodes, None)
+                    except (KeyError, ValueError, TypeError, AssertionError) as e:
+                        raise ValueError(f"{where}: episode {count}: {type(e).__name__}: {e}") from None
+    return count
+
+
+def _data_dir(source: str) -> str:
+    """The directory holding a dataset's metadata.json: from a dataset directory, its ``data/``, or a dataset id."""
+    if os.path.isdir(source):
+        for d in (os.path.join(source, "data"), source):
+            if os.path.isfile(os.path.join(d, "metadata.json")):
+                return os.path.abspath(d)
+        raise ValueError(f"{source} is not a Minari dataset: no data/metadata.json in it")
+    from minari.storage import get_dataset_path
+
+    dataset_id = minari_dataset_id(source, f"{source!r} is no directory, and as a dataset id it")
+    path = os.path.join(get_dataset_path(dataset_id), "data")
+    if not os.path.isfile(os.path.join(path, "metadata.json")):
+        raise FileNotFoundError(
+            f"no Minari dataset {dataset_id!r} in the local Minari root {get_dataset_path()} (MINARI_DATASETS_PATH), "
+            "and no directory of that name"
+        )
+    return path
+
+
+def _env_id(env_spec: str, where: str) -> str:
+    """The id of an EnvSpec given as JSON (read, never made)."""
+    from gymnasium.envs.registration import EnvSpec
+
+    try:
+        return str(EnvSpec.from_json(env_spec).id)
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"{where}: its env_spec is not a gymnasium EnvSpec as JSON: {e}") from None
+
+
+def _declared_space(meta: Mapping[str, Any], key: str, where: str) -> spaces.Space:
+    """A space metadata.json declares, checked by her_store's parser (bounded sizes, supported kinds)."""
+    text = meta.get(key)
+    if not isinstance(text, str):
+        raise ValueError(
+            f"{where} declares no {key} in metadata.json; her_store does not build the environment to find it"
+        )
+    try:
+        return space_from_json(_from_minari_space(json.loads(text), 0))
+    except (ValueError, SchemaMismatchError) as e:
+        raise ValueError(f"{where}: its {key} is not a space a store holds: {e}") from None
+
+
+def _from_minari_space(d: Any, depth: int) -> Any:
+    """Minari's space JSON in her_store's form: a Dict's ``subspaces`` as ``spaces``, Box bounds flattened."""
+    if not isinstance(d, dict) or depth > _MAX_SPACE_DEPTH:
+        return d  # her_store's parser names what is wrong
+    if d.get("type") == "Dict" and isinstance(d.get("subspaces"), dict):
+        return {"type": "Dict", "spaces": {k: _from_minari_space(s, depth + 1) for k, s in d["subspaces"].items()}}
+    if d.get("type") == "Box":
+        out = dict(d)
+        for k in ("low", "high"):
+            if isinstance(d.get(k), list):
+                try:
+                    out[k] = np.array(d[k], dtype=object).reshape(-1).tolist()
+                except ValueError:  # ragged: left as is, and refused
+                    pass
+        return out
+    return d
+
+
+def _inferred_info_spaces(episode: Any, where: str) -> dict[str, spaces.Space]:
+    """Info spaces of a dataset her_store did not write: numeric per-step arrays of the first episode."""
+    if episode is None:
+        return {}
+    T = len(episode.rewards)
+    out: dict[str, spaces.Space] = {}
+    skipped = []
+    for key, value in (episode.infos or {}).items():
+        a = value if isinstance(value, np.ndarray) else None
+        if a is None or a.dtype.name not in DTYPES or a.ndim < 1 or len(a) not in (T, T + 1):
+            skipped.append(key)
+        elif a.dtype.kind == "f":
+            out[key] = spaces.Box(-np.inf, np.inf, a.shape[1:], a.dtype)
+        elif a.dtype.kind in "iu":
+            info = np.iinfo(a.dtype)
+            out[key] = spaces.Box(max(info.min, -_INT_BOUND), min(info.max, _INT_BOUND), a.shape[1:], a.dtype)
+        else:
+            out[key] = spaces.Box(-np.inf, np.inf, a.shape[1:], np.float32)
+    if skipped:
+        warnings.warn(f"{where}: infos {skipped} are not numeric per-step arrays; they are not imported", stacklevel=3)
+    return out
+
+
+def _store_episode(ep: Any, observation_keys: Sequence[str], info_spaces: Mapping[str, spaces.Space]) -> dict[str, Any]:
+    """A Minari episode in a store's episode shape (infos of ``T + 1`` rows drop the reset's)."""
+    obs = ep.observations
+    if not isinstance(obs, dict):
+        raise ValueError(f"observations are a {type(obs).__name__}, expected a dict of {list(observation_keys)}")
+    out: dict[str, Any] = dict(obs)
+    out.update(action=ep.actions, reward=ep.rewards, terminated=ep.terminations, truncated=ep.truncations)
+    T = len(ep.rewards)
+    infos = ep.infos or {}
+    for key, space in info_spaces.items():
+        if key not in infos:
+            raise ValueError(f"info {key!r} is missing (the first episode has it)")
+        a = np.asarray(infos[key])
+        if len(a) == T + 1:
+            a = a[1:]
+        out[key] = a.astype(space.dtype) if a.dtype == bool else a
+    return out

@@ -1,0 +1,248 @@
+"""Minari export and import with the real minari package: round trips, Minari's own loader and DataCollector, refusals."""
+
+from __future__ import annotations
+
+import json
+import os
+import warnings
+
+import numpy as np
+import pytest
+from gymnasium import spaces
+
+from her_store import EpisodeStore
+from her_store.errors import CorruptStoreError
+from tests.conftest import assert_episode_equal, fetch_spaces, make_episode
+
+minari = pytest.importorskip("minari", reason='pip install "her_store[minari]"')
+pytest.importorskip("h5py")
+
+from her_store.interop.minari import export_minari, import_minari  # noqa: E402
+
+CARD = {
+    "dataset_id": "point/random-v0",
+    "env_id": "her_store/PointGoal-v0",
+    "algorithm_name": "random policy",
+    "author": "Ada",
+    "author_email": ["b@example.org", "a@example.org"],  # order kept, though Minari reads a set
+    "code_permalink": "https://example.org/code",
+    "description": "random episodes",
+    "license": "CC-BY-4.0",
+    "versions": {"her_store": "0.1.0"},
+    "requirements": ["gymnasium>=1.0"],
+    "ref_min_score": -50.0,
+    "ref_max_score": 0.0,
+    "reward_function": "her_store.envs:point_reward",
+    "goal_keys": ["achieved_goal", "desired_goal"],
+    "success_threshold": 0.05,
+}
+
+
+def _spaces(kind: str) -> tuple[spaces.Dict, spaces.Space, dict]:
+    obs, act = fetch_spaces()
+    if kind == "image":  # a uint8 frame Minari would JPEG-encode by default
+        obs = spaces.Dict({**obs.spaces, "pixels": spaces.Box(0, 255, (32, 32, 3), np.uint8)})
+        return obs, act, {"is_success": spaces.Box(-np.inf, np.inf, (), np.float32)}
+    obs = spaces.Dict({**obs.spaces, "contacts": spaces.MultiBinary(4), "mode": spaces.Discrete(3, start=1)})
+    return obs, spaces.Discrete(5, start=-2), {"is_success": spaces.Box(-np.inf, np.inf, (), np.float32),
+                                               "force": spaces.Box(-1, 1, (2,), np.float64)}
+
+
+def _episode(obs, act, info_spaces, T, seed, terminated=False):
+    ep = make_episode(obs, act, T, seed, ("is_success",), terminated)
+    if "force" in info_spaces:
+        ep["force"] = np.random.default_rng(seed).uniform(-1, 1, (T, 2))
+    return ep
+
+
+def _store(path, kind="image", n=5, card=CARD):
+    obs, act, info = _spaces(kind)
+    eps = [_episode(obs, act, info, 3 + 2 * i, i, terminated=i % 2 == 0) for i in range(n)]
+    with EpisodeStore.create(path, obs, act, info_keys=info, metadata=card) as store:
+        for ep in eps:
+            store.append_episode(ep)
+    return eps
+
+
+@pytest.mark.parametrize("kind", ["image", "discrete"])
+def test_store_to_minari_to_store_is_bit_exact(tmp_path, kind):
+    eps = _store(tmp_path / "src", kind)
+    with EpisodeStore.open(tmp_path / "src") as src:
+        export_minari(src, src.episodes["episode_id"], tmp_path / "random-v0")
+        schema = src.schema.to_json()
+    assert sorted(os.listdir(tmp_path / "random-v0" / "data")) == ["main_data.hdf5", "metadata.json"]
+    assert import_minari(tmp_path / "random-v0", tmp_path / "back") == len(eps)
+    with EpisodeStore.open(tmp_path / "back") as back:
+        assert back.schema.to_json() == schema  # spaces, info spaces included, exactly
+        assert list(back.metadata.items()) == list(CARD.items())  # every card entry, in order, authors as written
+        assert back.num_episodes == len(eps)
+        for i, ep in enumerate(eps):
+            got = back.episode(i)
+            assert_episode_equal(got, ep)
+            for k in ep:
+                assert got[k].dtype == back.schema.by_name[k].dtype
+
+
+def test_minari_load_dataset_opens_the_export(tmp_path, monkeypatch):
+    eps = _store(tmp_path / "src")
+    root = tmp_path / "minari_root"
+    (root / "point").mkdir(parents=True)
+    with EpisodeStore.open(tmp_path / "src") as src:
+        export_minari(src, [3, 1], root / "point" / "random-v0")  # a selection, in the order given
+    monkeypatch.setenv("MINARI_DATASETS_PATH", str(root))
+    dataset = minari.load_dataset("point/random-v0")
+    assert dataset.total_episodes == 2 and dataset.total_steps == 9 + 5
+    assert dataset.spec.dataset_id == "point/random-v0"
+    meta = dataset.storage.metadata
+    assert meta["author"] == {"Ada"} and meta["author_email"] == {"a@example.org", "b@example.org"}
+    assert meta["algorithm_name"] == "random policy" and meta["ref_min_score"] == -50.0
+    assert meta["success_threshold"] == 0.05 and meta["goal_keys"] == ["achieved_goal", "desired_goal"]
+    assert meta["jpeg_encoding"] is False
+    assert dataset.observation_space == _spaces("image")[0]
+    for got, want in zip(dataset.iterate_episodes(), (eps[3], eps[1])):
+        T = len(want["action"])
+        assert len(got) == T
+        assert got.observations.keys() == {"observation", "achieved_goal", "desired_goal", "pixels"}
+        for k, v in got.observations.items():
+            np.testing.assert_array_equal(v, want[k])
+            assert v.shape[0] == T + 1
+        np.testing.assert_array_equal(got.actions, want["action"])
+        np.testing.assert_array_equal(got.rewards, want["reward"])
+        np.testing.assert_array_equal(got.terminations, want["terminated"])
+        np.testing.assert_array_equal(got.truncations, want["truncated"])
+        # infos align with the observations, as Minari's DataCollector records them: the reset's first (not kept: 0)
+        np.testing.assert_array_equal(got.infos["is_success"], np.r_[0, want["is_success"]])
+
+
+def test_a_dataset_recorded_by_minaris_data_collector_imports(tmp_path, monkeypatch):
+    pytest.importorskip("jax", reason="Minari's DataCollector needs jax (pip install 'minari[create]')")
+    import gymnasium as gym
+
+    monkeypatch.setenv("MINARI_DATASETS_PATH", str(tmp_path / "root"))
+    env = minari.DataCollector(gym.make("her_store/PointGoal-v0", max_episode_steps=6), record_infos=True)
+    env.action_space.seed(0)
+    for seed in range(4):
+        env.reset(seed=seed)
+        done = False
+        while not done:
+            _, _, terminated, truncated, _ = env.step(env.action_space.sample())
+            done = terminated or truncated
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # Minari's advice to name a code permalink and an author email
+        dataset = env.create_dataset("point/collected-v0", algorithm_name="random", author="Ada", description="x")
+    env.close()
+    assert import_minari("point/collected-v0", tmp_path / "store") == 4  # by id, from the local Minari root
+    with EpisodeStore.open(tmp_path / "store") as store:
+        card = store.metadata
+        assert card["dataset_id"] == "point/collected-v0" and card["author"] == "Ada"
+        assert card["algorithm_name"] == "random" and card["env_id"] == "her_store/PointGoal-v0"
+        assert json.loads(card["env_spec"])["max_episode_steps"] == 6
+        assert store.info_keys == ("is_success",)
+        assert store.episodes["length"].tolist() == [6] * 4 and store.episodes["truncated"].all()
+        for i, want in enumerate(dataset.iterate_episodes()):
+            got = store.episode(i)
+            for k in ("observation", "achieved_goal", "desired_goal"):
+                np.testing.assert_array_equal(got[k], want.observations[k])
+            np.testing.assert_array_equal(got["action"], want.actions)
+            np.testing.assert_array_equal(got["reward"], want.rewards.astype(np.float32))
+            np.testing.assert_array_equal(got["is_success"], want.infos["is_success"][1:])  # the reset's dropped
+        np.testing.assert_array_equal(store.episodes["success"], [int(e.infos["is_success"][-1] > 0.5) for e in dataset])
+
+
+def _minari_dataset(observation_space, episodes):
+    """Dataset ``flat-v0`` in the Minari root, written by Minari's create_dataset_from_buffers (no jax needed)."""
+    from minari.data_collector.episode_buffer import EpisodeBuffer
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return minari.create_dataset_from_buffers(
+            "flat-v0", [EpisodeBuffer(**e) for e in episodes], observation_space=observation_space,
+            action_space=spaces.Box(-1, 1, (2,), np.float32), algorithm_name="random",
+        )
+
+
+def _flat_episode(T, seed):
+    rng = np.random.default_rng(seed)
+    return dict(observations=rng.standard_normal((T + 1, 3)).astype(np.float32),
+                actions=rng.uniform(-1, 1, (T, 2)).astype(np.float32), rewards=np.zeros(T),
+                terminations=np.zeros(T, bool), truncations=np.eye(1, T, T - 1, dtype=bool)[0])
+
+
+def test_a_dataset_without_goals_is_refused(tmp_path, monkeypatch):
+    monkeypatch.setenv("MINARI_DATASETS_PATH", str(tmp_path / "root"))
+    _minari_dataset(spaces.Box(-np.inf, np.inf, (3,), np.float32), [_flat_episode(4, 0)])
+    with pytest.raises(ValueError, match=r"not a goal-conditioned dataset.*Dict observation space with \['observation', 'achieved_goal', 'desired_goal'\]"):
+        import_minari(tmp_path / "root" / "flat-v0", tmp_path / "store")
+    assert not (tmp_path / "store").exists()
+
+
+def test_spaces_must_be_declared_and_the_environment_is_never_built(tmp_path):
+    _store(tmp_path / "src", n=2)
+    with EpisodeStore.open(tmp_path / "src") as src:
+        export_minari(src, src.episodes["episode_id"], tmp_path / "random-v0")
+    meta_path = tmp_path / "random-v0" / "data" / "metadata.json"
+    meta = json.loads(meta_path.read_text())
+    # Minari itself would gym.make this spec to find the spaces, running the entry point's module
+    meta["env_spec"] = json.dumps({"id": "Evil-v0", "entry_point": "os:system", "kwargs": {}})
+    del meta["observation_space"]
+    meta_path.write_text(json.dumps(meta))
+    with pytest.raises(ValueError, match="declares no observation_space in metadata.json"):
+        import_minari(tmp_path / "random-v0", tmp_path / "store")
+    meta["observation_space"] = json.dumps({"type": "Box", "dtype": "float32", "shape": [1 << 40], "low": 0, "high": 1})
+    meta_path.write_text(json.dumps(meta))
+    with pytest.raises(ValueError, match="its observation_space is not a space a store holds"):
+        import_minari(tmp_path / "random-v0", tmp_path / "store")
+    assert not (tmp_path / "store").exists()
+
+
+def test_dataset_id_from_the_destination_name_or_a_clear_error(tmp_path):
+    card = {k: v for k, v in CARD.items() if k != "dataset_id"}
+    _store(tmp_path / "src", n=2, card=card)
+    with EpisodeStore.open(tmp_path / "src") as src:
+        with pytest.raises(ValueError, match=r"destination's name 'no version' is not a Minari dataset id"):
+            export_minari(src, [0, 1], tmp_path / "no version")
+        export_minari(src, [0, 1], tmp_path / "pushes-v2")
+    assert not (tmp_path / "no version").exists()
+    assert json.loads((tmp_path / "pushes-v2" / "data" / "metadata.json").read_text())["dataset_id"] == "pushes-v2"
+    import_minari(tmp_path / "pushes-v2" / "data", tmp_path / "back")  # the data directory itself works too
+    with EpisodeStore.open(tmp_path / "back") as back:
+        assert back.metadata == {**card, "dataset_id": "pushes-v2"}
+
+
+def test_existing_destinations_are_refused(tmp_path):
+    _store(tmp_path / "src", n=2)
+    (tmp_path / "random-v0").mkdir()
+    (tmp_path / "random-v0" / "keep.txt").write_text("mine")
+    with EpisodeStore.open(tmp_path / "src") as src:
+        with pytest.raises(FileExistsError, match="random-v0 exists"):
+            export_minari(src, [0], tmp_path / "random-v0")
+        export_minari(src, [0], tmp_path / "other-v0")
+    assert os.listdir(tmp_path / "random-v0") == ["keep.txt"]
+    with pytest.raises(FileExistsError, match="src exists"):
+        import_minari(tmp_path / "other-v0", tmp_path / "src")
+    with pytest.raises(FileNotFoundError, match="no Minari dataset 'absent/name-v0' in the local Minari root"):
+        import_minari("absent/name-v0", tmp_path / "new")
+
+
+def test_failures_leave_nothing(tmp_path):
+    _store(tmp_path / "src", n=5)
+    with EpisodeStore.open(tmp_path / "src") as src:
+        start, _ = src.index.rows_of(3)
+        row_bytes = 4 * next(a for a in src.layout.arrays if a.path == "packs/float32").row_shape[0]
+    chunk = tmp_path / "src" / "packs" / "float32" / "c" / "0" / "0"
+    raw = bytearray(chunk.read_bytes())
+    raw[start * row_bytes : start * row_bytes + 4] = b"\xff\xff\xff\xff"  # episode 3's first row no longer matches its crc32
+    chunk.write_bytes(bytes(raw))
+    with EpisodeStore.open(tmp_path / "src") as src:
+        with pytest.raises(CorruptStoreError, match="episode 3"):
+            export_minari(src, src.episodes["episode_id"], tmp_path / "random-v0")
+        export_minari(src, [0, 1, 2], tmp_path / "good-v0")
+    assert sorted(os.listdir(tmp_path)) == ["good-v0", "src"]  # no partial output beside it
+
+    import h5py
+
+    with h5py.File(tmp_path / "good-v0" / "data" / "main_data.hdf5", "a") as f:
+        del f["episode_2/actions"]
+    with pytest.raises(ValueError, match="episode 2: KeyError"):
+        import_minari(tmp_path / "good-v0", tmp_path / "back")
+    assert sorted(os.listdir(tmp_path)) == ["good-v0", "src"]
