@@ -13,7 +13,7 @@ import math
 import os
 import time
 import zlib
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, cast
 
 import numpy as np
@@ -324,6 +324,71 @@ class Committer:
         self.commit_record = record
         if self._record_etag is not None:
             self._record_etag = etag or self.location.etag(COMMIT_KEY)
+
+    # -- repair -------------------------------------------------------------------------------------------
+    def keep_only(self, first: int, end: int) -> Commit:
+        """Repair: commit a record keeping only the committed episodes ``first <= id < end`` (within the current ones).
+
+        Episodes dropped at the start are evicted, as by the ring; the next episode goes where episode ``end`` started
+        (or at ``write_row`` when none is dropped at the end) and takes id ``end``, so its rows overwrite those of the
+        episodes dropped there. Nothing may be staged.
+
+        Raises
+        ------
+        StoreError
+            Episodes are staged.
+        ValueError
+            ``first, end`` is not a sub-range of the committed episodes.
+
+        Examples
+        --------
+        >>> store._committer.keep_only(store.first_episode, store.end_episode - 1)  # doctest: +SKIP
+        """
+        old, idx = self.commit_record, self.index
+        if self.pending:
+            raise StoreError(f"{self.location}: commit the staged episodes before dropping committed ones")
+        if not old.first_episode <= first <= end <= old.end_episode:
+            raise ValueError(
+                f"episodes {first}..{end - 1} are not within the committed {old.first_episode}..{old.end_episode - 1}"
+            )
+        self.lock.ensure_held()
+        head = idx.rows_of(end)[0] if end < old.end_episode else old.write_row
+        record = Commit(old.generation + 1, first, end, head, idx.transitions_between(first, end), self.array_rows)
+        self._publish(record)
+        idx.truncate(end)
+        idx.first = first
+        self.head = self._stage_row0 = head
+        return record
+
+    def clear_uncommitted(self, index_positions: Sequence[int], chunks: Mapping[str, Sequence[int]]) -> None:
+        """Repair: empty what a commit that never completed left past the commit record. The index rows at
+        ``index_positions`` become zeros; in each array's listed chunks (shards) every row from ``write_row`` on
+        becomes zeros (a row never written). Only for rows that no committed episode owns: an unbounded store's rows
+        past ``write_row``, index positions of ids never committed.
+
+        Examples
+        --------
+        >>> store._committer.clear_uncommitted([store.end_episode], {})  # doctest: +SKIP
+        """
+        if self.pending:
+            raise StoreError(f"{self.location}: commit the staged episodes before clearing past the commit")
+        self.lock.ensure_held()
+        w = self.commit_record.write_row
+        for path, listed in chunks.items():
+            io, spec = self.arrays[path], next(a for a in self.layout.arrays if a.path == path)
+            for c in listed:
+                r0, r1 = max(w, c * spec.chunk_rows), (c + 1) * spec.chunk_rows
+                if r0 >= r1:
+                    continue
+                if isinstance(io, ShardWriter):
+                    io.put(r0, [None] * (r1 - r0))  # type: ignore[list-item]
+                else:
+                    io.write(r0, np.zeros((r1 - r0, *spec.row_shape), spec.dtype))
+                io.flush(self.fsync)
+        for name, dtype in INDEX_COLUMNS.items():
+            for pos in index_positions:
+                self.index_io[name].write(pos, np.zeros(1, dtype))
+            self.index_io[name].flush(self.fsync)
 
     def _ensure_index_rows(self, end: int) -> None:
         if self.index.slots is not None or end <= self.index_rows:

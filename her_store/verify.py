@@ -1,0 +1,582 @@
+"""``her-store verify``: check a store against FORMAT.md and every live episode's crc32, reading chunk files whole; repair.
+
+Opening a store (:meth:`EpisodeStore.open`) already checks its attributes, its arrays' metadata, the commit record
+against the store and the index (episode ids, row ranges inside the arrays, no two live episodes sharing a row, the
+lengths against ``num_transitions``); a store it refuses is reported with that reason. :func:`verify` then checks
+what opening does not read: every chunk file and shard holding committed rows (present, of its size, a shard's index
+parsing and holding every committed row), every live episode's crc32 (the rule of FORMAT.md, Checksums, computed
+from whole chunk files read in order, one large read each, the next read while the current one is checksummed), and
+what a commit that never completed left past the record (index rows of ids never committed; an unbounded store's
+rows past ``write_row``).
+
+:func:`repair` drops, with a new commit, the episodes that fail their crc32 or whose rows are missing, and clears
+an uncommitted tail. Episode ids are consecutive, so episodes are dropped as the ring drops them: bad episodes at the
+start of the live range are evicted; from the first bad episode after them the live range is cut, and the good
+episodes that followed it are appended again (new ids, each printed beside its old one).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import tempfile
+import time
+import zlib
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from her_store.errors import CorruptStoreError, StoreError
+from her_store.format import ArraySpec
+from her_store.index import EpisodeIndex
+from her_store.progress import progress as progress_bar
+from her_store.shard import parse_index, shard_limit
+from her_store.storage import Location, chunk_key, open_regular
+from her_store.store import EpisodeStore
+
+__all__ = ["Problem", "Report", "add_arguments", "repair", "run", "verify"]
+
+INDEX_TAIL_PIECE = 4096  # index positions read at a time when looking for rows of ids never committed
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One thing wrong with a store: what, and which episodes it affects (ids as they were when checked).
+
+    ``kind`` is ``"open"`` (the store cannot be opened), ``"file"`` (a chunk or shard file), ``"checksum"`` (episodes
+    whose rows fail their crc32) or ``"uncommitted"`` (left past the commit record by a commit that never completed).
+    """
+
+    kind: str
+    what: str
+    episodes: tuple[int, ...] = ()
+
+    def __str__(self) -> str:
+        return f"{self.what} (episodes {id_ranges(self.episodes)})" if self.episodes else self.what
+
+
+@dataclass
+class Report:
+    """What :func:`verify` found.
+
+    Attributes
+    ----------
+    url : str
+    problems : list of Problem
+        Empty when the store is clean.
+    episodes, transitions : int
+        Live episodes and transitions checked.
+    bytes_read : int
+        Bytes of chunk and shard files read.
+    seconds : float
+    bad_episodes : numpy.ndarray
+        Live episode ids that fail their crc32 or whose rows are missing or unreadable (what :func:`repair` drops).
+    """
+
+    url: str
+    problems: list[Problem] = field(default_factory=list)
+    episodes: int = 0
+    transitions: int = 0
+    bytes_read: int = 0
+    seconds: float = 0.0
+    bad_episodes: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    damaged_files: list[str] = field(default_factory=list)  # keys of shards whose rows cannot be read at all
+    short_files: list[tuple[str, int]] = field(default_factory=list)  # raw chunk keys not of their size, and the size
+    tail_positions: list[int] = field(default_factory=list)  # index positions holding ids never committed
+    tail_chunks: dict[str, list[int]] = field(default_factory=dict)  # per array, chunks holding rows past write_row
+
+    @property
+    def clean(self) -> bool:
+        return not self.problems
+
+    @property
+    def opened(self) -> bool:
+        return not any(p.kind == "open" for p in self.problems)
+
+    def summary(self) -> str:
+        """The report as lines of text: a verdict, then one line per problem."""
+        rate = self.bytes_read / self.seconds / 1e6 if self.seconds > 0 else 0.0
+        checked = (
+            f"{self.episodes:,} episodes ({self.transitions:,} transitions), {self.bytes_read / 1e6:,.1f} MB read in "
+            f"{self.seconds:.2f} s ({rate:,.0f} MB/s)"
+        )
+        if self.clean:
+            return f"{self.url}: clean: {checked}"
+        lines = [f"{self.url}: {len(self.problems)} problem{'s' * (len(self.problems) != 1)}"]
+        if self.opened:
+            lines[0] += f" ({checked})"
+        lines += [f"  - {p}" for p in self.problems]
+        if len(self.bad_episodes):
+            lines.append(f"  episodes that fail their crc32 or miss rows: {id_ranges(self.bad_episodes)}")
+        return "\n".join(lines)
+
+
+def id_ranges(ids: Any) -> str:
+    """Episode ids as short ranges: ``0..3, 7, 9..10``.
+
+    Examples
+    --------
+    >>> id_ranges([0, 1, 2, 3, 7, 9, 10])
+    '0..3, 7, 9..10'
+    """
+    a = np.unique(np.asarray(ids, np.int64))
+    if not len(a):
+        return "none"
+    cuts = np.flatnonzero(np.diff(a) != 1) + 1
+    parts = [f"{int(r[0])}..{int(r[-1])}" if len(r) > 1 else str(int(r[0])) for r in np.split(a, cuts)]
+    return ", ".join(parts) if len(parts) <= 40 else ", ".join(parts[:40]) + f", ... ({len(a):,} in all)"
+
+
+def verify(
+    store_or_path: EpisodeStore | str | os.PathLike[str],
+    *,
+    checksums: bool = True,
+    progress: bool = False,
+    storage_options: dict[str, Any] | None = None,
+) -> Report:
+    """Check a store against every invariant of FORMAT.md and (``checksums``) every live episode's crc32.
+
+    Parameters
+    ----------
+    store_or_path : EpisodeStore, str or PathLike
+        An open store (any mode), or a path or URL, opened read-only here.
+    checksums : bool
+        Read every committed row and check each episode's crc32; False checks the files' presence, sizes and shard
+        indexes and what lies past the commit only.
+    progress : bool
+        Show a progress bar over the bytes read.
+    storage_options : dict, optional
+        fsspec options for a URL.
+
+    Returns
+    -------
+    Report
+        ``report.clean`` when nothing is wrong; otherwise ``report.problems`` say what and which episodes. A store
+        that :meth:`EpisodeStore.open` refuses gives one problem of kind ``"open"`` with its reason.
+
+    Raises
+    ------
+    NotAStoreError
+        The path holds no store at all.
+
+    Examples
+    --------
+    >>> report = verify("runs/fetch")  # doctest: +SKIP
+    >>> report.clean, report.bytes_read / report.seconds  # doctest: +SKIP
+    (True, 1.2e9)
+    """
+    t0 = time.perf_counter()
+    if isinstance(store_or_path, EpisodeStore):
+        return _Check(store_or_path, checksums, progress).run(t0)
+    try:
+        store = EpisodeStore.open(store_or_path, storage_options=storage_options)
+    except CorruptStoreError as e:
+        return Report(str(Location(store_or_path, storage_options)), [Problem("open", f"the store cannot be opened: {e}")])
+    with store:
+        return _Check(store, checksums, progress).run(t0)
+
+
+class _Check:
+    """One pass over a store: files and checksums array by array, in layout order (the crc32 chain's order)."""
+
+    def __init__(self, store: EpisodeStore, checksums: bool, progress: bool) -> None:
+        self.store, self.checksums, self.progress = store, checksums, progress
+        self.loc: Location = store._loc
+        self.commit = store.commit_record
+        table = store.episodes
+        order = np.argsort(table["start_row"], kind="stable")  # row order (ring order too), for chunk-by-chunk reads
+        self.ids = table["episode_id"][order]
+        self.starts = table["start_row"][order].astype(np.int64)
+        self.ends = self.starts + table["length"][order] + 1
+        self.expected = table["crc32"][order].astype(np.int64)
+        self.starts_list, self.ends_list = self.starts.tolist(), self.ends.tolist()  # for the loops over episodes
+        self.crcs = [0] * len(order)  # running crc32 per episode, chained over arrays in layout order
+        self.bad = np.zeros(len(order), bool)
+        self.report = Report(store.url, episodes=len(order), transitions=int(table["length"].sum()))
+
+    def run(self, t0: float) -> Report:
+        jobs = [(spec, c) for spec in self.store.layout.arrays for c in self._chunks(spec)]
+        sizes = [self._size(spec, c) for spec, c in jobs] if self.loc.is_local else None
+        bar = progress_bar(sum(sizes) if sizes else None, "verifying", self.progress, unit="B", unit_scale=True)
+        with bar, ThreadPoolExecutor(1, thread_name_prefix="her_store-verify") as pool:
+            for spec, c, read in self._prefetched(pool, jobs):
+                nbytes = self._check_chunk(spec, c, read)
+                self.report.bytes_read += nbytes
+                bar.update(nbytes)
+        r = self.report
+        if self.checksums:
+            failed = np.fromiter((x & 0xFFFFFFFF for x in self.crcs), np.int64, len(self.crcs)) != self.expected
+            failed &= ~self.bad
+            if failed.any():
+                r.problems.append(
+                    Problem("checksum", "rows do not match the crc32 recorded when they were written", tuple(self.ids[failed].tolist()))
+                )
+            self.bad |= failed
+        r.bad_episodes = np.sort(self.ids[self.bad])
+        self._index_tail()
+        if self.store.capacity is None:
+            self._data_tail()
+        r.seconds = time.perf_counter() - t0
+        return r
+
+    # -- which files -----------------------------------------------------------------------------------------
+    def _chunks(self, spec: ArraySpec) -> list[int]:
+        """The chunks (shards) of an array holding committed rows, in order."""
+        if not len(self.starts):
+            return []
+        cr = spec.chunk_rows
+        c0, c1 = self.starts // cr, (self.ends - 1) // cr
+        marks = np.zeros(int(c1.max()) + 2, np.int64)
+        np.add.at(marks, c0, 1)
+        np.add.at(marks, c1 + 1, -1)
+        return np.flatnonzero(np.cumsum(marks) > 0).tolist()
+
+    def _key(self, spec: ArraySpec, c: int) -> str:
+        return chunk_key(spec.path, c, 1 + len(spec.row_shape))
+
+    def _size(self, spec: ArraySpec, c: int) -> int:
+        try:
+            return os.stat(self.loc.key_path(self._key(spec, c))).st_size
+        except OSError:
+            return 0
+
+    def _limit(self, spec: ArraySpec) -> int:
+        return shard_limit(spec.chunk_rows, spec.row_nbytes) if spec.sharded else spec.chunk_rows * spec.row_nbytes
+
+    def _read(self, spec: ArraySpec, c: int, whole: bool = True) -> tuple[bytes | None, int, str | None]:
+        """(the file's bytes, up to what the array's chunk may hold, or none of them unless ``whole``; its size; or
+        why it cannot be read). A file that does not exist gives ``(None, 0, None)``."""
+        key, limit = self._key(spec, c), self._limit(spec) if whole else 0
+        path = self.loc.key_path(key)
+        try:
+            if self.loc.is_local:
+                fd = open_regular(path)
+                try:
+                    size = os.fstat(fd).st_size
+                    return os.pread(fd, min(size, limit), 0), size, None
+                finally:
+                    os.close(fd)
+            size = int(self.loc.fs.size(path))
+            return self.loc.fs.cat_file(path, start=0, end=min(size, limit)), size, None
+        except FileNotFoundError:
+            return None, 0, None
+        except (CorruptStoreError, OSError) as e:
+            return None, 0, str(e)
+
+    def _prefetched(self, pool: ThreadPoolExecutor, jobs: list[tuple[ArraySpec, int]]) -> Iterator[tuple[ArraySpec, int, Any]]:
+        """The jobs with their files read, the next one read (one large read) while the current one is checked."""
+        read = lambda job: self._read(*job, whole=self.checksums or job[0].sharded) if not job[0].compressed or job[0].sharded else None
+        ahead = pool.submit(read, jobs[0]) if jobs else None
+        for i, (spec, c) in enumerate(jobs):
+            assert ahead is not None
+            got = ahead.result()
+            ahead = pool.submit(read, jobs[i + 1]) if i + 1 < len(jobs) else None
+            yield spec, c, got
+
+    # -- one chunk or shard ----------------------------------------------------------------------------------
+    def _episodes_in(self, r0: int, r1: int) -> range:
+        """Positions (in row order) of the episodes with rows in ``[r0, r1)``."""
+        return range(int(np.searchsorted(self.ends, r0, "right")), int(np.searchsorted(self.starts, r1, "left")))
+
+    def _affected(self, k: range, r0: int, r1: int) -> tuple[int, ...]:
+        """Ids of the episodes among ``k`` with rows in ``[r0, r1)``."""
+        sel = np.arange(k.start, k.stop)
+        sel = sel[(self.starts[sel] < r1) & (self.ends[sel] > r0)]
+        return tuple(self.ids[sel].tolist())
+
+    def _check_chunk(self, spec: ArraySpec, c: int, read: Any) -> int:
+        cr, rb = spec.chunk_rows, spec.row_nbytes
+        r0, r1 = c * cr, (c + 1) * cr
+        k = self._episodes_in(r0, r1)
+        where = f"{self.loc}/{self._key(spec, c)}"
+        if spec.sharded:
+            return self._check_shard(spec, c, read, k, where)
+        if spec.compressed:  # a version 1 compressed chunk: decoded through zarr
+            return self._check_v1_chunk(spec, c, k, where)
+        data, size, error = read
+        if error is not None:
+            self.report.problems.append(Problem("file", f"{where} cannot be read: {error}", self._affected(k, r0, r1)))
+            self.report.damaged_files.append(self._key(spec, c))
+            self.bad[k.start : k.stop] |= (self.starts[k.start : k.stop] < r1) & (self.ends[k.start : k.stop] > r0)
+            return 0
+        want = cr * rb
+        if size != want:
+            # FORMAT.md: raw chunks are always full-size; what is missing reads as zeros (as the readers read it)
+            have_rows = min(size, want) // rb
+            what = "is missing" if data is None else f"holds {size:,} bytes, expected {want:,} ({cr:,} rows of {rb} bytes)"
+            self.report.problems.append(Problem("file", f"{where} {what}", self._affected(k, r0 + have_rows, r1)))
+            self.report.short_files.append((self._key(spec, c), want))
+        if not self.checksums:
+            return 0
+        if len(data or b"") < want:
+            data = (data or b"") + bytes(want - len(data or b""))
+        view = memoryview(data)  # type: ignore[arg-type]
+        starts, ends, crcs = self.starts_list, self.ends_list, self.crcs
+        for i in k:
+            a, b = max(starts[i], r0) - r0, min(ends[i], r1) - r0
+            crcs[i] = zlib.crc32(view[a * rb : b * rb], crcs[i])
+        return min(size, want)
+
+    def _check_shard(self, spec: ArraySpec, c: int, read: Any, k: range, where: str) -> int:
+        cr = spec.chunk_rows
+        r0, r1 = c * cr, (c + 1) * cr
+        data, size, error = read
+        if error is None and data is not None and size > len(data):
+            error = f"it holds {size:,} bytes, more than a shard of {cr} rows may ({len(data):,})"
+        offsets = None
+        if error is None and data is not None:
+            try:
+                offsets, nbytes = parse_index(data, cr, where)
+            except CorruptStoreError as e:
+                error = str(e)
+        if offsets is None:
+            what = f"{where} is missing" if error is None else f"{where} cannot be read: {error}"
+            self.report.problems.append(Problem("file", what, self._affected(k, r0, r1)))
+            if error is not None:
+                self.report.damaged_files.append(self._key(spec, c))
+            self.bad[k.start : k.stop] |= (self.starts[k.start : k.stop] < r1) & (self.ends[k.start : k.stop] > r0)
+            return len(data or b"")
+        view = memoryview(data)
+        # consecutive rows whose bytes follow each other (how her_store writes a shard) are checksummed in one call
+        follows = np.append(offsets[1:] == offsets[:-1] + nbytes[:-1], False)
+        missing = []
+        for i in k:
+            a, b = max(int(self.starts[i]), r0) - r0, min(int(self.ends[i]), r1) - r0
+            if (offsets[a:b] < 0).any():
+                missing.append(int(self.ids[i]))
+                self.bad[i] = True
+            elif self.checksums:
+                if follows[a : b - 1].all():
+                    self.crcs[i] = zlib.crc32(view[offsets[a] : offsets[b - 1] + nbytes[b - 1]], self.crcs[i])
+                else:
+                    for o, n in zip(offsets[a:b].tolist(), nbytes[a:b].tolist()):
+                        self.crcs[i] = zlib.crc32(view[o : o + n], self.crcs[i])
+        if missing:
+            self.report.problems.append(Problem("file", f"{where}: committed rows are missing from the shard", tuple(missing)))
+        return len(data)
+
+    def _check_v1_chunk(self, spec: ArraySpec, c: int, k: range, where: str) -> int:
+        cr, rb = spec.chunk_rows, spec.row_nbytes
+        r0, r1 = c * cr, (c + 1) * cr
+        if not self.loc.exists(self._key(spec, c)):
+            self.report.problems.append(Problem("file", f"{where} is missing", self._affected(k, r0, r1)))
+        if not self.checksums:
+            return 0
+        try:
+            rows = np.ascontiguousarray(self.store._root[spec.path][r0:r1])
+        except (ValueError, RuntimeError, TypeError) as e:  # what numcodecs and zarr raise for undecodable bytes
+            self.report.problems.append(Problem("file", f"{where} cannot be decoded ({e})", self._affected(k, r0, r1)))
+            self.bad[k.start : k.stop] |= (self.starts[k.start : k.stop] < r1) & (self.ends[k.start : k.stop] > r0)
+            return 0
+        view = memoryview(rows).cast("B")
+        for i in k:
+            a, b = max(int(self.starts[i]), r0) - r0, min(int(self.ends[i]), r1) - r0
+            self.crcs[i] = zlib.crc32(view[a * rb : b * rb], self.crcs[i])
+        return rows.nbytes
+
+    # -- past the commit record ------------------------------------------------------------------------------
+    def _index_tail(self) -> None:
+        """Index rows of the ids after ``end_episode``, written by a commit whose record never replaced the old one."""
+        store, c = self.store, self.commit
+        slots = store.index.slots
+        room = store._index_rows - c.end_episode if slots is None else slots - (c.end_episode - c.first_episode)
+        found: list[int] = []
+        at = c.end_episode
+        while room > 0:
+            n = min(INDEX_TAIL_PIECE, room)
+            segments = EpisodeIndex(slots).positions(at, at + n)
+            piece = EpisodeIndex.read(store._index_io, segments)
+            hit = (piece["episode_id"] == np.arange(at, at + n)) & (piece["length"] >= 1)
+            take = n if hit.all() else int(np.argmin(hit))
+            found.extend([pos for p, a, b in segments for pos in range(p, p + b - a)][:take])
+            if take < n:
+                break
+            at, room = at + n, room - n
+        if found:
+            ids = range(c.end_episode, c.end_episode + len(found))
+            self.report.tail_positions = found
+            self.report.problems.append(
+                Problem(
+                    "uncommitted",
+                    f"index rows of episodes {id_ranges(ids)} lie past the commit record (end_episode "
+                    f"{c.end_episode}): a commit stopped before its record; readers ignore them and the next writer "
+                    "overwrites them",
+                )
+            )
+
+    def _data_tail(self) -> None:
+        """Rows past ``write_row`` of an unbounded store: never committed, so they hold nothing (zeros, or rows a shard
+        never wrote) unless a commit stopped before its record."""
+        w, r = self.commit.write_row, self.report
+        for spec in self.store.layout.arrays:
+            if spec.compressed and not spec.sharded:
+                continue  # version 1 chunks: decoding past the commit is not worth it; the next writer overwrites them
+            cr, rb = spec.chunk_rows, spec.row_nbytes
+            held = []
+            for c in range(w // cr, -(-self.commit.array_rows // cr)):
+                data, size, error = self._read(spec, c)
+                if data is None or error is not None or self._key(spec, c) in r.damaged_files:
+                    continue
+                skip = max(w - c * cr, 0)
+                if spec.sharded:
+                    try:
+                        offsets, _ = parse_index(data, cr, self._key(spec, c))
+                    except CorruptStoreError:
+                        continue  # reported above if it holds committed rows; nothing committed lies in it otherwise
+                    if (offsets[skip:] >= 0).any():
+                        held.append(c)
+                elif np.frombuffer(data, np.uint8)[skip * rb :].any():
+                    held.append(c)
+            if held:
+                r.tail_chunks[spec.path] = held
+                keys = ", ".join(self._key(spec, c) for c in held)
+                r.problems.append(
+                    Problem("uncommitted", f"{spec.path}: rows past write_row {w:,} hold data that was never committed ({keys})")
+                )
+
+
+def repair(path: str | os.PathLike[str], *, progress: bool = False, log: Callable[[str], None] = print) -> Report:
+    """Drop what :func:`verify` finds damaged, with a new commit, and return the report of the repaired store.
+
+    Under the writer lock (the store opened with ``mode="a"``): episodes that fail their crc32 or whose rows are
+    missing or unreadable are dropped (bad episodes at the start of the live range are evicted; from the first bad one
+    after them the live range is cut and the good episodes that followed are appended again, with new ids), shards
+    that cannot be read and hold no kept row are removed, short chunk files are filled out with zeros, and what lies
+    past the commit record is cleared. Every dropped and renumbered episode is logged. Readers open during a repair
+    must be reopened.
+
+    Parameters
+    ----------
+    path : str or PathLike
+        A local store (repairs rewrite files in place: on object storage, copy the store to local disk first).
+    progress : bool
+        Progress bars over the bytes read.
+    log : callable
+        Receives each line saying what was found and done.
+
+    Raises
+    ------
+    CorruptStoreError
+        The store cannot be opened (its commit record, attributes or index are damaged): nothing was changed.
+    StoreError
+        A URL (repair works on local disk only).
+
+    Examples
+    --------
+    >>> report = repair("runs/fetch")  # doctest: +SKIP
+    >>> report.clean  # doctest: +SKIP
+    True
+    """
+    loc = Location(path)
+    if not loc.is_local:
+        raise StoreError(
+            f"{loc}: --repair works on a store on local disk (it drops episodes in place, and readers of object storage "
+            "cannot be kept out meanwhile); copy the store to local disk, repair it there, and copy it back"
+        )
+    try:
+        store = EpisodeStore.open(path, mode="a")
+    except CorruptStoreError as e:
+        raise CorruptStoreError(f"{e}; it cannot be repaired (nothing was changed)") from e
+    with store:
+        found = verify(store, progress=progress)
+        log(found.summary())
+        if found.clean:
+            return found
+        _drop(store, found, progress, log)
+        committer = store._committer
+        assert committer is not None
+        for key, size in found.short_files:  # what is missing reads as zeros: now on disk too, as FORMAT.md says
+            name = loc.key_path(key)
+            os.makedirs(os.path.dirname(name), exist_ok=True)
+            with open(name, "r+b" if os.path.exists(name) else "wb") as f:
+                f.truncate(size)
+            log(f"{key}: filled out to {size:,} bytes")
+        left = verify(store, checksums=False)
+        if left.tail_positions or left.tail_chunks:
+            committer.clear_uncommitted(left.tail_positions, left.tail_chunks)
+            log(
+                f"cleared past the commit: {len(left.tail_positions)} index rows, chunks "
+                f"{ {p: c for p, c in left.tail_chunks.items()} }"
+            )
+        final = verify(store, progress=progress)
+        log(final.summary())
+        return final
+
+
+def _drop(store: EpisodeStore, found: Report, progress: bool, log: Callable[[str], None]) -> None:
+    """Drop ``found.bad_episodes`` with a new commit, appending the good episodes after the first cut again."""
+    committer = store._committer
+    assert committer is not None
+    bad = found.bad_episodes
+    first, end = store.first_episode, store.end_episode
+    if not len(bad):
+        return
+    leading = bad == np.arange(first, first + len(bad))  # bad episodes at the start of the live range: evicted
+    lead = len(bad) if leading.all() else int(np.argmin(leading))
+    rest = bad[lead:]
+    cut = int(rest[0]) if len(rest) else end
+    keep = np.setdiff1d(np.arange(cut, end), rest)
+    env_index = store.episodes["env_index"]
+    spill = None
+    try:
+        if len(keep):
+            # the good episodes after the cut, copied aside before the cut drops them from the commit
+            spill = tempfile.mkdtemp(prefix=f".{os.path.basename(store.url)}.repair-", dir=os.path.dirname(store.url))
+            with EpisodeStore.create(
+                os.path.join(spill, "tail"), store.observation_space, store.action_space, info_keys=store.schema.info_spaces
+            ) as aside:
+                bar = progress_bar(len(keep), "copying aside", progress, unit="episode")
+                for i in keep.tolist():
+                    aside.append_episode(store.episode(i), env_index=int(env_index[i - first]))
+                    bar.update(1)
+                bar.close()
+        committer.keep_only(first + lead, cut)
+        for i in bad.tolist():
+            log(f"dropped episode {i}")
+        for key in found.damaged_files:  # every episode with rows in them was dropped
+            os.unlink(store._loc.key_path(key))
+            log(f"removed {key} (unreadable; no kept episode has rows in it)")
+        if spill is not None:
+            log(f"episodes {id_ranges(keep)} follow a dropped one: appending them again ({spill} holds them meanwhile)")
+            with EpisodeStore.open(os.path.join(spill, "tail")) as aside:
+                for j, i in enumerate(keep.tolist()):
+                    new = store.append_episode(aside.episode(aside.first_episode + j), env_index=int(env_index[i - first]))
+                    log(f"episode {i} is now episode {new}")
+            store.flush()
+            shutil.rmtree(spill)
+    except BaseException:
+        if spill is not None:
+            log(f"the repair stopped: the good episodes it was moving are in the store at {os.path.join(spill, 'tail')}")
+        raise
+
+
+def add_arguments(parser: argparse.ArgumentParser, name: str) -> None:
+    """The options of ``her-store verify``."""
+    parser.add_argument("path", help="store path or URL (s3://bucket/name, https://...)")
+    parser.add_argument(
+        "--repair",
+        action="store_true",
+        help="local stores: drop episodes that fail their crc32 or miss rows, and any uncommitted tail, with a new "
+        "commit (every dropped or renumbered episode is printed)",
+    )
+    parser.add_argument("--quiet", action="store_true", help="no progress bar")
+    parser.epilog = "Exit status: 0 clean, 1 corrupt (the problems are listed), 2 not a store or not readable."
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run ``her-store verify``: 0 when the store is clean (after a repair, when repaired), 1 when it is corrupt."""
+    show = not args.quiet
+    if args.repair:
+        try:
+            report = repair(args.path, progress=show)
+        except CorruptStoreError as e:
+            print(f"her-store verify: {e}")
+            return 1
+        return 0 if report.clean else 1
+    report = verify(args.path, progress=show)
+    print(report.summary())
+    return 0 if report.clean else 1

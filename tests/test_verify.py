@@ -1,0 +1,275 @@
+"""her-store verify: each kind of damage is found and named with its episodes; --repair drops it with a new commit."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from gymnasium import spaces
+
+from her_store import EpisodeStore
+from her_store.cli import main
+from her_store.sampler import HerSampler
+from her_store.verify import repair, verify
+from tests.conftest import assert_episode_equal, fetch_spaces, make_episode
+
+N = 24  # episodes per store
+
+
+def _tagged(obs_space, action_space, i: int) -> dict[str, np.ndarray]:
+    """Episode ``i`` (10 + i % 7 steps), its observations' first value ``100 + i``, so rows name their episode."""
+    ep = make_episode(obs_space, action_space, 10 + i % 7, seed=i)
+    ep["observation"] = ep["observation"].copy()
+    ep["observation"].reshape(len(ep["observation"]), -1)[:, 0] = 100 + i
+    return ep
+
+
+def _image_spaces() -> tuple[spaces.Dict, spaces.Box]:
+    obs = spaces.Dict(
+        {
+            "observation": spaces.Box(0, 255, (3, 8, 8), np.uint8),
+            "achieved_goal": spaces.Box(-1, 1, (2,), np.float32),
+            "desired_goal": spaces.Box(-1, 1, (2,), np.float32),
+        }
+    )
+    return obs, spaces.Box(-1, 1, (2,), np.float32)
+
+
+def _build(path: str, kind: str = "lowdim", capacity: int | None = None, n: int = N) -> dict[int, dict]:
+    """A store of ``n`` tagged episodes in chunks (shards) of 64 rows, so that damage hits a few episodes."""
+    obs, act = fetch_spaces() if kind == "lowdim" else _image_spaces()
+    eps = {i: _tagged(obs, act, i) for i in range(n)}
+    with EpisodeStore.create(path, obs, act, chunk_rows=64, capacity=capacity, commit_interval=0) as store:
+        for i in range(n):
+            store.append_episode(eps[i])
+    return eps
+
+
+def _tag(ep) -> int:
+    return int(np.asarray(ep["observation"]).reshape(len(ep["observation"]), -1)[0, 0]) - 100
+
+
+def _rows_of(path: str, episode_id: int) -> tuple[int, int]:
+    with EpisodeStore.open(path) as store:
+        t = store.episodes
+        k = episode_id - store.first_episode
+        return int(t["start_row"][k]), int(t["length"][k])
+
+
+def _run(*args: str) -> subprocess.CompletedProcess:
+    """``her-store verify`` in a process of its own: its exit status."""
+    return subprocess.run(
+        [sys.executable, "-m", "her_store.cli", "verify", "--quiet", *args], capture_output=True, text=True, timeout=120
+    )
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    """``her-store verify`` through the same entry point, in this process (a subprocess costs seconds here)."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main(["verify", "--quiet", *args])
+    return subprocess.CompletedProcess(args, code, out.getvalue(), err.getvalue())
+
+
+def _assert_repaired(path: str, eps: dict[int, dict], dropped: set[int]) -> None:
+    """Clean; every kept episode bit-identical to what was appended; a sampler never returns a dropped one's rows."""
+    assert verify(path).clean
+    with EpisodeStore.open(path) as store:
+        kept = {}
+        for i in range(store.first_episode, store.end_episode):
+            ep = store.episode(i)
+            kept[_tag(ep)] = ep
+        assert not set(kept) & dropped
+        for tag, ep in kept.items():
+            assert_episode_equal(dict(ep), eps[tag])
+        sampler = HerSampler(store, batch_size=512, n_sampled_goal=0, seed=0)
+        seen = set()
+        for _ in range(4):
+            b = sampler.sample()
+            for obs in (b.observations["observation"], b.next_observations["observation"]):
+                seen |= set((obs.reshape(len(obs), -1)[:, 0].numpy().astype(np.int64) - 100).tolist())
+        sampler.close()
+        assert seen <= set(kept) and not seen & dropped
+
+
+def _flip(path: str, offset: int) -> None:
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        b = f.read(1)
+        f.seek(offset)
+        f.write(bytes([b[0] ^ 0xFF]))
+
+
+def test_a_clean_store_verifies_clean_and_exits_0(tmp_path):
+    for kind in ("lowdim", "image"):
+        path = str(tmp_path / kind)
+        _build(path, kind)
+        report = verify(path)
+        assert report.clean, report.summary()
+        assert report.episodes == N and report.bytes_read > 0
+        done = _run(path)
+        assert done.returncode == 0 and "clean" in done.stdout, done
+
+
+def test_a_path_that_is_not_a_store_exits_2(tmp_path):
+    (tmp_path / "file").write_text("x")
+    os.makedirs(tmp_path / "empty")
+    assert _run(str(tmp_path / "empty")).returncode == 2
+    done = _cli(str(tmp_path / "file"))
+    assert done.returncode == 2 and "not a store" in done.stderr, done
+
+
+def test_a_flipped_byte_in_a_packed_array_fails_that_episodes_crc_and_repair_drops_it(tmp_path):
+    path = str(tmp_path / "s")
+    eps = _build(path)
+    start, T = _rows_of(path, 5)
+    with EpisodeStore.open(path) as store:
+        spec = store.layout.arrays[0]
+    _flip(os.path.join(path, "packs/float32/c", str(start // 64), "0"), (start % 64 + 1) * spec.row_nbytes + 3)
+    report = verify(path)
+    assert [p.kind for p in report.problems] == ["checksum"] and report.problems[0].episodes == (5,)
+    assert report.bad_episodes.tolist() == [5]
+    done = _run(path)
+    assert done.returncode == 1 and "crc32" in done.stdout and "episodes 5" in done.stdout, done
+    done = _cli(path, "--repair")
+    assert done.returncode == 0, done
+    assert "dropped episode 5" in done.stdout and "episode 6 is now episode 5" in done.stdout
+    _assert_repaired(path, eps, {5})
+    with EpisodeStore.open(path) as store:
+        assert store.num_episodes == N - 1 and store.first_episode == 0
+
+
+def test_a_flipped_byte_in_a_sharded_image_array_fails_that_episodes_crc(tmp_path):
+    path = str(tmp_path / "s")
+    eps = _build(path, "image")
+    start, _ = _rows_of(path, 7)
+    shard = os.path.join(path, "steps/observation/c", str(start // 64), "0", "0", "0")
+    raw = open(shard, "rb").read()
+    from her_store.shard import parse_index
+
+    offsets, nbytes = parse_index(raw, 64, shard)
+    r = start % 64 + 2
+    _flip(shard, int(offsets[r] + nbytes[r] // 2))
+    report = verify(path)
+    assert report.bad_episodes.tolist() == [7], report.summary()
+    assert _cli(path).returncode == 1
+    final = repair(path, log=lambda line: None)
+    assert final.clean
+    _assert_repaired(path, eps, {7})
+
+
+def test_a_truncated_chunk_file_is_named_with_the_episodes_past_its_end(tmp_path):
+    path = str(tmp_path / "s")
+    eps = _build(path)
+    start, T = _rows_of(path, 8)  # chunk 2 (rows 128..191) holds episodes 7..11 or so
+    name = os.path.join(path, "packs/float32/c/2/0")
+    with EpisodeStore.open(path) as store:
+        rb = store.layout.arrays[0].row_nbytes
+        table = store.episodes
+    cut = 20
+    os.truncate(name, cut * rb)
+    report = verify(path)
+    ends = table["start_row"] + table["length"] + 1
+    past = [int(i) for i, s, e in zip(table["episode_id"], table["start_row"], ends) if e > 128 + cut and s < 192]
+    files = [p for p in report.problems if p.kind == "file"]
+    assert len(files) == 1 and "holds" in files[0].what and list(files[0].episodes) == past
+    assert report.bad_episodes.tolist() == past
+    assert _cli(path).returncode == 1
+    log: list[str] = []
+    assert repair(path, log=log.append).clean
+    assert os.path.getsize(name) == 64 * rb
+    assert any("dropped episode" in line for line in log)
+    _assert_repaired(path, eps, set(past))
+
+
+def test_a_missing_chunk_file_drops_the_episodes_with_rows_in_it(tmp_path):
+    path = str(tmp_path / "s")
+    eps = _build(path)
+    os.unlink(os.path.join(path, "packs/float32/c/1/0"))
+    report = verify(path)
+    files = [p for p in report.problems if p.kind == "file"]
+    assert len(files) == 1 and "is missing" in files[0].what
+    assert report.bad_episodes.tolist() == list(files[0].episodes) and len(files[0].episodes) >= 3
+    assert _cli(path).returncode == 1
+    done = _cli(path, "--repair")
+    assert done.returncode == 0, done
+    _assert_repaired(path, eps, set(files[0].episodes))
+
+
+def test_a_shard_with_a_damaged_index_drops_its_episodes_and_is_removed(tmp_path):
+    path = str(tmp_path / "s")
+    eps = _build(path, "image")
+    shard = os.path.join(path, "steps/observation/c/1/0/0/0")
+    _flip(shard, os.path.getsize(shard) - 10)
+    report = verify(path)
+    files = [p for p in report.problems if p.kind == "file"]
+    assert len(files) == 1 and "crc32c" in files[0].what
+    assert report.bad_episodes.tolist() == list(files[0].episodes)
+    assert _cli(path).returncode == 1
+    assert repair(path, log=lambda line: None).clean
+    _assert_repaired(path, eps, set(files[0].episodes))
+
+
+def test_index_and_rows_past_the_commit_are_reported_and_cleared(tmp_path):
+    path = str(tmp_path / "s")
+    eps = _build(path, "image", n=N)
+    record = open(os.path.join(path, "commit.json"), "rb").read()
+    with EpisodeStore.open(path, mode="a") as store:  # a commit whose record is then lost: the tail stays on disk
+        for i in range(N, N + 3):
+            store.append_episode(_tagged(store.observation_space, store.action_space, i))
+    open(os.path.join(path, "commit.json"), "wb").write(record)
+    report = verify(path)
+    assert {p.kind for p in report.problems} == {"uncommitted"}
+    assert report.tail_positions == [N, N + 1, N + 2] and report.tail_chunks
+    assert f"episodes {N}..{N + 2}" in report.summary()
+    assert _cli(path).returncode == 1
+    done = _cli(path, "--repair")
+    assert done.returncode == 0 and "cleared past the commit" in done.stdout, done
+    _assert_repaired(path, eps, set())
+    with EpisodeStore.open(path) as store:
+        assert store.end_episode == N
+
+
+def test_a_torn_commit_record_is_reported_and_not_repaired(tmp_path):
+    path = str(tmp_path / "s")
+    _build(path)
+    name = os.path.join(path, "commit.json")
+    raw = open(name, "rb").read()
+    open(name, "wb").write(raw[: len(raw) // 2])
+    report = verify(path)
+    assert [p.kind for p in report.problems] == ["open"] and "commit" in report.problems[0].what
+    done = _cli(path)
+    assert done.returncode == 1 and "cannot be opened" in done.stdout, done
+    done = _cli(path, "--repair")
+    assert done.returncode == 1 and "cannot be repaired" in done.stdout, done
+    assert open(name, "rb").read() == raw[: len(raw) // 2]
+
+
+def test_repair_of_a_ring_evicts_a_bad_first_episode_and_cuts_at_a_later_one(tmp_path):
+    path = str(tmp_path / "s")
+    eps = _build(path, capacity=200, n=40)  # a ring that has wrapped
+    with EpisodeStore.open(path) as store:
+        first, end = store.first_episode, store.end_episode
+        rb = store.layout.arrays[0].row_nbytes
+    assert first > 0
+    for i in (first, end - 4):
+        start, _ = _rows_of(path, i)
+        _flip(os.path.join(path, "packs/float32/c", str(start // 64), "0"), (start % 64) * rb + 1)
+    assert verify(path).bad_episodes.tolist() == [first, end - 4]
+    log: list[str] = []
+    assert repair(path, log=log.append).clean
+    assert f"dropped episode {first}" in log and f"dropped episode {end - 4}" in log
+    _assert_repaired(path, eps, {first, end - 4})
+    with EpisodeStore.open(path) as store:
+        assert store.first_episode == first + 1 and store.end_episode == end - 1
+
+
+def test_repair_refuses_object_storage(s3_url):
+    url, opts = s3_url
+    with pytest.raises(Exception, match="local disk"):
+        repair(url)
