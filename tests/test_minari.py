@@ -163,9 +163,9 @@ def _minari_dataset(observation_space, episodes):
 
 def _flat_episode(T, seed):
     rng = np.random.default_rng(seed)
-    return dict(observations=rng.standard_normal((T + 1, 3)).astype(np.float32),
-                actions=rng.uniform(-1, 1, (T, 2)).astype(np.float32), rewards=np.zeros(T),
-                terminations=np.zeros(T, bool), truncations=np.eye(1, T, T - 1, dtype=bool)[0])
+    return {"observations": rng.standard_normal((T + 1, 3)).astype(np.float32),
+            "actions": rng.uniform(-1, 1, (T, 2)).astype(np.float32), "rewards": np.zeros(T),
+            "terminations": np.zeros(T, bool), "truncations": np.eye(1, T, T - 1, dtype=bool)[0]}
 
 
 def test_a_dataset_without_goals_is_refused(tmp_path, monkeypatch):

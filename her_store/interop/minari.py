@@ -252,21 +252,22 @@ def import_minari(source: str | os.PathLike[str], store_path: str | os.PathLike[
         info_spaces = {k: space_from_json(s) for k, s in declared.items()}
     else:
         info_spaces = _inferred_info_spaces(first, where)
-    count = 0
-    with staged_output(store_path) as tmp:
-        with EpisodeStore.create(
+    count, total = 0, meta.get("total_episodes")
+    with (
+        staged_output(store_path) as tmp,
+        EpisodeStore.create(
             tmp, observation_space, action_space, info_keys=info_spaces, metadata=card, commit_interval=60.0
-        ) as store:
-            total = meta.get("total_episodes")
-            with progress_bar(total if isinstance(total, int) else None, "importing Minari", progress, unit="episode") as bar:
-                while first is not None:
-                    try:  # episode `count` is appended, then the next one read
-                        store.append_episode(_store_episode(first, store.schema.observation_keys, info_spaces))
-                        count += 1
-                        bar.update(1)
-                        first = next(episodes, None)
-                    except (KeyError, ValueError, TypeError, AssertionError) as e:
-                        raise ValueError(f"{where}: episode {count}: {type(e).__name__}: {e}") from None
+        ) as store,
+        progress_bar(total if isinstance(total, int) else None, "importing Minari", progress, unit="episode") as bar,
+    ):
+        while first is not None:
+            try:  # episode `count` is appended, then the next one read
+                store.append_episode(_store_episode(first, store.schema.observation_keys, info_spaces))
+                count += 1
+                bar.update(1)
+                first = next(episodes, None)
+            except (KeyError, ValueError, TypeError, AssertionError) as e:
+                raise ValueError(f"{where}: episode {count}: {type(e).__name__}: {e}") from None
     return count
 
 
