@@ -1,0 +1,514 @@
+"""Export and import: a store's episodes to and from npz, HDF5, Minari, OGBench's npz and SB3 replay-buffer pickles.
+
+This module is the format registry and the ``her-store export`` / ``her-store import`` commands; each format lives in
+its own module (``npz``, ``hdf5``, ``minari``, ``ogbench``, ``sb3_pickle``), imported only when it is used, with
+
+- ``export_<fmt>(store, episode_ids, dest, *, progress=False) -> None`` (whole episodes, in the format's own
+  conventions, with the store's spaces and dataset card), and
+- ``import_<fmt>(source, store_path, *, progress=False) -> int`` (a NEW store at ``store_path``; the number of
+  episodes imported).
+
+Both write under a temporary name beside the destination and rename it at the end (:func:`staged_store`,
+:func:`her_store.storage.staged_output`): nothing is left at the destination unless the whole operation succeeded.
+The helpers here are shared by the format modules: the JSON header that carries spaces and card
+(:func:`header_of`, :func:`parse_header`), streamed npz members (:func:`write_npz`, :class:`NpzReader`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib
+import json
+import os
+import re
+import shutil
+import zipfile
+import zlib
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from typing import Any
+
+import numpy as np
+
+from her_store.card import check_card
+from her_store.episode import Episode
+from her_store.errors import short_repr
+from her_store.progress import progress as progress_bar
+from her_store.schema import Field, Schema
+from her_store.selection import parse_selection
+from her_store.storage import METADATA_LIMIT, staged_output
+from her_store.store import EpisodeStore
+
+__all__ = [
+    "EXPORTS",
+    "IMPORTS",
+    "NpzReader",
+    "add_arguments",
+    "export_store",
+    "guess_format",
+    "header_of",
+    "import_source",
+    "minari_name",
+    "parse_header",
+    "run",
+    "staged_store",
+    "write_npz",
+]
+
+# format -> (module, function). Modules are imported when their format is used (h5py, minari, ogbench, SB3 lazily).
+EXPORTS: dict[str, tuple[str, str]] = {
+    "npz": ("her_store.interop.npz", "export_npz"),
+    "hdf5": ("her_store.interop.hdf5", "export_hdf5"),
+    "minari": ("her_store.interop.minari", "export_minari"),
+    "ogbench": ("her_store.interop.ogbench", "export_ogbench"),
+}
+IMPORTS: dict[str, tuple[str, str]] = {
+    "minari": ("her_store.interop.minari", "import_minari"),
+    "hdf5": ("her_store.interop.hdf5", "import_hdf5"),
+    "npz": ("her_store.interop.npz", "import_npz"),
+    "ogbench": ("her_store.interop.ogbench", "import_ogbench"),
+    "sb3": ("her_store.interop.sb3_pickle", "import_sb3"),
+}
+# a store's per-step fields under Minari's names; observation keys are observations/<key>, info keys infos/<key>
+MINARI_NAMES = {"action": "actions", "reward": "rewards", "terminated": "terminations", "truncated": "truncations"}
+HEADER_KEY = "her_store_header"  # the npz member / HDF5 attribute holding spaces and card as JSON
+HEADER_VERSION = 1
+_MINARI_ID = re.compile(r"^[\w.-]+(/[\w.-]+)*-v\d+$")
+
+
+# -- the header: spaces and dataset card, as JSON -------------------------------------------------------------------
+def header_of(store: EpisodeStore, kind: str) -> dict[str, Any]:
+    """The JSON header an export writes: what wrote it, the store's spaces (:meth:`Schema.to_json`) and card.
+
+    Examples
+    --------
+    >>> header_of(store, "npz")["format"]  # doctest: +SKIP
+    'her_store.npz'
+    """
+    return {
+        "format": f"her_store.{kind}",
+        "version": HEADER_VERSION,
+        "schema": store.schema.to_json(),
+        "metadata": store.metadata,
+    }
+
+
+def parse_header(raw: bytes | str, kind: str, where: str) -> tuple[Schema, dict[str, Any]]:
+    """The schema and card of a header read from a file, checked (nothing in it is trusted or run).
+
+    Raises
+    ------
+    ValueError
+        Not JSON, not a header of ``kind``, a newer version, or a card :func:`check_card` refuses.
+    SchemaMismatchError
+        The spaces are not valid.
+
+    Examples
+    --------
+    >>> schema, card = parse_header(json.dumps(header_of(store, "npz")), "npz", "x.npz")  # doctest: +SKIP
+    """
+    if len(raw) > METADATA_LIMIT:
+        raise ValueError(f"{where}: the {HEADER_KEY} is {len(raw):,} bytes; at most {METADATA_LIMIT:,} are read")
+    try:
+        head = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ValueError(f"{where}: {HEADER_KEY} is not JSON ({e})") from None
+    want = f"her_store.{kind}"
+    if not isinstance(head, dict) or head.get("format") != want:
+        found = head.get("format") if isinstance(head, dict) else head
+        raise ValueError(f"{where}: {HEADER_KEY} names format {short_repr(found)}, expected {want!r}")
+    version = head.get("version")
+    if not isinstance(version, int) or isinstance(version, bool) or not 1 <= version <= HEADER_VERSION:
+        raise ValueError(f"{where}: header version {short_repr(version)}; this her_store reads 1..{HEADER_VERSION}")
+    schema = Schema.from_json(head.get("schema"))
+    return schema, check_card(head.get("metadata", {}), f"{where}: the dataset card")
+
+
+def minari_name(field: Field) -> str:
+    """A field's name in Minari's episode layout (also the npz and HDF5 exports'): ``observations/<key>``,
+    ``actions``, ``rewards``, ``terminations``, ``truncations``, ``infos/<key>``.
+
+    Examples
+    --------
+    >>> [minari_name(f) for f in store.schema.fields][:2]  # doctest: +SKIP
+    ['observations/observation', 'observations/achieved_goal']
+    """
+    if not field.per_step:
+        return f"observations/{field.name}"
+    return MINARI_NAMES.get(field.name, f"infos/{field.name}")
+
+
+# -- staged outputs -------------------------------------------------------------------------------------------------
+def _local(path: str | os.PathLike[str], what: str) -> str:
+    path = os.fspath(path)
+    if "://" in path:
+        raise ValueError(
+            f"{what} {path!r} is a URL; export and import write local files (copy a store to object storage "
+            "afterwards with her-store copy)"
+        )
+    return path
+
+
+@contextlib.contextmanager
+def staged_store(store_path: str | os.PathLike[str], schema: Schema, card: Mapping[str, Any]) -> Iterator[EpisodeStore]:
+    """A new store, created under a temporary name beside ``store_path`` and renamed to it when the block succeeds.
+
+    On any exception the temporary store is removed: nothing is left at ``store_path``. Episodes are committed in
+    groups (not every append), and all of them at the end.
+
+    Raises
+    ------
+    FileExistsError
+        ``store_path`` exists (an import never writes into an existing store).
+
+    Examples
+    --------
+    >>> with staged_store("imported", schema, {"env_id": "PointGoal-v0"}) as store:  # doctest: +SKIP
+    ...     store.append_episode(episode)
+    """
+    card = check_card(card, "the dataset card")
+    with staged_output(_local(store_path, "the new store")) as tmp:
+        store = EpisodeStore.create(
+            tmp, schema.observation_space, schema.action_space, info_keys=schema.info_spaces, metadata=card,
+            commit_interval=60.0,
+        )
+        try:
+            yield store
+        except BaseException:
+            with contextlib.suppress(Exception):
+                store.close()
+            raise
+        store.close()
+
+
+def staged_file(dest: str | os.PathLike[str]) -> contextlib.AbstractContextManager[str]:
+    """:func:`her_store.storage.staged_output` for an export's destination, refusing a URL."""
+    return staged_output(_local(dest, "the destination"))
+
+
+def episodes_of(store: EpisodeStore, episode_ids: Iterable[int], progress: bool, what: str) -> Iterator[Episode]:
+    """The episodes ``episode_ids`` read back (checksums verified), in order, with a progress bar."""
+    ids = np.fromiter(episode_ids, np.int64)
+    with progress_bar(len(ids), what, progress, unit="episode") as bar:
+        for i in ids:
+            yield store.episode(int(i))
+            bar.update(1)
+
+
+def lengths_of(store: EpisodeStore, episode_ids: np.ndarray) -> np.ndarray:
+    """``T`` of each of ``episode_ids`` (live episodes of ``store``), from the index alone."""
+    table = store.episodes
+    pos = np.asarray(episode_ids, np.int64) - store.first_episode
+    if len(pos) and (pos.min() < 0 or pos.max() >= len(table["length"])):
+        raise ValueError(f"episode ids {short_repr(episode_ids)} are not all live in {store.url}")
+    return table["length"][pos].astype(np.int64)
+
+
+# -- npz members, streamed ------------------------------------------------------------------------------------------
+def write_npz(
+    path: str,
+    members: Mapping[str, tuple[np.dtype, tuple[int, ...]]],
+    rows: Iterable[Mapping[str, np.ndarray]],
+    small: Mapping[str, np.ndarray],
+) -> None:
+    """Write an uncompressed npz (what :func:`numpy.load` reads, ``allow_pickle=False``) whose big members are
+    filled piece by piece.
+
+    ``members`` gives each big member's dtype and full shape; ``rows`` yields, piece after piece, the next rows of
+    every member (a mapping member -> rows; each member's rows in order). Each member is first filled as a ``.npy``
+    scratch file beside ``path`` (memory-mapped: memory stays bounded), then stored whole in the zip, so the zip
+    holds each member contiguous as npz needs. ``small`` members are written from memory.
+
+    Raises
+    ------
+    ValueError
+        A piece does not match its member's dtype or row shape, or the pieces do not fill every member exactly.
+    """
+    scratch = f"{path}.members"
+    os.mkdir(scratch)
+    try:
+        maps = {
+            name: np.lib.format.open_memmap(os.path.join(scratch, f"{i}.npy"), "w+", np.dtype(dt), tuple(shape))
+            for i, (name, (dt, shape)) in enumerate(members.items())
+        }
+        filled = dict.fromkeys(maps, 0)
+        for piece in rows:
+            for name, a in piece.items():
+                m, at = maps[name], filled[name]
+                if a.dtype != m.dtype or a.shape[1:] != m.shape[1:] or at + len(a) > len(m):
+                    raise ValueError(f"npz member {name!r}: rows {a.dtype}{a.shape} do not fit {m.dtype}{m.shape} at {at}")
+                m[at : at + len(a)] = a
+                filled[name] = at + len(a)
+        short = [n for n, m in maps.items() if filled[n] != len(m)]
+        if short:
+            raise ValueError(f"npz members {short} were not filled (the store changed while it was exported?)")
+        with zipfile.ZipFile(path, "w", zipfile.ZIP_STORED, allowZip64=True) as zf:
+            for name, a in small.items():
+                with zf.open(f"{name}.npy", "w", force_zip64=True) as f:
+                    np.lib.format.write_array(f, np.ascontiguousarray(a), allow_pickle=False)
+            for i, (name, m) in enumerate(maps.items()):
+                m.flush()
+                del m
+                zf.write(os.path.join(scratch, f"{i}.npy"), f"{name}.npy")
+                os.remove(os.path.join(scratch, f"{i}.npy"))
+            maps.clear()
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+class NpzReader:
+    """Reads the members of an npz file as streams: each member's rows in order, a piece at a time (bounded memory),
+    never unpickling (object arrays are refused). A damaged file (cut short, bad CRC, not a zip) raises ValueError
+    naming the file.
+
+    Examples
+    --------
+    >>> with NpzReader("episodes.npz") as z:  # doctest: +SKIP
+    ...     lengths = z.read_all("episode_lengths")
+    """
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = os.fspath(path)
+        with self.reading():
+            self._zip = zipfile.ZipFile(self.path)
+        self.keys = [n[:-4] for n in self._zip.namelist() if n.endswith(".npy")]
+        self._open: dict[str, tuple[Any, np.dtype, tuple[int, ...]]] = {}
+
+    @contextlib.contextmanager
+    def reading(self) -> Iterator[None]:
+        """Turns the zip and npy errors of a damaged file into one ValueError naming the file."""
+        try:
+            yield
+        except (zipfile.BadZipFile, zlib.error, EOFError, NotImplementedError, zipfile.LargeZipFile) as e:
+            raise ValueError(f"{self.path} is not a complete npz file ({type(e).__name__}: {e})") from None
+
+    def header(self, name: str) -> tuple[np.dtype, tuple[int, ...]]:
+        """A member's dtype and shape (its stream is opened and positioned at its first row)."""
+        if name not in self._open:
+            if name not in self.keys:
+                raise ValueError(f"{self.path} has no array {name!r} (it has {short_repr(sorted(self.keys))})")
+            with self.reading():
+                f = self._zip.open(f"{name}.npy")
+                try:
+                    version = np.lib.format.read_magic(f)
+                    read = {(1, 0): np.lib.format.read_array_header_1_0, (2, 0): np.lib.format.read_array_header_2_0}
+                    if version not in read:
+                        raise ValueError(f"npy format version {version}; expected 1.0 or 2.0")
+                    shape, fortran, dtype = read[version](f)
+                except ValueError as e:
+                    raise ValueError(f"{self.path}: array {name!r} has no valid .npy header ({e})") from None
+            if dtype.hasobject or fortran:
+                raise ValueError(f"{self.path}: array {name!r} is {dtype} {'Fortran' if fortran else ''}; expected plain numbers in C order")
+            self._open[name] = (f, dtype, tuple(shape))
+        _, dtype, shape = self._open[name]
+        return dtype, shape
+
+    def read(self, name: str, n: int) -> np.ndarray:
+        """The next ``n`` rows of a member."""
+        dtype, shape = self.header(name)
+        f = self._open[name][0]
+        nbytes = n * int(np.prod(shape[1:], dtype=np.int64)) * dtype.itemsize
+        with self.reading():
+            raw = f.read(nbytes)
+        if len(raw) != nbytes:
+            raise ValueError(f"{self.path}: array {name!r} ends early ({len(raw):,} of {nbytes:,} bytes left)")
+        return np.frombuffer(raw, dtype).reshape(n, *shape[1:])
+
+    def read_all(self, name: str) -> np.ndarray:
+        """A whole member (for small ones: lengths, flags, the header), its CRC checked."""
+        shape = self.header(name)[1]
+        out = self.read(name, shape[0]) if shape else self.read(name, 1).reshape(())
+        self.finish(name)
+        return out
+
+    def finish(self, name: str) -> None:
+        """Read a member to its end, which checks its CRC; refuse bytes past its rows."""
+        f = self._open.pop(name)[0]
+        with self.reading():
+            extra = f.read(1)
+            f.close()
+        if extra:
+            raise ValueError(f"{self.path}: array {name!r} holds more bytes than its header's shape")
+
+    def close(self) -> None:
+        for f, _, _ in self._open.values():
+            f.close()
+        self._open.clear()
+        self._zip.close()
+
+    def __enter__(self) -> NpzReader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def read_npz_header(z: NpzReader, kind: str) -> tuple[Schema, dict[str, Any]]:
+    """The spaces and card of an npz an export wrote (its ``her_store_header`` member)."""
+    raw = z.read_all(HEADER_KEY)
+    if raw.dtype != np.uint8 or raw.ndim != 1:
+        raise ValueError(f"{z.path}: {HEADER_KEY} is {raw.dtype}{raw.shape}; expected uint8 bytes of JSON")
+    return parse_header(raw.tobytes(), kind, z.path)
+
+
+# -- the library entry points ---------------------------------------------------------------------------------------
+def _function(table: dict[str, tuple[str, str]], fmt: str, what: str) -> Callable[..., Any]:
+    if fmt not in table:
+        raise ValueError(f"unknown {what} format {fmt!r}; expected one of {', '.join(table)}")
+    module, name = table[fmt]
+    return getattr(importlib.import_module(module), name)
+
+
+def export_store(
+    source: str | os.PathLike[str], fmt: str, dest: str | os.PathLike[str], episodes: str | None = None,
+    *, progress: bool = False,
+) -> tuple[int, int]:
+    """Export the episodes ``episodes`` names (a selection, :func:`her_store.selection.parse_selection`; None: all)
+    of the store at ``source`` to ``dest`` as ``fmt``. Returns ``(episodes, transitions)`` written.
+
+    Examples
+    --------
+    >>> export_store("runs/point", "npz", "point.npz", "-100:")  # doctest: +SKIP
+    (100, 5000)
+    """
+    export = _function(EXPORTS, fmt, "export")
+    _local(dest, "the destination")
+    with EpisodeStore.open(source, mode="r") as store:
+        ids = parse_selection(episodes, store.first_episode, store.end_episode)
+        if not len(ids):
+            raise ValueError(
+                f"no episode to export: {store.url} holds episodes {store.first_episode}..{store.end_episode - 1}"
+                + (f", the selection {episodes!r} names none of them" if episodes else "")
+            )
+        transitions = int(lengths_of(store, ids).sum())
+        export(store, ids, dest, progress=progress)
+    return len(ids), transitions
+
+
+def guess_format(source: str | os.PathLike[str]) -> str:
+    """The import format of ``source``, guessed: an npz by its arrays (an export's ``her_store_header`` without
+    ``terminals``: npz; ``observations``, ``actions``, ``terminals``: OGBench), ``.h5``/``.hdf5``: HDF5,
+    ``.pkl``/``.pickle``: an SB3 replay buffer, a directory or a Minari id (``namespace/name-v0``): Minari.
+
+    Raises
+    ------
+    ValueError
+        Nothing tells; pass the format (``--from``).
+
+    Examples
+    --------
+    >>> guess_format("D4RL/door/human-v2")  # doctest: +SKIP
+    'minari'
+    """
+    path = os.fspath(source)
+    ext = os.path.splitext(path)[1].lower()
+    if os.path.isdir(path):
+        if os.path.exists(os.path.join(path, "zarr.json")):
+            raise ValueError(f"{path} is a her_store store already; copy it with her-store copy")
+        return "minari"
+    if os.path.exists(path):
+        if ext == ".npz":
+            with NpzReader(path) as z:
+                if {"observations", "actions", "terminals"} <= set(z.keys):
+                    return "ogbench"
+                if HEADER_KEY in z.keys:
+                    return "npz"
+            raise ValueError(
+                f"{path}: an npz with neither {HEADER_KEY!r} (her-store export) nor observations, actions and "
+                f"terminals (OGBench); it has {short_repr(sorted(z.keys))}"
+            )
+        if ext in (".h5", ".hdf5"):
+            return "hdf5"
+        if ext in (".pkl", ".pickle"):
+            return "sb3"
+        raise ValueError(f"cannot tell the format of {path} from its name; pass --from {{{','.join(IMPORTS)}}}")
+    if _MINARI_ID.match(path):
+        return "minari"
+    raise FileNotFoundError(f"{path} does not exist (and is not a Minari dataset id such as 'D4RL/door/human-v2')")
+
+
+def import_source(
+    source: str | os.PathLike[str], store_path: str | os.PathLike[str], fmt: str | None = None, *, progress: bool = False
+) -> int:
+    """Import ``source`` as a new store at ``store_path`` (``fmt`` None: :func:`guess_format`). Returns the episodes
+    imported. An SB3 pickle (``fmt="sb3"``, or guessed from ``.pkl``) is unpickled: that runs code from the file.
+
+    Examples
+    --------
+    >>> import_source("antmaze-large-navigate-v0.npz", "runs/antmaze", "ogbench")  # doctest: +SKIP
+    1000
+    """
+    _local(store_path, "the new store")
+    fmt = fmt or guess_format(source)
+    return _function(IMPORTS, fmt, "import")(source, store_path, progress=progress)
+
+
+# -- the commands ---------------------------------------------------------------------------------------------------
+_EXPORT_HELP = f"""\
+Writes whole episodes of a store (local path or URL) to DEST with the store's spaces and dataset card, bit-exact.
+DEST must not exist; nothing is left there unless the whole export succeeds.
+  npz      one file: per-field arrays, episodes concatenated (observations/<key>: T+1 rows per episode; actions,
+           rewards, terminations, truncations, infos/<key>: T rows), episode_lengths, episode_ids and {HEADER_KEY}
+           (JSON); numpy.load(DEST, allow_pickle=False) reads it
+  hdf5     Minari's episode layout: groups episode_<id>/observations/<key>, actions, rewards, terminations,
+           truncations, infos/<key>; spaces and card in the root attribute {HEADER_KEY}
+  minari   a local Minari dataset directory that minari.load_dataset opens, the card as its metadata
+  ogbench  OGBench's npz layout (observations, actions, terminals; T+1 rows per episode, the last action zero,
+           terminals 1 on it) that ogbench.utils.load_dataset reads, plus achieved_goal, desired_goal, rewards,
+           masks, truncations and info keys"""
+
+_IMPORT_HELP = """\
+Reads SOURCE into a NEW store at STORE (refused if STORE exists; nothing is left there unless the whole import
+succeeds). Formats: a Minari dataset (its id in the local Minari root, or its directory); an npz or HDF5 file written
+by her-store export (spaces and dataset card come back exactly); an OGBench npz (observations, actions, terminals:
+episodes are split at terminals); an SB3 save_replay_buffer pickle of a DictReplayBuffer or HerReplayBuffer.
+
+An OGBench file without achieved_goal/desired_goal arrays imports with achieved_goal = the observation and
+desired_goal = the episode's final observation (every row), reward 0 on the last transition and -1 before it (unless
+it has rewards), terminated where masks is 0 (none without masks) and the last step truncated.
+
+WARNING: an SB3 pickle is unpickled, and unpickling runs code from the file. This import (--from sb3, or a
+.pkl/.pickle SOURCE) is the only place her_store does that: import only pickles you trust. Opening a store never
+runs code."""
+
+
+def add_arguments(parser: argparse.ArgumentParser, name: str) -> None:
+    """Declare the arguments of ``her-store export`` or ``her-store import``.
+
+    Examples
+    --------
+    >>> p = argparse.ArgumentParser(); add_arguments(p, "export")
+    >>> p.parse_args(["runs/point", "--to", "npz", "point.npz"]).to
+    'npz'
+    """
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    if name == "export":
+        parser.description = _EXPORT_HELP
+        parser.add_argument("source", metavar="PATH_OR_URL", help="the store to export")
+        parser.add_argument("--to", required=True, choices=list(EXPORTS), help="the format to write")
+        parser.add_argument("dest", metavar="DEST", help="the file (or Minari dataset) to write; must not exist")
+        parser.add_argument(
+            "--episodes", metavar="SELECTION",
+            help="episode ids and ranges, e.g. '0:100,250' (default: all live episodes); a selection starting with '-' "
+            "is written --episodes=-10:",
+        )
+    else:
+        parser.description = _IMPORT_HELP
+        parser.add_argument("source", metavar="SOURCE", help="a file, a Minari dataset id or directory")
+        parser.add_argument("store", metavar="STORE", help="the new store's directory; must not exist")
+        parser.add_argument(
+            "--from", dest="fmt", choices=list(IMPORTS),
+            help="the format of SOURCE (default: guessed from its name and arrays); sb3 unpickles, which runs code",
+        )
+    parser.add_argument("--quiet", action="store_true", help="no progress bar")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run ``her-store export`` or ``her-store import``; returns the exit status."""
+    if args.command == "export":
+        n, transitions = export_store(args.source, args.to, args.dest, args.episodes, progress=not args.quiet)
+        print(f"exported {n:,} episodes ({transitions:,} transitions) to {args.dest} as {args.to}")
+        return 0
+    n = import_source(args.source, args.store, args.fmt, progress=not args.quiet)
+    print(f"imported {n:,} episodes into {args.store}")
+    return 0

@@ -1,0 +1,118 @@
+"""HDF5 export and import (h5py): a store's episodes in Minari's HDF5 episode layout, with spaces and card.
+
+Layout of the file:
+
+- root attributes ``her_store_header`` (JSON ``{"format": "her_store.hdf5", "version": 1, "schema": ...,
+  "metadata": ...}``: the store's spaces as in FORMAT.md and its dataset card), ``total_episodes``, ``total_steps``;
+- one group per episode, ``episode_<id>`` (the id in the exported store; attributes ``id``, ``total_steps``), as
+  Minari writes them: ``observations/<key>`` (``T + 1`` rows), ``actions``, ``rewards``, ``terminations``,
+  ``truncations`` and ``infos/<key>`` (``T`` rows), in the store's dtypes (a round trip is bit-exact).
+
+Import reads files written by export (their header gives the spaces); a Minari dataset imports with ``--from minari``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from typing import Any
+
+import numpy as np
+
+from her_store.extras import require
+from her_store.interop import HEADER_KEY, episodes_of, header_of, minari_name, parse_header, staged_file, staged_store
+from her_store.progress import progress as progress_bar
+from her_store.store import EpisodeStore
+
+__all__ = ["export_hdf5", "import_hdf5"]
+
+_EPISODE = re.compile(r"^episode_(\d{1,18})$")
+
+
+def export_hdf5(store: EpisodeStore, episode_ids: np.ndarray, dest: str | os.PathLike[str], *, progress: bool = False) -> None:
+    """Write episodes ``episode_ids`` of ``store`` to the HDF5 file ``dest`` (layout in the module docstring).
+
+    Raises
+    ------
+    FileExistsError
+        ``dest`` exists (nothing is overwritten; ``dest`` appears only when the whole file is written).
+
+    Examples
+    --------
+    >>> with EpisodeStore.open("runs/point") as store:  # doctest: +SKIP
+    ...     export_hdf5(store, np.arange(store.first_episode, store.end_episode), "point.hdf5")
+    """
+    h5py = require("h5py", "hdf5")
+    ids = np.asarray(episode_ids, np.int64)
+    with staged_file(dest) as tmp, h5py.File(tmp, "w") as f:
+        f.attrs[HEADER_KEY] = json.dumps(header_of(store, "hdf5"))
+        steps = 0
+        for ep in episodes_of(store, ids, progress, "exporting hdf5"):
+            g = f.create_group(f"episode_{ep.id}")
+            g.attrs["id"] = ep.id
+            g.attrs["total_steps"] = ep.length
+            for field in store.schema.fields:
+                g.create_dataset(minari_name(field), data=ep[field.name])
+            steps += ep.length
+        f.attrs["total_episodes"] = len(ids)
+        f.attrs["total_steps"] = steps
+
+
+def import_hdf5(source: str | os.PathLike[str], store_path: str | os.PathLike[str], *, progress: bool = False) -> int:
+    """Read an HDF5 file written by :func:`export_hdf5` into a new store at ``store_path``; returns the episodes.
+
+    Episodes are imported in the order of their ids; each must hold every field of the header's spaces in the
+    stored dtype, with ``T + 1`` observation rows and ``T`` rows of the rest.
+
+    Raises
+    ------
+    ValueError
+        The file is not HDF5 or not written by export, a group or dataset is missing or has the wrong dtype or
+        rows.
+    FileExistsError
+        ``store_path`` exists.
+
+    Examples
+    --------
+    >>> import_hdf5("point.hdf5", "runs/point_copy")  # doctest: +SKIP
+    120
+    """
+    h5py = require("h5py", "hdf5")
+    source = os.fspath(source)
+    if not os.path.isfile(source):
+        raise FileNotFoundError(f"{source} is not a file")
+    try:
+        f = h5py.File(source, "r")
+    except OSError as e:
+        raise ValueError(f"{source} is not a readable HDF5 file ({e})") from None
+    with f:
+        raw = f.attrs.get(HEADER_KEY)
+        if raw is None:
+            raise ValueError(
+                f"{source} has no {HEADER_KEY!r} attribute: it was not written by her-store export "
+                "(a Minari dataset imports with --from minari)"
+            )
+        schema, card = parse_header(raw if isinstance(raw, (str, bytes)) else str(raw), "hdf5", source)
+        groups = sorted((int(m.group(1)), name) for name in f for m in [_EPISODE.match(name)] if m)
+        others = [name for name in f if not _EPISODE.match(name)]
+        if others or not groups:
+            raise ValueError(f"{source}: expected only groups episode_<id>, found {sorted(others)[:5] or 'none'}")
+        with staged_store(store_path, schema, card) as store, progress_bar(len(groups), "importing hdf5", progress, unit="episode") as bar:
+            for _, name in groups:
+                store.append_episode({fl.name: _dataset(f, f"{name}/{minari_name(fl)}", fl.dtype, source) for fl in schema.fields})
+                bar.update(1)
+    return len(groups)
+
+
+def _dataset(f: Any, path: str, dtype: np.dtype, source: str) -> np.ndarray:
+    """A dataset's values, which must be in the stored dtype (a round trip never casts)."""
+    d = f.get(path)
+    if d is None or not hasattr(d, "dtype") or not hasattr(d, "shape"):
+        raise ValueError(f"{source}: {path} is missing or not a dataset")
+    if d.dtype != dtype:
+        raise ValueError(f"{source}: {path} is {d.dtype}; the header's spaces store {dtype}")
+    try:
+        return d[()]
+    except OSError as e:
+        raise ValueError(f"{source}: {path} cannot be read ({e})") from None

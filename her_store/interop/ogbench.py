@@ -1,0 +1,219 @@
+"""OGBench export and import: OGBench's npz dataset layout, which ``ogbench.utils.load_dataset`` reads.
+
+OGBench stores trajectories back to back, one row per state: an episode of ``T`` transitions is ``T + 1`` rows,
+``observations`` rows ``s_0 .. s_T``, ``actions`` rows ``a_0 .. a_{T-1}`` then one more (OGBench records the action
+taken in ``s_T``; an export writes zeros there), and ``terminals`` (bool) 1 at row ``T`` only. ``load_dataset`` drops
+the rows where ``terminals`` is 1 and takes ``next_observations`` from the row after, so it yields exactly the
+store's transitions (``compact_dataset=True`` marks them with ``valids``).
+
+An export also writes, with the same ``T + 1`` rows per episode (per-step arrays zero at row ``T``):
+``achieved_goal``, ``desired_goal`` and every other observation key under its own name, ``rewards`` (float32),
+``masks`` (float32, ``1 - terminated``, the convention of OGBench's reward-based agents), ``truncations`` (bool),
+each info key under its own name, and ``her_store_header`` (uint8 JSON: spaces and dataset card), so that import
+gives back the store bit-exactly.
+
+Import splits episodes at ``terminals``. A file from elsewhere (no header) becomes a store whose
+``observation`` is ``observations`` and whose other arrays of one row per state (``qpos``, ``qvel``,
+``button_states``, ...) are extra observation keys; without ``achieved_goal``/``desired_goal`` arrays,
+``achieved_goal`` is the observation and ``desired_goal`` the episode's final observation (on every row): the goal
+each trajectory reaches at its end, as in OGBench's hindsight goal sampling. Rewards are ``rewards`` when the
+file has them, else 0 on the last transition (it reaches that goal) and -1 before; ``terminated`` is where ``masks``
+is 0 (never, without masks); the last step is ``truncated`` unless it terminated. Spaces of such a file are
+unbounded Boxes in the file's dtypes (``[0, 255]`` for uint8 images).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+import numpy as np
+from gymnasium import spaces
+
+from her_store.interop import (
+    HEADER_KEY,
+    NpzReader,
+    episodes_of,
+    header_of,
+    lengths_of,
+    read_npz_header,
+    staged_file,
+    staged_store,
+    write_npz,
+)
+from her_store.progress import progress as progress_bar
+from her_store.schema import Field, Schema
+from her_store.store import EpisodeStore
+
+__all__ = ["export_ogbench", "import_ogbench"]
+
+_FIXED = {"observation": "observations", "action": "actions", "reward": "rewards", "terminated": "masks", "truncated": "truncations"}
+RESERVED = frozenset({*_FIXED.values(), "terminals", "next_observations", "valids", HEADER_KEY})
+
+
+def _array_name(field: Field) -> str:
+    return _FIXED.get(field.name, field.name)
+
+
+def export_ogbench(store: EpisodeStore, episode_ids: np.ndarray, dest: str | os.PathLike[str], *, progress: bool = False) -> None:
+    """Write episodes ``episode_ids`` of ``store`` to ``dest`` in OGBench's npz layout (module docstring).
+
+    Raises
+    ------
+    ValueError
+        An observation or info key is named like one of OGBench's arrays (``terminals``, ``masks``, ...).
+    FileExistsError
+        ``dest`` exists (nothing is overwritten; ``dest`` appears only when the whole file is written).
+
+    Examples
+    --------
+    >>> with EpisodeStore.open("runs/point") as store:  # doctest: +SKIP
+    ...     export_ogbench(store, np.arange(store.first_episode, store.end_episode), "point-v0.npz")
+    >>> ogbench.utils.load_dataset("point-v0.npz")["next_observations"].shape  # doctest: +SKIP
+    (5000, 4)
+    """
+    fields = store.schema.fields
+    clash = sorted(f.name for f in fields if f.name not in _FIXED and f.name in RESERVED)
+    if clash:
+        raise ValueError(f"fields {clash} of {store.url} are named like OGBench's own arrays {sorted(RESERVED)}")
+    ids = np.asarray(episode_ids, np.int64)
+    rows = int(lengths_of(store, ids).sum()) + len(ids)
+    members = {_array_name(f): (np.dtype("<f4") if f.name == "terminated" else f.dtype, (rows, *f.shape)) for f in fields}
+    members["terminals"] = (np.dtype(bool), (rows,))
+
+    def pieces() -> Any:
+        for ep in episodes_of(store, ids, progress, "exporting ogbench"):
+            T = ep.length
+            piece = {}
+            for f in fields:
+                a = ep[f.name]
+                if f.name == "terminated":
+                    a = 1.0 - a.astype(np.float32)
+                if f.per_step:
+                    a = np.concatenate([a, np.zeros((1, *f.shape), a.dtype)])
+                piece[_array_name(f)] = a
+            piece["terminals"] = np.arange(T + 1) == T
+            yield piece
+
+    small = {HEADER_KEY: np.frombuffer(json.dumps(header_of(store, "ogbench")).encode(), np.uint8)}
+    with staged_file(dest) as tmp:
+        write_npz(tmp, members, pieces(), small)
+
+
+def _box(dtype: np.dtype, shape: tuple[int, ...]) -> spaces.Space:
+    """The space of an array of a file with no header: unbounded in its dtype (uint8: [0, 255]; bool: 0/1 int8)."""
+    if dtype == np.bool_:
+        return spaces.Box(0, 1, shape, np.int8)
+    if dtype == np.uint8:
+        return spaces.Box(0, 255, shape, np.uint8)
+    if dtype.kind in "iu":  # 64-bit bounds at +-2**53, which JSON's numbers (the store's spaces) hold exactly
+        info = np.iinfo(dtype)
+        return spaces.Box(max(info.min, -(2**53)), min(info.max, 2**53), shape, dtype)
+    if dtype.kind == "f":
+        return spaces.Box(-np.inf, np.inf, shape, dtype)
+    raise ValueError(f"an array of dtype {dtype}; expected numbers")
+
+
+def _foreign_schema(z: NpzReader, rows: int) -> tuple[Schema, dict[str, str], dict[str, Any]]:
+    """Spaces, field -> array names and card of an OGBench file without a header (module docstring)."""
+    known = {"observations", "actions", "terminals", "rewards", "masks", "truncations", "achieved_goal", "desired_goal"}
+    obs_dtype, obs_shape = z.header("observations")
+    obs: dict[str, spaces.Space] = {"observation": _box(obs_dtype, obs_shape[1:])}
+    names = {"observation": "observations", "action": "actions"}
+    goals = {"achieved_goal", "desired_goal"} <= set(z.keys)
+    if goals:
+        for k in ("achieved_goal", "desired_goal"):
+            dtype, shape = z.header(k)
+            obs[k], names[k] = _box(dtype, shape[1:]), k
+    else:
+        obs["achieved_goal"] = obs["desired_goal"] = obs["observation"]
+    for k in sorted(set(z.keys) - known - {HEADER_KEY}):
+        dtype, shape = z.header(k)
+        if not shape:
+            continue  # a scalar setting of the dataset (e.g. observation_interval), not a per-state array
+        if shape[0] != rows:
+            raise ValueError(f"{z.path}: array {k!r} has {shape[0]:,} rows; observations and terminals have {rows:,}")
+        obs[k], names[k] = _box(dtype, shape[1:]), k
+    act_dtype, act_shape = z.header("actions")
+    schema = Schema(spaces.Dict(obs), _box(act_dtype, act_shape[1:]))
+    for k in ("rewards", "masks", "truncations"):
+        if k in z.keys:
+            names[{"rewards": "reward", "masks": "terminated", "truncations": "truncated"}[k]] = k
+    stem = os.path.splitext(os.path.basename(z.path))[0]
+    how = "from its achieved_goal/desired_goal arrays" if goals else (
+        "achieved_goal = observation, desired_goal = the episode's final observation"
+    )
+    card = {"dataset_id": stem, "description": f"imported from the OGBench file {os.path.basename(z.path)}; goals {how}"}
+    return schema, names, card
+
+
+def import_ogbench(source: str | os.PathLike[str], store_path: str | os.PathLike[str], *, progress: bool = False) -> int:
+    """Read an OGBench npz (written by :func:`export_ogbench` or by OGBench) into a new store; returns the episodes.
+
+    Episodes are split at ``terminals``; a file without a header gets the spaces, goals, rewards and flags the
+    module docstring describes. Arrays are streamed (memory stays bounded).
+
+    Raises
+    ------
+    ValueError
+        The file is damaged or cut short, lacks ``observations``/``actions``/``terminals``, has arrays whose rows do
+        not match, does not end with a terminal, or has a trajectory of a single state.
+    FileExistsError
+        ``store_path`` exists.
+
+    Examples
+    --------
+    >>> import_ogbench("antmaze-large-navigate-v0.npz", "runs/antmaze")  # doctest: +SKIP
+    1000
+    """
+    source = os.fspath(source)
+    with NpzReader(source) as z:
+        missing = [k for k in ("observations", "actions", "terminals") if k not in z.keys]
+        if missing:
+            raise ValueError(f"{source} lacks {missing}: OGBench's npz has observations, actions and terminals")
+        terminals = z.read_all("terminals")
+        if terminals.ndim != 1 or not len(terminals) or terminals.dtype.kind not in "biuf":
+            raise ValueError(f"{source}: terminals is {terminals.dtype}{terminals.shape}; expected one flag per row")
+        ends = np.flatnonzero(terminals)
+        if not len(ends) or ends[-1] != len(terminals) - 1:
+            raise ValueError(f"{source}: the last trajectory has no terminal (rows after {ends[-1] if len(ends) else -1})")
+        sizes = np.diff(ends, prepend=-1)
+        if sizes.min() < 2:
+            raise ValueError(f"{source}: trajectory {int(np.argmin(sizes))} is a single state; a transition needs two")
+        if HEADER_KEY in z.keys:
+            schema, card = read_npz_header(z, "ogbench")
+            names = {f.name: _array_name(f) for f in schema.fields}
+        else:
+            schema, names, card = _foreign_schema(z, len(terminals))
+        for f in schema.fields:
+            if f.name in names:
+                dtype, shape = z.header(names[f.name])
+                if shape != (len(terminals), *f.shape) or (HEADER_KEY in z.keys and dtype != (np.dtype("<f4") if f.name == "terminated" else f.dtype)):
+                    raise ValueError(
+                        f"{source}: array {names[f.name]!r} is {dtype}{shape}; expected {len(terminals):,} rows of {f.shape}"
+                        + (f" {f.dtype}" if HEADER_KEY in z.keys else "")
+                    )
+        with staged_store(store_path, schema, card) as store, progress_bar(len(sizes), "importing ogbench", progress, unit="episode") as bar:
+            for n in sizes.tolist():
+                store.append_episode(_episode(z, schema, names, n))
+                bar.update(1)
+            for name in set(names.values()):
+                z.finish(name)
+    return len(sizes)
+
+
+def _episode(z: NpzReader, schema: Schema, names: dict[str, str], n: int) -> dict[str, np.ndarray]:
+    """One trajectory of ``n`` rows (``T = n - 1`` transitions) as a store episode."""
+    T = n - 1
+    read = {f: z.read(a, n) for f, a in names.items()}
+    ep = {f.name: read[f.name][:T] if f.per_step else read[f.name] for f in schema.fields if f.name in read}
+    if "achieved_goal" not in read:
+        ep["achieved_goal"] = ep["observation"]
+        ep["desired_goal"] = np.broadcast_to(ep["observation"][-1], ep["observation"].shape)
+    if "reward" not in read:
+        ep["reward"] = np.where(np.arange(T) == T - 1, 0.0, -1.0).astype(np.float32)
+    ep["terminated"] = ep["terminated"] == 0 if "terminated" in read else np.zeros(T, bool)
+    if "truncated" not in read:
+        ep["truncated"] = (np.arange(T) == T - 1) & ~ep["terminated"][-1]
+    return ep

@@ -1,0 +1,411 @@
+"""Export and import (her_store.interop): round trips through npz, HDF5 and OGBench's npz, SB3 pickles, refusals."""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+from gymnasium import spaces
+
+from her_store import EpisodeStore
+from her_store.cli import main
+from her_store.interop import guess_format, import_source
+from tests.conftest import GOAL_KEYS, assert_episode_equal, fetch_spaces, make_episode
+
+CARD = {"env_id": "her_store/PointGoal-v0", "author": ["Ada", "Bo"], "license": "CC-BY-4.0", "ref_max_score": 1.5,
+        "versions": {"her_store": "0.1.0"}, "goal_keys": ["achieved_goal", "desired_goal"], "custom": {"x": [1, 2]}}
+FORMATS = ("npz", "hdf5", "ogbench")
+SUFFIX = {"npz": ".npz", "hdf5": ".hdf5", "ogbench": ".npz"}
+
+
+def image_spaces() -> tuple[spaces.Dict, spaces.Space, dict[str, spaces.Space]]:
+    """uint8 frames beside float goals, a Discrete action, two info keys (one of them an int vector)."""
+    obs = spaces.Dict(
+        {
+            "observation": spaces.Box(0, 255, (3, 8, 8), np.uint8),
+            "achieved_goal": spaces.Box(-np.inf, np.inf, (2,), np.float32),
+            "desired_goal": spaces.Box(-np.inf, np.inf, (2,), np.float32),
+            "joints": spaces.Box(-1, 1, (3,), np.float64),
+        }
+    )
+    infos = {"is_success": spaces.Box(-np.inf, np.inf, (), np.float32), "contacts": spaces.Box(0, 9, (2,), np.int16)}
+    return obs, spaces.Discrete(5), infos
+
+
+def image_episode(obs, act, infos, T, seed, terminated=False):
+    ep = make_episode(obs, act, T, seed, terminated=terminated)
+    rng = np.random.default_rng(seed + 1000)
+    ep["is_success"] = (rng.random(T) > 0.5).astype(np.float32)
+    ep["contacts"] = rng.integers(0, 10, (T, 2)).astype(np.int16)
+    return ep
+
+
+@pytest.fixture
+def image_store(tmp_path):
+    obs, act, infos = image_spaces()
+    path = str(tmp_path / "images")
+    with EpisodeStore.create(path, obs, act, info_keys=infos, metadata=CARD) as store:
+        for i in range(6):
+            store.append_episode(image_episode(obs, act, infos, 3 + 2 * i, i, terminated=i % 2 == 0))
+    return path
+
+
+@pytest.fixture
+def ring_store(tmp_path):
+    """A ring store whose first episodes were evicted."""
+    obs, act = fetch_spaces()
+    path = str(tmp_path / "ring")
+    with EpisodeStore.create(path, obs, act, capacity=120, info_keys=["is_success"], metadata=CARD) as store:
+        for i in range(30):
+            store.append_episode(make_episode(obs, act, 5 + i % 7, i, ("is_success",), terminated=i % 3 == 0))
+        store.flush()
+        assert store.first_episode > 0
+    return path
+
+
+def assert_same_store(got_path: str, want_path: str, ids) -> None:
+    """The store at got_path holds episodes ``ids`` of want_path, in order, bit-exact, with its spaces and card."""
+    with EpisodeStore.open(got_path) as got, EpisodeStore.open(want_path) as want:
+        assert got.num_episodes == len(ids)
+        assert got.schema.to_json() == want.schema.to_json()
+        assert got.metadata == want.metadata
+        for j, i in enumerate(ids):
+            g, w = got.episode(got.first_episode + j), want.episode(i)
+            assert_episode_equal(g, w)
+            assert all(g[k].dtype == w[k].dtype for k in w)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_round_trip_images_infos_and_card(image_store, tmp_path, fmt):
+    """store -> format -> store: uint8 frames, Discrete actions, float64 and int16 fields, the card, bit-exact."""
+    dest = str(tmp_path / f"out{SUFFIX[fmt]}")
+    assert main(["export", image_store, "--to", fmt, dest, "--quiet"]) == 0
+    assert guess_format(dest) == fmt
+    assert main(["import", dest, str(tmp_path / "back"), "--quiet"]) == 0
+    assert_same_store(str(tmp_path / "back"), image_store, range(6))
+    assert sorted(os.listdir(tmp_path)) == sorted(["images", os.path.basename(dest), "back"])  # no scratch left
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_ring_store_with_evictions_and_selection(ring_store, tmp_path, fmt):
+    """Only live episodes are exported; --episodes picks a subset (negative ids count from the end)."""
+    with EpisodeStore.open(ring_store) as s:
+        first, end = s.first_episode, s.end_episode
+    whole, part = str(tmp_path / f"all{SUFFIX[fmt]}"), str(tmp_path / f"part{SUFFIX[fmt]}")
+    assert main(["export", ring_store, "--to", fmt, whole, "--quiet"]) == 0
+    assert import_source(whole, str(tmp_path / "all")) == end - first
+    assert_same_store(str(tmp_path / "all"), ring_store, range(first, end))
+    assert main(["export", ring_store, "--to", fmt, part, "--episodes", f"{first + 1}:{first + 3},-1", "--quiet"]) == 0
+    assert import_source(part, str(tmp_path / "part"), fmt) == 3
+    assert_same_store(str(tmp_path / "part"), ring_store, [first + 1, first + 2, end - 1])
+
+
+def test_npz_layout_is_plain_numpy(ring_store, tmp_path):
+    """The npz opens with allow_pickle=False; episode_lengths cut the concatenated fields into episodes."""
+    dest = str(tmp_path / "x.npz")
+    assert main(["export", ring_store, "--to", "npz", dest, "--quiet"]) == 0
+    z = np.load(dest, allow_pickle=False)
+    lengths = z["episode_lengths"]
+    head = json.loads(z["her_store_header"].tobytes())
+    assert head["format"] == "her_store.npz" and head["metadata"] == CARD
+    with EpisodeStore.open(ring_store) as s:
+        np.testing.assert_array_equal(z["episode_ids"], np.arange(s.first_episode, s.end_episode))
+        last = s.episode(s.end_episode - 1)
+    assert len(z["actions"]) == lengths.sum() and len(z["observations/observation"]) == lengths.sum() + len(lengths)
+    np.testing.assert_array_equal(z["observations/observation"][-lengths[-1] - 1 :], last["observation"])
+    np.testing.assert_array_equal(z["infos/is_success"][-lengths[-1] :], last["is_success"])
+
+
+@pytest.mark.parametrize("compact", [False, True])
+def test_ogbench_loader_reads_the_stores_transitions(ring_store, tmp_path, compact):
+    """ogbench.utils.load_dataset yields the store's transitions (observation, next observation, action)."""
+    ogbench_utils = pytest.importorskip("ogbench.utils")
+    dest = str(tmp_path / "ring-v0.npz")
+    assert main(["export", ring_store, "--to", "ogbench", dest, "--quiet"]) == 0
+    ds = ogbench_utils.load_dataset(dest, compact_dataset=compact)
+    with EpisodeStore.open(ring_store) as s:
+        eps = [s.episode(i) for i in range(s.first_episode, s.end_episode)]
+    obs = np.concatenate([e["observation"][:-1] for e in eps])
+    nxt = np.concatenate([e["observation"][1:] for e in eps])
+    act = np.concatenate([e["action"] for e in eps])
+    last = np.concatenate([np.arange(e.length) == e.length - 1 for e in eps])
+    if compact:  # every state kept; valids marks the rows that start a transition
+        valid = ds["valids"].astype(bool)
+        np.testing.assert_array_equal(ds["observations"][valid], obs)
+        np.testing.assert_array_equal(ds["actions"][valid], act)
+        np.testing.assert_array_equal(ds["observations"][np.flatnonzero(valid) + 1], nxt)
+    else:
+        np.testing.assert_array_equal(ds["observations"], obs)
+        np.testing.assert_array_equal(ds["next_observations"], nxt)
+        np.testing.assert_array_equal(ds["actions"], act)
+        np.testing.assert_array_equal(ds["terminals"].astype(bool), last)
+
+
+def test_ogbench_file_from_elsewhere(tmp_path):
+    """An OGBench file as OGBench writes it (savez_compressed, bool terminals, a real action in the last row, qpos,
+    a scalar setting): episodes split at terminals, goals = observation / final observation, rewards -1 then 0."""
+    rng = np.random.default_rng(0)
+    sizes = [4, 6, 3]
+    n = sum(sizes)
+    terminals = np.zeros(n, bool)
+    terminals[np.cumsum(sizes) - 1] = True
+    data = {
+        "observations": rng.standard_normal((n, 5)).astype(np.float32),
+        "actions": rng.uniform(-1, 1, (n, 2)).astype(np.float32),
+        "terminals": terminals,
+        "qpos": rng.standard_normal((n, 3)).astype(np.float32),
+        "button_states": rng.integers(0, 2, (n, 2)).astype(np.int64),
+        "observation_interval": np.asarray(1, np.int32),
+    }
+    src = str(tmp_path / "pointmaze-tiny-navigate-v0.npz")
+    np.savez_compressed(src, **data)
+    assert guess_format(src) == "ogbench"
+    assert main(["import", src, str(tmp_path / "s"), "--quiet"]) == 0
+    with EpisodeStore.open(str(tmp_path / "s")) as s:
+        assert s.num_episodes == 3 and s.episodes["length"].tolist() == [3, 5, 2]
+        assert s.metadata["dataset_id"] == "pointmaze-tiny-navigate-v0"
+        assert set(s.observation_space.spaces) == {*GOAL_KEYS, "qpos", "button_states"}
+        row = 0
+        for i, size in enumerate(sizes):
+            ep, T = s.episode(i), size - 1
+            np.testing.assert_array_equal(ep["observation"], data["observations"][row : row + size])
+            np.testing.assert_array_equal(ep["achieved_goal"], ep["observation"])
+            np.testing.assert_array_equal(ep["desired_goal"], np.repeat(ep["observation"][-1:], size, 0))
+            np.testing.assert_array_equal(ep["qpos"], data["qpos"][row : row + size])
+            np.testing.assert_array_equal(ep["button_states"], data["button_states"][row : row + size])
+            np.testing.assert_array_equal(ep["action"], data["actions"][row : row + T])  # the last row's action dropped
+            np.testing.assert_array_equal(ep["reward"], [-1.0] * (T - 1) + [0.0])
+            assert not ep["terminated"].any() and ep["truncated"].tolist() == [False] * (T - 1) + [True]
+            row += size
+
+
+# -- SB3 replay buffers -----------------------------------------------------------------------------------------
+def _fill_sb3(rb, n_envs: int, steps: int):
+    """Step PointGoal envs with random actions and add() every step as SB3's off-policy loop does (done =
+    terminated or truncated, TimeLimit.truncated in infos, next_obs the final observation). Returns the episodes
+    each env completed and its unfinished one, each step with the step index it was taken at."""
+    from her_store.envs import PointGoalEnv
+
+    envs = [PointGoalEnv(max_episode_steps=7 + 3 * i, distance_threshold=0.3) for i in range(n_envs)]
+    obs = [e.reset(seed=i)[0] for i, e in enumerate(envs)]
+    rng = np.random.default_rng(0)
+    done_eps: list[list] = [[] for _ in envs]
+    current: list[list] = [[] for _ in envs]
+    stack = lambda ds: {k: np.stack([d[k] for d in ds]) for k in ds[0]}
+    for t in range(steps):
+        acts = rng.uniform(-1, 1, (n_envs, 2)).astype(np.float32)
+        res = [e.step(a) for e, a in zip(envs, acts)]
+        term = np.array([r[4]["is_success"] > 0 for r in res])  # reaching the goal ends an episode here
+        trunc = np.array([r[3] for r in res]) & ~term
+        nxt = [r[0] for r in res]
+        rewards = np.array([r[1] for r in res], np.float32)
+        rb.add(stack(obs), stack(nxt), acts, rewards, term | trunc, [{"TimeLimit.truncated": bool(x)} for x in trunc])
+        for i in range(n_envs):
+            current[i].append((t, obs[i], acts[i], rewards[i], nxt[i], term[i]))
+            if term[i] or trunc[i]:
+                done_eps[i].append(current[i])
+                current[i] = []
+        obs = [envs[i].reset()[0] if term[i] or trunc[i] else nxt[i] for i in range(n_envs)]
+    return done_eps, current
+
+
+def _as_episode(steps, ended: bool) -> dict[str, np.ndarray]:
+    T = len(steps)
+    ep = {k: np.stack([s[1][k] for s in steps] + [steps[-1][4][k]]) for k in GOAL_KEYS}
+    ep["action"] = np.stack([s[2] for s in steps])
+    ep["reward"] = np.array([s[3] for s in steps], np.float32)
+    ep["terminated"] = np.zeros(T, bool)
+    ep["truncated"] = np.zeros(T, bool)
+    (ep["terminated"] if ended and steps[-1][5] else ep["truncated"])[-1] = True
+    return ep
+
+
+@pytest.mark.parametrize("kind", ["her", "dict"])
+@pytest.mark.parametrize("rows_per_env", [200, 25])
+def test_sb3_replay_buffer_pickle(tmp_path, kind, rows_per_env):
+    """A real SB3 buffer (2 envs, real add() calls, saved by SB3's save_replay_buffer) imports as the episodes it
+    holds, in the order they ended: with rows_per_env=25 the ring wrapped, so episodes it overwrote are gone (and a
+    DictReplayBuffer also drops each column's oldest episode, whose start it cannot know); the unfinished episodes
+    end truncated."""
+    pytest.importorskip("stable_baselines3")
+    from stable_baselines3 import SAC, HerReplayBuffer
+    from stable_baselines3.common.buffers import DictReplayBuffer
+    from stable_baselines3.common.vec_env import DummyVecEnv
+
+    from her_store.envs import PointGoalEnv
+
+    n_envs, steps = 2, 60
+    venv = DummyVecEnv([PointGoalEnv] * n_envs)
+    cls, kw = (HerReplayBuffer, {"env": venv}) if kind == "her" else (DictReplayBuffer, {})
+    model = SAC("MultiInputPolicy", venv, buffer_size=rows_per_env * n_envs, replay_buffer_class=cls, device="cpu",
+                learning_starts=10**9)
+    model.replay_buffer = cls(rows_per_env * n_envs, venv.observation_space, venv.action_space, device="cpu", n_envs=n_envs, **kw)
+    done_eps, current = _fill_sb3(model.replay_buffer, n_envs, steps)
+    assert model.replay_buffer.full == (rows_per_env < steps)
+    path = str(tmp_path / "rb.pkl")
+    model.save_replay_buffer(path)
+
+    window = max(0, steps - rows_per_env)  # the first step still in each column
+    expected = []
+    for env in range(n_envs):
+        for ep in done_eps[env]:
+            first = ep[0][0]
+            if first > window or (first == window and (kind == "her" or window == 0)):
+                expected.append((ep[-1][0], env, _as_episode(ep, True)))
+        if current[env] and (current[env][0][0] > window or window == 0 or (kind == "her" and current[env][0][0] == window)):
+            expected.append((current[env][-1][0], env, _as_episode(current[env], False)))
+    expected.sort(key=lambda e: (e[0], e[1]))
+    if rows_per_env < steps:
+        assert sum(len(e) for e in done_eps) > len(expected) - n_envs  # some episodes were overwritten
+
+    assert guess_format(path) == "sb3"
+    assert main(["import", path, str(tmp_path / "s"), "--quiet"]) == 0
+    with EpisodeStore.open(str(tmp_path / "s")) as s:
+        assert s.num_episodes == len(expected)
+        assert s.episodes["terminated"].any() or kind == "dict" or rows_per_env < steps
+        for i, (_, _, want) in enumerate(expected):
+            assert_episode_equal(s.episode(i), want)
+        assert "stable-baselines3" in s.metadata["description"]
+
+
+def test_sb3_pickle_of_something_else(tmp_path):
+    path = str(tmp_path / "x.pkl")
+    with open(path, "wb") as f:
+        pickle.dump({"observations": 1}, f)
+    with pytest.raises(ValueError, match="expected an SB3 DictReplayBuffer"):
+        import_source(path, str(tmp_path / "s"), "sb3")
+    assert not os.path.exists(tmp_path / "s")
+
+
+# -- refusals and failures --------------------------------------------------------------------------------------
+def test_existing_destinations_are_refused(image_store, tmp_path, capsys):
+    dest = tmp_path / "taken.npz"
+    dest.write_bytes(b"keep")
+    assert main(["export", image_store, "--to", "npz", str(dest), "--quiet"]) == 2
+    assert dest.read_bytes() == b"keep"
+    assert "exists" in capsys.readouterr().err
+    good = str(tmp_path / "good.npz")
+    assert main(["export", image_store, "--to", "npz", good, "--quiet"]) == 0
+    assert main(["import", good, image_store, "--quiet"]) == 2  # an existing store is never written into
+    with EpisodeStore.open(image_store) as s:
+        assert s.num_episodes == 6
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_source_cut_short_leaves_nothing(image_store, tmp_path, fmt):
+    """A file truncated half-way: the import fails with one line and no store, no temporary store is left."""
+    dest = str(tmp_path / f"x{SUFFIX[fmt]}")
+    assert main(["export", image_store, "--to", fmt, dest, "--quiet"]) == 0
+    raw = Path(dest).read_bytes()
+    cut = str(tmp_path / f"cut{SUFFIX[fmt]}")
+    Path(cut).write_bytes(raw[: len(raw) // 2])
+    before = set(os.listdir(tmp_path))
+    assert main(["import", cut, str(tmp_path / "s"), "--from", fmt, "--quiet"]) == 2
+    assert set(os.listdir(tmp_path)) == before
+
+
+def test_npz_member_damaged_after_some_episodes_leaves_nothing(image_store, tmp_path):
+    """Episodes already appended when a member's CRC fails: the whole import is undone."""
+    dest = str(tmp_path / "x.npz")
+    assert main(["export", image_store, "--to", "npz", dest, "--quiet"]) == 0
+    with zipfile.ZipFile(dest) as z:
+        info = z.getinfo("actions.npy")
+    raw = bytearray(Path(dest).read_bytes())
+    at = info.header_offset + 30 + len(info.filename) + info.compress_size - 1  # the last byte of actions' data
+    raw[at] ^= 0xFF
+    Path(dest).write_bytes(bytes(raw))
+    before = set(os.listdir(tmp_path))
+    with pytest.raises(ValueError, match="not a complete npz"):
+        import_source(dest, str(tmp_path / "s"))
+    assert set(os.listdir(tmp_path)) == before
+
+
+def test_failed_export_leaves_nothing(image_store, tmp_path):
+    """An episode whose rows fail their checksum half-way through an export: no DEST, no scratch files."""
+    with EpisodeStore.open(image_store) as s:
+        start = int(s.episodes["start_row"][-1])
+        row_bytes = next(a.row_shape[0] * 4 for a in s.layout.arrays if a.path == "packs/float32")
+    with open(os.path.join(image_store, "packs", "float32", "c", "0", "0"), "r+b") as f:
+        f.seek(start * row_bytes)  # the first row of the last episode
+        f.write(b"\xff" * row_bytes)
+    for fmt in FORMATS:
+        before = set(os.listdir(tmp_path))
+        assert main(["export", image_store, "--to", fmt, str(tmp_path / f"y{SUFFIX[fmt]}"), "--quiet"]) == 2
+        assert set(os.listdir(tmp_path)) == before
+
+
+def _one_line(args: list[str], cwd: str) -> str:
+    r = subprocess.run([sys.executable, "-m", "her_store.cli", *args], capture_output=True, text=True, cwd=cwd, timeout=120, check=False)
+    assert r.returncode == 2, (r.returncode, r.stdout, r.stderr)
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in r.stderr, r.stderr
+    return lines[0]
+
+
+def test_broken_inputs_exit_2_with_one_line(ring_store, tmp_path):
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    good = str(tmp_path / "good.npz")
+    assert main(["export", ring_store, "--to", "npz", good, "--quiet"]) == 0
+    z = dict(np.load(good, allow_pickle=False))
+    wrong_keys = str(tmp_path / "wrong.npz")
+    np.savez(wrong_keys, something=np.zeros(3))
+    mismatched = str(tmp_path / "mismatched.npz")
+    np.savez(mismatched, **{**z, "episode_lengths": z["episode_lengths"] + 1})
+    bad_card = str(tmp_path / "card.npz")
+    head = json.loads(z["her_store_header"].tobytes())
+    head["metadata"]["ref_min_score"] = "low"
+    np.savez(bad_card, **{**z, "her_store_header": np.frombuffer(json.dumps(head).encode(), np.uint8)})
+    no_header_h5 = str(tmp_path / "plain.h5")
+    import h5py
+
+    with h5py.File(no_header_h5, "w") as f:
+        f.create_dataset("x", data=np.zeros(3))
+    cases = {
+        "wrong": (["import", wrong_keys, str(tmp_path / "a")], "neither"),
+        "mismatched": (["import", mismatched, str(tmp_path / "b")], "episode_lengths"),
+        "card": (["import", bad_card, str(tmp_path / "c")], "ref_min_score"),
+        "h5": (["import", no_header_h5, str(tmp_path / "d")], "not written by her-store export"),
+        "not a store": (["export", str(tmp_path), "--to", "npz", str(tmp_path / "e.npz")], "store"),
+        "missing": (["import", str(tmp_path / "nothing.npz"), str(tmp_path / "f")], "does not exist"),
+    }
+    for name, (args, words) in cases.items():
+        line = _one_line([*args, "--quiet"], root)
+        assert line.startswith(f"her-store {args[0]}:") and words in line, (name, line)
+    assert not any(os.path.exists(tmp_path / x) for x in "abcdef")
+
+
+def test_import_help_warns_about_pickles(capsys):
+    with pytest.raises(SystemExit):
+        main(["import", "--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert "unpickling runs code" in out and "desired_goal = the episode's final observation" in out
+
+
+def test_guess_format(tmp_path):
+    assert guess_format("D4RL/door/human-v2") == "minari"
+    (tmp_path / "ds").mkdir()
+    assert guess_format(str(tmp_path / "ds")) == "minari"
+    with pytest.raises(ValueError, match="cannot tell"):
+        (tmp_path / "x.bin").write_bytes(b"")
+        guess_format(str(tmp_path / "x.bin"))
+    with pytest.raises(ValueError, match="URL"):
+        import_source(str(tmp_path / "x.bin"), "s3://bucket/store", "npz")
+
+
+def test_minari_is_wired(ring_store, tmp_path):
+    """--to minari and a dataset directory as SOURCE reach her_store.interop.minari."""
+    pytest.importorskip("minari")
+    dest = str(tmp_path / "ring-v0")
+    assert main(["export", ring_store, "--to", "minari", dest, "--episodes=-3:", "--quiet"]) == 0
+    assert guess_format(dest) == "minari"
+    assert main(["import", dest, str(tmp_path / "back"), "--quiet"]) == 0
+    with EpisodeStore.open(ring_store) as s, EpisodeStore.open(str(tmp_path / "back")) as b:
+        assert b.num_episodes == 3
+        assert_episode_equal(b.episode(2), s.episode(s.end_episode - 1))
