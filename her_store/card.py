@@ -13,7 +13,9 @@ import re
 from collections.abc import Callable, Mapping
 from typing import Any
 
-__all__ = ["CARD_FIELDS", "check_card", "parse_assignment", "resolve_reward_function"]
+from her_store.errors import short_repr
+
+__all__ = ["CARD_FIELDS", "card_problems", "check_card", "parse_assignment", "resolve_reward_function"]
 
 # name -> (kind, what it holds). Minari's dataset fields first, then HER's own.
 CARD_FIELDS: dict[str, tuple[str, str]] = {
@@ -76,14 +78,41 @@ def check_card(card: Mapping[str, Any], where: str = "the dataset card") -> dict
         if key in CARD_FIELDS and value is not None:
             kind, what = CARD_FIELDS[key]
             if not _KINDS[kind](value):
-                raise ValueError(f"the dataset card's {key!r} is {value!r}; expected {kind} ({what})")
+                raise ValueError(f"the dataset card's {key!r} is {short_repr(value)}; expected {kind} ({what})")
     fn = out.get("reward_function")
     if fn is not None and not _REWARD_FN.match(fn):
-        raise ValueError(f"the dataset card's 'reward_function' is {fn!r}; expected 'module:function'")
+        raise ValueError(f"the dataset card's 'reward_function' is {short_repr(fn)}; expected 'module:function'")
     goals = out.get("goal_keys")
     if goals is not None and len(goals) != 2:
-        raise ValueError(f"the dataset card's 'goal_keys' is {goals!r}; expected [achieved key, desired key]")
+        raise ValueError(f"the dataset card's 'goal_keys' is {short_repr(goals)}; expected [achieved key, desired key]")
     return out
+
+
+def card_problems(card: Mapping[str, Any]) -> list[str]:
+    """What :func:`check_card` would refuse in a card read from a store, one message per field, without raising.
+
+    A store opens whatever its card holds (opening shows what is there); ``her-store inspect`` shows these as
+    warnings, and an edit must fix them before the card is written.
+
+    Examples
+    --------
+    >>> card_problems({"env_id": "FetchReach-v4", "ref_min_score": "low", "goal_keys": ["a"]})  # doctest: +ELLIPSIS
+    ["the dataset card's 'ref_min_score' is 'low'; expected number ...", "the dataset card's 'goal_keys' is ['a']; ..."]
+    """
+    if not isinstance(card, Mapping):
+        return [f"the dataset card is a {type(card).__name__}, expected a JSON object"]
+    problems = []
+    for key, value in card.items():
+        try:
+            check_card({key: value}, f"the dataset card's {key!r}")
+        except ValueError as e:
+            problems.append(str(e))
+    if not problems:
+        try:
+            check_card(card)
+        except ValueError as e:  # too large as a whole
+            problems.append(str(e))
+    return problems
 
 
 def parse_assignment(text: str) -> tuple[str, Any]:

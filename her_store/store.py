@@ -523,19 +523,54 @@ class EpisodeStore:
 
     @property
     def metadata(self) -> dict[str, Any]:
-        """The dataset card (env_id, algorithm, author, description, ...); a copy: change it with :meth:`update_metadata`."""
-        return dict(self._attrs.get("metadata", {}))
+        """The dataset card (:mod:`her_store.card`: env_id, algorithm_name, author, ...) as stored, a deep copy.
+
+        Shown as it is, never judged: a card with odd values (a field of the wrong kind, a huge string) does not
+        stop a store from opening; :func:`her_store.card.card_problems` lists them, and :meth:`update_metadata`
+        writes only a card that :func:`her_store.card.check_card` accepts.
+        """
+        import copy
+
+        return copy.deepcopy(dict(self._attrs["metadata"]))
 
     def update_metadata(self, **entries: Any) -> None:
-        """Add or replace entries of the dataset card.
+        """Add, replace or (with the value None) remove entries of the dataset card.
+
+        The new card is checked first (:func:`her_store.card.check_card`: known fields of the right kind, JSON
+        values, at most 1 MiB), then the root ``zarr.json`` is replaced whole under the writer lock (temp file +
+        rename locally, one PUT on object storage): a reader, or a crash, finds the old card or the new one, never
+        a torn file. The commit record is not touched.
+
+        Raises
+        ------
+        ValueError
+            The card would not pass :func:`her_store.card.check_card`; nothing is written.
+        ReadOnlyStoreError
+            The store is open read-only.
 
         Examples
         --------
-        >>> store.update_metadata(algorithm="SAC+HER", author="lab")  # doctest: +SKIP
+        >>> store.update_metadata(algorithm_name="SAC+HER", author="lab", license=None)  # doctest: +SKIP
         """
+        from her_store.card import card_problems, check_card
+
         self._writing()
-        self._attrs["metadata"] = {**self._attrs.get("metadata", {}), **entries}
-        self._root.attrs.update({ATTRS_KEY: self._attrs})
+        card = {k: v for k, v in {**self._attrs["metadata"], **entries}.items() if v is not None}
+        problems = card_problems(card)  # every one at once: a card read from elsewhere may have several
+        if problems:
+            raise ValueError(f"{self.url}: {'; '.join(problems)}; the card was not changed")
+        attrs = {**self._attrs, "metadata": check_card(card)}
+        # the root zarr.json as it is on disk (checked at open, and only the lock holder writes it), only the
+        # her_store attribute replaced: written by her_store rather than zarr, so that it is one atomic replacement
+        # whose temp file a later writer's open removes
+        doc = json.loads(self._loc.read_bytes("zarr.json") or b"null")
+        if not isinstance(doc, dict) or not isinstance(doc.get("attributes"), dict):
+            raise CorruptStoreError(f"{self._loc}/zarr.json changed since the store was opened; expected a Zarr group")
+        doc["attributes"][ATTRS_KEY] = attrs
+        assert self._lock is not None
+        self._lock.ensure_held()
+        self._loc.write_atomic("zarr.json", json.dumps(doc, indent=2).encode(), fsync=self.durability == "fsync")
+        self._attrs = attrs
 
     def _visible(self) -> EpisodeIndex:
         """The index as this handle should report it: a writer commits what it staged first."""
