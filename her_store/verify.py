@@ -200,7 +200,7 @@ class _Check:
 
     def run(self, t0: float) -> Report:
         jobs = [(spec, c) for spec in self.store.layout.arrays for c in self._chunks(spec)]
-        sizes = [self._size(spec, c) for spec, c in jobs] if self.loc.is_local else None
+        sizes = [min(self._size(spec, c), self._limit(spec, c)) for spec, c in jobs] if self.loc.is_local else None
         bar = progress_bar(sum(sizes) if sizes else None, "verifying", self.progress, unit="B", unit_scale=True)
         with bar, ThreadPoolExecutor(1, thread_name_prefix="her_store-verify") as pool:
             for spec, c, read in self._prefetched(pool, jobs):
@@ -244,24 +244,32 @@ class _Check:
         except OSError:
             return 0
 
-    def _limit(self, spec: ArraySpec) -> int:
-        return shard_limit(spec.chunk_rows, spec.row_nbytes) if spec.sharded else spec.chunk_rows * spec.row_nbytes
+    def _limit(self, spec: ArraySpec, c: int, committed: bool = True) -> int:
+        """The bytes of chunk (shard) ``c`` to read: a shard's all (at most what a shard may hold); a raw chunk's up to
+        its last committed row (``committed``: rows past it are not checksummed), else all of it."""
+        cr = spec.chunk_rows
+        if spec.sharded:
+            return shard_limit(cr, spec.row_nbytes)
+        k = self._episodes_in(c * cr, (c + 1) * cr)
+        if committed and len(k):
+            return (min(self.ends_list[k.stop - 1], (c + 1) * cr) - c * cr) * spec.row_nbytes
+        return cr * spec.row_nbytes
 
-    def _read(self, spec: ArraySpec, c: int, whole: bool = True) -> tuple[bytes | None, int, str | None]:
-        """(the file's bytes, up to what the array's chunk may hold, or none of them unless ``whole``; its size; or
-        why it cannot be read). A file that does not exist gives ``(None, 0, None)``."""
-        key, limit = self._key(spec, c), self._limit(spec) if whole else 0
+    def _read(self, spec: ArraySpec, c: int, whole: bool = True, skip: int = 0) -> tuple[bytes | None, int, str | None]:
+        """(the file's bytes from byte ``skip``: a shard's all, a raw chunk's up to its last committed row, or none of
+        them unless ``whole``; its size; or why it cannot be read). A file that does not exist gives (None, 0, None)."""
+        key, limit = self._key(spec, c), self._limit(spec, c, skip == 0) if whole else 0
         path = self.loc.key_path(key)
         try:
             if self.loc.is_local:
                 fd = open_regular(path)
                 try:
                     size = os.fstat(fd).st_size
-                    return os.pread(fd, min(size, limit), 0), size, None
+                    return os.pread(fd, max(min(size, limit) - skip, 0), skip), size, None
                 finally:
                     os.close(fd)
             size = int(self.loc.fs.size(path))
-            return self.loc.fs.cat_file(path, start=0, end=min(size, limit)), size, None
+            return self.loc.fs.cat_file(path, start=skip, end=max(min(size, limit), skip)), size, None
         except FileNotFoundError:
             return None, 0, None
         except (CorruptStoreError, OSError) as e:
@@ -312,14 +320,15 @@ class _Check:
             self.report.short_files.append((self._key(spec, c), want))
         if not self.checksums:
             return 0
-        if len(data or b"") < want:
-            data = (data or b"") + bytes(want - len(data or b""))
+        need = (min(self.ends_list[k.stop - 1], r1) - r0) * rb  # what was read: up to the last committed row
+        if len(data or b"") < need:
+            data = (data or b"") + bytes(need - len(data or b""))
         view = memoryview(data)  # type: ignore[arg-type]
-        starts, ends, crcs = self.starts_list, self.ends_list, self.crcs
-        for i in k:
-            a, b = max(starts[i], r0) - r0, min(ends[i], r1) - r0
-            crcs[i] = zlib.crc32(view[a * rb : b * rb], crcs[i])
-        return min(size, want)
+        a = ((np.maximum(self.starts[k.start : k.stop], r0) - r0) * rb).tolist()
+        b = ((np.minimum(self.ends[k.start : k.stop], r1) - r0) * rb).tolist()
+        crc32, crcs = zlib.crc32, self.crcs
+        crcs[k.start : k.stop] = [crc32(view[x:y], c) for x, y, c in zip(a, b, crcs[k.start : k.stop])]
+        return len(data)
 
     def _check_shard(self, spec: ArraySpec, c: int, read: Any, k: range, where: str) -> int:
         cr = spec.chunk_rows
@@ -418,10 +427,10 @@ class _Check:
             cr, rb = spec.chunk_rows, spec.row_nbytes
             held = []
             for c in range(w // cr, -(-self.commit.array_rows // cr)):
-                data, size, error = self._read(spec, c)
+                skip = max(w - c * cr, 0)
+                data, size, error = self._read(spec, c, skip=0 if spec.sharded else skip * rb)
                 if data is None or error is not None or self._key(spec, c) in r.damaged_files:
                     continue
-                skip = max(w - c * cr, 0)
                 if spec.sharded:
                     try:
                         offsets, _ = parse_index(data, cr, self._key(spec, c))
@@ -429,7 +438,7 @@ class _Check:
                         continue  # reported above if it holds committed rows; nothing committed lies in it otherwise
                     if (offsets[skip:] >= 0).any():
                         held.append(c)
-                elif np.frombuffer(data, np.uint8)[skip * rb :].any():
+                elif np.frombuffer(data, np.uint8).any():
                     held.append(c)
             if held:
                 r.tail_chunks[spec.path] = held
