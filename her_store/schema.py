@@ -341,7 +341,13 @@ def _floats_from_json(v: Any, shape: tuple[int, ...], dtype: np.dtype) -> np.nda
         raise SchemaMismatchError(
             f"bounds {short_repr(v)} are not a number or {math.prod(shape)} numbers for shape {shape}"
         )
-    arr = np.array([float(x) for x in values], dtype=np.float64)
+    if dtype.kind in "iu" and all(isinstance(x, int) for x in values):  # exact: int64 bounds past 2**53 survive
+        info = np.iinfo(dtype)
+        if not all(info.min <= x <= info.max for x in values):
+            raise SchemaMismatchError(f"bounds {short_repr(v)} do not fit {dtype} ({info.min}..{info.max})")
+        arr = np.array(values, dtype=dtype)
+    else:
+        arr = np.array([float(x) for x in values], dtype=np.float64)
     return arr.reshape(shape).astype(dtype) if isinstance(v, list) else np.broadcast_to(arr[0], shape).astype(dtype)
 
 

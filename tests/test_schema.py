@@ -21,6 +21,8 @@ SPACES = [
     spaces.MultiBinary([2, 3]),
     spaces.MultiDiscrete([3, 4]),
     spaces.Dict({"a": spaces.Discrete(2), "b": spaces.Box(-1, 1, (1,))}),
+    spaces.Box(np.iinfo(np.int64).min, np.iinfo(np.int64).max, (2,), np.int64),  # not through float64
+    spaces.Box(np.array([0, -5]), np.array([2**62 + 1, 7]), (2,), np.int64),
 ]
 
 
@@ -59,3 +61,10 @@ def test_check_same_names_the_difference():
 def test_unknown_space_type_in_metadata():
     with pytest.raises(SchemaMismatchError, match="unknown space type 'Graph'"):
         space_from_json({"type": "Graph"})
+
+
+def test_integer_bounds_outside_their_dtype_are_refused():
+    d = space_to_json(spaces.Box(0, 255, (2,), np.uint8))
+    d["high"] = 256
+    with pytest.raises(SchemaMismatchError, match=r"do not fit uint8 \(0..255\)"):
+        space_from_json(d)
