@@ -53,7 +53,8 @@ def array_bytes(store: EpisodeStore) -> dict[str, dict[int, int]] | None:
     """Sizes of the chunk (or shard) files of every array, by array path and row-chunk number.
 
     Local stores list each array's directory (``os.scandir``, no file is opened); object storage lists the store
-    once (fsspec ``du``). Returns None where the filesystem cannot list (a store opened over HTTP).
+    once (fsspec ``du``). Returns None over HTTP, which has no listing (only a server's HTML index pages, one
+    request per directory), and where the filesystem cannot list.
 
     Examples
     --------
@@ -68,6 +69,9 @@ def array_bytes(store: EpisodeStore) -> dict[str, dict[int, int]] | None:
         for path in paths:
             _scan_chunks(os.path.join(loc.root, path, "c"), out[path])
         return out
+    protocols = (loc.fs.protocol,) if isinstance(loc.fs.protocol, str) else tuple(loc.fs.protocol)
+    if {"http", "https"} & set(protocols):
+        return None
     try:
         listing = loc.fs.du(loc.root, total=False, withdirs=False)
     except (NotImplementedError, OSError, ValueError):

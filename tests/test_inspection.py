@@ -3,6 +3,7 @@ are checked and atomic (a kill -9 never tears zarr.json), and stores whose card 
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import signal
@@ -111,6 +112,58 @@ def test_inspect_a_ring_that_evicted(tmp_path, capsys):
     assert f"{first:,} episodes evicted" in out and f"({n / 100:.1%} full)" in out
 
 
+def test_inspect_a_version_1_store(capsys):
+    import zarr
+
+    path = os.path.join(ROOT, "tests", "data", "v1_store")  # chunked, not sharded, images compressed; a ring
+    s = _json(capsys, "inspect", path, "--json")
+    with EpisodeStore.open(path) as store:
+        first, end, n = store.first_episode, store.end_episode, store.num_transitions
+    assert s["format_version"] == 1 and (s["evicted"], s["end_episode"], s["transitions"]) == (first, end, n)
+    pixels = next(f for f in s["fields"] if f["name"] == "pixels")
+    chunks = os.path.join(path, "steps", "pixels", "c")
+    disk, files = _files_under(chunks), sum(len(f) for _, _, f in os.walk(chunks))
+    chunk_rows = zarr.open_array(os.path.join(path, "steps", "pixels"), mode="r").chunks[0]
+    assert pixels["bytes_on_disk"] == disk and pixels["compression_ratio"] == pytest.approx(
+        files * chunk_rows * 3 * 8 * 8 / disk)  # a chunk is written whole: its every row counts
+
+
+def test_an_empty_store_without_sizes(tmp_path, capsys):
+    path = str(tmp_path / "empty")
+    obs, act = fetch_spaces()
+    EpisodeStore.create(path, obs, act).close()
+    s = _json(capsys, "inspect", path, "--json", "--no-sizes")
+    assert s["episodes"] == 0 and s["statistics"]["length"]["mean"] is None and s["bytes_on_disk"] is None
+    assert {f["bytes_on_disk"] for f in s["fields"]} == {None}
+    assert main(["inspect", path]) == 0
+    assert "(empty)" in capsys.readouterr().out
+    assert main(["inspect", path, "--no-sizes"]) == 0
+    assert ["bytes", "on", "disk", "?", "(index", "?)"] in [line.split() for line in capsys.readouterr().out.splitlines()]
+    p = _json(capsys, "inspect", path, "--episodes", "--json")
+    assert (p["total"], p["pages"], p["rows"]) == (0, 1, [])
+    assert main(["inspect", path, "--episodes", "--page", "0"]) == 2
+    assert "count from 1" in capsys.readouterr().err
+
+
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_a_terminal_gets_tables_or_plain_text_without_rich(tmp_path, monkeypatch):
+    pytest.importorskip("rich")
+    path = str(tmp_path / "s")
+    _image_store(path, [4])
+    for rich_installed in (True, False):
+        if not rich_installed:
+            monkeypatch.setitem(sys.modules, "rich.console", None)  # import fails, as when rich is not installed
+        terminal = _Terminal()
+        monkeypatch.setattr(sys, "stdout", terminal)
+        assert main(["card", path]) == 0
+        monkeypatch.undo()
+        assert "FetchReach-v4" in terminal.getvalue() and ("│" in terminal.getvalue()) == rich_installed
+
+
 def test_episode_selection_and_pages(tmp_path, capsys):
     path = str(tmp_path / "s")
     lengths = [3, 4, 5, 6, 7, 8, 9]
@@ -147,6 +200,33 @@ def test_plain_text_when_piped(tmp_path):
         assert words in lines
     r = _cli("inspect", path, "--json")
     assert json.loads(r.stdout)["transitions"] == 10
+
+
+def test_rich_tables_in_a_terminal(tmp_path):
+    pty = pytest.importorskip("pty")
+    pytest.importorskip("rich")
+    path = str(tmp_path / "s")
+    _image_store(path, [4, 6])
+    with EpisodeStore.open(path, mode="a") as store:
+        store.update_metadata(code_permalink="[bold red]see[/]")
+    parent, child = pty.openpty()
+    proc = subprocess.Popen([sys.executable, "-m", "her_store.cli", "inspect", path], stdout=child,
+                            stderr=subprocess.PIPE, cwd=ROOT, env={**os.environ, "COLUMNS": "160", "TERM": "xterm"})
+    os.close(child)
+    out = b""
+    while True:
+        try:
+            data = os.read(parent, 65536)
+        except OSError:  # the child closed the terminal
+            break
+        if not data:
+            break
+        out += data
+    os.close(parent)
+    assert proc.wait(timeout=60) == 0, proc.stderr.read()
+    text = out.decode()
+    assert "│" in text and "━" in text  # rich's boxes and header rules
+    assert "FetchReach-v4" in text and "[bold red]see[/]" in text  # a card's brackets are text, not markup
 
 
 def test_card_set_and_remove_round_trip(tmp_path, capsys):
