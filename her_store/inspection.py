@@ -25,7 +25,7 @@ from her_store.format import INDEX_COLUMNS, ArraySpec
 from her_store.selection import parse_selection
 from her_store.store import EpisodeStore
 
-__all__ = ["add_arguments", "array_bytes", "episode_page", "run", "summary"]
+__all__ = ["add_arguments", "array_bytes", "episode_page", "print_summary", "run", "summary"]
 
 PAGE_SIZE = 50
 INDEX_DIR = "episodes"
@@ -341,6 +341,18 @@ def _summary_sections(s: Mapping[str, Any]) -> tuple[list[Section], list[str]]:
     return sections, [_shown(w) for w in s["card_warnings"]]
 
 
+def print_summary(s: Mapping[str, Any], out: TextIO | None = None) -> None:
+    """Print a :func:`summary` as ``her-store inspect`` does: rich tables on a terminal (when rich is installed),
+    plain aligned text otherwise, then a warning line for each odd field of the dataset card.
+
+    Examples
+    --------
+    >>> print_summary(summary(store))  # doctest: +SKIP
+    """
+    out = sys.stdout if out is None else out
+    _render(*_summary_sections(s), out, out.isatty())
+
+
 def _page_section(p: Mapping[str, Any]) -> Section:
     rows = [
         (f"{r['episode_id']}", f"{r['start_row']}", f"{r['length']}", f"{_num(r['return'])}",
@@ -440,7 +452,7 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(s, allow_nan=False))
     else:
-        _render(*_summary_sections(s), sys.stdout, rich)
+        print_summary(s)
     return 0
 
 
