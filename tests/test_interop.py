@@ -16,7 +16,7 @@ from gymnasium import spaces
 
 from her_store import EpisodeStore
 from her_store.cli import main
-from her_store.interop import guess_format, import_source
+from her_store.interop import guess_format, import_source, read_batches
 from tests.conftest import GOAL_KEYS, assert_episode_equal, fetch_spaces, make_episode
 
 CARD = {"env_id": "her_store/PointGoal-v0", "author": ["Ada", "Bo"], "license": "CC-BY-4.0", "ref_max_score": 1.5,
@@ -327,18 +327,34 @@ def test_npz_member_damaged_after_some_episodes_leaves_nothing(image_store, tmp_
     assert set(os.listdir(tmp_path)) == before
 
 
-def test_failed_export_leaves_nothing(image_store, tmp_path):
-    """An episode whose rows fail their checksum half-way through an export: no DEST, no scratch files."""
-    with EpisodeStore.open(image_store) as s:
-        start = int(s.episodes["start_row"][-1])
+@pytest.mark.parametrize("which", ["image_store", "ring_store"])
+def test_failed_export_leaves_nothing(request, tmp_path, which, capsys):
+    """An episode whose rows fail their checksum half-way through an export (read one by one from an image store,
+    in batches from an uncompressed one): no DEST, no scratch files."""
+    path = request.getfixturevalue(which)
+    with EpisodeStore.open(path) as s:
+        start, eid = int(s.episodes["start_row"][-2]), s.end_episode - 2
         row_bytes = next(a.row_shape[0] * 4 for a in s.layout.arrays if a.path == "packs/float32")
-    with open(os.path.join(image_store, "packs", "float32", "c", "0", "0"), "r+b") as f:
-        f.seek(start * row_bytes)  # the first row of the last episode
+        chunk_rows = next(a.chunk_rows for a in s.layout.arrays if a.path == "packs/float32")
+    with open(os.path.join(path, "packs", "float32", "c", str(start // chunk_rows), "0"), "r+b") as f:
+        f.seek(start % chunk_rows * row_bytes)  # the first row of the last episode but one
         f.write(b"\xff" * row_bytes)
     for fmt in FORMATS:
         before = set(os.listdir(tmp_path))
-        assert main(["export", image_store, "--to", fmt, str(tmp_path / f"y{SUFFIX[fmt]}"), "--quiet"]) == 2
+        assert main(["export", path, "--to", fmt, str(tmp_path / f"y{SUFFIX[fmt]}"), "--quiet"]) == 2
+        assert f"episode {eid} do not match the crc32" in capsys.readouterr().err
         assert set(os.listdir(tmp_path)) == before
+
+
+@pytest.mark.parametrize("batch_rows", [1, 7, 40, 1 << 18])
+def test_batches_are_the_episodes(ring_store, batch_rows):
+    """Episodes read in batches (any batch size, a selection with gaps) are store.episode()'s, bit for bit."""
+    with EpisodeStore.open(ring_store) as s:
+        ids = np.arange(s.first_episode, s.end_episode)[[0, 1, 2, 5, 6, -1]]
+        got = [(i, ep) for b in read_batches(s, ids, False, "x", batch_rows) for i, ep in b.episodes()]
+        assert [i for i, _ in got] == ids.tolist()
+        for i, ep in got:
+            assert_episode_equal(ep, s.episode(i))
 
 
 def _one_line(args: list[str], cwd: str) -> str:

@@ -21,7 +21,15 @@ from typing import Any
 import numpy as np
 
 from her_store.extras import require
-from her_store.interop import HEADER_KEY, episodes_of, header_of, minari_name, parse_header, staged_file, staged_store
+from her_store.interop import (
+    HEADER_KEY,
+    header_of,
+    minari_name,
+    parse_header,
+    read_batches,
+    staged_file,
+    staged_store,
+)
 from her_store.progress import progress as progress_bar
 from her_store.store import EpisodeStore
 
@@ -48,13 +56,14 @@ def export_hdf5(store: EpisodeStore, episode_ids: np.ndarray, dest: str | os.Pat
     with staged_file(dest) as tmp, h5py.File(tmp, "w") as f:
         f.attrs[HEADER_KEY] = json.dumps(header_of(store, "hdf5"))
         steps = 0
-        for ep in episodes_of(store, ids, progress, "exporting hdf5"):
-            g = f.create_group(f"episode_{ep.id}")
-            g.attrs["id"] = ep.id
-            g.attrs["total_steps"] = ep.length
-            for field in store.schema.fields:
-                g.create_dataset(minari_name(field), data=ep[field.name])
-            steps += ep.length
+        for batch in read_batches(store, ids, progress, "exporting hdf5"):
+            for i, ep in batch.episodes():
+                g = f.create_group(f"episode_{i}")
+                g.attrs["id"] = i
+                g.attrs["total_steps"] = len(ep["action"])
+                for field in store.schema.fields:
+                    g.create_dataset(minari_name(field), data=ep[field.name])
+            steps += int(batch.lengths.sum())
         f.attrs["total_episodes"] = len(ids)
         f.attrs["total_steps"] = steps
 

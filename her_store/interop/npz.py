@@ -22,10 +22,10 @@ import numpy as np
 from her_store.interop import (
     HEADER_KEY,
     NpzReader,
-    episodes_of,
     header_of,
     lengths_of,
     minari_name,
+    read_batches,
     read_npz_header,
     staged_file,
     staged_store,
@@ -60,7 +60,7 @@ def export_npz(store: EpisodeStore, episode_ids: np.ndarray, dest: str | os.Path
         minari_name(f): (f.dtype, (int(lengths.sum()) + (0 if f.per_step else len(ids)), *f.shape)) for f in fields
     }
     pieces = (
-        {minari_name(f): ep[f.name] for f in fields} for ep in episodes_of(store, ids, progress, "exporting npz")
+        {minari_name(f): b.fields[f.name] for f in fields} for b in read_batches(store, ids, progress, "exporting npz")
     )
     small = {
         HEADER_KEY: np.frombuffer(json.dumps(header_of(store, "npz")).encode(), np.uint8),

@@ -34,9 +34,9 @@ from gymnasium import spaces
 from her_store.interop import (
     HEADER_KEY,
     NpzReader,
-    episodes_of,
     header_of,
     lengths_of,
+    read_batches,
     read_npz_header,
     staged_file,
     staged_store,
@@ -83,17 +83,19 @@ def export_ogbench(store: EpisodeStore, episode_ids: np.ndarray, dest: str | os.
     members["terminals"] = (np.dtype(bool), (rows,))
 
     def pieces() -> Any:
-        for ep in episodes_of(store, ids, progress, "exporting ogbench"):
-            T = ep.length
-            piece = {}
+        for batch in read_batches(store, ids, progress, "exporting ogbench"):
+            last = np.zeros(int(batch.lengths.sum()) + len(batch.lengths), bool)
+            last[np.cumsum(batch.lengths + 1) - 1] = True  # row T of each episode
+            piece = {"terminals": last}
             for f in fields:
-                a = ep[f.name]
+                a = batch.fields[f.name]
                 if f.name == "terminated":
                     a = 1.0 - a.astype(np.float32)
-                if f.per_step:
-                    a = np.concatenate([a, np.zeros((1, *f.shape), a.dtype)])
+                if f.per_step:  # T + 1 rows: a zero row at T
+                    padded = np.zeros((len(last), *f.shape), a.dtype)
+                    padded[~last] = a
+                    a = padded
                 piece[_array_name(f)] = a
-            piece["terminals"] = np.arange(T + 1) == T
             yield piece
 
     small = {HEADER_KEY: np.frombuffer(json.dumps(header_of(store, "ogbench")).encode(), np.uint8)}
