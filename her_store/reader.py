@@ -20,7 +20,6 @@ committed end under which it was read, and each array records the newest episode
 from __future__ import annotations
 
 import asyncio
-import io
 import itertools
 import mmap
 import os
@@ -40,7 +39,7 @@ from her_store.errors import CorruptStoreError
 from her_store.format import ArraySpec
 from her_store.index import IndexView
 from her_store.shard import FrameCodec, index_nbytes, parse_index, shard_limit
-from her_store.storage import Location, chunk_key, drop_page_cache, open_regular
+from her_store.storage import Location, chunk_key, drop_page_cache
 
 if TYPE_CHECKING:
     from her_store.store import EpisodeStore
@@ -52,11 +51,12 @@ MIN_FRAMES_PER_THREAD = 4  # a compressed frame costs a decode: worth a thread f
 
 
 class MappedArray:
-    """An uncompressed local array whose chunk files are memory-mapped on first use."""
+    """An uncompressed local array whose chunk files (members, in a packed store) are memory-mapped on first use."""
 
-    def __init__(self, root: str, spec: ArraySpec, random_access: bool = True) -> None:
+    def __init__(self, location: Location, spec: ArraySpec, random_access: bool = True) -> None:
         self.spec = spec
-        self.root = root
+        self.location = location
+        self.root = location.root
         self.chunk_rows = spec.chunk_rows
         self.random_access = random_access
         self._maps: dict[int, np.ndarray] = {}
@@ -73,11 +73,18 @@ class MappedArray:
         with self._lock:
             view = self._maps.get(chunk)
             if view is None:
-                with open(self._file(chunk), "rb") as f:
-                    m = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+                key = chunk_key(self.spec.path, chunk, 1 + len(self.spec.row_shape))
+                f, base, size = self.location.open_range(key)
+                need = self.chunk_rows * self.spec.row_nbytes
+                with f:
+                    if size < need:
+                        raise CorruptStoreError(f"{self.location}/{key}: {size:,} bytes, a chunk holds {need:,}")
+                    skip = base % mmap.ALLOCATIONGRANULARITY  # a map starts on a page; a packed store's members do
+                    m = mmap.mmap(f.fileno(), skip + need, access=mmap.ACCESS_READ, offset=base - skip)
                 if self.random_access:
                     m.madvise(mmap.MADV_RANDOM)
-                view = np.frombuffer(m, self.spec.dtype).reshape(-1, *self.spec.row_shape)
+                view = np.frombuffer(m, self.spec.dtype, need // self.spec.dtype.itemsize, skip)
+                view = view.reshape(-1, *self.spec.row_shape)
                 self._mmaps[chunk] = m
                 self._maps[chunk] = view
         return view
@@ -356,19 +363,18 @@ class ShardedArray(CachedArray):
     def _load(self, chunk: int) -> _Shard:
         """A local shard: its file, open, and its index (object storage: :meth:`_remote_frames`)."""
         key = self._key(chunk)
-        assert self.root is not None
         try:
-            buf = io.FileIO(open_regular(os.path.join(self.root, key)), "rb")  # closed when no gather holds it
+            # closed when no gather holds it; in a packed store, the archive with the shard's bytes at `base`
+            buf, base, size = self.location.open_range(key)
         except FileNotFoundError:
             return self._empty()
-        os.posix_fadvise(buf.fileno(), 0, 0, os.POSIX_FADV_RANDOM)  # a frame is one read, no readahead
-        size = os.fstat(buf.fileno()).st_size
+        os.posix_fadvise(buf.fileno(), base, size, os.POSIX_FADV_RANDOM)  # a frame is one read, no readahead
         if size > shard_limit(self.chunk_rows, self.spec.row_nbytes):
             raise CorruptStoreError(f"{self.location}/{key}: {size:,} bytes, more than a shard of its rows may hold")
         need = min(size, index_nbytes(self.chunk_rows))
-        index = _Tail(size, os.pread(buf.fileno(), need, size - need))
+        index = _Tail(size, os.pread(buf.fileno(), need, base + size - need))
         offsets, nbytes = parse_index(index, self.chunk_rows, f"{self.location}/{key}")
-        return _Shard(buf, offsets, nbytes)
+        return _Shard(buf, np.where(offsets < 0, offsets, offsets + base), nbytes)
 
     def _empty(self) -> _Shard:
         """A shard never written: every row zeros."""
@@ -812,7 +818,7 @@ class ChunkReader:
             if spec.sharded:
                 self.arrays[spec.path] = ShardedArray(store._root[spec.path], spec, cache_bytes, loc)
             elif loc.is_local and not spec.compressed:
-                self.arrays[spec.path] = MappedArray(loc.root, spec)
+                self.arrays[spec.path] = MappedArray(loc, spec)
             else:
                 self.arrays[spec.path] = CachedArray(
                     store._root[spec.path], spec, cache_bytes, fetch=loc.read_bytes, root=loc.root if loc.is_local else None

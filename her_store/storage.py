@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import io
 import json
 import math
 import os
@@ -23,7 +24,7 @@ import uuid
 import warnings
 import weakref
 from collections.abc import Iterator, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import fsspec
 import numpy as np
@@ -32,6 +33,9 @@ import zarr.storage
 from zarr.core.array_spec import ArrayConfigParams
 
 from her_store.errors import CorruptStoreError, StoreLockedError
+
+if TYPE_CHECKING:
+    from her_store.pack import PackedArchive
 
 __all__ = ["Location", "WriterLock", "RawChunkFile", "ZarrChunks", "chunk_io", "staged_output", "ZARR_CONFIG"]
 
@@ -64,6 +68,13 @@ class Location:
         else:
             self.url = url.rstrip("/")
             self.fs, self.root = fsspec.core.url_to_fs(self.url, **self.storage_options)
+        self.archive: PackedArchive | None = None  # a packed store: one zip file, read in place (her_store.pack)
+        if self.is_local and os.path.isfile(self.root):
+            from her_store.pack import PackedArchive, is_archive
+
+            if is_archive(self.root):
+                self.archive = PackedArchive(self.root)
+
 
     def __str__(self) -> str:
         return self.url
@@ -72,6 +83,8 @@ class Location:
         return f"{self.root}/{key}" if key else self.root
 
     def zarr_store(self, read_only: bool) -> zarr.storage.StoreLike:
+        if self.archive is not None:
+            return self.archive.zarr_store()
         if self.is_local:
             return zarr.storage.LocalStore(self.root, read_only=read_only)
         return zarr.storage.FsspecStore.from_url(self.url, storage_options=self.storage_options, read_only=read_only)
@@ -82,6 +95,8 @@ class Location:
         Nothing in a store is trusted: locally ``key`` must be a regular file (not a symbolic link, a FIFO, a device
         or a directory), and anywhere it must hold at most ``limit`` bytes; otherwise CorruptStoreError.
         """
+        if self.archive is not None:
+            return self.archive.read(key, limit)
         path = self.key_path(key)
         try:
             if self.is_local:
@@ -99,6 +114,9 @@ class Location:
 
     def check_file(self, key: str, limit: int = METADATA_LIMIT) -> None:
         """Before a library (zarr) reads local ``key`` itself: a regular file of at most ``limit`` bytes, or missing."""
+        if self.archive is not None:
+            self.archive.check(key, limit)
+            return
         if not self.is_local:
             return
         try:
@@ -153,6 +171,8 @@ class Location:
 
     def holds_chunks(self) -> bool:
         """Whether any chunk of data exists under the location (a key ``.../c/...``, the v3 chunk encoding)."""
+        if self.archive is not None:
+            return any("/c/" in f"/{k}" for k in self.archive.members)
         if self.is_local:
             return any(os.path.basename(d) == "c" and (files or dirs) for d, dirs, files in os.walk(self.root))
         return any("/c/" in k for k in self.fs.find(self.root))
@@ -189,7 +209,25 @@ class Location:
         return removed
 
     def exists(self, key: str) -> bool:
+        if self.archive is not None:
+            return self.archive.member(key) is not None
         return bool(self.fs.exists(self.key_path(key)))
+
+    def open_range(self, key: str) -> tuple[io.FileIO, int, int]:
+        """A local key's bytes as (an open file the caller closes, their offset in it, their size): a file of its
+        own in a store directory, a member's bytes inside a packed store. Readers map or ``pread`` them.
+
+        Raises
+        ------
+        FileNotFoundError
+            No such key.
+        CorruptStoreError
+            In a directory, something other than a regular file (:func:`open_regular`).
+        """
+        if self.archive is not None:
+            return self.archive.open_range(key)
+        f = io.FileIO(open_regular(self.key_path(key)), "rb")
+        return f, 0, os.fstat(f.fileno()).st_size
 
 
 @contextlib.contextmanager
@@ -624,8 +662,12 @@ def chunk_key(path: str, chunk: int, ndim: int) -> str:
 class RawChunkFile:
     """Rows of an uncompressed local array written in place with ``pwrite`` (see the module docstring)."""
 
-    def __init__(self, root: str, path: str, dtype: np.dtype, row_shape: tuple[int, ...], chunk_rows: int) -> None:
+    def __init__(
+        self, root: str, path: str, dtype: np.dtype, row_shape: tuple[int, ...], chunk_rows: int,
+        archive: PackedArchive | None = None,
+    ) -> None:
         self.root = root
+        self.archive = archive  # a packed store's: rows are read from its members (it is never written)
         self.path = path
         self.dtype = dtype
         self.row_shape = row_shape
@@ -680,11 +722,15 @@ class RawChunkFile:
         while at < row1:
             chunk, r = divmod(at, self.chunk_rows)
             take = min(row1 - at, self.chunk_rows - r)
-            try:
-                with open(self._file(chunk), "rb") as f:
-                    buf = os.pread(f.fileno(), take * self.row_nbytes, r * self.row_nbytes)
-            except FileNotFoundError:
-                buf = b""
+            if self.archive is not None:
+                key = chunk_key(self.path, chunk, 1 + len(self.row_shape))
+                buf = self.archive.pread(key, take * self.row_nbytes, r * self.row_nbytes)
+            else:
+                try:
+                    with open(self._file(chunk), "rb") as f:
+                        buf = os.pread(f.fileno(), take * self.row_nbytes, r * self.row_nbytes)
+                except FileNotFoundError:
+                    buf = b""
             o = (at - row0) * self.row_nbytes
             flat[o : o + len(buf)] = np.frombuffer(buf, np.uint8)
             at += take
@@ -754,5 +800,7 @@ def chunk_io(location: Location, array: zarr.Array, compressed: bool) -> RawChun
     """Row access to one array, whose metadata the caller has checked against the layout (it names the files written):
     raw files for uncompressed local arrays, whole chunks through zarr otherwise."""
     if location.is_local and not compressed:
-        return RawChunkFile(location.root, array.path, array.dtype, tuple(array.shape[1:]), int(array.chunks[0]))
+        return RawChunkFile(
+            location.root, array.path, array.dtype, tuple(array.shape[1:]), int(array.chunks[0]), location.archive
+        )
     return ZarrChunks(array.with_config(ZARR_CONFIG), location)

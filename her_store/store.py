@@ -161,7 +161,12 @@ class EpisodeStore:
             raise ValueError(f"mode must be 'r' (read) or 'a' (append), got {mode!r}")
         if durability not in ("flush", "fsync"):
             raise ValueError(f"durability must be 'flush' or 'fsync', got {durability!r}")
-        if location.is_local and os.path.lexists(location.root) and not os.path.isdir(location.root):
+        if location.archive is not None and mode != "r":
+            raise ReadOnlyStoreError(
+                f"{location} is a packed store (one zip file), which is read in place and never written: extract it "
+                "(any unzip tool gives the store directory) to append to it"
+            )
+        if location.archive is None and location.is_local and os.path.lexists(location.root) and not os.path.isdir(location.root):
             raise NotAStoreError(f"{location} is a file, not a store directory")
         self._loc = location
         self.mode = mode
@@ -852,6 +857,8 @@ class EpisodeStore:
                 w.close()
             if self._lock is not None:
                 self._lock.release()
+            if self._loc.archive is not None:
+                self._loc.archive.close()
             self._closed = True
 
     def __enter__(self) -> EpisodeStore:
