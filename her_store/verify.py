@@ -18,13 +18,15 @@ episodes that followed it are appended again (new ids, each printed beside its o
 from __future__ import annotations
 
 import argparse
+import bisect
 import os
 import shutil
 import tempfile
 import time
 import zlib
+from collections import deque
 from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -41,6 +43,8 @@ from her_store.store import EpisodeStore
 __all__ = ["Problem", "Report", "add_arguments", "repair", "run", "verify"]
 
 INDEX_TAIL_PIECE = 4096  # index positions read at a time when looking for rows of ids never committed
+READ_AHEAD = 64 << 20  # bytes of chunk files read ahead of the one being checked
+READ_THREADS = 4  # reads in flight: small files (shards) keep the disk's queue filled
 
 
 @dataclass(frozen=True)
@@ -202,7 +206,7 @@ class _Check:
         jobs = [(spec, c) for spec in self.store.layout.arrays for c in self._chunks(spec)]
         sizes = [min(self._size(spec, c), self._limit(spec, c)) for spec, c in jobs] if self.loc.is_local else None
         bar = progress_bar(sum(sizes) if sizes else None, "verifying", self.progress, unit="B", unit_scale=True)
-        with bar, ThreadPoolExecutor(1, thread_name_prefix="her_store-verify") as pool:
+        with bar, ThreadPoolExecutor(READ_THREADS, thread_name_prefix="her_store-verify") as pool:
             for spec, c, read in self._prefetched(pool, jobs):
                 nbytes = self._check_chunk(spec, c, read)
                 self.report.bytes_read += nbytes
@@ -276,19 +280,25 @@ class _Check:
             return None, 0, str(e)
 
     def _prefetched(self, pool: ThreadPoolExecutor, jobs: list[tuple[ArraySpec, int]]) -> Iterator[tuple[ArraySpec, int, Any]]:
-        """The jobs with their files read, the next one read (one large read) while the current one is checked."""
+        """The jobs with their files read (one large read each), up to READ_AHEAD bytes of files read ahead on the
+        pool's threads while the current one is checked: the disk stays busy, with several reads queued."""
         read = lambda job: self._read(*job, whole=self.checksums or job[0].sharded) if not job[0].compressed or job[0].sharded else None
-        ahead = pool.submit(read, jobs[0]) if jobs else None
-        for i, (spec, c) in enumerate(jobs):
-            assert ahead is not None
-            got = ahead.result()
-            ahead = pool.submit(read, jobs[i + 1]) if i + 1 < len(jobs) else None
-            yield spec, c, got
+        ahead: deque[tuple[ArraySpec, int, int, Future]] = deque()
+        queued, at = 0, 0
+        for spec, c in jobs:
+            while at < len(jobs) and (not ahead or queued < READ_AHEAD):
+                job = jobs[at]
+                n = self._limit(*job)
+                ahead.append((*job, n, pool.submit(read, job)))
+                queued, at = queued + n, at + 1
+            spec, c, n, future = ahead.popleft()
+            queued -= n
+            yield spec, c, future.result()
 
     # -- one chunk or shard ----------------------------------------------------------------------------------
     def _episodes_in(self, r0: int, r1: int) -> range:
         """Positions (in row order) of the episodes with rows in ``[r0, r1)``."""
-        return range(int(np.searchsorted(self.ends, r0, "right")), int(np.searchsorted(self.starts, r1, "left")))
+        return range(bisect.bisect_right(self.ends_list, r0), bisect.bisect_left(self.starts_list, r1))
 
     def _affected(self, k: range, r0: int, r1: int) -> tuple[int, ...]:
         """Ids of the episodes among ``k`` with rows in ``[r0, r1)``."""
@@ -417,6 +427,15 @@ class _Check:
                 )
             )
 
+    def _existing(self, spec: ArraySpec, first: int) -> list[int]:
+        """The chunks (shards) from ``first`` on that have a file, in order."""
+        where = self.loc.key_path(f"{spec.path}/c")
+        try:
+            names = os.listdir(where) if self.loc.is_local else [n.rsplit("/", 1)[-1] for n in self.loc.fs.ls(where, detail=False)]
+        except FileNotFoundError:
+            return []
+        return sorted(c for c in (int(n) for n in names if n.isdigit()) if c >= first)
+
     def _data_tail(self) -> None:
         """Rows past ``write_row`` of an unbounded store: never committed, so they hold nothing (zeros, or rows a shard
         never wrote) unless a commit stopped before its record."""
@@ -426,7 +445,7 @@ class _Check:
                 continue  # version 1 chunks: decoding past the commit is not worth it; the next writer overwrites them
             cr, rb = spec.chunk_rows, spec.row_nbytes
             held = []
-            for c in range(w // cr, -(-self.commit.array_rows // cr)):
+            for c in self._existing(spec, w // cr):
                 skip = max(w - c * cr, 0)
                 data, size, error = self._read(spec, c, skip=0 if spec.sharded else skip * rb)
                 if data is None or error is not None or self._key(spec, c) in r.damaged_files:
