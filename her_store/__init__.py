@@ -1,7 +1,8 @@
 """her_store: a persistent, disk-backed episode store for Hindsight Experience Replay on Zarr.
 
 Public API: :class:`EpisodeStore`, :func:`open_store`, :class:`StepWriter`, :class:`HerSampler`,
-:class:`HerBatch`, :class:`GoalSelectionStrategy`, :class:`Episode` and the errors in :mod:`her_store.errors`.
+:class:`HerBatch`, :class:`GoalSelectionStrategy`, :class:`GoalMixture`, :class:`Episode` and the errors in
+:mod:`her_store.errors`.
 """
 
 from her_store.envs import register as _register_envs
@@ -20,7 +21,7 @@ from her_store.errors import (
 )
 from her_store.format import FORMAT_VERSION
 from her_store.reader import ChunkReader
-from her_store.relabel import GoalContext, GoalSelectionStrategy
+from her_store.relabel import GoalContext, GoalMixture, GoalSelectionStrategy
 from her_store.store import EpisodeStore, open_store
 from her_store.writer import StepWriter
 
@@ -44,6 +45,7 @@ __all__ = [
     "HerBatch",
     "GoalSelectionStrategy",
     "GoalContext",
+    "GoalMixture",
     "ChunkReader",
     "StepWriter",
     "Episode",

@@ -19,7 +19,14 @@ import torch
 from her_store.errors import StoreError
 from her_store.index import IndexView
 from her_store.reader import ChunkReader
-from her_store.relabel import GoalContext, GoalSelectionStrategy, GoalStrategy, parse_strategy, select_goal_steps
+from her_store.relabel import (
+    GoalContext,
+    GoalMixture,
+    GoalSelectionStrategy,
+    GoalStrategy,
+    parse_strategy,
+    select_goal_steps,
+)
 from her_store.store import EpisodeStore
 
 __all__ = ["HerSampler", "HerBatch", "RewardFn"]
@@ -74,6 +81,12 @@ def _replace_samples(d: _Draw, sub: np.ndarray, d2: _Draw) -> tuple[_Draw, np.nd
     return d._replace(**fields), at
 
 
+def _random_goal_rows(view: IndexView, rng: np.random.Generator, n: int) -> tuple[np.ndarray, np.ndarray]:
+    """Episodes and next-observation rows of ``n`` transitions drawn uniformly from the view (random goals)."""
+    ids, steps = view.locate(rng.integers(0, view.num_transitions, n))
+    return ids, view.start_rows[ids - view.first] + steps + 1
+
+
 class _Lapped(Exception):
     """The ring evicted every episode of the view a prefetched batch was drawn from."""
 
@@ -120,11 +133,14 @@ class HerSampler:
         Default batch size of :meth:`sample`.
     n_sampled_goal : int
         Virtual transitions per real one: ``her_ratio = 1 - 1 / (n_sampled_goal + 1)``, as SB3; 0 disables
-        relabelling.
-    goal_selection_strategy : {"future", "final", "episode", "random"}, GoalSelectionStrategy or callable
+        relabelling. A :class:`~her_store.relabel.GoalMixture` relabels every transition (``her_ratio = 1``)
+        unless this is 0.
+    goal_selection_strategy : {"future", "final", "episode", "random"}, GoalSelectionStrategy, GoalMixture or callable
         future/final/episode follow SB3; random takes the next achieved goal of a transition drawn uniformly
-        from the whole store (SB2, TorchRL). A callable receives a :class:`~her_store.relabel.GoalContext` and
-        returns the new goals ``(n, *goal shape)``.
+        from the whole store (SB2, TorchRL). A :class:`~her_store.relabel.GoalMixture` (offline goal-conditioned
+        RL, OGBench's GCDataset) relabels every transition with the current, a future or a random state's goal.
+        A callable receives a :class:`~her_store.relabel.GoalContext` and returns the new goals
+        ``(n, *goal shape)``.
     reward_fn : callable, optional
         ``reward_fn(achieved_goal, desired_goal, infos)`` -> rewards ``(n,)``, vectorised (gymnasium-robotics /
         SB3 ``compute_reward``). Default: ``compute_reward`` of the env named by the store's ``env_id`` metadata,
@@ -189,8 +205,10 @@ class HerSampler:
         self.store = store
         self.batch_size = int(batch_size)
         self.n_sampled_goal = int(n_sampled_goal)
-        self.her_ratio = 1.0 - 1.0 / (self.n_sampled_goal + 1)
         self.strategy = parse_strategy(goal_selection_strategy)
+        # a mixture is the whole goal distribution of offline GCRL: every transition takes a goal from it
+        mixture = isinstance(self.strategy, GoalMixture) and self.n_sampled_goal > 0
+        self.her_ratio = 1.0 if mixture else 1.0 - 1.0 / (self.n_sampled_goal + 1)
         self.reward_fn = reward_fn if reward_fn is not None or self.n_sampled_goal == 0 else _env_reward_fn(store)
         self.device = torch.device(device)
         self.pin_memory = self.device.type == "cuda" if pin_memory is None else bool(pin_memory)
@@ -258,10 +276,13 @@ class HerSampler:
         starts, lengths = view.start_rows[pos], view.lengths[pos]
         goal_rows = goal_ids = None
         n_her = int(her.sum())
-        if n_her and isinstance(self.strategy, GoalSelectionStrategy):
+        if n_her and isinstance(self.strategy, GoalMixture):
+            j, anywhere = self.strategy.select(steps[her], lengths[her], rng)
+            goal_ids, goal_rows = ids[her], starts[her] + j + 1
+            goal_ids[anywhere], goal_rows[anywhere] = _random_goal_rows(view, rng, int(anywhere.sum()))
+        elif n_her and isinstance(self.strategy, GoalSelectionStrategy):
             if self.strategy is GoalSelectionStrategy.RANDOM:
-                goal_ids, gsteps = view.locate(rng.integers(0, view.num_transitions, n_her))
-                goal_rows = view.start_rows[goal_ids - view.first] + gsteps + 1
+                goal_ids, goal_rows = _random_goal_rows(view, rng, n_her)
             else:
                 goal_ids = ids[her]
                 goal_rows = starts[her] + select_goal_steps(self.strategy, steps[her], lengths[her], rng) + 1
