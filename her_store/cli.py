@@ -21,48 +21,7 @@ from her_store.errors import StoreError
 from her_store.progress import progress as progress_bar
 from her_store.store import EpisodeStore, open_store
 
-__all__ = ["collect", "describe", "main"]
-
-
-def _print_table(title: str, rows: list[tuple[str, str]]) -> None:
-    try:
-        from rich.console import Console
-        from rich.table import Table
-    except ImportError:
-        print(title)
-        for k, v in rows:
-            print(f"  {k:<22} {v}")
-        return
-    table = Table(title=title, show_header=False)
-    table.add_column(style="bold")
-    table.add_column()
-    for k, v in rows:
-        table.add_row(k, v)
-    Console().print(table)
-
-
-def describe(store: EpisodeStore) -> list[tuple[str, str]]:
-    """Summary rows of a store: size, spaces, layout, commit and dataset card."""
-    c = store.commit_record
-    table = store.episodes
-    rows = [
-        ("location", store.url),
-        ("episodes", f"{store.num_episodes:,} (ids {store.first_episode}..{store.end_episode - 1})"),
-        ("transitions", f"{store.num_transitions:,}"),
-        ("capacity", "unbounded" if store.capacity is None else f"{store.capacity:,}"),
-        ("commit", f"generation {c.generation}, next row {c.write_row:,} of {c.array_rows:,}"),
-        ("fields", ", ".join(f"{f.name} {f.dtype}{list(f.shape)}" for f in store.schema.fields)),
-        ("format", f"version {store.layout.version}"),
-        ("arrays", store.layout.describe()),
-    ]
-    if len(table["length"]):
-        rows.append(("episode length", f"mean {table['length'].mean():.1f}, min {table['length'].min()}, max {table['length'].max()}"))
-        rows.append(("return", f"mean {table['return'].mean():.3f}"))
-        known = table["success"] >= 0
-        if known.any():
-            rows.append(("success rate", f"{table['success'][known].mean():.1%}"))
-    rows.extend((f"metadata.{k}", str(v)) for k, v in store.metadata.items())
-    return rows
+__all__ = ["collect", "main"]
 
 
 def collect(store: EpisodeStore, env_id: str, n_envs: int, steps: int, seed: int = 0, progress: bool = True) -> list[int]:
@@ -112,16 +71,13 @@ def cmd_demo(args: argparse.Namespace) -> int:
         ids = collect(store, args.env or ENV_ID, args.n_envs, args.steps, seed=resumed_from, progress=not args.quiet)
     print(f"wrote {len(ids)} episodes ({args.steps * args.n_envs:,} steps) in {time.perf_counter() - t:.2f} s"
           f"{f', resuming after episode {resumed_from - 1}' if resumed_from else ''}")
+    from her_store.inspection import print_summary, summary
+
     with EpisodeStore.open(args.path) as store:
-        _print_table("her_store demo: the store, reopened read-only", describe(store))
+        print("the store, reopened read-only:")
+        print_summary(summary(store))
         last = store.episode(store.end_episode - 1)
         print(f"last episode read back and checksum-verified: {last!r}")
-    return 0
-
-
-def cmd_info(args: argparse.Namespace) -> int:
-    with EpisodeStore.open(args.path, storage_options=None) as store:
-        _print_table(f"her_store: {args.path}", describe(store))
     return 0
 
 
@@ -142,6 +98,7 @@ DATASET_COMMANDS: dict[str, tuple[str, str]] = {
     "copy": ("her_store.transfer", "copy a store between local disk and object storage (consistent, resumable)"),
     "pack": ("her_store.pack", "pack a store into one zip file that opens read-only in place"),
 }
+ALIASES: dict[str, list[str]] = {"inspect": ["info"]}  # "info": the name of inspect before it had options
 EXIT_ERROR = 2  # a broken input or a failed operation; verify exits 1 for a corrupt store
 
 
@@ -163,16 +120,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     d.add_argument("--capacity", type=int, default=None, help="ring capacity in transitions (default: unbounded)")
     d.add_argument("--quiet", action="store_true", help="no progress bar")
     d.set_defaults(func=cmd_demo)
-    i = sub.add_parser("info", help="summarise a store")
-    i.add_argument("path")
-    i.set_defaults(func=cmd_info)
     # train's options are parsed by its own parser (her_store.integrations.train), imported only when it runs
     t = sub.add_parser("train", add_help=False, help="train an SB3 agent with HER on a store; run again to resume")
     t.set_defaults(func=cmd_train)
     chosen = next((a for a in argv if not a.startswith("-")), None)
     for name, (_, text) in DATASET_COMMANDS.items():
-        c = sub.add_parser(name, help=text, description=text)
-        if name == chosen:  # only the command that runs imports its module
+        aliases = ALIASES.get(name, [])
+        c = sub.add_parser(name, help=text, description=text, aliases=aliases)
+        if chosen in (name, *aliases):  # only the command that runs imports its module
             module = importlib.import_module(DATASET_COMMANDS[name][0])
             module.add_arguments(c, name)
             c.set_defaults(func=module.run)
