@@ -11,7 +11,9 @@ its own module (``npz``, ``hdf5``, ``minari``, ``ogbench``, ``sb3_pickle``), imp
 Both write under a temporary name beside the destination and rename it at the end (:func:`staged_store`,
 :func:`her_store.storage.staged_output`): nothing is left at the destination unless the whole operation succeeded.
 The helpers here are shared by the format modules: the JSON header that carries spaces and card
-(:func:`header_of`, :func:`parse_header`), streamed npz members (:func:`write_npz`, :class:`NpzReader`).
+(:func:`header_of`, :func:`parse_header`), the exported episodes read in checked batches (:func:`read_batches`),
+streamed npz members (:func:`write_npz`, :class:`NpzReader`), staged destinations (:func:`staged_store`,
+:func:`staged_file`).
 """
 
 from __future__ import annotations
@@ -43,17 +45,20 @@ from her_store.store import EpisodeStore
 __all__ = [
     "EXPORTS",
     "IMPORTS",
-    "NpzReader",
     "Batch",
+    "NpzReader",
     "add_arguments",
     "export_store",
     "guess_format",
     "header_of",
     "import_source",
+    "lengths_of",
     "minari_name",
     "parse_header",
     "read_batches",
+    "read_npz_header",
     "run",
+    "staged_file",
     "staged_store",
     "write_npz",
 ]
