@@ -10,8 +10,11 @@ zarr's indexing costs tens of milliseconds per 1,024 random rows (FACTS.md), so 
   one, or the shard fetched whole when a gather needs several runs of its rows) and one decode, straight into the
   batch. Decoding is CPU work done in C without the GIL, so it is split across ``io_threads``
   (by default one per core).
-- other compressed arrays (version 1) and uncompressed arrays on object storage: whole chunks are read (one GET
-  each remotely), decoded and kept in a bounded LRU cache of decoded chunks.
+- uncompressed arrays on object storage or HTTP: blocks of rows (about 1 MiB each, a byte range of their chunk) are
+  read by concurrent ranged GETs and kept in a bounded LRU cache, so a store copied from local disk, whose chunks
+  hold 1,048,576 rows, reads only the blocks a gather needs (whole chunks from an HTTP server that ignores Range);
+- other compressed arrays (version 1): whole chunks are read (one GET each remotely), decoded and kept in a bounded
+  LRU cache of decoded chunks.
 Commits and ring evictions change chunks and shards after they are cached, so each cached one carries the
 committed end under which it was read, and each array records the newest episode whose rows reach each chunk
 (:meth:`ChunkReader.observe`): a cached chunk serves a gather only while no episode at or past its tag reaches it.
@@ -39,12 +42,12 @@ from her_store.errors import CorruptStoreError
 from her_store.format import ArraySpec
 from her_store.index import IndexView
 from her_store.shard import FrameCodec, index_nbytes, parse_index, shard_limit
-from her_store.storage import Location, chunk_key, drop_page_cache
+from her_store.storage import Location, ObjectReplaced, chunk_key, drop_page_cache
 
 if TYPE_CHECKING:
     from her_store.store import EpisodeStore
 
-__all__ = ["CachedArray", "ChunkReader", "MappedArray", "ShardedArray"]
+__all__ = ["CachedArray", "ChunkReader", "MappedArray", "RangedArray", "ShardedArray"]
 
 MIN_ROWS_PER_THREAD = 16  # below this a thread costs more than the rows it reads
 MIN_FRAMES_PER_THREAD = 4  # a compressed frame costs a decode: worth a thread from a few on
@@ -262,6 +265,55 @@ class CachedArray:
         self._bytes = 0
 
 
+class RangedArray(CachedArray):
+    """An uncompressed array on object storage or an HTTP server, read in blocks of rows into the LRU cache.
+
+    A block is ``chunk_rows`` halved until it holds at most ``BLOCK_BYTES`` (at least one row): one byte range of its
+    chunk, whose bytes are the raw rows. The blocks a gather misses are fetched at once, by concurrent ranged GETs.
+    From an HTTP server that ignores Range a block is its whole chunk. Cached blocks carry the committed-end tags of
+    :class:`CachedArray` (rows written into a block after it was read are read again by the gathers that need them).
+    """
+
+    BLOCK_BYTES = 1 << 20
+
+    def __init__(self, array: Any, spec: ArraySpec, cache_bytes: int, location: Location) -> None:
+        super().__init__(array, spec, cache_bytes)
+        self.location = location
+        rows = spec.chunk_rows
+        if location.ranged:
+            while rows % 2 == 0 and rows * spec.row_nbytes > self.BLOCK_BYTES:
+                rows //= 2
+        self.chunk_rows = rows  # the cache's unit: a block
+        self.chunk_nbytes = rows * spec.row_nbytes
+
+    def _blocks(self, blocks: list[int]) -> list[np.ndarray]:
+        """Blocks ``blocks`` read at once (a block of a chunk never written reads as zeros, the fill value)."""
+        per_chunk, nb = self.spec.chunk_rows // self.chunk_rows, self.chunk_nbytes
+        ndim = 1 + len(self.spec.row_shape)
+        keys = [chunk_key(self.spec.path, b // per_chunk, ndim) for b in blocks]
+        starts = [(b % per_chunk) * nb for b in blocks]
+        got = self.location.read_ranges(keys, starts, [a + nb for a in starts])
+        shape = (self.chunk_rows, *self.spec.row_shape)
+        return [np.zeros(shape, self.spec.dtype) if raw is None else np.frombuffer(raw, self.spec.dtype).reshape(shape) for raw in got]
+
+    def gather(self, rows: np.ndarray, out: np.ndarray) -> None:
+        br = self.chunk_rows
+        block = rows // br
+        order = np.argsort(block, kind="stable")
+        bounds = np.flatnonzero(np.diff(block[order])) + 1
+        groups = np.split(order, bounds)
+        found = [self._cached(int(block[sel[0]])) for sel in groups]
+        missing = [j for j, (hit, _) in enumerate(found) if hit is None]
+        if missing:
+            read = self._blocks([int(block[groups[j][0]]) for j in missing])
+            for j, item in zip(missing, read):
+                self._keep(int(block[groups[j][0]]), found[j][1], item)
+                found[j] = (item, found[j][1])
+        for sel, (item, _) in zip(groups, found):
+            b = int(block[sel[0]])
+            out[sel] = item[rows[sel] - b * br]
+
+
 class _Tail:
     """The last bytes of a file of ``size`` bytes, indexed by file offsets: what :func:`parse_index` reads."""
 
@@ -346,9 +398,10 @@ class ShardedArray(CachedArray):
         self._used = np.zeros(0, np.int64)
         self._uses = 0
         self._table = np.full((0, 2), -1, np.int64)
-        self._s3 = not location.is_local and _is_s3(location.fs)
-        # whether GETs here honour If-Match: None until a probe could tell (only S3 can; then it is checked)
-        self._ranged: bool | None = None if self._s3 else False
+        # GETs that can be conditioned on an ETag: S3's, and an HTTP server's (If-Match, RFC 9110)
+        self._conditional = not location.is_local and (location.is_http or _is_s3(location.fs))
+        # whether GETs here honour If-Match: None until a probe could tell (S3 and HTTP may; then it is checked)
+        self._ranged: bool | None = None if self._conditional else False
         self.gets = 0  # requests sent to object storage
         self.replaced = 0  # conditional GETs that found their shard replaced since its index was read
 
@@ -388,7 +441,8 @@ class ShardedArray(CachedArray):
         return fsspec.asyn.sync(self.location.fs.loop, coro, *args)
 
     async def _get(self, chunk: int, rng: str | None = None, etag: str | None = None) -> tuple[bytes | None, str, int]:
-        """One GET of shard ``chunk`` (S3): its bytes (None when it does not exist), its ETag and the object's size.
+        """One GET of shard ``chunk`` (S3 or HTTP): its bytes (None when it does not exist), its ETag and the object's
+        size.
 
         Raises
         ------
@@ -396,6 +450,17 @@ class ShardedArray(CachedArray):
             ``etag`` is given and the object no longer has it.
         """
         fs = self.location.fs
+        if self.location.is_http:
+            self.gets += 1
+            try:
+                body, tag, size, _ = await fs.get_object(
+                    self.location.key_path(self._key(chunk)), rng, etag, shard_limit(self.chunk_rows, self.spec.row_nbytes)
+                )
+            except ObjectReplaced:
+                raise _Changed from None
+            if body is None and etag is not None:  # the object its index was read from is gone: read the index again
+                raise _Changed
+            return body, tag, size
         bucket, key, _ = fs.split_path(self.location.key_path(self._key(chunk)))
         kw = {"Range": rng} if rng else {}
         if etag is not None:
@@ -432,6 +497,8 @@ class ShardedArray(CachedArray):
         tail, etag, size = await self._get(chunk, f"bytes=-{need}")
         if tail is None:
             return self._empty()
+        if len(tail) == size > need:  # an HTTP server that ignores Range sent the whole shard
+            return _Shard(tail, *parse_index(tail, self.chunk_rows, where))
         if len(tail) != min(need, size):
             raise CorruptStoreError(f"{where}: a GET of its last {need} bytes returned {len(tail)} of {size}")
         offsets, nbytes = parse_index(_Tail(size, tail), self.chunk_rows, where)
@@ -459,8 +526,8 @@ class ShardedArray(CachedArray):
         return None if raw is None else False
 
     def _fetch_shards(self, chunks: list[int], whole: list[bool]) -> list[_Shard]:
-        """Shards ``chunks``, fetched concurrently: whole, or (on S3) their index alone where ``whole`` is False."""
-        if self._s3:
+        """Shards ``chunks``, fetched concurrently: whole, or (S3, HTTP) their index alone where ``whole`` is False."""
+        if self._conditional:
             return self._run(self._fetch_many, chunks, whole)
         # no conditional GET on this filesystem: whole shards, concurrently where the filesystem is asynchronous
         paths = [self.location.key_path(self._key(c)) for c in chunks]
@@ -819,6 +886,8 @@ class ChunkReader:
                 self.arrays[spec.path] = ShardedArray(store._root[spec.path], spec, cache_bytes, loc)
             elif loc.is_local and not spec.compressed:
                 self.arrays[spec.path] = MappedArray(loc, spec)
+            elif not spec.compressed:
+                self.arrays[spec.path] = RangedArray(store._root[spec.path], spec, cache_bytes, loc)
             else:
                 self.arrays[spec.path] = CachedArray(
                     store._root[spec.path], spec, cache_bytes, fetch=loc.read_bytes, root=loc.root if loc.is_local else None

@@ -9,12 +9,15 @@ Two ways to write rows into a Zarr array:
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import errno
+import functools
 import io
 import json
 import math
 import os
+import re
 import shutil
 import socket
 import stat
@@ -23,7 +26,7 @@ import time
 import uuid
 import warnings
 import weakref
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import fsspec
@@ -33,19 +36,23 @@ import zarr.storage
 from zarr.core.array_spec import ArrayConfigParams
 
 from her_store.errors import CorruptStoreError, StoreLockedError
+from her_store.extras import require
 
 if TYPE_CHECKING:
     from her_store.pack import PackedArchive
 
-__all__ = ["Location", "WriterLock", "RawChunkFile", "ZarrChunks", "chunk_io", "staged_output", "ZARR_CONFIG"]
+__all__ = ["Location", "ObjectReplaced", "WriterLock", "RawChunkFile", "ZarrChunks", "chunk_io", "staged_output", "ZARR_CONFIG"]
 
 DEFAULT_LEASE_TTL = 300.0  # seconds an object-storage writer lease lasts unless renewed
 METADATA_LIMIT = 64 << 20  # bytes a commit record, lease or zarr.json may hold (spaces with per-pixel bounds included)
 ZARR_CONFIG: ArrayConfigParams = {"write_empty_chunks": True}  # an all-zero chunk is data here, not absence
+OBJECT_LIMIT = 1 << 30  # bytes any object of a store read over HTTP may hold (a chunk is under 256 MiB)
+HTTP_TIMEOUT = 60.0  # seconds an HTTP server may take to answer, or to send the next bytes of a body
 
 
 class Location:
-    """A store's place: a local directory or an fsspec URL (``s3://``, ``gs://``, ``memory://``, ``file://``).
+    """A store's place: a local directory or an fsspec URL (``s3://``, ``gs://``, ``memory://``, ``file://``, or
+    ``http(s)://``, read-only).
 
     Examples
     --------
@@ -68,6 +75,15 @@ class Location:
         else:
             self.url = url.rstrip("/")
             self.fs, self.root = fsspec.core.url_to_fs(self.url, **self.storage_options)
+        self.is_http = not self.is_local and self.url.split("://", 1)[0].lower() in ("http", "https")
+        # why nothing may be written here (None: writable): an HTTP server serves files, it takes no writes or lock
+        self.read_only: str | None = None
+        if self.is_http:
+            self.fs = _http_filesystem()(**self.storage_options)
+            self.read_only = (
+                f"{self.url} is served over HTTP, which is read-only: a store opened by URL is never written and "
+                "takes no writer lock (copy it with `her-store copy` to write to it)"
+            )
         self.archive: PackedArchive | None = None  # a packed store: one zip file, read in place (her_store.pack)
         if self.is_local and os.path.isfile(self.root):
             from her_store.pack import PackedArchive, is_archive
@@ -87,6 +103,9 @@ class Location:
             return self.archive.zarr_store()
         if self.is_local:
             return zarr.storage.LocalStore(self.root, read_only=read_only)
+        if self.is_http:  # every GET through the bounded filesystem, on zarr's own event loop
+            fs = _http_filesystem()(asynchronous=True, **self.storage_options)
+            return zarr.storage.FsspecStore(fs, read_only=True, path=self.root)
         return zarr.storage.FsspecStore.from_url(self.url, storage_options=self.storage_options, read_only=read_only)
 
     def read_bytes(self, key: str, limit: int = METADATA_LIMIT) -> bytes | None:
@@ -111,6 +130,57 @@ class Location:
         if len(raw) > limit:
             raise CorruptStoreError(f"{path} holds more than the {limit:,} bytes it may")
         return raw
+
+    def read_ranges(self, keys: Sequence[str], starts: Sequence[int], ends: Sequence[int]) -> list[bytes | None]:
+        """Bytes ``starts[i] .. ends[i]`` of each ``keys[i]`` (None where the key does not exist), read concurrently
+        on object storage and HTTP (one ranged GET each; a server that ignores Range sends the whole object, which
+        is then cut).
+
+        Raises
+        ------
+        CorruptStoreError
+            An existing key holds fewer bytes than asked for (locally it must be a regular file).
+
+        Examples
+        --------
+        >>> Location("/tmp/no-store").read_ranges(["packs/float32/c/0/0"], [0], [8])
+        [None]
+        """
+        paths = [self.key_path(k) for k in keys]
+        got: list[Any] = []
+        if self.is_local:
+            for path, a, b in zip(paths, starts, ends):
+                try:
+                    fd = open_regular(path)
+                except FileNotFoundError:
+                    got.append(None)
+                    continue
+                try:
+                    got.append(os.pread(fd, b - a, a))
+                finally:
+                    os.close(fd)
+        else:
+            got = self.fs.cat_ranges(paths, list(starts), list(ends), on_error="return")
+        out: list[bytes | None] = []
+        for path, a, b, raw in zip(paths, starts, ends, got):
+            if isinstance(raw, FileNotFoundError):
+                raw = None
+            elif isinstance(raw, BaseException):
+                raise raw
+            if raw is not None and len(raw) != b - a:
+                raise CorruptStoreError(
+                    f"{path}: bytes {a:,}..{b:,} read as {len(raw):,} bytes; the file is shorter than its rows"
+                )
+            out.append(raw)
+        return out
+
+    @functools.cached_property
+    def ranged(self) -> bool:
+        """Whether a ranged read fetches only its bytes: always on local disk and object storage; over HTTP when the
+        server answers a Range request with 206 Partial Content (asked once, of the root ``zarr.json``)."""
+        if not self.is_http:
+            return True
+        return bool(fsspec.asyn.sync(self.fs.loop, self.fs.get_object, self.key_path("zarr.json"), "bytes=0-0")[3])
 
     def check_file(self, key: str, limit: int = METADATA_LIMIT) -> None:
         """Before a library (zarr) reads local ``key`` itself: a regular file of at most ``limit`` bytes, or missing."""
@@ -228,6 +298,103 @@ class Location:
             return self.archive.open_range(key)
         f = io.FileIO(open_regular(self.key_path(key)), "rb")
         return f, 0, os.fstat(f.fileno()).st_size
+
+
+class ObjectReplaced(Exception):
+    """A GET conditioned on an ETag (``If-Match``) found the object replaced since that ETag was read (HTTP 412)."""
+
+
+def _range_header(start: int | None, end: int | None) -> str | None:
+    """The HTTP Range of fsspec's ``start``/``end`` (end exclusive, a negative start counts from the end), or None for
+    the whole object (also for a range HTTP cannot say: the whole object is then fetched and cut)."""
+    if start is None and end is None:
+        return None
+    if start is not None and start < 0:
+        return f"bytes={start}" if end is None else None
+    start = start or 0
+    if end is None:
+        return f"bytes={start}-"
+    return f"bytes={start}-{end - 1}" if end > start else None
+
+
+@functools.cache
+def _http_filesystem() -> type:
+    """fsspec's HTTPFileSystem (aiohttp, imported only when a store is opened by http(s) URL), every GET of which is
+    bounded and checked: nothing a server sends is trusted (see ``get_object``)."""
+    aiohttp = require("aiohttp", "http")
+    from fsspec.implementations.http import HTTPFileSystem
+
+    class StoreHTTPFileSystem(HTTPFileSystem):  # type: ignore[misc]
+        """Reads of a her_store store over HTTP: bounded bodies, ranged and conditional GETs, one clear error each."""
+
+        async def _cat_file(self, url: str, start: int | None = None, end: int | None = None, **kwargs: Any) -> bytes:
+            if start is not None and end is not None and 0 <= end <= start:
+                return b""
+            rng = _range_header(start, end)
+            limit = METADATA_LIMIT if url.endswith(".json") else OBJECT_LIMIT
+            body, _, _, partial = await self.get_object(url, rng, limit=limit)
+            if body is None:
+                raise FileNotFoundError(url)
+            return body if partial or rng is None and start is None and end is None else body[start:end]
+
+        async def get_object(
+            self, url: str, rng: str | None = None, if_match: str | None = None, limit: int = OBJECT_LIMIT
+        ) -> tuple[bytes | None, str, int, bool]:
+            """One GET: (the body, None when the server has no such object; its ETag or ""; the object's size;
+            whether the server sent just the range asked for, 206).
+
+            Raises
+            ------
+            ObjectReplaced
+                ``if_match`` is given and the object no longer has that ETag (412).
+            CorruptStoreError
+                A body longer than ``limit`` bytes, cut short, or not the range its Content-Range names.
+            OSError
+                Another answer than 200, 206, 404, 410, 412 or 416, no connection, or nothing for ``HTTP_TIMEOUT`` s.
+            """
+            headers = dict(self.kwargs.get("headers") or {})
+            if rng:
+                headers["Range"] = rng
+            if if_match:
+                headers["If-Match"] = if_match
+            kw = {**self.kwargs, "headers": headers}
+            kw.setdefault("timeout", aiohttp.ClientTimeout(sock_connect=HTTP_TIMEOUT, sock_read=HTTP_TIMEOUT))
+            session = await self.set_session()
+            try:
+                async with session.get(self.encode_url(url), **kw) as r:
+                    if r.status in (404, 410):
+                        return None, "", 0, False
+                    if r.status == 412:
+                        raise ObjectReplaced(url)
+                    if r.status == 416:  # a range past the end: the object is shorter than its readers need
+                        return b"", "", 0, True
+                    if r.status not in (200, 206):
+                        raise OSError(f"GET {url} answered HTTP {r.status} {r.reason}")
+                    if r.content_length is not None and r.content_length > limit:
+                        raise CorruptStoreError(f"{url} holds {r.content_length:,} bytes, more than the {limit:,} it may")
+                    body = bytearray()
+                    async for piece in r.content.iter_chunked(1 << 20):
+                        body += piece
+                        if len(body) > limit:
+                            raise CorruptStoreError(f"{url} holds more than the {limit:,} bytes it may")
+                    etag, size = r.headers.get("ETag", ""), len(body)
+                    if r.status == 206:
+                        m = re.fullmatch(r"bytes (\d+)-(\d+)/(\d+)", r.headers.get("Content-Range", "").strip())
+                        if m is None or int(m[2]) - int(m[1]) + 1 != len(body) or int(m[2]) >= int(m[3]):
+                            raise CorruptStoreError(
+                                f"{url}: a ranged GET answered {len(body):,} bytes with Content-Range "
+                                f"{r.headers.get('Content-Range')!r}; expected 'bytes first-last/size' naming them"
+                            )
+                        size = int(m[3])
+            except aiohttp.ClientPayloadError as e:
+                raise CorruptStoreError(f"{url}: the server's answer was cut short or malformed ({e})") from e
+            except asyncio.TimeoutError as e:
+                raise TimeoutError(f"GET {url}: no answer within {HTTP_TIMEOUT:g} s") from e
+            except aiohttp.ClientError as e:
+                raise OSError(f"GET {url} failed: {e}") from e
+            return bytes(body), etag, size, r.status == 206
+
+    return StoreHTTPFileSystem
 
 
 @contextlib.contextmanager
@@ -745,10 +912,11 @@ class RawChunkFile:
 class ZarrChunks:
     """Rows of a compressed or remote array, written as whole chunks through zarr (see the module docstring)."""
 
-    def __init__(self, array: zarr.Array, location: Location) -> None:
+    def __init__(self, array: zarr.Array, location: Location, raw: bool = False) -> None:
         self.array = array
         self.location = location
         self.chunk_rows = int(array.chunks[0])
+        self.raw = raw  # uncompressed: rows are read as byte ranges of their chunks, not whole chunks through zarr
         self._cache: dict[int, np.ndarray] = {}
         self._dirty: set[int] = set()
 
@@ -787,10 +955,28 @@ class ZarrChunks:
     def read(self, row0: int, row1: int) -> np.ndarray:
         if row1 > self.array.shape[0]:
             raise IndexError(f"rows {row0}..{row1} of {self.array.path} past its {self.array.shape[0]} rows")
+        if self.raw:
+            return self._read_ranges(row0, row1)
         try:
             return np.asarray(self.array[row0:row1])
         except (ValueError, RuntimeError, TypeError) as e:  # what numcodecs and zarr raise for undecodable bytes
             raise CorruptStoreError(f"rows {row0}..{row1} of {self.array.path} cannot be decoded ({e})") from e
+
+    def _read_ranges(self, row0: int, row1: int) -> np.ndarray:
+        """Rows of an uncompressed array, one byte range of each chunk they lie in (read at once; a chunk never
+        written reads as zeros): a row of a 1,048,576-row chunk costs its bytes, not the chunk's."""
+        dtype, row_shape = np.dtype(self.array.dtype).newbyteorder("<"), tuple(self.array.shape[1:])
+        row_nbytes = int(np.prod(row_shape, dtype=np.int64)) * dtype.itemsize
+        first = np.arange(row0 - row0 % self.chunk_rows, row1, self.chunk_rows)
+        lo, hi = np.maximum(first, row0), np.minimum(first + self.chunk_rows, row1)
+        keys = [chunk_key(self.array.path, c, self.array.ndim) for c in (first // self.chunk_rows).tolist()]
+        got = self.location.read_ranges(keys, ((lo - first) * row_nbytes).tolist(), ((hi - first) * row_nbytes).tolist())
+        out = np.zeros((row1 - row0, *row_shape), dtype)
+        flat = out.reshape(-1).view(np.uint8)
+        for a, raw in zip((lo - row0) * row_nbytes, got):
+            if raw is not None:
+                flat[a : a + len(raw)] = np.frombuffer(raw, np.uint8)
+        return out
 
     def close(self) -> None:
         self._cache.clear()
@@ -803,4 +989,4 @@ def chunk_io(location: Location, array: zarr.Array, compressed: bool) -> RawChun
         return RawChunkFile(
             location.root, array.path, array.dtype, tuple(array.shape[1:]), int(array.chunks[0]), location.archive
         )
-    return ZarrChunks(array.with_config(ZARR_CONFIG), location)
+    return ZarrChunks(array.with_config(ZARR_CONFIG), location, raw=not compressed)

@@ -161,6 +161,8 @@ class EpisodeStore:
             raise ValueError(f"mode must be 'r' (read) or 'a' (append), got {mode!r}")
         if durability not in ("flush", "fsync"):
             raise ValueError(f"durability must be 'flush' or 'fsync', got {durability!r}")
+        if mode == "a" and location.read_only:
+            raise ReadOnlyStoreError(location.read_only)
         if location.archive is not None and mode != "r":
             raise ReadOnlyStoreError(
                 f"{location} is a packed store (one zip file), which is read in place and never written: extract it "

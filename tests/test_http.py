@@ -1,0 +1,228 @@
+"""Stores opened in place over HTTP (a real http.server on loopback) and read-only over S3: episodes bit-exact,
+sampling through the cache, ranged and conditional reads, no writes, and a hostile server's answers refused."""
+
+from __future__ import annotations
+
+import functools
+import http.server
+import os
+import re
+import threading
+
+import numpy as np
+import pytest
+from gymnasium import spaces
+
+from her_store import EpisodeStore
+from her_store.errors import CorruptStoreError, ReadOnlyStoreError
+from her_store.reader import RangedArray, ShardedArray
+from her_store.sampler import HerSampler
+from tests.conftest import assert_episode_equal, fetch_spaces, make_episode
+
+pytest.importorskip("aiohttp", reason='pip install "her_store[http]"')
+
+
+class RangeHandler(http.server.SimpleHTTPRequestHandler):
+    """Static files with what a remote reader uses: ETag, If-Match (412) and one Range per GET (206)."""
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+    def do_GET(self) -> None:
+        path = self.translate_path(self.path)
+        if not os.path.isfile(path):
+            self.send_error(404)
+            return
+        st = os.stat(path)
+        etag = f'"{st.st_ino:x}-{st.st_mtime_ns:x}-{st.st_size:x}"'
+        if self.headers.get("If-Match") not in (None, etag, "*"):
+            self.send_error(412)
+            return
+        size = st.st_size
+        m = re.fullmatch(r"bytes=(\d*)-(\d*)", self.headers.get("Range", ""))
+        status, a, b = 200, 0, size
+        if m and (m[1] or m[2]):
+            a, b = (int(m[1]), min(size, int(m[2]) + 1 if m[2] else size)) if m[1] else (max(0, size - int(m[2])), size)
+            if a >= size:
+                self.send_error(416)
+                return
+            status = 206
+        self.send_response(status)
+        self.send_header("ETag", etag)
+        self.send_header("Content-Length", str(b - a))
+        if status == 206:
+            self.send_header("Content-Range", f"bytes {a}-{b - 1}/{size}")
+        self.end_headers()
+        with open(path, "rb") as f:
+            self.wfile.write(os.pread(f.fileno(), b - a, a))
+
+
+class PlainHandler(http.server.SimpleHTTPRequestHandler):
+    """python's own file server: no Range, no ETag."""
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+class GarbageHandler(RangeHandler):
+    """Every object's bytes replaced by noise of the same length, except the two records that get a store opened."""
+
+    def do_GET(self) -> None:
+        if self.path.endswith(".json"):
+            super().do_GET()
+            return
+        n = os.path.getsize(self.translate_path(self.path)) if os.path.isfile(self.translate_path(self.path)) else 64
+        body = np.random.default_rng(0).integers(0, 256, min(n, 1 << 16), np.uint8).tobytes()
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+
+class TruncatingHandler(RangeHandler):
+    """Announces a body's length, sends half of it, then closes the connection."""
+
+    def do_GET(self) -> None:
+        path = self.translate_path(self.path)
+        if self.path.endswith("zarr.json") or not os.path.isfile(path):
+            super().do_GET()
+            return
+        with open(path, "rb") as f:
+            data = f.read()
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data[: len(data) // 2])
+        self.close_connection = True
+
+
+@pytest.fixture
+def serve():
+    """serve(directory, handler) -> base URL of a threaded HTTP server on loopback; all stopped at teardown."""
+    servers = []
+
+    def start(directory: str, handler: type = RangeHandler) -> str:
+        server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(handler, directory=directory))
+        server.daemon_threads = True
+        threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
+        servers.append(server)
+        return f"http://127.0.0.1:{server.server_address[1]}"
+
+    yield start
+    for s in servers:
+        s.shutdown()
+        s.server_close()
+
+
+IMAGE_OBS = spaces.Dict(
+    {
+        "observation": spaces.Box(0, 255, (3, 24, 24), np.uint8),
+        "achieved_goal": spaces.Box(-1, 1, (3,), np.float32),
+        "desired_goal": spaces.Box(-1, 1, (3,), np.float32),
+    }
+)
+
+
+def _fill(path: str, obs: spaces.Dict, act: spaces.Space, n: int, **kw) -> None:
+    with EpisodeStore.create(path, obs, act, info_keys=["is_success"], **kw) as s:
+        for i in range(n):
+            s.append_episode(make_episode(obs, act, 5 + i % 17, i, ("is_success",)))
+
+
+@pytest.fixture(scope="module")
+def stores(tmp_path_factory):
+    """A low-dimensional store with the default local chunks (1,048,576 rows) and an image store (LZ4 shards)."""
+    root = tmp_path_factory.mktemp("served")
+    obs, act = fetch_spaces()
+    _fill(str(root / "low"), obs, act, 40)
+    _fill(str(root / "img"), IMAGE_OBS, act, 40)
+    return str(root)
+
+
+def _reward(a, d, infos):
+    return -(np.linalg.norm(a - d, axis=-1) > 0.05).astype(np.float32)
+
+
+@pytest.mark.parametrize("name", ["low", "img"])
+def test_a_store_served_over_http_reads_bit_exact_and_samples(stores, serve, name):
+    base = serve(stores)
+    with EpisodeStore.open(f"{base}/{name}") as remote, EpisodeStore.open(f"{stores}/{name}") as local:
+        assert remote.schema.fields == local.schema.fields and remote.metadata == local.metadata
+        np.testing.assert_array_equal(remote.episodes["crc32"], local.episodes["crc32"])
+        assert remote._loc.ranged
+        for i in range(local.num_episodes):
+            assert_episode_equal(remote.episode(i), local.episode(i))
+        with HerSampler(remote, 256, reward_fn=_reward, seed=1) as sampler:
+            kinds = {type(a) for a in sampler.reader.arrays.values()}
+            assert RangedArray in kinds and (ShardedArray in kinds) == (name == "img")
+            episodes = {i: local.episode(i) for i in range(local.num_episodes)}
+            for _ in range(3):
+                b = sampler.sample()
+                for j, (e, t) in enumerate(zip(b.episode_ids.tolist(), b.steps.tolist())):
+                    ep = episodes[e]
+                    np.testing.assert_array_equal(b.observations["observation"][j].numpy(), ep["observation"][t])
+                    np.testing.assert_array_equal(b.next_observations["observation"][j].numpy(), ep["observation"][t + 1])
+                    np.testing.assert_array_equal(b.actions[j].numpy(), ep["action"][t])
+                    np.testing.assert_array_equal(b.observations["achieved_goal"][j].numpy(), ep["achieved_goal"][t])
+            blocks = sampler.reader.arrays["packs/float32"]
+            # a 1,048,576-row chunk is read as ~1 MiB blocks by range: only the one block holding the rows
+            assert blocks.chunk_rows < local.layout.arrays[0].chunk_rows and blocks.misses == 1
+            if name == "img":
+                frames = sampler.reader.arrays["steps/observation"]
+                assert frames._ranged is True  # the server honours If-Match: frames are read by conditional ranges
+
+
+def test_a_server_without_range_or_etag_still_serves_whole_objects(stores, serve):
+    base = serve(stores, PlainHandler)
+    with EpisodeStore.open(f"{base}/img") as remote, EpisodeStore.open(f"{stores}/img") as local:
+        assert not remote._loc.ranged
+        assert_episode_equal(remote.episode(3), local.episode(3))
+        with HerSampler(remote, 256, reward_fn=_reward, seed=1) as sampler:
+            b = sampler.sample()
+            frames = sampler.reader.arrays["steps/observation"]
+            assert frames._ranged is False
+            for j, (e, t) in enumerate(zip(b.episode_ids.tolist()[:32], b.steps.tolist()[:32])):
+                np.testing.assert_array_equal(b.observations["observation"][j].numpy(), local.episode(e)["observation"][t])
+
+
+def test_a_store_over_http_is_never_written(stores, serve):
+    base = serve(stores)
+    before = sorted((d, f, os.path.getmtime(os.path.join(d, f))) for d, _, fs in os.walk(stores) for f in fs)
+    with pytest.raises(ReadOnlyStoreError, match="HTTP, which is read-only"):
+        EpisodeStore.open(f"{base}/low", mode="a")
+    obs, act = fetch_spaces()
+    with pytest.raises(ReadOnlyStoreError, match="read-only"):
+        EpisodeStore.create(f"{base}/new", obs, act)
+    with EpisodeStore.open(f"{base}/low") as remote, pytest.raises(ReadOnlyStoreError):
+        remote.append_episode(make_episode(obs, act, 3, 0, ("is_success",)))
+    after = sorted((d, f, os.path.getmtime(os.path.join(d, f))) for d, _, fs in os.walk(stores) for f in fs)
+    assert after == before
+
+
+@pytest.mark.parametrize("handler", [GarbageHandler, TruncatingHandler])
+def test_a_hostile_server_gives_corrupt_store_error(stores, serve, handler):
+    base = serve(stores, handler)
+    with pytest.raises(CorruptStoreError), EpisodeStore.open(f"{base}/img") as remote:
+        remote.episode(0)
+        with HerSampler(remote, 256, reward_fn=_reward) as sampler:
+            sampler.sample()
+
+
+def test_a_read_only_open_on_s3_writes_nothing(s3_url):
+    import s3fs
+
+    url, opts = s3_url
+    act = fetch_spaces()[1]
+    _fill(url, IMAGE_OBS, act, 12, storage_options=opts)
+    fs = s3fs.S3FileSystem(**opts)
+    root = url[len("s3://") :]
+    before = {k: v["ETag"] for k, v in fs.find(root, detail=True).items()}
+    with EpisodeStore.open(url, storage_options=opts) as store:
+        with HerSampler(store, 256, reward_fn=_reward, seed=0) as sampler:
+            b = sampler.sample()
+            e, t = int(b.episode_ids[0]), int(b.steps[0])
+            np.testing.assert_array_equal(b.observations["observation"][0].numpy(), store.episode(e)["observation"][t])
+        with pytest.raises(ReadOnlyStoreError):
+            store.append_episode(make_episode(IMAGE_OBS, act, 3, 0, ("is_success",)))
+    fs.invalidate_cache()
+    assert {k: v["ETag"] for k, v in fs.find(root, detail=True).items()} == before
