@@ -18,7 +18,7 @@ from typing import Union
 
 import numpy as np
 
-__all__ = ["GoalSelectionStrategy", "GoalContext", "GoalMixture", "GoalStrategy", "select_goal_steps", "parse_strategy"]
+__all__ = ["GoalSelectionStrategy", "GoalContext", "GoalMixture", "GoalStrategy", "her_ratio", "select_goal_steps", "parse_strategy"]
 
 
 class GoalSelectionStrategy(Enum):
@@ -163,6 +163,20 @@ def _real(x: object, name: str) -> float:
 
 
 GoalStrategy = Union[str, GoalSelectionStrategy, GoalMixture, Callable[[GoalContext], np.ndarray]]
+
+
+def her_ratio(strategy: GoalStrategy, n_sampled_goal: int) -> float:
+    """The share of a batch's transitions that are relabelled: ``1 - 1 / (n_sampled_goal + 1)`` as SB3, 1 for a
+    :class:`GoalMixture` (offline GCRL's whole goal distribution), 0 when ``n_sampled_goal`` is 0.
+
+    Examples
+    --------
+    >>> her_ratio("future", 4), her_ratio(GoalMixture(0.0, 1.0, 0.0), 4), her_ratio(GoalMixture(0.0, 1.0, 0.0), 0)
+    (0.8, 1.0, 0.0)
+    """
+    if isinstance(strategy, GoalMixture) and n_sampled_goal > 0:
+        return 1.0
+    return 1.0 - 1.0 / (int(n_sampled_goal) + 1)
 
 
 def parse_strategy(

@@ -24,6 +24,7 @@ from her_store.relabel import (
     GoalMixture,
     GoalSelectionStrategy,
     GoalStrategy,
+    her_ratio,
     parse_strategy,
     select_goal_steps,
 )
@@ -206,9 +207,7 @@ class HerSampler:
         self.batch_size = int(batch_size)
         self.n_sampled_goal = int(n_sampled_goal)
         self.strategy = parse_strategy(goal_selection_strategy)
-        # a mixture is the whole goal distribution of offline GCRL: every transition takes a goal from it
-        mixture = isinstance(self.strategy, GoalMixture) and self.n_sampled_goal > 0
-        self.her_ratio = 1.0 if mixture else 1.0 - 1.0 / (self.n_sampled_goal + 1)
+        self.her_ratio = her_ratio(self.strategy, self.n_sampled_goal)
         self.reward_fn = reward_fn if reward_fn is not None or self.n_sampled_goal == 0 else _env_reward_fn(store)
         self.device = torch.device(device)
         self.pin_memory = self.device.type == "cuda" if pin_memory is None else bool(pin_memory)

@@ -26,7 +26,7 @@ from gymnasium import spaces
 from her_store.errors import NotAStoreError, StoreError, StoreLockedError
 from her_store.integrations import require
 from her_store.integrations.sb3_layout import SB3Arrays, env_columns, sb3_arrays
-from her_store.relabel import GoalSelectionStrategy, GoalStrategy, parse_strategy
+from her_store.relabel import GoalSelectionStrategy, GoalStrategy, her_ratio, parse_strategy
 from her_store.schema import Schema
 from her_store.store import EpisodeStore, open_store
 
@@ -313,7 +313,7 @@ class ZarrHerReplayBuffer(_her.HerReplayBuffer):
         self.handle_timeout_termination = bool(handle_timeout_termination)
         self.copy_info_dict = bool(copy_info_dict)
         self.n_sampled_goal = int(n_sampled_goal)
-        self.her_ratio = 1 - (1.0 / (self.n_sampled_goal + 1))
+        self.her_ratio = her_ratio(parse_strategy(goal_selection_strategy), self.n_sampled_goal)
         self.goal_selection_strategy = goal_selection_strategy
         self.storage_options = None if storage_options is None else dict(storage_options)
         self.relabel_terminated = bool(relabel_terminated)
