@@ -19,8 +19,15 @@ from her_store.cli import main
 from her_store.interop import guess_format, import_source, read_batches
 from tests.conftest import GOAL_KEYS, assert_episode_equal, fetch_spaces, make_episode
 
-CARD = {"env_id": "her_store/PointGoal-v0", "author": ["Ada", "Bo"], "license": "CC-BY-4.0", "ref_max_score": 1.5,
-        "versions": {"her_store": "0.1.0"}, "goal_keys": ["achieved_goal", "desired_goal"], "custom": {"x": [1, 2]}}
+CARD = {
+    "env_id": "her_store/PointGoal-v0",
+    "author": ["Ada", "Bo"],
+    "license": "CC-BY-4.0",
+    "ref_max_score": 1.5,
+    "versions": {"her_store": "0.1.0"},
+    "goal_keys": ["achieved_goal", "desired_goal"],
+    "custom": {"x": [1, 2]},
+}
 FORMATS = ("npz", "hdf5", "ogbench")
 SUFFIX = {"npz": ".npz", "hdf5": ".hdf5", "ogbench": ".npz"}
 
@@ -244,9 +251,17 @@ def test_sb3_replay_buffer_pickle(tmp_path, kind, rows_per_env):
     n_envs, steps = 2, 60
     venv = DummyVecEnv([PointGoalEnv] * n_envs)
     cls, kw = (HerReplayBuffer, {"env": venv}) if kind == "her" else (DictReplayBuffer, {})
-    model = SAC("MultiInputPolicy", venv, buffer_size=rows_per_env * n_envs, replay_buffer_class=cls, device="cpu",
-                learning_starts=10**9)
-    model.replay_buffer = cls(rows_per_env * n_envs, venv.observation_space, venv.action_space, device="cpu", n_envs=n_envs, **kw)
+    model = SAC(
+        "MultiInputPolicy",
+        venv,
+        buffer_size=rows_per_env * n_envs,
+        replay_buffer_class=cls,
+        device="cpu",
+        learning_starts=10**9,
+    )
+    model.replay_buffer = cls(
+        rows_per_env * n_envs, venv.observation_space, venv.action_space, device="cpu", n_envs=n_envs, **kw
+    )
     done_eps, current = _fill_sb3(model.replay_buffer, n_envs, steps)
     assert model.replay_buffer.full == (rows_per_env < steps)
     path = str(tmp_path / "rb.pkl")
@@ -259,7 +274,9 @@ def test_sb3_replay_buffer_pickle(tmp_path, kind, rows_per_env):
             first = ep[0][0]
             if first > window or (first == window and (kind == "her" or window == 0)):
                 expected.append((ep[-1][0], env, _as_episode(ep, True)))
-        if current[env] and (current[env][0][0] > window or window == 0 or (kind == "her" and current[env][0][0] == window)):
+        if current[env] and (
+            current[env][0][0] > window or window == 0 or (kind == "her" and current[env][0][0] == window)
+        ):
             expected.append((current[env][-1][0], env, _as_episode(current[env], False)))
     expected.sort(key=lambda e: (e[0], e[1]))
     if rows_per_env < steps:
@@ -359,7 +376,14 @@ def test_batches_are_the_episodes(ring_store, batch_rows):
 
 
 def _one_line(args: list[str], cwd: str) -> str:
-    r = subprocess.run([sys.executable, "-m", "her_store.cli", *args], capture_output=True, text=True, cwd=cwd, timeout=120, check=False)
+    r = subprocess.run(
+        [sys.executable, "-m", "her_store.cli", *args],
+        capture_output=True,
+        text=True,
+        cwd=cwd,
+        timeout=120,
+        check=False,
+    )
     assert r.returncode == 2, (r.returncode, r.stdout, r.stderr)
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and "Traceback" not in r.stderr, r.stderr

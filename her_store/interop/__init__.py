@@ -177,7 +177,11 @@ def staged_store(store_path: str | os.PathLike[str], schema: Schema, card: Mappi
     card = check_card(card, "the dataset card")
     with staged_output(_local(store_path, "the new store")) as tmp:
         store = EpisodeStore.create(
-            tmp, schema.observation_space, schema.action_space, info_keys=schema.info_spaces, metadata=card,
+            tmp,
+            schema.observation_space,
+            schema.action_space,
+            info_keys=schema.info_spaces,
+            metadata=card,
             commit_interval=60.0,
         )
         try:
@@ -210,10 +214,13 @@ class Batch(NamedTuple):
         """Each episode's id and fields (views into the batch), in order."""
         ends = {True: np.cumsum(self.lengths).tolist(), False: np.cumsum(self.lengths + 1).tolist()}
         for k, (i, T) in enumerate(zip(self.ids.tolist(), self.lengths.tolist())):
-            yield i, {
-                f.name: self.fields[f.name][ends[f.per_step][k] - T - (not f.per_step) : ends[f.per_step][k]]
-                for f in self.schema.fields
-            }
+            yield (
+                i,
+                {
+                    f.name: self.fields[f.name][ends[f.per_step][k] - T - (not f.per_step) : ends[f.per_step][k]]
+                    for f in self.schema.fields
+                },
+            )
 
 
 def read_batches(
@@ -398,7 +405,10 @@ class NpzReader:
                 except ValueError as e:
                     raise ValueError(f"{self.path}: array {name!r} has no valid .npy header ({e})") from None
             if dtype.hasobject or fortran:
-                raise ValueError(f"{self.path}: array {name!r} is {dtype} {'Fortran' if fortran else ''}; expected plain numbers in C order")
+                raise ValueError(
+                    f"{self.path}: array {name!r} is {dtype}{' in Fortran order' if fortran else ''}; expected plain "
+                    "numbers in C order"
+                )
             self._open[name] = (f, dtype, tuple(shape))
         _, dtype, shape = self._open[name]
         return dtype, shape
@@ -460,8 +470,12 @@ def _function(table: dict[str, tuple[str, str]], fmt: str, what: str) -> Callabl
 
 
 def export_store(
-    source: str | os.PathLike[str], fmt: str, dest: str | os.PathLike[str], episodes: str | None = None,
-    *, progress: bool = False,
+    source: str | os.PathLike[str],
+    fmt: str,
+    dest: str | os.PathLike[str],
+    episodes: str | None = None,
+    *,
+    progress: bool = False,
 ) -> tuple[int, int]:
     """Export the episodes ``episodes`` names (a selection, :func:`her_store.selection.parse_selection`; None: all)
     of the store at ``source`` to ``dest`` as ``fmt``. Returns ``(episodes, transitions)`` written.
@@ -528,7 +542,11 @@ def guess_format(source: str | os.PathLike[str]) -> str:
 
 
 def import_source(
-    source: str | os.PathLike[str], store_path: str | os.PathLike[str], fmt: str | None = None, *, progress: bool = False
+    source: str | os.PathLike[str],
+    store_path: str | os.PathLike[str],
+    fmt: str | None = None,
+    *,
+    progress: bool = False,
 ) -> int:
     """Import ``source`` as a new store at ``store_path`` (``fmt`` None: :func:`guess_format`). Returns the episodes
     imported. An SB3 pickle (``fmt="sb3"``, or guessed from ``.pkl``) is unpickled: that runs code from the file.
@@ -588,7 +606,8 @@ def add_arguments(parser: argparse.ArgumentParser, name: str) -> None:
         parser.add_argument("--to", required=True, choices=list(EXPORTS), help="the format to write")
         parser.add_argument("dest", metavar="DEST", help="the file (or Minari dataset) to write; must not exist")
         parser.add_argument(
-            "--episodes", metavar="SELECTION",
+            "--episodes",
+            metavar="SELECTION",
             help="episode ids and ranges, e.g. '0:100,250' (default: all live episodes); a selection starting with '-' "
             "is written --episodes=-10:",
         )
@@ -597,7 +616,9 @@ def add_arguments(parser: argparse.ArgumentParser, name: str) -> None:
         parser.add_argument("source", metavar="SOURCE", help="a file, a Minari dataset id or directory")
         parser.add_argument("store", metavar="STORE", help="the new store's directory; must not exist")
         parser.add_argument(
-            "--from", dest="fmt", choices=list(IMPORTS),
+            "--from",
+            dest="fmt",
+            choices=list(IMPORTS),
             help="the format of SOURCE (default: guessed from its name and arrays); sb3 unpickles, which runs code",
         )
     parser.add_argument("--quiet", action="store_true", help="no progress bar")

@@ -38,7 +38,9 @@ __all__ = ["export_hdf5", "import_hdf5"]
 _EPISODE = re.compile(r"^episode_(\d{1,18})$")
 
 
-def export_hdf5(store: EpisodeStore, episode_ids: np.ndarray, dest: str | os.PathLike[str], *, progress: bool = False) -> None:
+def export_hdf5(
+    store: EpisodeStore, episode_ids: np.ndarray, dest: str | os.PathLike[str], *, progress: bool = False
+) -> None:
     """Write episodes ``episode_ids`` of ``store`` to the HDF5 file ``dest`` (layout in the module docstring).
 
     Raises
@@ -107,9 +109,12 @@ def import_hdf5(source: str | os.PathLike[str], store_path: str | os.PathLike[st
         others = [name for name in f if not _EPISODE.match(name)]
         if others or not groups:
             raise ValueError(f"{source}: expected only groups episode_<id>, found {sorted(others)[:5] or 'none'}")
-        with staged_store(store_path, schema, card) as store, progress_bar(len(groups), "importing hdf5", progress, unit="episode") as bar:
+        bar = progress_bar(len(groups), "importing hdf5", progress, unit="episode")
+        with staged_store(store_path, schema, card) as store, bar:
             for _, name in groups:
-                store.append_episode({fl.name: _dataset(f, f"{name}/{minari_name(fl)}", fl.dtype, source) for fl in schema.fields})
+                store.append_episode(
+                    {fl.name: _dataset(f, f"{name}/{minari_name(fl)}", fl.dtype, source) for fl in schema.fields}
+                )
                 bar.update(1)
     return len(groups)
 

@@ -37,7 +37,9 @@ from her_store.store import EpisodeStore
 __all__ = ["export_npz", "import_npz"]
 
 
-def export_npz(store: EpisodeStore, episode_ids: np.ndarray, dest: str | os.PathLike[str], *, progress: bool = False) -> None:
+def export_npz(
+    store: EpisodeStore, episode_ids: np.ndarray, dest: str | os.PathLike[str], *, progress: bool = False
+) -> None:
     """Write episodes ``episode_ids`` of ``store`` to the npz file ``dest`` (layout in the module docstring).
 
     Memory stays bounded: each field is filled in a memory-mapped scratch file beside ``dest``, then stored in the
@@ -105,7 +107,8 @@ def import_npz(source: str | os.PathLike[str], store_path: str | os.PathLike[str
                     f"{source}: array {names[f.name]!r} is {dtype}{shape}; its header and episode_lengths say "
                     f"{f.dtype}{want}"
                 )
-        with staged_store(store_path, schema, card) as store, progress_bar(len(lengths), "importing npz", progress, unit="episode") as bar:
+        bar = progress_bar(len(lengths), "importing npz", progress, unit="episode")
+        with staged_store(store_path, schema, card) as store, bar:
             for T in lengths.tolist():
                 store.append_episode({f.name: z.read(names[f.name], T if f.per_step else T + 1) for f in schema.fields})
                 bar.update(1)

@@ -48,7 +48,13 @@ from her_store.store import EpisodeStore
 
 __all__ = ["export_ogbench", "import_ogbench"]
 
-_FIXED = {"observation": "observations", "action": "actions", "reward": "rewards", "terminated": "masks", "truncated": "truncations"}
+_FIXED = {
+    "observation": "observations",
+    "action": "actions",
+    "reward": "rewards",
+    "terminated": "masks",
+    "truncated": "truncations",
+}
 RESERVED = frozenset({*_FIXED.values(), "terminals", "next_observations", "valids", HEADER_KEY})
 
 
@@ -56,7 +62,9 @@ def _array_name(field: Field) -> str:
     return _FIXED.get(field.name, field.name)
 
 
-def export_ogbench(store: EpisodeStore, episode_ids: np.ndarray, dest: str | os.PathLike[str], *, progress: bool = False) -> None:
+def export_ogbench(
+    store: EpisodeStore, episode_ids: np.ndarray, dest: str | os.PathLike[str], *, progress: bool = False
+) -> None:
     """Write episodes ``episode_ids`` of ``store`` to ``dest`` in OGBench's npz layout (module docstring).
 
     Raises
@@ -79,7 +87,9 @@ def export_ogbench(store: EpisodeStore, episode_ids: np.ndarray, dest: str | os.
         raise ValueError(f"fields {clash} of {store.url} are named like OGBench's own arrays {sorted(RESERVED)}")
     ids = np.asarray(episode_ids, np.int64)
     rows = int(lengths_of(store, ids).sum()) + len(ids)
-    members = {_array_name(f): (np.dtype("<f4") if f.name == "terminated" else f.dtype, (rows, *f.shape)) for f in fields}
+    members = {
+        _array_name(f): (np.dtype("<f4") if f.name == "terminated" else f.dtype, (rows, *f.shape)) for f in fields
+    }
     members["terminals"] = (np.dtype(bool), (rows,))
 
     def pieces() -> Any:
@@ -143,14 +153,21 @@ def _foreign_schema(z: NpzReader, rows: int) -> tuple[Schema, dict[str, str], di
         if k in z.keys:
             names[{"rewards": "reward", "masks": "terminated", "truncations": "truncated"}[k]] = k
     stem = os.path.splitext(os.path.basename(z.path))[0]
-    how = "from its achieved_goal/desired_goal arrays" if goals else (
-        "achieved_goal = observation, desired_goal = the episode's final observation"
+    how = (
+        "from its achieved_goal/desired_goal arrays"
+        if goals
+        else ("achieved_goal = observation, desired_goal = the episode's final observation")
     )
-    card = {"dataset_id": stem, "description": f"imported from the OGBench file {os.path.basename(z.path)}; goals {how}"}
+    card = {
+        "dataset_id": stem,
+        "description": f"imported from the OGBench file {os.path.basename(z.path)}; goals {how}",
+    }
     return schema, names, card
 
 
-def import_ogbench(source: str | os.PathLike[str], store_path: str | os.PathLike[str], *, progress: bool = False) -> int:
+def import_ogbench(
+    source: str | os.PathLike[str], store_path: str | os.PathLike[str], *, progress: bool = False
+) -> int:
     """Read an OGBench npz (written by :func:`export_ogbench` or by OGBench) into a new store; returns the episodes.
 
     Episodes are split at ``terminals``; a file without a header gets the spaces, goals, rewards and flags the
@@ -179,7 +196,9 @@ def import_ogbench(source: str | os.PathLike[str], store_path: str | os.PathLike
             raise ValueError(f"{source}: terminals is {terminals.dtype}{terminals.shape}; expected one flag per row")
         ends = np.flatnonzero(terminals)
         if not len(ends) or ends[-1] != len(terminals) - 1:
-            raise ValueError(f"{source}: the last trajectory has no terminal (rows after {ends[-1] if len(ends) else -1})")
+            raise ValueError(
+                f"{source}: the last trajectory has no terminal (rows after {ends[-1] if len(ends) else -1})"
+            )
         sizes = np.diff(ends, prepend=-1)
         if sizes.min() < 2:
             raise ValueError(f"{source}: trajectory {int(np.argmin(sizes))} is a single state; a transition needs two")
@@ -188,15 +207,18 @@ def import_ogbench(source: str | os.PathLike[str], store_path: str | os.PathLike
             names = {f.name: _array_name(f) for f in schema.fields}
         else:
             schema, names, card = _foreign_schema(z, len(terminals))
+        own = HEADER_KEY in z.keys  # written by export: dtypes are the header's spaces' (masks float32)
         for f in schema.fields:
             if f.name in names:
                 dtype, shape = z.header(names[f.name])
-                if shape != (len(terminals), *f.shape) or (HEADER_KEY in z.keys and dtype != (np.dtype("<f4") if f.name == "terminated" else f.dtype)):
+                want = np.dtype("<f4") if f.name == "terminated" else f.dtype
+                if shape != (len(terminals), *f.shape) or (own and dtype != want):
                     raise ValueError(
-                        f"{source}: array {names[f.name]!r} is {dtype}{shape}; expected {len(terminals):,} rows of {f.shape}"
-                        + (f" {f.dtype}" if HEADER_KEY in z.keys else "")
+                        f"{source}: array {names[f.name]!r} is {dtype}{shape}; expected {len(terminals):,} rows of "
+                        f"{f.shape}" + (f" {want}" if own else "")
                     )
-        with staged_store(store_path, schema, card) as store, progress_bar(len(sizes), "importing ogbench", progress, unit="episode") as bar:
+        bar = progress_bar(len(sizes), "importing ogbench", progress, unit="episode")
+        with staged_store(store_path, schema, card) as store, bar:
             for n in sizes.tolist():
                 store.append_episode(_episode(z, schema, names, n))
                 bar.update(1)

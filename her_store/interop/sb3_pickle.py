@@ -82,7 +82,8 @@ def import_sb3(source: str | os.PathLike[str], store_path: str | os.PathLike[str
     if not episodes:
         raise ValueError(f"{source}: the buffer holds no step")
     card = {"description": f"imported from a stable-baselines3 {type(rb).__name__} ({arrays['n_envs']} envs)"}
-    with staged_store(store_path, schema, card) as store, progress_bar(len(episodes), "importing sb3", progress, unit="episode") as bar:
+    bar = progress_bar(len(episodes), "importing sb3", progress, unit="episode")
+    with staged_store(store_path, schema, card) as store, bar:
         for _, env, rows, ended in episodes:
             store.append_episode(_episode(arrays, schema, env, rows, ended))
             bar.update(1)
@@ -94,7 +95,10 @@ def _checked_arrays(rb: Any, schema: Schema, her: bool, source: str) -> dict[str
     try:
         size, n_envs, pos, full = int(rb.buffer_size), int(rb.n_envs), int(rb.pos), bool(rb.full)
         out: dict[str, Any] = {
-            "size": size, "n_envs": n_envs, "pos": pos, "full": full,
+            "size": size,
+            "n_envs": n_envs,
+            "pos": pos,
+            "full": full,
             "observations": {k: np.asarray(rb.observations[k]) for k in schema.observation_keys},
             "next_observations": {k: np.asarray(rb.next_observations[k]) for k in schema.observation_keys},
             "actions": np.asarray(rb.actions),
@@ -104,7 +108,8 @@ def _checked_arrays(rb: Any, schema: Schema, her: bool, source: str) -> dict[str
         }
         if her:
             out.update(
-                ep_start=np.asarray(rb.ep_start, np.int64), ep_length=np.asarray(rb.ep_length, np.int64),
+                ep_start=np.asarray(rb.ep_start, np.int64),
+                ep_length=np.asarray(rb.ep_length, np.int64),
                 current=np.asarray(rb._current_ep_start, np.int64),
             )
     except (AttributeError, KeyError, TypeError, ValueError) as e:
@@ -118,7 +123,9 @@ def _checked_arrays(rb: Any, schema: Schema, her: bool, source: str) -> dict[str
             raise ValueError(f"{source}: {name} has shape {a.shape}; expected ({size}, {n_envs}, ...)")
     if her and (
         out["current"].shape != (n_envs,)
-        or ((out["ep_start"] < 0) | (out["ep_start"] >= size) | (out["ep_length"] < 0) | (out["ep_length"] > size)).any()
+        or (
+            (out["ep_start"] < 0) | (out["ep_start"] >= size) | (out["ep_length"] < 0) | (out["ep_length"] > size)
+        ).any()
         or ((out["current"] < 0) | (out["current"] >= size)).any()
     ):
         raise ValueError(f"{source}: ep_start, ep_length or _current_ep_start point outside the buffer of {size} rows")
