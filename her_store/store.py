@@ -19,6 +19,7 @@ import numpy as np
 import zarr
 from gymnasium import spaces
 
+from her_store.card import card_problems, check_card
 from her_store.commit import Committer, round_up
 from her_store.episode import Episode
 from her_store.errors import (
@@ -249,6 +250,7 @@ class EpisodeStore:
         StoreExistsError
             If a store (or any Zarr node) already exists there; use :func:`open_store` to create-or-resume.
         """
+        card = check_card(metadata or {}, "metadata")  # a new card starts valid (ValueError naming the field)
         loc = Location(path_or_url, storage_options)
         schema = Schema(observation_space, action_space, info_keys)
         layout, codecs = _plan_arrays(loc, schema, capacity, chunk_rows, compressors)
@@ -289,7 +291,7 @@ class EpisodeStore:
                 "layout": layout.to_json(),
                 "capacity": None if capacity is None else int(capacity),
                 "index_slots": slots,
-                "metadata": dict(metadata or {}),
+                "metadata": card,
                 "created_at": time.time(),
             }
             root = zarr.open_group(loc.zarr_store(read_only=False), mode="a", attributes={ATTRS_KEY: attrs})
@@ -559,8 +561,6 @@ class EpisodeStore:
         --------
         >>> store.update_metadata(algorithm_name="SAC+HER", author="lab", license=None)  # doctest: +SKIP
         """
-        from her_store.card import card_problems, check_card
-
         self._writing()
         card = {k: v for k, v in {**self._attrs["metadata"], **entries}.items() if v is not None}
         problems = card_problems(card)  # every one at once: a card read from elsewhere may have several

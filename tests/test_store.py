@@ -728,3 +728,12 @@ def test_opening_for_append_removes_the_temp_files_of_a_killed_writer(store_path
     with EpisodeStore.open(store_path, mode="a") as store:
         assert store.num_episodes == 1
     assert not any(f.exists() for f in left) and all(f.exists() for f in kept)
+
+
+def test_create_refuses_a_card_of_the_wrong_kind_and_writes_nothing(tmp_path, fetch):
+    path = tmp_path / "run"
+    with pytest.raises(ValueError, match="'ref_max_score' is 'high'; expected number"):
+        EpisodeStore.create(path, *fetch, metadata={"ref_max_score": "high"})
+    assert not path.exists()
+    with EpisodeStore.create(path, *fetch, metadata={"ref_max_score": 1.5, "custom": {"any": ["json"]}}) as store:
+        assert store.metadata == {"ref_max_score": 1.5, "custom": {"any": ["json"]}}
