@@ -72,8 +72,7 @@ class _Dest:
             parent, name = os.path.split(self.final.root)
             if os.path.lexists(self.final.root):
                 raise StoreExistsError(f"{self.final.root} exists; copy to a new destination (nothing was overwritten)")
-            self.loc = Location(os.path.join(parent, f".{name}.copy-partial"))
-            os.makedirs(self.loc.root, exist_ok=True)
+            self.loc = Location(os.path.join(parent, f".{name}.copy-partial"))  # made by the first file written
         else:
             self.loc = self.final
             if self.loc.exists(COMMIT_KEY):
@@ -83,9 +82,8 @@ class _Dest:
         """The files an earlier run of this copy recorded; refuses a destination holding anything else."""
         raw = self.loc.read_bytes(MANIFEST_KEY)
         if raw is None:
-            if self.loc.is_local:  # the partial directory is this copy's own: a run killed before its first file
-                shutil.rmtree(self.loc.root)
-                os.makedirs(self.loc.root)
+            if self.loc.is_local:  # the partial directory is this copy's own: a run killed before its manifest
+                shutil.rmtree(self.loc.root, ignore_errors=True)
             elif self.loc.fs.find(self.loc.root):
                 raise StoreExistsError(
                     f"{self.final} holds objects that are not a copy in progress; copy to a new destination (nothing "
@@ -191,7 +189,8 @@ def _limit(spec: ArraySpec | None, key: str, index_chunk: int) -> int:
         return METADATA_LIMIT
     if spec is None:
         return index_chunk * 8
-    return shard_limit(spec.chunk_rows, spec.row_nbytes) if spec.sharded else spec.chunk_rows * spec.row_nbytes
+    # a compressed chunk (a shard, a version 1 chunk) may hold a little more than its rows when they do not compress
+    return shard_limit(spec.chunk_rows, spec.row_nbytes) if spec.compressed else spec.chunk_rows * spec.row_nbytes
 
 
 def _plan(store: EpisodeStore) -> tuple[list[str], list[tuple[ArraySpec | None, str, int]]]:
@@ -343,6 +342,8 @@ def copy_store(
         DEST holds a store, another store's copy in progress, or other files: nothing is overwritten.
     CorruptStoreError
         SRC's episodes fail their checksums in every one of ``MAX_PASSES`` records tried.
+    ValueError
+        SRC is a packed store (a zip file: copy the file).
 
     Examples
     --------
@@ -350,10 +351,12 @@ def copy_store(
     CopyResult(dest='s3://bucket/fetch', generation=41, episodes=2000, ...)
     """
     t0 = time.perf_counter()
-    out = _Dest(os.fspath(dest), storage_options if dest_storage_options is None else dest_storage_options)
     tally = _Tally()
     store = EpisodeStore.open(src, storage_options=storage_options)
     try:
+        if store._loc.archive is not None:
+            raise ValueError(f"{src} is a packed store, one file: copy that file as it is")
+        out = _Dest(os.fspath(dest), storage_options if dest_storage_options is None else dest_storage_options)
         files = out.manifest(_identity(store))
         for attempt in range(1, MAX_PASSES + 1):
             commit, table = store.commit_record, store.episodes
@@ -397,13 +400,14 @@ def _index_matches(store: EpisodeStore, pieces: Mapping[str, list[tuple[int, byt
     positions = table["episode_id"] % slots if slots else table["episode_id"]
     for name, dtype in INDEX_COLUMNS.items():
         size = int(store._root[f"episodes/{name}"].chunks[0])
-        column = np.zeros(max((c + 1) * size for c, _ in pieces[name]), dtype) if pieces[name] else np.zeros(0, dtype)
+        bits = np.dtype(f"<u{np.dtype(dtype).itemsize}")  # compared as bits: a NaN return equals itself
+        column = np.zeros(max((c + 1) * size for c, _ in pieces[name]) if pieces[name] else 0, bits)
         for c, raw in pieces[name]:
-            rows = np.frombuffer(raw, np.dtype(dtype).newbyteorder("<"))[:size]
+            rows = np.frombuffer(raw, bits)[:size]
             column[c * size : c * size + len(rows)] = rows
         have = positions < len(column)
         ok &= have
-        ok[have] &= column[positions[have]] == table[name][have]
+        ok[have] &= column[positions[have]] == np.ascontiguousarray(table[name][have]).view(bits)
     return ok
 
 

@@ -226,3 +226,15 @@ def test_a_read_only_open_on_s3_writes_nothing(s3_url):
             store.append_episode(make_episode(IMAGE_OBS, act, 3, 0, ("is_success",)))
     fs.invalidate_cache()
     assert {k: v["ETag"] for k, v in fs.find(root, detail=True).items()} == before
+
+
+def test_a_store_served_over_http_copies_to_local_disk(stores, serve, tmp_path):
+    from her_store.transfer import copy_store
+
+    base = serve(stores)
+    r = copy_store(f"{base}/img", str(tmp_path / "img"))
+    assert r.episodes == 40 and r.passes == 1
+    with EpisodeStore.open(str(tmp_path / "img")) as copy, EpisodeStore.open(f"{stores}/img") as local:
+        assert copy.metadata == local.metadata and copy.commit_record == local.commit_record
+        for i in range(local.num_episodes):
+            assert_episode_equal(copy.episode(i), local.episode(i))
