@@ -1,5 +1,14 @@
+"""Copy a store between local disk and object storage, up to one commit, resumable: ``her-store copy``.
+
+    python tools/store_copy.py SRC DEST [--quiet]   (SRC may also be an http(s):// URL)
+"""
+
+import os
 import sys
 
-from her_store.cli import main
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-sys.exit(main(["copy", *sys.argv[1:]]))
+from her_store.cli import main  # noqa: E402
+
+if __name__ == "__main__":
+    sys.exit(main(["copy", *sys.argv[1:]]))
