@@ -96,13 +96,17 @@ class TruncatingHandler(RangeHandler):
         self.close_connection = True
 
 
+class Server(http.server.ThreadingHTTPServer):
+    request_queue_size = 128  # socketserver's 5 drops the SYNs of a gather's concurrent GETs (a 1 s retransmit)
+
+
 @pytest.fixture
 def serve():
     """serve(directory, handler) -> base URL of a threaded HTTP server on loopback; all stopped at teardown."""
     servers = []
 
     def start(directory: str, handler: type = RangeHandler) -> str:
-        server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(handler, directory=directory))
+        server = Server(("127.0.0.1", 0), functools.partial(handler, directory=directory))
         server.daemon_threads = True
         threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
         servers.append(server)
