@@ -34,8 +34,8 @@ class PointGoalEnv(gym.Env):
     >>> obs, info = env.reset(seed=0)
     >>> sorted(obs)
     ['achieved_goal', 'desired_goal', 'observation']
-    >>> float(env.compute_reward(obs["achieved_goal"], obs["achieved_goal"], info))
-    0.0
+    >>> bool(env.compute_reward(obs["achieved_goal"], obs["achieved_goal"], info) == 0.0)  # the goal reached
+    True
     """
 
     metadata = {"render_modes": []}

@@ -25,7 +25,7 @@ from her_store.format import INDEX_COLUMNS, ArraySpec
 from her_store.selection import parse_selection
 from her_store.store import EpisodeStore
 
-__all__ = ["add_arguments", "array_bytes", "episode_page", "print_summary", "run", "summary"]
+__all__ = ["add_arguments", "array_bytes", "episode_page", "print_summary", "print_table", "run", "summary"]
 
 PAGE_SIZE = 50
 INDEX_DIR = "episodes"
@@ -353,6 +353,21 @@ def print_summary(s: Mapping[str, Any], out: TextIO | None = None) -> None:
     _render(*_summary_sections(s), out, out.isatty())
 
 
+def print_table(title: str, rows: list[tuple[str, str]], out: TextIO | None = None) -> None:
+    """Print key-value rows under a title the way :func:`print_summary` prints its sections (a rich table on a
+    terminal, plain aligned text otherwise).
+
+    Examples
+    --------
+    >>> print_table("run", [("steps", "5,000"), ("success", "100 %")])
+    run
+      steps    5,000
+      success  100 %
+    """
+    out = sys.stdout if out is None else out
+    _render([(title, None, [tuple(map(str, r)) for r in rows])], [], out, out.isatty())
+
+
 def _page_section(p: Mapping[str, Any]) -> Section:
     rows = [
         (f"{r['episode_id']}", f"{r['start_row']}", f"{r['length']}", f"{_num(r['return'])}",
@@ -407,7 +422,7 @@ def add_arguments(parser: argparse.ArgumentParser, name: str) -> None:
     Examples
     --------
     >>> p = argparse.ArgumentParser(); add_arguments(p, "inspect")
-    >>> p.parse_args(["runs/fetch", "--episodes", "-10:"]).episodes
+    >>> p.parse_args(["runs/fetch", "--episodes=-10:"]).episodes  # "=": argparse reads "-10:" alone as an option
     '-10:'
     """
     parser.add_argument("store", help="store path or URL (s3://bucket/name, https://host/name, ...)")

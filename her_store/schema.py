@@ -148,8 +148,8 @@ class Schema:
     >>> from gymnasium import spaces
     >>> obs = spaces.Dict({k: spaces.Box(-1, 1, (3,)) for k in ("observation", "achieved_goal", "desired_goal")})
     >>> schema = Schema(obs, spaces.Box(-1, 1, (4,)), info_keys=["is_success"])
-    >>> [f.name for f in schema.fields]
-    ['observation', 'achieved_goal', 'desired_goal', 'action', 'reward', 'terminated', 'truncated', 'is_success']
+    >>> [f.name for f in schema.fields]  # gymnasium's Dict orders its keys
+    ['achieved_goal', 'desired_goal', 'observation', 'action', 'reward', 'terminated', 'truncated', 'is_success']
     """
 
     def __init__(

@@ -837,7 +837,7 @@ def main(argv: Sequence[str] | None = None, prog: str = "her-store train") -> in
     >>> main(["--steps", "5000", "--out", "runs/bits"])  # doctest: +SKIP
     0
     """
-    from her_store.cli import _print_table
+    from her_store.inspection import print_table
 
     args = build_parser(prog).parse_args(argv)
     cfg = TrainConfig(
@@ -859,5 +859,5 @@ def main(argv: Sequence[str] | None = None, prog: str = "her-store train") -> in
         return 2 if isinstance(e, _CLEAR_ERRORS) else 1
     finally:
         signal.signal(signal.SIGTERM, previous)
-    _print_table(f"her-store train: {cfg.env}, {cfg.algo.upper()}+HER ({cfg.strategy})", result.rows())
+    print_table(f"her-store train: {cfg.env}, {cfg.algo.upper()}+HER ({cfg.strategy})", result.rows())
     return 0

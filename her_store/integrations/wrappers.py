@@ -206,6 +206,8 @@ class GoalEnvFlattener(gym.ObservationWrapper):
 
         Examples
         --------
+        >>> import gymnasium as gym, her_store
+        >>> env = GoalEnvFlattener(gym.make("her_store/PointGoal-v0"))
         >>> env.convert_dict_to_obs({k: np.zeros((32, 2 if "goal" in k else 4)) for k in env.keys}).shape
         (32, 8)
         """
@@ -246,6 +248,8 @@ class GoalEnvFlattener(gym.ObservationWrapper):
 
         Examples
         --------
+        >>> import gymnasium as gym, her_store
+        >>> env = GoalEnvFlattener(gym.make("her_store/PointGoal-v0"))
         >>> {k: v.shape for k, v in env.convert_obs_to_dict(np.zeros((32, 8), np.float32)).items()}
         {'observation': (32, 4), 'achieved_goal': (32, 2), 'desired_goal': (32, 2)}
         """
@@ -309,7 +313,9 @@ class RecordingWarning(UserWarning):
 
     Examples
     --------
-    >>> import warnings
+    >>> import tempfile, warnings, gymnasium as gym, her_store
+    >>> env = RecordEpisodes(gym.make("her_store/PointGoal-v0"), tempfile.mkdtemp() + "/rollouts")
+    >>> _ = env.reset(seed=0)
     >>> with warnings.catch_warnings():
     ...     warnings.simplefilter("error", RecordingWarning)  # a run that must not lose an episode: raise instead
     ...     obs, reward, terminated, truncated, info = env.step(env.action_space.sample())
@@ -510,7 +516,8 @@ class RecordEpisodes(_Recording, gym.Wrapper):
 
     Examples
     --------
-    >>> env = RecordEpisodes(gym.make("her_store/PointGoal-v0"), "runs/rollouts", info_keys=["is_success"])
+    >>> import tempfile
+    >>> env = RecordEpisodes(gym.make("her_store/PointGoal-v0"), tempfile.mkdtemp() + "/rollouts", info_keys=["is_success"])
     >>> obs, info = env.reset(seed=0)
     >>> for _ in range(100):
     ...     obs, reward, terminated, truncated, info = env.step(env.action_space.sample())
@@ -601,8 +608,9 @@ class RecordVectorEpisodes(_Recording, VectorWrapper):
 
     Examples
     --------
+    >>> import tempfile
     >>> envs = gym.make_vec("her_store/PointGoal-v0", num_envs=4, vectorization_mode="async")
-    >>> envs = RecordVectorEpisodes(envs, "runs/rollouts", info_keys=["is_success"])
+    >>> envs = RecordVectorEpisodes(envs, tempfile.mkdtemp() + "/rollouts", info_keys=["is_success"])
     >>> obs, infos = envs.reset(seed=0)
     >>> for _ in range(200):
     ...     obs, rewards, terminated, truncated, infos = envs.step(envs.action_space.sample())
