@@ -91,7 +91,6 @@ class Location:
             if is_archive(self.root):
                 self.archive = PackedArchive(self.root)
 
-
     def __str__(self) -> str:
         return self.url
 
