@@ -6,7 +6,6 @@ from __future__ import annotations
 import functools
 import http.server
 import os
-import re
 import threading
 
 import numpy as np
@@ -18,43 +17,9 @@ from her_store.errors import CorruptStoreError, ReadOnlyStoreError
 from her_store.reader import RangedArray, ShardedArray
 from her_store.sampler import HerSampler
 from tests.conftest import assert_episode_equal, fetch_spaces, make_episode
+from tests.http_server import RangeHandler, Server
 
 pytest.importorskip("aiohttp", reason='pip install "her_store[http]"')
-
-
-class RangeHandler(http.server.SimpleHTTPRequestHandler):
-    """Static files with what a remote reader uses: ETag, If-Match (412) and one Range per GET (206)."""
-
-    def log_message(self, *args: object) -> None:
-        pass
-
-    def do_GET(self) -> None:
-        path = self.translate_path(self.path)
-        if not os.path.isfile(path):
-            self.send_error(404)
-            return
-        st = os.stat(path)
-        etag = f'"{st.st_ino:x}-{st.st_mtime_ns:x}-{st.st_size:x}"'
-        if self.headers.get("If-Match") not in (None, etag, "*"):
-            self.send_error(412)
-            return
-        size = st.st_size
-        m = re.fullmatch(r"bytes=(\d*)-(\d*)", self.headers.get("Range", ""))
-        status, a, b = 200, 0, size
-        if m and (m[1] or m[2]):
-            a, b = (int(m[1]), min(size, int(m[2]) + 1 if m[2] else size)) if m[1] else (max(0, size - int(m[2])), size)
-            if a >= size:
-                self.send_error(416)
-                return
-            status = 206
-        self.send_response(status)
-        self.send_header("ETag", etag)
-        self.send_header("Content-Length", str(b - a))
-        if status == 206:
-            self.send_header("Content-Range", f"bytes {a}-{b - 1}/{size}")
-        self.end_headers()
-        with open(path, "rb") as f:
-            self.wfile.write(os.pread(f.fileno(), b - a, a))
 
 
 class PlainHandler(http.server.SimpleHTTPRequestHandler):
@@ -94,10 +59,6 @@ class TruncatingHandler(RangeHandler):
         self.end_headers()
         self.wfile.write(data[: len(data) // 2])
         self.close_connection = True
-
-
-class Server(http.server.ThreadingHTTPServer):
-    request_queue_size = 128  # socketserver's 5 drops the SYNs of a gather's concurrent GETs (a 1 s retransmit)
 
 
 @pytest.fixture

@@ -661,8 +661,8 @@ def _encode_ceiling(pool: list[dict[str, np.ndarray]], disk: float) -> dict[str,
         for t in sorted({1, threads}):
             written, start = 0, time.perf_counter()
             for _ in range(4):
-                blobs = ex.map(lambda f: _frames.encode_lz4(f, nbytes, 1)[0], frames) if t > 1 else map(
-                    lambda f: _frames.encode_lz4(f, nbytes, 1)[0], frames)
+                encode = lambda f: _frames.encode_lz4(f, nbytes, 1)[0]
+                blobs = ex.map(encode, frames) if t > 1 else (encode(f) for f in frames)
                 written += sum(len(b) for b in blobs)
             seconds = time.perf_counter() - start
             out[f"writer: LZ4 encode alone, {t} thread(s), compressed MB/s"] = written / seconds / 1e6
@@ -800,6 +800,227 @@ def bench_images_large(workdir: str, quick: bool) -> dict[str, Any]:
 
 
 # -- SB3 integration: ZarrHerReplayBuffer against SB3's own HerReplayBuffer -------------------------------------
+
+# -- datasets: inspect, verify, export, pack, sampling over HTTP and S3 ---------------------------------------------
+def _disk_read_bandwidth(workdir: str, nbytes: int = 1 << 30) -> float:
+    """Sequential read bytes/s of the disk under workdir: a file written, dropped from the page cache, read back in
+    16 MiB blocks."""
+    path = os.path.join(workdir, "seqread.bin")
+    block = np.random.default_rng(1).integers(0, 255, 1 << 24, np.uint8).tobytes()
+    with open(path, "wb") as f:
+        f.writelines(block for _ in range(nbytes >> 24))
+    drop_page_cache(path)
+    buf = bytearray(1 << 24)
+    t = time.perf_counter()
+    with open(path, "rb", buffering=0) as f:
+        while f.readinto(buf):
+            pass
+    rate = nbytes / (time.perf_counter() - t)
+    os.remove(path)
+    return rate
+
+
+def _drop_store(path: str) -> None:
+    for d, _, files in os.walk(path):
+        for name in files:
+            drop_page_cache(os.path.join(d, name))
+
+
+def bench_inspect(workdir: str, quick: bool) -> dict[str, Any]:
+    """her-store inspect --json of a store of 1,000,000 episodes: in-process, and as a fresh process (imports included)."""
+    import contextlib
+    import io
+    import subprocess
+
+    from her_store.cli import main as cli_main
+
+    n_eps = 100_000 if quick else 1_000_000
+    path = os.path.join(workdir, "inspect")
+    ep = fetch_episode(np.random.default_rng(2), T=2)
+    with EpisodeStore.create(path, OBS, ACT, commit_interval=1.0, metadata={"env_id": "FetchReach-shaped"}) as store:
+        for _ in range(n_eps):
+            store.append_episode(ep)
+    inproc, fresh = [], []
+    for _ in range(5):
+        t = time.perf_counter()
+        with contextlib.redirect_stdout(io.StringIO()) as text:
+            assert cli_main(["inspect", path, "--json"]) == 0
+        inproc.append(time.perf_counter() - t)
+        assert json.loads(text.getvalue())["episodes"] == n_eps
+        t = time.perf_counter()
+        subprocess.run([sys.executable, "-m", "her_store.cli", "inspect", path, "--json"], check=True,
+                       stdout=subprocess.DEVNULL)
+        fresh.append(time.perf_counter() - t)
+    shutil.rmtree(path)
+    return {"episodes": n_eps, "in-process s": statistics.median(inproc),
+            "fresh process s (python start and imports included)": statistics.median(fresh), "target": "< 1 s"}
+
+
+def bench_verify(workdir: str, quick: bool) -> dict[str, Any]:
+    """her-store verify of a ~1 GB image store (3x84x84, LZ4) and a ~1 GB low-dim one, files evicted first, against the
+    disk's sequential read bandwidth measured in the same run."""
+    from her_store.verify import verify
+
+    target = (1 << 27) if quick else (1 << 30)  # bytes on disk
+    stores = {
+        "images (lz4)": build_image_store(os.path.join(workdir, "verify-img"), image_pool("rendered"),
+                                          int(target / 3_400) // EP_LEN * EP_LEN),
+        "low-dim": filled_store(workdir, int(target / 86) // EP_LEN * EP_LEN),
+    }
+    out: dict[str, Any] = {}
+    for label, path in stores.items():
+        disk = _disk_read_bandwidth(workdir, target)
+        _drop_store(path)
+        report = verify(path)
+        assert report.clean, report.summary()
+        rate = report.bytes_read / report.seconds
+        out[f"{label}: MB on disk"] = _disk_usage(path) / 1e6
+        out[f"{label}: verify MB/s"] = rate / 1e6
+        out[f"{label}: disk sequential read MB/s"] = disk / 1e6
+        out[f"{label}: verify / disk"] = rate / disk
+    out["target"] = "verify >= 0.5 x the disk's sequential read"
+    shutil.rmtree(stores["images (lz4)"])
+    return out
+
+
+def bench_export(workdir: str, quick: bool) -> dict[str, Any]:
+    """her-store export --to npz of a ~1 GB low-dim store and an image store (3x84x84, LZ4), files evicted first,
+    against the disk's sequential read bandwidth measured in the same run."""
+    from her_store.interop import export_store
+
+    target = (1 << 27) if quick else (1 << 30)
+    stores = {
+        "low-dim": filled_store(workdir, int(target / 86) // EP_LEN * EP_LEN),
+        "images (lz4)": build_image_store(os.path.join(workdir, "export-img"), image_pool("rendered"),
+                                          int(target / 21_500) // EP_LEN * EP_LEN),
+    }
+    disk = _disk_read_bandwidth(workdir, target)
+    out: dict[str, Any] = {"disk sequential read MB/s": disk / 1e6}
+    for label, path in stores.items():
+        with EpisodeStore.open(path) as s:
+            field_bytes = sum((s.num_transitions + (0 if f.per_step else s.num_episodes)) * f.row_nbytes
+                              for f in s.schema.fields)
+        on_disk = _disk_usage(path)
+        _drop_store(path)
+        dest = os.path.join(workdir, "export.npz")
+        t = time.perf_counter()
+        export_store(path, "npz", dest)
+        seconds = time.perf_counter() - t
+        os.remove(dest)
+        out[f"{label}: field MB (uncompressed)"] = field_bytes / 1e6
+        out[f"{label}: store MB on disk"] = on_disk / 1e6
+        out[f"{label}: export MB/s of fields"] = field_bytes / seconds / 1e6
+        out[f"{label}: export MB/s of store bytes read"] = on_disk / seconds / 1e6
+        out[f"{label}: store bytes read / disk"] = on_disk / seconds / disk
+    shutil.rmtree(stores["images (lz4)"])
+    return out
+
+
+def bench_pack(workdir: str, quick: bool) -> dict[str, Any]:
+    """Packed stores: pack MB/s, and warm sampling (batch 256, future) from the zip against the same store unpacked:
+    low-dim (members memory-mapped) and 3x84x84 LZ4 images (frames read by range)."""
+    from her_store import HerSampler
+    from her_store.pack import pack_store
+
+    out: dict[str, Any] = {}
+    n_low, n_img = (200_000, 20_000) if quick else (1_000_000, 50_000)
+    stores = {
+        "low-dim": filled_store(workdir, n_low),
+        "images lz4": build_image_store(os.path.join(workdir, "pack-images"), image_pool("rendered"), n_img),
+    }
+    for label, path in stores.items():
+        t = time.perf_counter()
+        pack_store(path, path + ".zip")
+        out[f"{label}: pack MB/s"] = os.path.getsize(path + ".zip") / 1e6 / (time.perf_counter() - t)
+        opened = {where: EpisodeStore.open(p) for where, p in (("directory", path), ("zip", path + ".zip"))}
+        samplers = {w: HerSampler(s, IMG_BATCH, reward_fn=fetch_reward, seed=11) for w, s in opened.items()}
+        fns = {w: s.sample for w, s in samplers.items()}
+        for f in fns.values():  # warm: every page and shard index read once
+            for _ in range(20):
+                f()
+        per_call = _rounds(fns, 5 if quick else 9, 20)
+        for w in fns:
+            out[f"{label}: {w} transitions/s"] = IMG_BATCH / per_call[w]
+        out[f"{label}: zip / directory"] = per_call["directory"] / per_call["zip"]
+        for s in samplers.values():
+            s.close()
+        for s in opened.values():
+            s.close()
+        os.remove(path + ".zip")
+    shutil.rmtree(stores["images lz4"])
+    return out
+
+
+
+def _serve_http(directory: str, port: Any) -> None:
+    import functools
+
+    from tests.http_server import RangeHandler, Server
+
+    server = Server(("127.0.0.1", 0), functools.partial(RangeHandler, directory=directory))
+    port.put(server.server_address[1])
+    server.serve_forever()
+
+
+def bench_remote(workdir: str, quick: bool) -> dict[str, Any]:
+    """Sampling over HTTP and S3 (loopback, each server in its own process) through the cache, batch 256, against the
+    same store on local disk: FetchReach-shaped and 3x84x84 LZ4 images; the first batch apart from the warm median."""
+    import multiprocessing
+    import socket
+    import subprocess
+
+    from her_store import HerSampler
+    from her_store.transfer import copy_store
+
+    ctx = multiprocessing.get_context("fork")
+    port: Any = ctx.Queue()
+    http_server = ctx.Process(target=_serve_http, args=(workdir, port), daemon=True)
+    http_server.start()
+    base = f"http://127.0.0.1:{port.get()}"
+    with socket.socket() as sock:  # a free port for moto's S3 server
+        sock.bind(("127.0.0.1", 0))
+        s3_port = sock.getsockname()[1]
+    s3_server = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(s3_port)],
+                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    out: dict[str, Any] = {}
+    try:
+        for _ in range(200):
+            with socket.socket() as sock:
+                if sock.connect_ex(("127.0.0.1", s3_port)) == 0:
+                    break
+            time.sleep(0.05)
+        opts = {"client_kwargs": {"endpoint_url": f"http://127.0.0.1:{s3_port}"}, "key": "testing", "secret": "testing"}
+        import s3fs
+
+        s3fs.S3FileSystem(**opts).mkdir("bench")
+        n_low, n_img = (100_000, 10_000) if quick else (1_000_000, 50_000)
+        stores = {
+            "fetch": filled_store(workdir, n_low),
+            "images": build_image_store(os.path.join(workdir, "remote-img"), image_pool("rendered"), n_img),
+        }
+        out.update({"fetch transitions": n_low, "image transitions": n_img, "batch": IMG_BATCH})
+        for name, path in stores.items():
+            copy_store(path, f"s3://bench/{name}", storage_options=opts)
+            where = {"local": (path, None), "http": (f"{base}/{os.path.basename(path)}", None),
+                     "s3": (f"s3://bench/{name}", opts)}
+            for kind, (url, so) in where.items():
+                with EpisodeStore.open(url, storage_options=so) as store, HerSampler(
+                    store, IMG_BATCH, reward_fn=fetch_reward, seed=0
+                ) as sampler:
+                    first = time.perf_counter()
+                    sampler.sample()
+                    out[f"{name} {kind} first batch s"] = time.perf_counter() - first
+                    out[f"{name} {kind} transitions/s"] = IMG_BATCH / _time_batches(sampler.sample, 10 if quick else 30)
+            for kind in ("http", "s3"):
+                out[f"{name} {kind} / local"] = out[f"{name} {kind} transitions/s"] / out[f"{name} local transitions/s"]
+        shutil.rmtree(stores["images"])
+    finally:
+        http_server.terminate()
+        s3_server.terminate()
+        s3_server.wait()
+    return out
+
+
 def _sb3_missing() -> dict[str, Any] | None:
     try:
         import stable_baselines3  # noqa: F401
@@ -958,6 +1179,11 @@ BENCHES: dict[str, Callable[[str, bool], dict[str, Any]]] = {
     "sb3_add": bench_sb3_add,
     "sb3_sample": bench_sb3_sample,
     "sb3_save": bench_sb3_save,
+    "inspect": bench_inspect,
+    "verify": bench_verify,
+    "export": bench_export,
+    "pack": bench_pack,
+    "remote": bench_remote,
 }
 
 
