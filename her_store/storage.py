@@ -379,10 +379,13 @@ def _http_filesystem() -> type:
                     etag, size = r.headers.get("ETag", ""), len(body)
                     if r.status == 206:
                         m = re.fullmatch(r"bytes (\d+)-(\d+)/(\d+)", r.headers.get("Content-Range", "").strip())
-                        if m is None or int(m[2]) - int(m[1]) + 1 != len(body) or int(m[2]) >= int(m[3]):
+                        if m is None or int(m[2]) - int(m[1]) + 1 != len(body) or int(m[2]) >= int(m[3]) or not (
+                            _range_answers(rng, int(m[1]), int(m[2]), int(m[3]))
+                        ):
                             raise CorruptStoreError(
                                 f"{url}: a ranged GET answered {len(body):,} bytes with Content-Range "
-                                f"{r.headers.get('Content-Range')!r}; expected 'bytes first-last/size' naming them"
+                                f"{r.headers.get('Content-Range')!r}; expected 'bytes first-last/size' naming them, "
+                                f"the range asked for ({rng})"
                             )
                         size = int(m[3])
             except aiohttp.ClientPayloadError as e:
@@ -435,6 +438,25 @@ def staged_output(dest: str | os.PathLike[str]) -> Iterator[str]:
         elif os.path.lexists(tmp):
             os.unlink(tmp)
         raise
+
+
+def _range_answers(asked: str | None, first: int, last: int, size: int) -> bool:
+    """Whether a 206's bytes ``first..last`` of ``size`` are the range ``asked`` (``bytes=a-b``, ``bytes=a-`` or
+    ``bytes=-n``): a server may cut a range at the object's end, never move it.
+
+    Examples
+    --------
+    >>> _range_answers("bytes=10-19", 10, 19, 100), _range_answers("bytes=10-19", 0, 9, 100)
+    (True, False)
+    >>> _range_answers("bytes=-8", 92, 99, 100), _range_answers("bytes=90-", 90, 99, 100)
+    (True, True)
+    """
+    m = re.fullmatch(r"bytes=(\d*)-(\d*)", asked or "")
+    if m is None:
+        return False
+    if m[1]:
+        return first == int(m[1]) and (last == size - 1 if not m[2] else last == min(int(m[2]), size - 1))
+    return bool(m[2]) and last == size - 1 and first == max(0, size - int(m[2]))
 
 
 def open_regular(path: str) -> int:

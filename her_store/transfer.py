@@ -89,6 +89,8 @@ class _Dest:
                     f"{self.final} holds objects that are not a copy in progress; copy to a new destination (nothing "
                     "was overwritten)"
                 )
+            else:  # claimed before the first object is written, so that a copy killed at any point resumes
+                self.loc.write_atomic(MANIFEST_KEY, json.dumps({"source": identity, "files": {}}).encode(), fsync=False)
             return {}
         try:
             doc = json.loads(raw)

@@ -37,7 +37,7 @@ from her_store.format import ArraySpec
 from her_store.index import EpisodeIndex
 from her_store.progress import progress as progress_bar
 from her_store.shard import parse_index, shard_limit
-from her_store.storage import Location, chunk_key, open_regular
+from her_store.storage import Location, chunk_key
 from her_store.store import EpisodeStore
 
 __all__ = ["Problem", "Report", "add_arguments", "repair", "run", "verify"]
@@ -243,6 +243,8 @@ class _Check:
         return chunk_key(spec.path, c, 1 + len(spec.row_shape))
 
     def _size(self, spec: ArraySpec, c: int) -> int:
+        if self.loc.archive is not None:  # a packed store: the member's size
+            return (self.loc.archive.member(self._key(spec, c)) or (0, 0))[1]
         try:
             return os.stat(self.loc.key_path(self._key(spec, c))).st_size
         except OSError:
@@ -265,13 +267,10 @@ class _Check:
         key, limit = self._key(spec, c), self._limit(spec, c, skip == 0) if whole else 0
         path = self.loc.key_path(key)
         try:
-            if self.loc.is_local:
-                fd = open_regular(path)
-                try:
-                    size = os.fstat(fd).st_size
-                    return os.pread(fd, max(min(size, limit) - skip, 0), skip), size, None
-                finally:
-                    os.close(fd)
+            if self.loc.is_local:  # a file of its own, or a member of a packed store
+                f, offset, size = self.loc.open_range(key)
+                with f:
+                    return os.pread(f.fileno(), max(min(size, limit) - skip, 0), offset + skip), size, None
             size = int(self.loc.fs.size(path))
             return self.loc.fs.cat_file(path, start=skip, end=max(min(size, limit), skip)), size, None
         except FileNotFoundError:
@@ -430,6 +429,10 @@ class _Check:
     def _existing(self, spec: ArraySpec, first: int) -> list[int]:
         """The chunks (shards) from ``first`` on that have a file, in order."""
         where = self.loc.key_path(f"{spec.path}/c")
+        if self.loc.archive is not None:  # a packed store: its members under the array
+            prefix = f"{spec.path}/c/"
+            names = {k[len(prefix) :].split("/", 1)[0] for k in self.loc.archive.members if k.startswith(prefix)}
+            return sorted(c for c in (int(n) for n in names if n.isdigit()) if c >= first)
         try:
             names = os.listdir(where) if self.loc.is_local else [n.rsplit("/", 1)[-1] for n in self.loc.fs.ls(where, detail=False)]
         except FileNotFoundError:

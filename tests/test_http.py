@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 import http.server
 import os
+import re
 import threading
 
 import numpy as np
@@ -162,6 +163,33 @@ def test_a_store_over_http_is_never_written(stores, serve):
         remote.append_episode(make_episode(obs, act, 3, 0, ("is_success",)))
     after = sorted((d, f, os.path.getmtime(os.path.join(d, f))) for d, _, fs in os.walk(stores) for f in fs)
     assert after == before
+
+
+class ShiftedRangeHandler(RangeHandler):
+    """Answers a range that starts past byte 0 with the bytes one before it, and a Content-Range that says so."""
+
+    def do_GET(self) -> None:
+        m = re.fullmatch(r"bytes=(\d+)-(\d+)", self.headers.get("Range", ""))
+        if m is None or int(m[1]) == 0:
+            super().do_GET()
+            return
+        path = self.translate_path(self.path)
+        size, a, b = os.path.getsize(path), int(m[1]) - 1, int(m[2]) - 1
+        self.send_response(206)
+        self.send_header("Content-Length", str(b - a + 1))
+        self.send_header("Content-Range", f"bytes {a}-{b}/{size}")
+        self.end_headers()
+        with open(path, "rb") as f:
+            self.wfile.write(os.pread(f.fileno(), b - a + 1, a))
+
+
+def test_a_range_other_than_the_one_asked_for_is_refused(stores, serve):
+    base = serve(stores, ShiftedRangeHandler)
+    with EpisodeStore.open(f"{base}/low") as remote:
+        url = remote._loc.key_path("packs/float32/c/0/0")
+        assert remote._loc.fs.cat_file(url, start=0, end=8) == open(f"{stores}/low/packs/float32/c/0/0", "rb").read(8)
+        with pytest.raises(CorruptStoreError, match="the range asked for"):
+            remote._loc.fs.cat_file(url, start=100, end=164)
 
 
 @pytest.mark.parametrize("handler", [GarbageHandler, TruncatingHandler])

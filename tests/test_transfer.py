@@ -189,3 +189,26 @@ def test_the_copy_command(tmp_path, capsys):
     assert main(["copy", src, str(tmp_path / "dest"), "--quiet"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("her-store copy:") and err.count("\n") == 1
+
+
+def test_a_copy_to_s3_stopped_right_after_its_first_objects_resumes(tmp_path, s3_url, monkeypatch):
+    """The process dies between the first PUTs and the manifest recording them: the next run still resumes."""
+    from her_store import transfer
+
+    url, opts = s3_url
+    src = str(tmp_path / "src")
+    _make(src, 12)
+    write = transfer._Dest.write
+
+    def dies_after_the_objects(self, items, identity, files):
+        if items:
+            self.loc.fs.pipe({self.loc.key_path(k): v for k, v in items.items()})  # the objects, not the manifest
+            raise KeyboardInterrupt("killed")
+        write(self, items, identity, files)
+
+    monkeypatch.setattr(transfer._Dest, "write", dies_after_the_objects)
+    with pytest.raises(KeyboardInterrupt):
+        copy_store(src, url, storage_options=opts)
+    monkeypatch.setattr(transfer._Dest, "write", write)
+    copy_store(src, url, storage_options=opts)
+    _check(url, storage_options=opts, end=12)

@@ -116,6 +116,19 @@ def test_a_clean_store_verifies_clean_and_exits_0(tmp_path):
         assert done.returncode == 0 and "clean" in done.stdout, done
 
 
+def test_a_packed_store_verifies_like_its_directory(tmp_path):
+    from her_store.pack import pack_store
+
+    for kind, capacity in (("lowdim", None), ("image", 120)):
+        path = str(tmp_path / kind)
+        _build(path, kind, capacity=capacity)
+        pack_store(path, path + ".zip")
+        report, packed = verify(path), verify(path + ".zip")
+        assert packed.clean, packed.summary()
+        assert (packed.episodes, packed.bytes_read) == (report.episodes, report.bytes_read) and packed.episodes > 0
+        assert _run(path + ".zip").returncode == 0
+
+
 def test_a_path_that_is_not_a_store_exits_2(tmp_path):
     (tmp_path / "file").write_text("x")
     os.makedirs(tmp_path / "empty")
