@@ -15,7 +15,7 @@ from typing import Any
 
 from her_store.errors import short_repr
 
-__all__ = ["CARD_FIELDS", "card_problems", "check_card", "parse_assignment", "resolve_reward_function"]
+__all__ = ["CARD_FIELDS", "card_problems", "check_card", "json_object", "parse_assignment", "resolve_reward_function"]
 
 # name -> (kind, what it holds). Minari's dataset fields first, then HER's own.
 CARD_FIELDS: dict[str, tuple[str, str]] = {
@@ -162,3 +162,22 @@ def resolve_reward_function(card: Mapping[str, Any]) -> Callable[..., Any]:
     if not callable(obj):
         raise ValueError(f"the card's reward_function {spec!r} is not callable")
     return obj
+
+
+def json_object(text: str) -> dict[str, Any]:
+    """A command-line option holding a JSON object (``--storage-options``, ``--algo-kwargs``), for argparse's ``type``.
+
+    Examples
+    --------
+    >>> json_object('{"anon": true}')
+    {'anon': True}
+    """
+    import argparse
+
+    try:
+        value = json.loads(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"not JSON ({e}): {text!r}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object like '{{\"key\": 1}}', got {text!r}")
+    return value

@@ -20,7 +20,7 @@ from typing import Any, TextIO
 
 import numpy as np
 
-from her_store.card import CARD_FIELDS, card_problems, parse_assignment
+from her_store.card import CARD_FIELDS, card_problems, json_object, parse_assignment
 from her_store.format import INDEX_COLUMNS, ArraySpec
 from her_store.selection import parse_selection
 from her_store.store import EpisodeStore
@@ -426,7 +426,7 @@ def add_arguments(parser: argparse.ArgumentParser, name: str) -> None:
     '-10:'
     """
     parser.add_argument("store", help="store path or URL (s3://bucket/name, https://host/name, ...)")
-    parser.add_argument("--storage-options", type=json.loads, default=None, metavar="JSON",
+    parser.add_argument("--storage-options", type=json_object, default=None, metavar="JSON",
                         help="fsspec options for a URL, e.g. '{\"anon\": true}'")
     parser.add_argument("--json", action="store_true", help="print JSON for machines")
     if name == "inspect":

@@ -19,9 +19,9 @@ from __future__ import annotations
 
 import argparse
 import bisect
+import json
 import os
 import shutil
-import tempfile
 import time
 import zlib
 from collections import deque
@@ -52,7 +52,8 @@ class Problem:
     """One thing wrong with a store: what, and which episodes it affects (ids as they were when checked).
 
     ``kind`` is ``"open"`` (the store cannot be opened), ``"file"`` (a chunk or shard file), ``"checksum"`` (episodes
-    whose rows fail their crc32) or ``"uncommitted"`` (left past the commit record by a commit that never completed).
+    whose rows fail their crc32), ``"uncommitted"`` (left past the commit record by a commit that never completed) or
+    ``"repair"`` (a repair that stopped before it had appended the good episodes it was moving again).
     """
 
     kind: str
@@ -181,7 +182,14 @@ def verify(
     except CorruptStoreError as e:
         return Report(str(Location(store_or_path, storage_options)), [Problem("open", f"the store cannot be opened: {e}")])
     with store:
-        return _Check(store, checksums, progress).run(t0)
+        report = _Check(store, checksums, progress).run(t0)
+        plan = _plan_of(store.url) if store._loc.is_local else None
+        if plan is not None:
+            waiting = plan["count"] - max(0, store.end_episode - plan["cut"])
+            report.problems.append(Problem(
+                "repair", f"a repair was interrupted: {waiting} good episodes it was moving wait in "
+                f"{_spill_dir(store.url)}; run verify --repair to finish it"))
+    return report
 
 
 class _Check:
@@ -513,6 +521,7 @@ def repair(path: str | os.PathLike[str], *, progress: bool = False, log: Callabl
     except CorruptStoreError as e:
         raise CorruptStoreError(f"{e}; it cannot be repaired (nothing was changed)") from e
     with store:
+        _finish_moving(store, log)
         found = verify(store, progress=progress)
         log(found.summary())
         if found.clean:
@@ -553,36 +562,80 @@ def _drop(store: EpisodeStore, found: Report, progress: bool, log: Callable[[str
     keep = np.setdiff1d(np.arange(cut, end), rest)
     env_index = store.episodes["env_index"]
     spill = None
+    if len(keep):
+        # the good episodes after the cut, copied aside before the cut drops them from the commit, with a plan that a
+        # repair run after a crash (or a full disk) finishes from: nothing committed is lost at any point
+        spill = _spill_dir(store.url)
+        shutil.rmtree(spill, ignore_errors=True)
+        os.makedirs(spill)
+        with EpisodeStore.create(
+            os.path.join(spill, "tail"), store.observation_space, store.action_space, info_keys=store.schema.info_spaces
+        ) as aside:
+            bar = progress_bar(len(keep), "copying aside", progress, unit="episode")
+            for i in keep.tolist():
+                aside.append_episode(store.episode(i), env_index=int(env_index[i - first]))
+                bar.update(1)
+            bar.close()
+        plan = {"cut": cut, "count": len(keep), "ids": keep.tolist()}
+        Location(spill).write_atomic(PLAN_KEY, json.dumps(plan).encode(), fsync=True)
+    committer.keep_only(first + lead, cut)
+    for i in bad.tolist():
+        log(f"dropped episode {i}")
+    for key in found.damaged_files:  # every episode with rows in them was dropped
+        path = store._loc.key_path(key)
+        if os.path.isdir(path) and not os.path.islink(path):
+            shutil.rmtree(path)
+        else:
+            os.unlink(path)
+        log(f"removed {key} (unreadable; no kept episode has rows in it)")
+    if spill is not None:
+        log(f"episodes {id_ranges(keep)} follow a dropped one: appending them again ({spill} holds them meanwhile)")
+        _finish_moving(store, log)
+
+
+PLAN_KEY = "plan.json"
+
+
+def _spill_dir(url: str) -> str:
+    """Where a repair keeps the good episodes it moves: beside the store, one per store."""
+    return os.path.join(os.path.dirname(url), f".{os.path.basename(url)}.repair")
+
+
+def _plan_of(url: str) -> dict[str, Any] | None:
+    """The plan of a repair that dropped a cut and has not appended all the episodes it moved yet, or None."""
+    raw = Location(_spill_dir(url)).read_bytes(PLAN_KEY, limit=1 << 26)
+    if raw is None:
+        return None
     try:
-        if len(keep):
-            # the good episodes after the cut, copied aside before the cut drops them from the commit
-            spill = tempfile.mkdtemp(prefix=f".{os.path.basename(store.url)}.repair-", dir=os.path.dirname(store.url))
-            with EpisodeStore.create(
-                os.path.join(spill, "tail"), store.observation_space, store.action_space, info_keys=store.schema.info_spaces
-            ) as aside:
-                bar = progress_bar(len(keep), "copying aside", progress, unit="episode")
-                for i in keep.tolist():
-                    aside.append_episode(store.episode(i), env_index=int(env_index[i - first]))
-                    bar.update(1)
-                bar.close()
-        committer.keep_only(first + lead, cut)
-        for i in bad.tolist():
-            log(f"dropped episode {i}")
-        for key in found.damaged_files:  # every episode with rows in them was dropped
-            os.unlink(store._loc.key_path(key))
-            log(f"removed {key} (unreadable; no kept episode has rows in it)")
-        if spill is not None:
-            log(f"episodes {id_ranges(keep)} follow a dropped one: appending them again ({spill} holds them meanwhile)")
-            with EpisodeStore.open(os.path.join(spill, "tail")) as aside:
-                for j, i in enumerate(keep.tolist()):
-                    new = store.append_episode(aside.episode(aside.first_episode + j), env_index=int(env_index[i - first]))
-                    log(f"episode {i} is now episode {new}")
-            store.flush()
-            shutil.rmtree(spill)
-    except BaseException:
-        if spill is not None:
-            log(f"the repair stopped: the good episodes it was moving are in the store at {os.path.join(spill, 'tail')}")
-        raise
+        plan = json.loads(raw)
+        return {"cut": int(plan["cut"]), "count": int(plan["count"]), "ids": [int(i) for i in plan["ids"]]}
+    except (ValueError, KeyError, TypeError) as e:
+        raise CorruptStoreError(f"{_spill_dir(url)}/{PLAN_KEY} is not a repair plan ({e})") from e
+
+
+def _finish_moving(store: EpisodeStore, log: Callable[[str], None]) -> None:
+    """Append again what a repair moved aside and has not appended yet (all of it, or what a crash left), then
+    remove it. A spill without a plan is a copy the cut never came after: the store still holds those episodes."""
+    spill = _spill_dir(store.url)
+    if not os.path.isdir(spill):
+        return
+    plan = _plan_of(store.url)
+    if plan is None:
+        shutil.rmtree(spill)
+        return
+    done = store.end_episode - plan["cut"]
+    if not 0 <= done <= plan["count"]:
+        raise CorruptStoreError(
+            f"{store.url} ends at episode {store.end_episode}, which a repair that cut it at {plan['cut']} and appends "
+            f"{plan['count']} episodes again never left; the episodes it moved are in {spill}"
+        )
+    with EpisodeStore.open(os.path.join(spill, "tail")) as aside:
+        env_index = aside.episodes["env_index"]
+        for j in range(done, plan["count"]):
+            new = store.append_episode(aside.episode(aside.first_episode + j), env_index=int(env_index[j]))
+            log(f"episode {plan['ids'][j]} is now episode {new}")
+    store.flush()
+    shutil.rmtree(spill)
 
 
 def add_arguments(parser: argparse.ArgumentParser, name: str) -> None:

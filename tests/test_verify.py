@@ -286,3 +286,37 @@ def test_repair_refuses_object_storage(s3_url):
     url, opts = s3_url
     with pytest.raises(Exception, match="local disk"):
         repair(url)
+
+
+def test_a_repair_stopped_half_way_loses_nothing_and_the_next_repair_finishes_it(tmp_path):
+    path = str(tmp_path / "s")
+    eps = _build(path, n=40)
+    start, _ = _rows_of(path, 6)
+    with EpisodeStore.open(path) as store:
+        spec = store.layout.arrays[0]
+    _flip(os.path.join(path, "packs/float32/c", str(start // 64), "0"), (start % 64 + 1) * spec.row_nbytes + 3)
+    assert verify(path).bad_episodes.tolist() == [6]
+    moved = []
+
+    def stops_after_two(line: str) -> None:  # the process dies once two moved episodes were appended again
+        if "is now episode" in line:
+            moved.append(line)
+            if len(moved) == 2:
+                raise KeyboardInterrupt("killed")
+
+    with pytest.raises(KeyboardInterrupt):
+        repair(path, log=stops_after_two)
+    report = verify(path)
+    waiting = [p for p in report.problems if p.kind == "repair"]  # (beside the tail past the cut's commit)
+    assert len(waiting) == 1 and "31 good episodes" in str(waiting[0]) and "--repair" in str(waiting[0])
+    assert _run(path).returncode == 1
+    lines: list[str] = []
+    final = repair(path, log=lines.append)
+    assert final.clean and not os.path.exists(str(tmp_path / ".s.repair"))
+    assert "episode 9 is now episode 8" in lines  # the third moved episode, where the first repair stopped
+    with EpisodeStore.open(path) as s:
+        tags = [_tag(s.episode(i)) for i in range(s.first_episode, s.end_episode)]
+    assert tags == [i for i in range(40) if i != 6]
+    for i, t in zip(range(len(tags)), tags):
+        with EpisodeStore.open(path) as s:
+            assert_episode_equal(s.episode(i), eps[t])

@@ -28,6 +28,7 @@ from typing import Any
 import numpy as np
 from gymnasium import spaces
 
+from her_store.card import json_object
 from her_store.errors import NotAStoreError, StoreError
 from her_store.integrations import require
 from her_store.storage import fsync_file
@@ -746,16 +747,6 @@ def train(cfg: TrainConfig, log: Callable[[str], None] = print) -> TrainResult:
 
 
 # -- command line ------------------------------------------------------------------------------------------------
-def _json_object(text: str) -> dict[str, Any]:
-    try:
-        value = json.loads(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(f"not JSON ({e}): {text!r}") from None
-    if not isinstance(value, dict):
-        raise argparse.ArgumentTypeError(f"expected a JSON object like '{{\"learning_rate\": 0.001}}', got {text!r}")
-    return value
-
-
 def build_parser(prog: str = "her-store train") -> argparse.ArgumentParser:
     """The options of ``her-store train`` (and ``tools/train.py``).
 
@@ -775,7 +766,7 @@ def build_parser(prog: str = "her-store train") -> argparse.ArgumentParser:
     p.add_argument("--algo", default=d.algo, help=f"off-policy algorithm: {', '.join(OFF_POLICY_ALGOS)} (default: dqn)")
     p.add_argument("--out", default=d.out, help=f"run directory: checkpoints, run.json, the store (default: ./{d.out})")
     p.add_argument("--store", default=None, help="store path or fsspec URL (default: <out>/store)")
-    p.add_argument("--storage-options", type=_json_object, default=None, help="fsspec options of a store URL, as JSON")
+    p.add_argument("--storage-options", type=json_object, default=None, help="fsspec options of a store URL, as JSON")
     p.add_argument("--steps", type=int, default=d.steps, help=f"total environment steps (default: {d.steps:,})")
     p.add_argument("--capacity", type=int, default=d.capacity, help="replay capacity in transitions (default: 1,000,000)")
     p.add_argument("--strategy", default=d.strategy, help="goal selection: future, final, episode, random (default: future)")
@@ -786,7 +777,7 @@ def build_parser(prog: str = "her-store train") -> argparse.ArgumentParser:
                    help=f"episodes of the deterministic policy measuring the success rate (default: {d.eval_episodes})")
     p.add_argument("--checkpoint-every", type=int, default=d.checkpoint_every,
                    help=f"steps between checkpoints (default: {d.checkpoint_every:,})")
-    p.add_argument("--algo-kwargs", type=_json_object, default={},
+    p.add_argument("--algo-kwargs", type=json_object, default={},
                    help="extra algorithm arguments as JSON, e.g. '{\"learning_rate\": 0.001}'")
     p.add_argument("--device", default=d.device, help="torch device (default: auto)")
     p.add_argument("--threads", type=int, default=d.threads,
