@@ -13,7 +13,6 @@ import importlib
 import sys
 import time
 from collections.abc import Sequence
-from typing import Any
 
 import numpy as np
 
@@ -140,10 +139,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"her-store {args.command}: interrupted", file=sys.stderr)
         return 130
-    except (StoreError, OSError, ValueError, ImportError, KeyError) as e:
+    except (StoreError, OSError, ValueError, ImportError, KeyError, RecursionError, MemoryError) as e:
         if args.command in ("demo", "train"):
             raise
         message = e.args[0] if isinstance(e, KeyError) and e.args else e
+        if isinstance(e, (RecursionError, MemoryError)):  # what a crafted input makes of a parser
+            message = f"{type(e).__name__}: {e} (a damaged or crafted input?)"
         print(f"her-store {args.command}: {message}", file=sys.stderr)
         return EXIT_ERROR
 

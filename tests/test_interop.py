@@ -470,3 +470,61 @@ def test_export_from_object_storage(s3_url, tmp_path):
         assert got.metadata == CARD
         for i in range(5):
             assert_episode_equal(got.episode(i), want[i])
+
+
+def test_hostile_files_are_refused_in_one_line_before_they_are_read(ring_store, tmp_path):
+    """Files made by someone else: data kept outside the file, links, claims of more bytes than memory holds,
+    JSON nested past any parser, and npy headers that are not Python literals."""
+    import h5py
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    good_h5, good_npz = str(tmp_path / "good.hdf5"), str(tmp_path / "good.npz")
+    assert main(["export", ring_store, "--to", "hdf5", good_h5, "--quiet"]) == 0
+    assert main(["export", ring_store, "--to", "npz", good_npz, "--quiet"]) == 0
+    with h5py.File(good_h5, "r") as f:
+        first = sorted(f)[0]
+        T = f[f"{first}/actions"].shape[0]
+    secret = tmp_path / "secret.txt"
+    secret.write_bytes(b"private " * 64)
+    h5_cases = {
+        "external": (lambda f: f.create_dataset(f"{first}/actions", shape=(T, 4), dtype="float32",
+                                                external=[(str(secret), 0, T * 16)]), "outside the file"),
+        "soft link": (lambda f: f.__setitem__(f"{first}/actions", h5py.SoftLink(f"/{first}/rewards")), "SoftLink"),
+        "external link": (lambda f: f.__setitem__(f"{first}/actions", h5py.ExternalLink(str(secret), "/x")),
+                          "ExternalLink"),
+        "huge": (lambda f: f.create_dataset(f"{first}/actions", shape=(10**9, 4), dtype="float32"), "per dataset"),
+    }
+    for name, (make, words) in h5_cases.items():
+        path = str(tmp_path / f"{name.replace(' ', '_')}.hdf5")
+        with open(good_h5, "rb") as src, open(path, "wb") as dst:
+            dst.write(src.read())
+        with h5py.File(path, "r+") as f:
+            del f[f"{first}/actions"]
+            make(f)
+        line = _one_line(["import", path, str(tmp_path / "out"), "--quiet"], root)
+        assert words in line, (name, line)
+    z = dict(np.load(good_npz, allow_pickle=False))
+    deep = str(tmp_path / "deep.npz")
+    np.savez(deep, **{**z, "her_store_header": np.frombuffer(b"[" * 100_000 + b"]" * 100_000, np.uint8)})
+    assert "nested too deep" in _one_line(["import", deep, str(tmp_path / "out"), "--quiet"], root)
+    claims = str(tmp_path / "claims.npz")  # a header that claims a billion rows over a few bytes
+    with zipfile.ZipFile(good_npz) as src, zipfile.ZipFile(claims, "w") as dst:
+        for info in src.infolist():
+            data = src.read(info)
+            if info.filename == "actions.npy":
+                head = {"descr": "<f4", "fortran_order": False, "shape": (10**9, 4)}
+                buf = __import__("io").BytesIO()
+                np.lib.format.write_array_header_1_0(buf, head)
+                data = buf.getvalue() + b"\0" * 64
+            dst.writestr(info.filename, data)
+    assert "claims shape (1000000000, 4)" in _one_line(["import", claims, str(tmp_path / "out"), "--quiet"], root)
+    bad_npy = str(tmp_path / "badheader.npz")
+    with zipfile.ZipFile(good_npz) as src, zipfile.ZipFile(bad_npy, "w") as dst:
+        for info in src.infolist():
+            data = src.read(info)
+            if info.filename == "actions.npy":
+                header = b"{'descr': '<f4', 'fortran_order': False, 'shape': (3,\n"
+                data = b"\x93NUMPY\x01\x00" + len(header).to_bytes(2, "little") + header
+            dst.writestr(info.filename, data)
+    assert "no valid .npy header" in _one_line(["import", bad_npy, str(tmp_path / "out"), "--quiet"], root)
+    assert not os.path.exists(tmp_path / "out")

@@ -246,3 +246,27 @@ def test_failures_leave_nothing(tmp_path):
     with pytest.raises(ValueError, match="episode 2: KeyError"):
         import_minari(tmp_path / "good-v0", tmp_path / "back")
     assert sorted(os.listdir(tmp_path)) == ["good-v0", "src"]
+
+
+def test_a_data_file_reading_outside_itself_or_disagreeing_with_its_metadata_is_refused(tmp_path):
+    import h5py
+
+    _store(tmp_path / "src", n=3)
+    with EpisodeStore.open(tmp_path / "src") as src:
+        export_minari(src, src.episodes["episode_id"], tmp_path / "random-v0")
+    data = tmp_path / "random-v0" / "data"
+    meta = json.loads((data / "metadata.json").read_text())
+    for total in (2, 0, 10**11):
+        (data / "metadata.json").write_text(json.dumps({**meta, "total_episodes": total}))
+        with pytest.raises(ValueError, match="total_episodes is 0|says 2 episodes|says 100,000,000,000 episodes"):
+            import_minari(tmp_path / "random-v0", tmp_path / "store")
+    (data / "metadata.json").write_text(json.dumps(meta))
+    secret = tmp_path / "secret.txt"
+    secret.write_bytes(b"private " * 1000)
+    with h5py.File(data / "main_data.hdf5", "r+") as f:
+        shape, dtype = f["episode_0/rewards"].shape, f["episode_0/rewards"].dtype
+        del f["episode_0/rewards"]
+        f.create_dataset("episode_0/rewards", shape=shape, dtype=dtype, external=[(str(secret), 0, 8 * shape[0])])
+    with pytest.raises(ValueError, match="episode_0/rewards keeps its data outside the file"):
+        import_minari(tmp_path / "random-v0", tmp_path / "store")
+    assert not (tmp_path / "store").exists()

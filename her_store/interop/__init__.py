@@ -23,9 +23,11 @@ import contextlib
 import importlib
 import itertools
 import json
+import math
 import os
 import re
 import shutil
+import tokenize
 import zipfile
 import zlib
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -119,8 +121,8 @@ def parse_header(raw: bytes | str, kind: str, where: str) -> tuple[Schema, dict[
         raise ValueError(f"{where}: the {HEADER_KEY} is {len(raw):,} bytes; at most {METADATA_LIMIT:,} are read")
     try:
         head = json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as e:
-        raise ValueError(f"{where}: {HEADER_KEY} is not JSON ({e})") from None
+    except (ValueError, UnicodeDecodeError, RecursionError) as e:
+        raise ValueError(f"{where}: {HEADER_KEY} is not JSON, or nested too deep ({type(e).__name__})") from None
     want = f"her_store.{kind}"
     if not isinstance(head, dict) or head.get("format") != want:
         found = head.get("format") if isinstance(head, dict) else head
@@ -309,6 +311,45 @@ def lengths_of(store: EpisodeStore, episode_ids: np.ndarray) -> np.ndarray:
 
 
 # -- npz members, streamed ------------------------------------------------------------------------------------------
+MEMBER_LIMIT = 1 << 30  # bytes a member read whole, or one HDF5 dataset, may decode to
+
+
+def check_hdf5(f: Any, source: str) -> None:
+    """Refuse what an HDF5 file may hold that reads outside it or explodes in memory: soft and external links,
+    datasets stored in external files or virtual (mapped from other files), and datasets over ``MEMBER_LIMIT`` bytes.
+
+    Raises
+    ------
+    ValueError
+        Naming the object and what it is.
+
+    Examples
+    --------
+    >>> import h5py  # doctest: +SKIP
+    >>> with h5py.File("point.hdf5") as f: check_hdf5(f, "point.hdf5")  # doctest: +SKIP
+    """
+    import h5py
+
+    def visit(name: str, link: Any) -> str | None:  # a message stops the walk (h5py cannot raise through it)
+        if not isinstance(link, h5py.HardLink):
+            return f"{name} is a {type(link).__name__}; a dataset's objects must all lie in its file"
+        obj = f[name]
+        if isinstance(obj, h5py.Dataset):
+            if obj.external or obj.is_virtual:
+                return f"{name} keeps its data outside the file; refused"
+            nbytes = math.prod(obj.shape or ()) * obj.dtype.itemsize
+            if nbytes > MEMBER_LIMIT:
+                return f"{name} is {obj.shape} of {obj.dtype} ({nbytes:,} bytes); at most {MEMBER_LIMIT:,} per dataset"
+        return None
+
+    try:
+        problem = f.visititems_links(visit)
+    except (RuntimeError, KeyError, OSError) as e:
+        raise ValueError(f"{source}: its objects cannot be walked ({type(e).__name__}: {e})") from None
+    if problem is not None:
+        raise ValueError(f"{source}: {problem}")
+
+
 def write_npz(
     path: str,
     members: Mapping[str, tuple[np.dtype, tuple[int, ...]]],
@@ -359,7 +400,8 @@ def write_npz(
                 f.close()
     finally:
         for f in files.values():
-            f.close()
+            with contextlib.suppress(OSError):  # a full disk fails the flush again: the scratch goes all the same
+                f.close()
         shutil.rmtree(scratch, ignore_errors=True)
 
 
@@ -402,8 +444,18 @@ class NpzReader:
                     if version not in read:
                         raise ValueError(f"npy format version {version}; expected 1.0 or 2.0")
                     shape, fortran, dtype = read[version](f)
-                except ValueError as e:
-                    raise ValueError(f"{self.path}: array {name!r} has no valid .npy header ({e})") from None
+                except (ValueError, SyntaxError, tokenize.TokenError, RecursionError, MemoryError) as e:
+                    f.close()
+                    raise ValueError(
+                        f"{self.path}: array {name!r} has no valid .npy header ({type(e).__name__}: {e})"
+                    ) from None
+            want = math.prod(shape) * dtype.itemsize if all(d >= 0 for d in shape) else -1
+            if want < 0 or want > self._zip.getinfo(f"{name}.npy").file_size:
+                f.close()
+                raise ValueError(
+                    f"{self.path}: array {name!r} claims shape {shape} of {dtype} ({want:,} bytes) but holds "
+                    f"{self._zip.getinfo(f'{name}.npy').file_size:,} bytes"
+                )
             if dtype.hasobject or fortran:
                 raise ValueError(
                     f"{self.path}: array {name!r} is {dtype}{' in Fortran order' if fortran else ''}; expected plain "
@@ -424,9 +476,12 @@ class NpzReader:
             raise ValueError(f"{self.path}: array {name!r} ends early ({len(raw):,} of {nbytes:,} bytes left)")
         return np.frombuffer(raw, dtype).reshape(n, *shape[1:])
 
-    def read_all(self, name: str) -> np.ndarray:
-        """A whole member (for small ones: lengths, flags, the header), its CRC checked."""
-        shape = self.header(name)[1]
+    def read_all(self, name: str, limit: int = MEMBER_LIMIT) -> np.ndarray:
+        """A whole member (for small ones: lengths, flags, the header), its CRC checked; at most ``limit`` bytes."""
+        dtype, shape = self.header(name)
+        nbytes = math.prod(shape) * dtype.itemsize
+        if nbytes > limit:
+            raise ValueError(f"{self.path}: array {name!r} is {nbytes:,} bytes; at most {limit:,} are read whole")
         out = self.read(name, shape[0]) if shape else self.read(name, 1).reshape(())
         self.finish(name)
         return out
@@ -455,7 +510,7 @@ class NpzReader:
 
 def read_npz_header(z: NpzReader, kind: str) -> tuple[Schema, dict[str, Any]]:
     """The spaces and card of an npz an export wrote (its ``her_store_header`` member)."""
-    raw = z.read_all(HEADER_KEY)
+    raw = z.read_all(HEADER_KEY, limit=METADATA_LIMIT)
     if raw.dtype != np.uint8 or raw.ndim != 1:
         raise ValueError(f"{z.path}: {HEADER_KEY} is {raw.dtype}{raw.shape}; expected uint8 bytes of JSON")
     return parse_header(raw.tobytes(), kind, z.path)

@@ -23,6 +23,7 @@ import numpy as np
 from her_store.extras import require
 from her_store.interop import (
     HEADER_KEY,
+    check_hdf5,
     header_of,
     minari_name,
     parse_header,
@@ -98,6 +99,7 @@ def import_hdf5(source: str | os.PathLike[str], store_path: str | os.PathLike[st
     except OSError as e:
         raise ValueError(f"{source} is not a readable HDF5 file ({e})") from None
     with f:
+        check_hdf5(f, source)
         raw = f.attrs.get(HEADER_KEY)
         if raw is None:
             raise ValueError(

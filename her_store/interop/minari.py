@@ -31,6 +31,7 @@ from gymnasium import spaces
 from her_store.card import check_card
 from her_store.errors import SchemaMismatchError
 from her_store.extras import require
+from her_store.interop import check_hdf5
 from her_store.progress import progress as progress_bar
 from her_store.schema import DTYPES, GOAL_KEYS, space_from_json, space_to_json
 from her_store.storage import Location, staged_output
@@ -215,8 +216,8 @@ def import_minari(source: str | os.PathLike[str], store_path: str | os.PathLike[
         raise FileNotFoundError(f"{where} has no metadata.json")
     try:
         meta = json.loads(raw)
-    except ValueError as e:
-        raise ValueError(f"{where}: metadata.json is not JSON: {e}") from None
+    except (ValueError, RecursionError) as e:
+        raise ValueError(f"{where}: metadata.json is not JSON, or nested too deep ({type(e).__name__})") from None
     if not isinstance(meta, dict):
         raise ValueError(f"{where}: metadata.json is a {type(meta).__name__}, expected a JSON object")
     minari_dataset_id(meta.get("dataset_id"), f"{where}: its dataset_id")
@@ -239,6 +240,7 @@ def import_minari(source: str | os.PathLike[str], store_path: str | os.PathLike[
     if INFO_SPACES_KEY not in meta and "env_id" not in card and "env_spec" in card:
         card["env_id"] = _env_id(card["env_spec"], where)  # a dataset from elsewhere: its env's id, for reward lookups
     card = check_card(card, f"{where}: its metadata")
+    _check_data_file(data_dir, meta, where)
     try:
         dataset = MinariDataset(data_dir)
         episodes = iter(dataset.iterate_episodes())
@@ -269,6 +271,26 @@ def import_minari(source: str | os.PathLike[str], store_path: str | os.PathLike[
             except (KeyError, ValueError, TypeError, AssertionError) as e:
                 raise ValueError(f"{where}: episode {count}: {type(e).__name__}: {e}") from None
     return count
+
+
+def _check_data_file(data_dir: str, meta: Mapping[str, Any], where: str) -> None:
+    """Before Minari reads it: the HDF5 file holds nothing that reads outside it or explodes in memory
+    (:func:`~her_store.interop.check_hdf5`), and exactly the ``total_episodes`` episode groups the metadata says."""
+    import h5py
+
+    path = os.path.join(data_dir, "main_data.hdf5")
+    total = meta.get("total_episodes")
+    if not isinstance(total, int) or isinstance(total, bool) or total < 1:
+        raise ValueError(f"{where}: total_episodes is {total!r}; expected a positive integer")
+    try:
+        f = h5py.File(path, "r")
+    except OSError as e:
+        raise ValueError(f"{where}: {path} is not a readable HDF5 file ({e})") from None
+    with f:
+        check_hdf5(f, path)
+        groups = sum(1 for name in f if name.startswith("episode_"))
+    if groups != total:
+        raise ValueError(f"{where}: metadata.json says {total:,} episodes, {path} holds {groups:,}")
 
 
 def _data_dir(source: str) -> str:
