@@ -549,6 +549,29 @@ def _holder_text(raw: bytes | None) -> str:
         return "an unknown writer"
 
 
+def active_writer(location: Location, key: str) -> str | None:
+    """Who is writing the store now, read without taking or touching the lock: the holder named in ``key`` when it is
+    a live process on this host (local disk: the kernel's flock dies with it) or a lease not yet expired (object
+    storage); None when nobody is.
+
+    Examples
+    --------
+    >>> import tempfile
+    >>> active_writer(Location(tempfile.mkdtemp()), "writer.lock") is None
+    True
+    """
+    try:
+        raw = location.read_bytes(key, limit=1 << 16)
+        h = json.loads(raw or b"")
+        if location.is_local:
+            alive = h["host"] == socket.gethostname() and _pid_alive(int(h["pid"])) and int(h["pid"]) != os.getpid()
+        else:
+            alive = float(h["expires"]) >= time.time()
+    except (ValueError, KeyError, TypeError, OverflowError, CorruptStoreError, OSError):
+        return None
+    return _holder_text(raw) if alive else None
+
+
 def _token_of(raw: bytes | None) -> str | None:
     try:
         return json.loads(raw or b"")["token"]

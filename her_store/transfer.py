@@ -38,6 +38,7 @@ from her_store.progress import progress as progress_bar
 from her_store.shard import parse_index, shard_limit
 from her_store.storage import METADATA_LIMIT, Location, chunk_key, staged_output, write_all
 from her_store.store import EpisodeStore
+from her_store.verify import clear_tail, verify
 
 __all__ = ["CopyResult", "add_arguments", "copy_store", "run"]
 
@@ -375,6 +376,10 @@ def copy_store(
                 bad[:] = False
             if not bad.any():
                 out.finish(commit.to_bytes(store.layout.version))
+                tail = verify(out.final.url, checksums=False, storage_options=out.final.storage_options)
+                if tail.tail_positions or tail.tail_chunks:  # rows the writer added past this commit meanwhile
+                    with EpisodeStore.open(out.final.url, "a", out.final.storage_options) as copied:
+                        clear_tail(copied, log=lambda line: None)
                 return CopyResult(
                     str(out.final), commit.generation, commit.end_episode - commit.first_episode,
                     commit.num_transitions, tally.copied, tally.skipped, tally.nbytes, attempt, time.perf_counter() - t0,

@@ -33,11 +33,11 @@ from typing import Any
 import numpy as np
 
 from her_store.errors import CorruptStoreError, StoreError
-from her_store.format import ArraySpec
+from her_store.format import LOCK_KEY, ArraySpec
 from her_store.index import EpisodeIndex
 from her_store.progress import progress as progress_bar
 from her_store.shard import parse_index, shard_limit
-from her_store.storage import Location, chunk_key
+from her_store.storage import Location, active_writer, chunk_key
 from her_store.store import EpisodeStore
 
 __all__ = ["Problem", "Report", "add_arguments", "repair", "run", "verify"]
@@ -93,6 +93,7 @@ class Report:
     short_files: list[tuple[str, int]] = field(default_factory=list)  # raw chunk keys not of their size, and the size
     tail_positions: list[int] = field(default_factory=list)  # index positions holding ids never committed
     tail_chunks: dict[str, list[int]] = field(default_factory=dict)  # per array, chunks holding rows past write_row
+    notes: list[str] = field(default_factory=list)  # what is not wrong but worth saying (a live writer's tail)
 
     @property
     def clean(self) -> bool:
@@ -110,7 +111,7 @@ class Report:
             f"{self.seconds:.2f} s ({rate:,.0f} MB/s)"
         )
         if self.clean:
-            return f"{self.url}: clean: {checked}"
+            return "\n".join([f"{self.url}: clean: {checked}", *(f"  note: {n}" for n in self.notes)])
         lines = [f"{self.url}: {len(self.problems)} problem{'s' * (len(self.problems) != 1)}"]
         if self.opened:
             lines[0] += f" ({checked})"
@@ -183,6 +184,11 @@ def verify(
         return Report(str(Location(store_or_path, storage_options)), [Problem("open", f"the store cannot be opened: {e}")])
     with store:
         report = _Check(store, checksums, progress).run(t0)
+        writer = active_writer(store._loc, LOCK_KEY)
+        if writer is not None:  # rows past the commit are a live writer's work in progress, not a crash's leftovers
+            report.notes += [f"{p} (being written by {writer})" for p in report.problems if p.kind == "uncommitted"]
+            report.problems = [p for p in report.problems if p.kind != "uncommitted"]
+            report.tail_positions, report.tail_chunks = [], {}
         plan = _plan_of(store.url) if store._loc.is_local else None
         if plan is not None:
             waiting = plan["count"] - max(0, store.end_episode - plan["cut"])
@@ -535,16 +541,32 @@ def repair(path: str | os.PathLike[str], *, progress: bool = False, log: Callabl
             with open(name, "r+b" if os.path.exists(name) else "wb") as f:
                 f.truncate(size)
             log(f"{key}: filled out to {size:,} bytes")
-        left = verify(store, checksums=False)
-        if left.tail_positions or left.tail_chunks:
-            committer.clear_uncommitted(left.tail_positions, left.tail_chunks)
-            log(
-                f"cleared past the commit: {len(left.tail_positions)} index rows, chunks "
-                f"{ {p: c for p, c in left.tail_chunks.items()} }"
-            )
+        clear_tail(store, log)
         final = verify(store, progress=progress)
         log(final.summary())
         return final
+
+
+def clear_tail(store: EpisodeStore, log: Callable[[str], None] = print) -> None:
+    """Empty what lies past the commit record of a store open for appending (index rows of ids never committed, rows
+    past ``write_row``): what a commit that never completed left, or what a copy made while its source was written
+    carried along.
+
+    Examples
+    --------
+    >>> with EpisodeStore.open("runs/fetch", mode="a") as store:  # doctest: +SKIP
+    ...     clear_tail(store)
+    """
+    committer = store._committer
+    if committer is None:
+        raise StoreError(f"{store.url}: open the store with mode='a' to clear past its commit record")
+    left = verify(store, checksums=False)
+    if left.tail_positions or left.tail_chunks:
+        committer.clear_uncommitted(left.tail_positions, left.tail_chunks)
+        log(
+            f"cleared past the commit: {len(left.tail_positions)} index rows, chunks "
+            f"{ {p: c for p, c in left.tail_chunks.items()} }"
+        )
 
 
 def _drop(store: EpisodeStore, found: Report, progress: bool, log: Callable[[str], None]) -> None:

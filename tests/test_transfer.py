@@ -17,6 +17,7 @@ from her_store import EpisodeStore, open_store
 from her_store.cli import main
 from her_store.errors import CorruptStoreError, StoreExistsError
 from her_store.transfer import MANIFEST_KEY, copy_store
+from her_store.verify import verify
 from tests.conftest import assert_episode_equal
 from tests.crash_writer import ACT, OBS, episode_for
 
@@ -87,6 +88,9 @@ def test_a_copy_while_a_writer_appends_is_a_committed_prefix(tmp_path, capacity)
         writer.kill()
         writer.communicate()
     ends = [_check(str(tmp_path / f"copy{k}"), card={}) for k in range(2)]
+    for k in range(2):  # rows the writer added past the copied commit are not carried along
+        report = verify(str(tmp_path / f"copy{k}"))
+        assert report.clean and not report.notes, report.summary()
     assert ends[0] >= 60 and ends[1] > ends[0]  # each a later commit, every episode of it whole
     if capacity:
         assert all(r.transitions <= capacity and r.episodes < r.generation for r in results)

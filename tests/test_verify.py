@@ -19,6 +19,7 @@ from her_store.verify import repair, verify
 from tests.conftest import assert_episode_equal, fetch_spaces, make_episode
 
 N = 24  # episodes per store
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _tagged(obs_space, action_space, i: int) -> dict[str, np.ndarray]:
@@ -236,8 +237,21 @@ def test_index_and_rows_past_the_commit_are_reported_and_cleared(tmp_path):
         for i in range(N, N + 3):
             store.append_episode(_tagged(store.observation_space, store.action_space, i))
     open(os.path.join(path, "commit.json"), "wb").write(record)
+    holder = subprocess.Popen(  # while a live writer holds the lock, rows past the commit are its work in progress
+        [sys.executable, "-c", "import sys, time; from her_store import EpisodeStore\n"
+         "s = EpisodeStore.open(sys.argv[1], mode='a'); print('held', flush=True); time.sleep(60)", path],
+        stdout=subprocess.PIPE, text=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT},
+    )
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        live = verify(path)
+        assert live.clean and any("being written by pid" in n for n in live.notes), live.summary()
+        assert _cli(path).returncode == 0
+    finally:
+        holder.kill()
+        holder.communicate()
     report = verify(path)
-    assert {p.kind for p in report.problems} == {"uncommitted"}
+    assert {p.kind for p in report.problems} == {"uncommitted"} and not report.notes
     assert report.tail_positions == [N, N + 1, N + 2] and report.tail_chunks
     assert f"episodes {N}..{N + 2}" in report.summary()
     assert _cli(path).returncode == 1
