@@ -15,7 +15,7 @@ import math
 import os
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, TextIO
 
 import numpy as np
@@ -65,6 +65,9 @@ def array_bytes(store: EpisodeStore) -> dict[str, dict[int, int]] | None:
     loc = store._loc
     paths = [spec.path for spec in store.layout.arrays] + [f"{INDEX_DIR}/{name}" for name in INDEX_COLUMNS]
     out: dict[str, dict[int, int]] = {p: {} for p in paths}
+    if loc.archive is not None:  # a packed store: its members' sizes
+        _add_keys(((key, size) for key, (_, size) in loc.archive.members.items()), out)
+        return out
     if loc.is_local:
         for path in paths:
             _scan_chunks(os.path.join(loc.root, path, "c"), out[path])
@@ -77,13 +80,18 @@ def array_bytes(store: EpisodeStore) -> dict[str, dict[int, int]] | None:
     except (NotImplementedError, OSError, ValueError):
         return None
     root = loc.root.rstrip("/") + "/"
-    for key, size in listing.items():
-        array, sep, rest = key[len(root) :].partition("/c/") if key.startswith(root) else ("", "", "")
+    _add_keys(((key[len(root) :], size) for key, size in listing.items() if key.startswith(root)), out)
+    return out
+
+
+def _add_keys(keys: Iterable[tuple[str, int]], out: dict[str, dict[int, int]]) -> None:
+    """Add the sizes of store keys ``<array>/c/<i>/...`` to ``out[array][i]``."""
+    for key, size in keys:
+        array, sep, rest = key.partition("/c/")
         if sep and array in out:
             chunk = rest.split("/", 1)[0]
             if chunk.isdigit():
                 out[array][int(chunk)] = out[array].get(int(chunk), 0) + int(size)
-    return out
 
 
 def _scan_chunks(directory: str, sizes: dict[int, int]) -> None:

@@ -73,10 +73,25 @@ def rolling_mean(values: np.ndarray, window: int) -> np.ndarray:
     [1.0, 1.5, 2.5, 3.5]
     """
     x = np.asarray(values, np.float64)
-    c = np.concatenate([[0.0], np.cumsum(x)])
-    i = np.arange(1, len(x) + 1)
-    lo = np.maximum(i - int(window), 0)
-    return (c[i] - c[lo]) / (i - lo)
+    window = max(1, min(int(window), len(x)))
+    ok = np.isfinite(x)  # a NaN or an infinity is left out of its windows, not spread over the rest of the series
+
+    def window_sums(v: np.ndarray) -> np.ndarray:
+        # blocks of `window` values: a window is a whole block, or the tail of one plus the head of the next, so
+        # its sum adds only its own values (one running sum over the series would lose every digit below a huge
+        # value for the rest of it)
+        n, w = len(v), window
+        blocks = np.zeros((-(-n // w), w))
+        blocks.reshape(-1)[:n] = v
+        head = blocks.cumsum(axis=1).reshape(-1)  # a block's values up to each
+        tail = blocks[:, ::-1].cumsum(axis=1)[:, ::-1].reshape(-1)  # a block's values from each on
+        last = np.arange(n)
+        start = np.maximum(last + 1 - w, 0)
+        return np.where(start == last // w * w, head[last], tail[start] + head[last])
+
+    sums, counts = window_sums(np.where(ok, x, 0.0)), window_sums(ok.astype(np.float64))
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return np.where(counts > 0, sums / np.maximum(counts, 1), np.nan)
 
 
 def default_window(n: int) -> int:

@@ -298,3 +298,14 @@ def test_the_pack_command(packed, tmp_path, capsys):
     assert main(["pack", str(src), str(dest), "--quiet"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("her-store pack: ") and "exists" in err and err.count("\n") == 1
+
+
+def test_inspect_gives_a_packed_stores_bytes_from_its_members(tmp_path):
+    from her_store.inspection import summary
+
+    src = _build(tmp_path / "s")
+    pack_store(src, tmp_path / "s.zip")
+    with EpisodeStore.open(src) as d, EpisodeStore.open(tmp_path / "s.zip") as z:
+        unpacked, packed = summary(d), summary(z)
+    assert packed["bytes_on_disk"] == unpacked["bytes_on_disk"] > 0
+    assert [f["bytes_on_disk"] for f in packed["fields"]] == [f["bytes_on_disk"] for f in unpacked["fields"]]

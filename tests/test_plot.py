@@ -131,3 +131,11 @@ def test_empty_store_exits_2_with_one_line(tmp_path):
     assert r.returncode == 2, r.stderr
     assert r.stderr.strip() == f"her-store plot: {tmp_path / 's'} holds no episode; there is nothing to plot"
     assert not (tmp_path / "e.png").exists()
+
+
+def test_rolling_mean_leaves_out_what_is_not_finite_and_keeps_digits_after_a_huge_value():
+    x = np.array([1.0, 1.0, np.nan, 1.0, np.inf, 1.0, 1.0])
+    assert rolling_mean(x, 2).tolist() == [1.0] * 7  # a NaN or an infinity spoils no window
+    assert rolling_mean(np.array([1e17, 1.0, 1.0, 1.0, 1.0]), 2).tolist() == [1e17, 5e16, 1.0, 1.0, 1.0]
+    assert rolling_mean(np.array([1.0, 2.0, 3.0]), 10**20).tolist() == [1.0, 1.5, 2.0]  # longer than the series
+    assert np.isnan(rolling_mean(np.array([np.nan, np.nan, 2.0]), 2)).tolist() == [True, True, False]
