@@ -63,7 +63,7 @@ STORAGES = {
     "mmap": Storage({"compressors": {"pixels": None}}, {"MappedArray"}, 48),
     "lz4": Storage({}, {"MappedArray", "ShardedArray lz4"}, 48, io_threads=2),
     "zstd": Storage({"compressors": {"pixels": "zstd", "observation": "zstd"}}, {"MappedArray", "ShardedArray"}, 48, 0),
-    "s3": Storage({}, {"CachedArray", "ShardedArray lz4"}, 16),
+    "s3": Storage({}, {"RangedArray", "ShardedArray lz4"}, 16),
 }
 
 
