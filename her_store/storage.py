@@ -426,6 +426,7 @@ def staged_output(dest: str | os.PathLike[str]) -> Iterator[str]:
     parent, name = os.path.split(dest)
     if not os.path.isdir(parent):
         raise FileNotFoundError(f"the directory of {dest} does not exist")
+    _remove_dead_partials(parent, name)
     tmp = os.path.join(parent, f".{name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.partial")
     try:
         yield tmp
@@ -438,6 +439,22 @@ def staged_output(dest: str | os.PathLike[str]) -> Iterator[str]:
         elif os.path.lexists(tmp):
             os.unlink(tmp)
         raise
+
+
+def _remove_dead_partials(parent: str, name: str) -> None:
+    """Remove what a :func:`staged_output` of ``name`` killed before it ended left beside it (``.<name>.<pid>.*.partial``
+    and what its writer kept beside that), when that process is dead."""
+    prefix = f".{name}."
+    for entry in os.listdir(parent):
+        pid = entry[len(prefix) :].split(".", 1)[0] if entry.startswith(prefix) and ".partial" in entry else ""
+        if not pid.isdigit() or int(pid) == os.getpid() or _pid_alive(int(pid)):
+            continue
+        path = os.path.join(parent, entry)
+        if os.path.isdir(path) and not os.path.islink(path):
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
 
 
 def _range_answers(asked: str | None, first: int, last: int, size: int) -> bool:

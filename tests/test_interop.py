@@ -528,3 +528,18 @@ def test_hostile_files_are_refused_in_one_line_before_they_are_read(ring_store, 
             dst.writestr(info.filename, data)
     assert "no valid .npy header" in _one_line(["import", bad_npy, str(tmp_path / "out"), "--quiet"], root)
     assert not os.path.exists(tmp_path / "out")
+
+
+def test_a_damaged_hdf5_export_is_refused_not_imported_as_other_data(ring_store, tmp_path):
+    import h5py
+
+    path = str(tmp_path / "x.hdf5")
+    assert main(["export", ring_store, "--to", "hdf5", path, "--quiet"]) == 0
+    with h5py.File(path, "r+") as f:
+        name = sorted(f)[2]
+        actions = f[f"{name}/actions"][()]
+        actions.reshape(-1)[0] += 1.0  # a changed value, same shape and dtype: HDF5 itself notices nothing
+        f[f"{name}/actions"][...] = actions
+    with pytest.raises(ValueError, match=f"{name} does not match the crc32 its export recorded"):
+        import_source(path, str(tmp_path / "s"))
+    assert not os.path.exists(tmp_path / "s")

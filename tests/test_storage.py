@@ -194,3 +194,19 @@ def test_staged_output_never_overwrites_a_dest_that_appeared_meanwhile(tmp_path)
             dest.write_bytes(b"someone else's")
     assert dest.read_bytes() == b"someone else's"
     assert os.listdir(tmp_path) == ["out.npz"]
+
+
+def test_staged_output_removes_what_a_killed_run_left_beside_it(tmp_path):
+    from her_store.storage import staged_output
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    pid = int(dead.stdout)  # a process that has ended
+    os.makedirs(tmp_path / f".out.npz.{pid}.1a2b3c4d.partial.members")
+    (tmp_path / f".out.npz.{pid}.1a2b3c4d.partial").write_bytes(b"half")
+    (tmp_path / f".out.npz.{os.getppid()}.00000000.partial").write_bytes(b"a live run's")  # its parent lives
+    (tmp_path / ".other.npz.1.0.partial").write_bytes(b"another destination's")
+    with staged_output(tmp_path / "out.npz") as tmp:
+        open(tmp, "wb").write(b"whole")
+    assert sorted(os.listdir(tmp_path)) == sorted(
+        [".other.npz.1.0.partial", f".out.npz.{os.getppid()}.00000000.partial", "out.npz"]
+    )

@@ -4,7 +4,8 @@ Layout of the file:
 
 - root attributes ``her_store_header`` (JSON ``{"format": "her_store.hdf5", "version": 1, "schema": ...,
   "metadata": ...}``: the store's spaces as in FORMAT.md and its dataset card), ``total_episodes``, ``total_steps``;
-- one group per episode, ``episode_<id>`` (the id in the exported store; attributes ``id``, ``total_steps``), as
+- one group per episode, ``episode_<id>`` (the id in the exported store; attributes ``id``, ``total_steps`` and ``crc32``, zlib's crc32 chained over the
+  episode's fields in schema order, which import checks: HDF5 checks none of its own), as
   Minari writes them: ``observations/<key>`` (``T + 1`` rows), ``actions``, ``rewards``, ``terminations``,
   ``truncations`` and ``infos/<key>`` (``T`` rows), in the store's dtypes (a round trip is bit-exact).
 
@@ -16,6 +17,8 @@ from __future__ import annotations
 import json
 import os
 import re
+import zlib
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -32,6 +35,7 @@ from her_store.interop import (
     staged_store,
 )
 from her_store.progress import progress as progress_bar
+from her_store.schema import Field
 from her_store.store import EpisodeStore
 
 __all__ = ["export_hdf5", "import_hdf5"]
@@ -64,6 +68,7 @@ def export_hdf5(
                 g = f.create_group(f"episode_{i}")
                 g.attrs["id"] = i
                 g.attrs["total_steps"] = len(ep["action"])
+                g.attrs["crc32"] = _crc32(ep, store.schema.fields)  # HDF5 checks none of its own: import checks this
                 for field in store.schema.fields:
                     g.create_dataset(minari_name(field), data=ep[field.name])
             steps += int(batch.lengths.sum())
@@ -114,11 +119,20 @@ def import_hdf5(source: str | os.PathLike[str], store_path: str | os.PathLike[st
         bar = progress_bar(len(groups), "importing hdf5", progress, unit="episode")
         with staged_store(store_path, schema, card) as store, bar:
             for _, name in groups:
-                store.append_episode(
-                    {fl.name: _dataset(f, f"{name}/{minari_name(fl)}", fl.dtype, source) for fl in schema.fields}
-                )
+                ep = {fl.name: _dataset(f, f"{name}/{minari_name(fl)}", fl.dtype, source) for fl in schema.fields}
+                if f[name].attrs.get("crc32") != _crc32(ep, schema.fields):
+                    raise ValueError(f"{source}: {name} does not match the crc32 its export recorded (damaged?)")
+                store.append_episode(ep)
                 bar.update(1)
     return len(groups)
+
+
+def _crc32(episode: Mapping[str, np.ndarray], fields: Sequence[Field]) -> int:
+    """zlib.crc32 chained over an episode's fields, in schema order, as their bytes."""
+    crc = 0
+    for field in fields:
+        crc = zlib.crc32(np.ascontiguousarray(episode[field.name]).data, crc)
+    return crc
 
 
 def _dataset(f: Any, path: str, dtype: np.dtype, source: str) -> np.ndarray:
