@@ -1,4 +1,4 @@
-"""Build of her_store's one C extension, her_store._frames (batch LZ4 decoding of image rows without the GIL).
+"""Build of her_store's one C extension, her_store._frames (LZ4 rows and crc32 runs in batches, without the GIL).
 
 Everything else about the package is in pyproject.toml. LZ4 1.9.4 is compiled in from third_party/lz4 (BSD-2).
 """
@@ -11,6 +11,7 @@ setup(
             "her_store._frames",
             sources=["her_store/_frames.c", "third_party/lz4/lz4.c"],
             include_dirs=["third_party/lz4"],
+            libraries=["z"],  # zlib's crc32, the checksum of FORMAT.md (the system's zlib, as Python's own)
             extra_compile_args=["-O3"],
         )
     ]

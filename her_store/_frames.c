@@ -16,7 +16,11 @@
  *       the writer's side: each row of the C-contiguous buffer rows encoded (size header + block) into one bytes
  *       object, one after the other; nbytes (int64 bytes) gives each row's encoded size.
  *
- * Both return (-1, 0) when every row decoded to exactly row_nbytes, else the first failing row and an errno (0 when
+ *   crc32_runs(data, starts, ends, crcs) -> None
+ *       verify's side: crcs[i] = zlib.crc32(data[starts[i] : ends[i]], crcs[i]) for every i (uint32 crcs, updated in
+ *       place; int64 starts and ends), so that a chunk's episodes are checksummed in one call without the GIL.
+ *
+ * The decoders return (-1, 0) when every row decoded to exactly row_nbytes, else the first failing row and an errno (0 when
  * the bytes are not one row's LZ4 block). Nothing is trusted: every range is checked against its source.
  */
 #define PY_SSIZE_T_CLEAN
@@ -26,6 +30,8 @@
 #include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
+
+#include <zlib.h>
 
 #include "lz4.h"
 
@@ -251,7 +257,36 @@ static PyObject *encode_lz4(PyObject *self, PyObject *args) {
     return Py_BuildValue("(NN)", blob, sizes);
 }
 
+static PyObject *crc32_runs(PyObject *self, PyObject *args) {
+    Py_buffer data, starts, ends, crcs;
+    if (!PyArg_ParseTuple(args, "y*y*y*w*", &data, &starts, &ends, &crcs)) return NULL;
+    Py_ssize_t n = crcs.len / 4;
+    const char *error = NULL;
+    if (starts.len != n * 8 || ends.len != n * 8 || crcs.len % 4 != 0)
+        error = "starts and ends must be int64 and crcs uint32, one each per run";
+    const int64_t *a = starts.buf, *b = ends.buf;
+    for (Py_ssize_t i = 0; !error && i < n; i++)
+        if (a[i] < 0 || a[i] > b[i] || b[i] > data.len) error = "a run lies outside data";
+    if (!error) {
+        const unsigned char *d = data.buf;
+        uint32_t *c = crcs.buf;
+        Py_BEGIN_ALLOW_THREADS
+        for (Py_ssize_t i = 0; i < n; i++) c[i] = (uint32_t)crc32_z(c[i], d + a[i], (size_t)(b[i] - a[i]));
+        Py_END_ALLOW_THREADS
+    }
+    PyBuffer_Release(&data);
+    PyBuffer_Release(&starts);
+    PyBuffer_Release(&ends);
+    PyBuffer_Release(&crcs);
+    if (error) {
+        PyErr_SetString(PyExc_ValueError, error);
+        return NULL;
+    }
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef methods[] = {
+    {"crc32_runs", crc32_runs, METH_VARARGS, "zlib crc32 of many runs of one buffer, chained from given values."},
     {"encode_lz4", encode_lz4, METH_VARARGS, "Encode rows as LZ4 blocks with size headers, without the GIL."},
     {"pread_lz4", pread_lz4, METH_VARARGS, "Read and decode LZ4 rows from files, without the GIL."},
     {"decode_lz4", decode_lz4, METH_VARARGS, "Decode LZ4 rows from one buffer, without the GIL."},

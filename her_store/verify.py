@@ -32,6 +32,7 @@ from typing import Any
 
 import numpy as np
 
+from her_store import _frames
 from her_store.errors import CorruptStoreError, StoreError
 from her_store.format import LOCK_KEY, ArraySpec
 from her_store.index import EpisodeIndex
@@ -212,7 +213,7 @@ class _Check:
         self.ends = self.starts + table["length"][order] + 1
         self.expected = table["crc32"][order].astype(np.int64)
         self.starts_list, self.ends_list = self.starts.tolist(), self.ends.tolist()  # for the loops over episodes
-        self.crcs = [0] * len(order)  # running crc32 per episode, chained over arrays in layout order
+        self.crcs = np.zeros(len(order), np.uint32)  # running crc32 per episode, chained over arrays in layout order
         self.bad = np.zeros(len(order), bool)
         self.report = Report(store.url, episodes=len(order), transitions=int(table["length"].sum()))
 
@@ -227,7 +228,7 @@ class _Check:
                 bar.update(nbytes)
         r = self.report
         if self.checksums:
-            failed = np.fromiter((x & 0xFFFFFFFF for x in self.crcs), np.int64, len(self.crcs)) != self.expected
+            failed = self.crcs.astype(np.int64) != self.expected
             failed &= ~self.bad
             if failed.any():
                 r.problems.append(
@@ -298,14 +299,20 @@ class _Check:
         read = lambda job: self._read(*job, whole=self.checksums or job[0].sharded) if not job[0].compressed or job[0].sharded else None
         ahead: deque[tuple[ArraySpec, int, int, Future]] = deque()
         queued, at = 0, 0
-        for spec, c in jobs:
+
+        def fill() -> None:
+            nonlocal queued, at
             while at < len(jobs) and (not ahead or queued < READ_AHEAD):
                 job = jobs[at]
                 n = self._limit(*job)
                 ahead.append((*job, n, pool.submit(read, job)))
                 queued, at = queued + n, at + 1
+
+        for _ in jobs:
+            fill()
             spec, c, n, future = ahead.popleft()
             queued -= n
+            fill()  # the next files are read while this one is checked, however large it is
             yield spec, c, future.result()
 
     # -- one chunk or shard ----------------------------------------------------------------------------------
@@ -347,10 +354,11 @@ class _Check:
         if len(data or b"") < need:
             data = (data or b"") + bytes(need - len(data or b""))
         view = memoryview(data)  # type: ignore[arg-type]
-        a = ((np.maximum(self.starts[k.start : k.stop], r0) - r0) * rb).tolist()
-        b = ((np.minimum(self.ends[k.start : k.stop], r1) - r0) * rb).tolist()
-        crc32, crcs = zlib.crc32, self.crcs
-        crcs[k.start : k.stop] = [crc32(view[x:y], c) for x, y, c in zip(a, b, crcs[k.start : k.stop])]
+        a = (np.maximum(self.starts[k.start : k.stop], r0) - r0) * rb
+        b = (np.minimum(self.ends[k.start : k.stop], r1) - r0) * rb
+        crcs = self.crcs[k.start : k.stop].copy()
+        _frames.crc32_runs(view, a.astype(np.int64), b.astype(np.int64), crcs)  # every episode in one call, no GIL
+        self.crcs[k.start : k.stop] = crcs
         return len(data)
 
     def _check_shard(self, spec: ArraySpec, c: int, read: Any, k: range, where: str) -> int:

@@ -222,8 +222,9 @@ def test_s3_writes_failing_every_way(s3_url):
     kinds = _count_writes(config, path, root, opts)
     n = len(kinds)
     assert n > 10
-    for at in range(1, n + 1, 6):  # every sixth write, the failure modes alternating (each write fails locally above)
-        mode = _modes(kinds[at - 1])[at // 6 % 2]
+    firsts = {kinds.index(kind) + 1 for kind in set(kinds)}  # each kind of write at least once
+    for j, at in enumerate(sorted(firsts | set(range(1, n + 1, 10)))):  # and every tenth (each write fails locally above)
+        mode = _modes(kinds[at - 1])[j % 2]
         path, root = fresh()
         _faulty_run(config, path, root, at, mode, opts)
         _check_and_retry(config, path, opts, BASELINE)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import errno
 import os
 import struct
+import zlib
 from pathlib import Path
 
 import google_crc32c
@@ -438,3 +439,21 @@ def test_pread_lz4_reads_adjacent_rows_together_into_the_rows_dst_names(tmp_path
         nbytes[3] += 1  # a row whose range runs into the next: the run reads on, the row fails to decode
         failed, err = _frames.pread_lz4(fds, offsets, nbytes, dst, out, ROW_NBYTES)
         assert (failed, err) == (3, 0)
+
+
+def test_crc32_runs_is_zlibs_crc32_of_each_run_chained_and_checks_its_arguments():
+    data = np.random.default_rng(0).integers(0, 256, 10_000, np.uint8).tobytes()
+    starts = np.array([0, 5, 5, 9_000, 10_000], np.int64)
+    ends = np.array([5, 5, 4_096, 10_000, 10_000], np.int64)
+    seeds = np.array([0, 7, 123456, 2**32 - 1, 42], np.uint32)
+    crcs = seeds.copy()
+    assert _frames.crc32_runs(data, starts, ends, crcs) is None
+    want = [zlib.crc32(data[a:b], int(c)) for a, b, c in zip(starts, ends, seeds)]
+    assert crcs.tolist() == want
+    for bad_starts, bad_ends in (([-1], [3]), ([4], [3]), ([0], [10_001])):  # before, backwards, past the end
+        with pytest.raises(ValueError, match="outside data"):
+            _frames.crc32_runs(data, np.array(bad_starts, np.int64), np.array(bad_ends, np.int64), np.zeros(1, np.uint32))
+    with pytest.raises(ValueError, match="one each per run"):
+        _frames.crc32_runs(data, np.zeros(2, np.int64), np.zeros(2, np.int64), np.zeros(1, np.uint32))
+    with pytest.raises(TypeError):  # crcs are written: a read-only buffer is refused
+        _frames.crc32_runs(data, np.zeros(1, np.int64), np.zeros(1, np.int64), bytes(4))
