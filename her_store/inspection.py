@@ -441,8 +441,9 @@ def add_arguments(parser: argparse.ArgumentParser, name: str) -> None:
         parser.add_argument("--episodes", nargs="?", const="", default=None, metavar="SELECTION",
                             help="list index rows instead: all, or a selection such as '0:100,250' (one that starts "
                                  "with '-' is written --episodes=-10:)")
-        parser.add_argument("--page", type=int, default=1, help="page of --episodes to show, from 1 (default 1)")
-        parser.add_argument("--page-size", type=int, default=PAGE_SIZE, help=f"rows a page (default {PAGE_SIZE})")
+        parser.add_argument("--page", type=int, default=None,
+                            help="page of --episodes to show, from 1 (default 1; alone, it lists every episode)")
+        parser.add_argument("--page-size", type=int, default=None, help=f"rows a page (default {PAGE_SIZE})")
         parser.add_argument("--no-sizes", action="store_true", help="skip listing files (bytes on disk, ratios)")
         return
     keys = ", ".join(CARD_FIELDS)
@@ -464,8 +465,10 @@ def run(args: argparse.Namespace) -> int:
     if args.command == "card":
         return _run_card(args, rich)
     with EpisodeStore.open(args.store, storage_options=args.storage_options) as store:
-        if args.episodes is not None:
-            page = episode_page(store, args.episodes, args.page, args.page_size)
+        paged = args.page is not None or args.page_size is not None
+        if args.episodes is not None or paged:  # a page asked for alone is a page of every episode
+            page = episode_page(store, args.episodes, 1 if args.page is None else args.page,
+                                PAGE_SIZE if args.page_size is None else args.page_size)
             if args.json:
                 print(json.dumps(page, allow_nan=False))
             else:

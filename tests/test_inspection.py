@@ -176,6 +176,8 @@ def test_episode_selection_and_pages(tmp_path, capsys):
     row = p["rows"][0]
     for name in ("start_row", "length", "return", "success", "terminated", "crc32", "created_at"):
         assert row[name] == table[name][6].item(), name
+    p = _json(capsys, "inspect", path, "--page", "2", "--page-size", "3", "--json")  # a page alone: of every episode
+    assert (p["total"], p["pages"], p["page"]) == (7, 3, 2) and [r["episode_id"] for r in p["rows"]] == [3, 4, 5]
     p = _json(capsys, "inspect", path, "--episodes", "0:2,5", "--json")
     assert [r["episode_id"] for r in p["rows"]] == [0, 1, 5] and p["pages"] == 1
     p = _json(capsys, "inspect", path, "--episodes", "--json")  # no selection: every episode, first page

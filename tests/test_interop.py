@@ -170,6 +170,8 @@ def test_ogbench_file_from_elsewhere(tmp_path):
         "qpos": rng.standard_normal((n, 3)).astype(np.float32),
         "button_states": rng.integers(0, 2, (n, 2)).astype(np.int64),
         "observation_interval": np.asarray(1, np.int32),
+        "next_observations": rng.standard_normal((n, 5)).astype(np.float32),  # OGBench's own, derived: not stored
+        "valids": np.ones(n, np.float32),
     }
     src = str(tmp_path / "pointmaze-tiny-navigate-v0.npz")
     np.savez_compressed(src, **data)
@@ -180,6 +182,8 @@ def test_ogbench_file_from_elsewhere(tmp_path):
         assert s.metadata["dataset_id"] == "pointmaze-tiny-navigate-v0"
         assert set(s.observation_space.spaces) == {*GOAL_KEYS, "qpos", "button_states"}
         row = 0
+    assert main(["export", str(tmp_path / "s"), "--to", "ogbench", str(tmp_path / "again.npz"), "--quiet"]) == 0
+    with EpisodeStore.open(str(tmp_path / "s")) as s:
         for i, size in enumerate(sizes):
             ep, T = s.episode(i), size - 1
             np.testing.assert_array_equal(ep["observation"], data["observations"][row : row + size])

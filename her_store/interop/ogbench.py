@@ -129,7 +129,8 @@ def _box(dtype: np.dtype, shape: tuple[int, ...]) -> spaces.Space:
 
 def _foreign_schema(z: NpzReader, rows: int) -> tuple[Schema, dict[str, str], dict[str, Any]]:
     """Spaces, field -> array names and card of an OGBench file without a header (module docstring)."""
-    known = {"observations", "actions", "terminals", "rewards", "masks", "truncations", "achieved_goal", "desired_goal"}
+    known = {"observations", "actions", "terminals", "rewards", "masks", "truncations", "achieved_goal", "desired_goal",
+             "next_observations", "valids"}  # the last two are OGBench's own, derived from the others: not stored
     obs_dtype, obs_shape = z.header("observations")
     obs: dict[str, spaces.Space] = {"observation": _box(obs_dtype, obs_shape[1:])}
     names = {"observation": "observations", "action": "actions"}
