@@ -116,7 +116,8 @@ def card_problems(card: Mapping[str, Any]) -> list[str]:
 
 
 def parse_assignment(text: str) -> tuple[str, Any]:
-    """``key=value`` as typed on a command line: the value is read as JSON when it is JSON, else kept as a string.
+    """``key=value`` as typed on a command line: the value is read as JSON when it is JSON, else kept as a string;
+    a field the card holds as a string (``env_id``, ``license``, ...) keeps the text as typed.
 
     ``key=`` (nothing after ``=``) removes the key (the value is None).
 
@@ -124,6 +125,8 @@ def parse_assignment(text: str) -> tuple[str, Any]:
     --------
     >>> parse_assignment("ref_max_score=1.5"), parse_assignment("author=Ada"), parse_assignment("license=")
     (('ref_max_score', 1.5), ('author', 'Ada'), ('license', None))
+    >>> parse_assignment("env_id=123"), parse_assignment('goal_keys=["a", "b"]')
+    (('env_id', '123'), ('goal_keys', ['a', 'b']))
     """
     key, eq, raw = text.partition("=")
     key = key.strip()
@@ -131,6 +134,8 @@ def parse_assignment(text: str) -> tuple[str, Any]:
         raise ValueError(f"{text!r} is not key=value (e.g. author=Ada, ref_max_score=1.0, goal_keys='[\"a\",\"b\"]')")
     if raw == "":
         return key, None
+    if CARD_FIELDS.get(key, ("",))[0] == "str":
+        return key, raw
     try:
         return key, json.loads(raw)
     except ValueError:

@@ -306,7 +306,7 @@ def _goal_panel(fig: Any, cell: Any, data: PlotData, threshold: Any) -> None:
         ax.scatter(*ach.T, s=size, color="tab:blue", alpha=0.6, label="achieved")
         ax.set_xlabel("x")
         ax.set_ylabel("y")
-        ax.legend(loc="upper right", fontsize=8)
+        ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8)  # beside the points, not over them
         ax.set_title(what)
         return
     from matplotlib.ticker import MaxNLocator
