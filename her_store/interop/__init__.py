@@ -35,6 +35,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from her_store import _frames
 from her_store.card import check_card
 from her_store.errors import CorruptStoreError, short_repr
 from her_store.progress import progress as progress_bar
@@ -280,18 +281,18 @@ def _gathered(
     rows = np.repeat(starts - first, n) + np.arange(int(n.sum()))
     last = np.zeros(len(rows), bool)
     last[first + lengths] = True  # the final observation row: no action, reward, flags or infos
-    crc = [0] * len(ids)
+    crc = np.zeros(len(ids), np.uint32)
     fields: dict[str, np.ndarray] = {}
     for spec in store.layout.arrays:
         data = reader.gather(spec.path, rows)
         raw = np.ascontiguousarray(data).reshape(len(rows), -1).view(np.uint8)
-        for k, (a, m) in enumerate(zip(first.tolist(), n.tolist())):
-            crc[k] = zlib.crc32(raw[a : a + m], crc[k])
+        width = raw.shape[1]  # each episode's rows are one run of bytes: checksummed in one call, as verify does
+        _frames.crc32_runs(raw, (first * width).astype(np.int64), ((first + n) * width).astype(np.int64), crc)
         for name, lo, hi in spec.columns:
             f = store.schema.by_name[name]
             part = (data[:, lo:hi] if spec.is_pack else data).reshape(len(rows), *f.shape)
             fields[name] = part[~last] if f.per_step else np.ascontiguousarray(part)
-    bad = np.flatnonzero(np.array(crc, np.int64) != crcs.astype(np.int64))
+    bad = np.flatnonzero(crc.astype(np.int64) != crcs.astype(np.int64))
     if len(bad):
         k = int(bad[0])
         raise CorruptStoreError(
