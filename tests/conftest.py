@@ -12,6 +12,15 @@ from gymnasium import spaces
 GOAL_KEYS = ("observation", "achieved_goal", "desired_goal")
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _sb3_log_dir(tmp_path_factory):
+    """stable-baselines3 makes a log directory for every model it configures (the system's temp directory
+    otherwise): keep them in the run's own temporary tree."""
+    os.environ["SB3_LOGDIR"] = str(tmp_path_factory.mktemp("sb3-logs"))
+    yield
+    os.environ.pop("SB3_LOGDIR", None)
+
+
 def fetch_spaces(obs_dim: int = 10, goal_dim: int = 3, action_dim: int = 4) -> tuple[spaces.Dict, spaces.Box]:
     """FetchReach-shaped spaces (observation 10, goals 3, action 4, float32)."""
     obs = spaces.Dict(
