@@ -208,13 +208,10 @@ class EpisodeIndex:
     def load(self, columns: Mapping[str, np.ndarray], first: int, end: int) -> None:
         """Replace the window with rows read from disk for ids ``[first, end)``."""
         n = end - first
-        size = max(n, 1024)
-        # new arrays, never an overwrite: snapshots handed out earlier (a prefetch thread's) keep theirs intact
-        self._cols = {name: np.zeros(size, dt) for name, dt in INDEX_COLUMNS.items()}
-        for name, col in self._cols.items():
-            col[:n] = columns[name]
-        self._cum = np.zeros(size, np.int64)
-        np.cumsum(self._cols["length"][:n], out=self._cum[:n])
+        # new arrays, never an overwrite: snapshots handed out earlier (a prefetch thread's) keep theirs intact; the
+        # columns read are taken as they are (the caller hands them over), an append grows them
+        self._cols = {name: np.ascontiguousarray(columns[name][:n], dt) for name, dt in INDEX_COLUMNS.items()}
+        self._cum = np.cumsum(self._cols["length"], dtype=np.int64)
         self.base, self.first, self.end, self._n = first, first, end, n
         self._cum_before_base = 0
 
@@ -243,5 +240,5 @@ class EpisodeIndex:
         out = {}
         for name, dt in INDEX_COLUMNS.items():
             parts = [io[name].read(pos, pos + (b - a)) for pos, a, b in segments]
-            out[name] = np.concatenate(parts) if parts else np.zeros(0, dt)
+            out[name] = parts[0] if len(parts) == 1 else np.concatenate(parts) if parts else np.zeros(0, dt)
         return out

@@ -887,6 +887,25 @@ def chunk_key(path: str, chunk: int, ndim: int) -> str:
     return "/".join([path, "c", str(chunk)] + ["0"] * (ndim - 1))
 
 
+def _pread_into(name: str, buf: np.ndarray, offset: int) -> int:
+    """Read ``name`` from ``offset`` straight into ``buf`` (no intermediate bytes); the count read, 0 when the file
+    does not exist, short at its end."""
+    try:
+        fd = os.open(name, os.O_RDONLY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return 0
+    try:
+        view, got = memoryview(buf), 0
+        while got < len(view):
+            n = os.preadv(fd, [view[got:]], offset + got)
+            if n == 0:
+                break
+            got += n
+        return got
+    finally:
+        os.close(fd)
+
+
 class RawChunkFile:
     """Rows of an uncompressed local array written in place with ``pwrite`` (see the module docstring)."""
 
@@ -944,23 +963,22 @@ class RawChunkFile:
         self._dirty.clear()
 
     def read(self, row0: int, row1: int) -> np.ndarray:
-        out = np.zeros((row1 - row0, *self.row_shape), self.dtype)
+        """Rows ``[row0, row1)``; rows past a chunk file's end (never written) read as zeros."""
+        out = np.empty((row1 - row0, *self.row_shape), self.dtype)
         flat = out.reshape(-1).view(np.uint8)
         at = row0
         while at < row1:
             chunk, r = divmod(at, self.chunk_rows)
             take = min(row1 - at, self.chunk_rows - r)
+            o, n = (at - row0) * self.row_nbytes, take * self.row_nbytes
             if self.archive is not None:
                 key = chunk_key(self.path, chunk, 1 + len(self.row_shape))
-                buf = self.archive.pread(key, take * self.row_nbytes, r * self.row_nbytes)
+                buf = self.archive.pread(key, n, r * self.row_nbytes)
+                got = len(buf)
+                flat[o : o + got] = np.frombuffer(buf, np.uint8)
             else:
-                try:
-                    with open(self._file(chunk), "rb") as f:
-                        buf = os.pread(f.fileno(), take * self.row_nbytes, r * self.row_nbytes)
-                except FileNotFoundError:
-                    buf = b""
-            o = (at - row0) * self.row_nbytes
-            flat[o : o + len(buf)] = np.frombuffer(buf, np.uint8)
+                got = _pread_into(self._file(chunk), flat[o : o + n], r * self.row_nbytes)
+            flat[o + got : o + n] = 0
             at += take
         return out
 

@@ -459,21 +459,23 @@ class EpisodeStore:
         """Index rows of ids ``[first, end)``, read in pieces whose episode ids must be the expected ones before the
         next piece is read: a record claiming more episodes than were written fails at the first piece that was
         never written, rather than allocating for all of them."""
-        pieces = []
-        for a in range(first, end, INDEX_PIECE_ROWS):
-            b = min(a + INDEX_PIECE_ROWS, end)
-            piece = EpisodeIndex.read(self._index_io, self._index.positions(a, b))
-            wrong = np.flatnonzero(piece["episode_id"] != np.arange(a, b))
-            if wrong.size:
-                i = int(wrong[0])
-                raise CorruptStoreError(
-                    f"{self._loc}: the index row of episode {a + i} holds episode_id {int(piece['episode_id'][i])}; "
-                    f"{COMMIT_KEY} records episodes {first}..{end - 1}"
-                )
-            pieces.append(piece)
-        if not pieces:
-            return EpisodeIndex.read(self._index_io, [])
-        return {name: np.concatenate([p[name] for p in pieces]) for name in INDEX_COLUMNS}
+        pieces = range(first, end, INDEX_PIECE_ROWS)  # each checked before the next is read
+        if len(pieces) <= 1:
+            return self._index_piece(first, end, first, end)
+        parts = [self._index_piece(a, min(a + INDEX_PIECE_ROWS, end), first, end) for a in pieces]
+        return {name: np.concatenate([p[name] for p in parts]) for name in INDEX_COLUMNS}
+
+    def _index_piece(self, a: int, b: int, first: int, end: int) -> dict[str, np.ndarray]:
+        """Index rows of ids ``[a, b)``, each holding its own episode id."""
+        piece = EpisodeIndex.read(self._index_io, self._index.positions(a, b))
+        wrong = np.flatnonzero(piece["episode_id"] != np.arange(a, b))
+        if wrong.size:
+            i = int(wrong[0])
+            raise CorruptStoreError(
+                f"{self._loc}: the index row of episode {a + i} holds episode_id {int(piece['episode_id'][i])}; "
+                f"{COMMIT_KEY} records episodes {first}..{end - 1}"
+            )
+        return piece
 
     def _check_index(self, commit: Commit, first: int, columns: Mapping[str, np.ndarray], transitions: int) -> None:
         """Check the index rows of ids ``first, first + 1, ...`` against ``commit`` before they are used: each episode
