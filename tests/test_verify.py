@@ -215,6 +215,22 @@ def test_a_missing_chunk_file_drops_the_episodes_with_rows_in_it(tmp_path):
     _assert_repaired(path, eps, set(files[0].episodes))
 
 
+def test_a_directory_in_place_of_a_chunk_file_drops_its_episodes_and_repair_removes_it(tmp_path):
+    path = str(tmp_path / "s")
+    eps = _build(path)
+    name = os.path.join(path, "packs/float32/c/1/0")
+    os.unlink(name)
+    os.makedirs(os.path.join(name, "inside"))
+    report = verify(path)
+    files = [p for p in report.problems if p.kind == "file"]
+    assert len(files) == 1 and "packs/float32/c/1/0" in str(files[0]), report.summary()
+    assert report.bad_episodes.tolist() == list(files[0].episodes) and len(files[0].episodes) >= 3
+    done = _cli(path, "--repair")
+    assert done.returncode == 0 and "removed packs/float32/c/1/0" in done.stdout, done
+    assert os.path.isfile(name)  # the episodes moved after the cut were written again into a chunk file of its own
+    _assert_repaired(path, eps, set(files[0].episodes))
+
+
 def test_a_shard_with_a_damaged_index_drops_its_episodes_and_is_removed(tmp_path):
     path = str(tmp_path / "s")
     eps = _build(path, "image")
