@@ -12,6 +12,11 @@ to read, so no second parser can disagree with it) and refuses, naming the membe
 stored file inside the archive: compressed or encrypted members, absolute names or names with ``..``, duplicates,
 symbolic links, offsets or sizes past the end, and more members or central-directory bytes than a store has.
 A compressed member is refused rather than read slowly: extract such an archive (``unzip``) and open the directory.
+
+An archive is as sparse as its store: an uncompressed array's chunk files are full-size with their rows not yet written
+left as holes (storage.RawChunkFile), and ``pack`` reads only their data (``SEEK_DATA``/``SEEK_HOLE``) and leaves every
+page of zeros a hole in the archive too, so the archive takes about the store's disk space. Its members' CRC-32 cover
+the zeros as well. :func:`data_runs` and :func:`write_sparse` serve ``her-store copy`` to local disk the same way.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import errno
 import io
 import os
 import re
@@ -29,17 +35,29 @@ import zipfile
 from collections.abc import AsyncIterator, Iterable
 from typing import Any
 
+import numpy as np
 from zarr.abc.store import ByteRequest, OffsetByteRequest, RangeByteRequest, Store, SuffixByteRequest
 from zarr.core.buffer import Buffer, BufferPrototype
 
 from her_store.errors import CorruptStoreError, short_repr
 from her_store.format import COMMIT_KEY, Commit
 from her_store.progress import progress as progress_bar
-from her_store.storage import METADATA_LIMIT, Location, open_regular, staged_output
+from her_store.storage import METADATA_LIMIT, Location, open_regular, staged_output, write_all
 
-__all__ = ["ALIGNMENT", "ArchiveStore", "PackedArchive", "is_archive", "pack_store"]
+__all__ = [
+    "ALIGNMENT",
+    "ArchiveStore",
+    "PackedArchive",
+    "data_runs",
+    "is_archive",
+    "nonzero_runs",
+    "pack_store",
+    "write_sparse",
+]
 
-ALIGNMENT = 4096  # member data starts on a page boundary, so an uncompressed chunk is mapped at its own offset
+# member data starts on a page boundary, so an uncompressed chunk is mapped at its own offset and its holes stay pages
+ALIGNMENT = 4096
+PAGE = 4096  # the unit of a hole: a page of zeros written nowhere
 MAX_MEMBERS = 1 << 22  # a store of 10^9 frames in shards of 256 rows has about 4 million files
 MAX_DIRECTORY_BYTES = 1 << 30  # the central directory is read whole: about 250 bytes per member at most
 COPY_BLOCK = 8 << 20
@@ -471,11 +489,12 @@ def pack_store(
         version = store.layout.version
         files = _store_files(source.root)
         total = sum(size for _, size in files)
+        zeros = bytes(COPY_BLOCK)  # a hole's bytes, for the members' CRC-32
         with staged_output(archive) as tmp, progress_bar(total, "packing", progress, unit="B", unit_scale=True) as bar:
-            with zipfile.ZipFile(tmp, "x", zipfile.ZIP_STORED, allowZip64=True) as zf:
+            with _SparseFile(tmp) as out, zipfile.ZipFile(out, "w", zipfile.ZIP_STORED, allowZip64=True) as zf:
                 at = 0
                 for key, _ in files:
-                    at = _add(zf, key, at, _blocks(os.path.join(source.root, key), bar))
+                    at = _add(zf, key, at, _blocks(os.path.join(source.root, key), zeros, bar))
                 # the record last: a ring writer may have evicted episodes while their rows were copied. Rows of the
                 # episodes from live_first() on were intact throughout (eviction is committed before any overwrite)
                 commit = _trimmed(store, commit, store.live_first())
@@ -495,17 +514,144 @@ def _trimmed(store: Any, commit: Commit, first: int) -> Commit:
     return dataclasses.replace(commit, first_episode=first, num_transitions=commit.num_transitions - gone)
 
 
-def _blocks(path: str, bar: Any) -> Iterable[bytes]:
+def _blocks(path: str, zeros: bytes, bar: Any) -> Iterable[bytes | memoryview]:
+    """The bytes of the file at ``path`` in pieces of at most ``len(zeros)``: its data as read, its holes (never read)
+    as slices of ``zeros``."""
     fd = open_regular(path)
     try:
-        while block := os.read(fd, COPY_BLOCK):
-            bar.update(len(block))
-            yield block
+        size = os.fstat(fd).st_size
+        at = 0
+        for start, end in [*data_runs(fd, size), (size, size)]:
+            while at < start:
+                n = min(len(zeros), start - at)
+                bar.update(n)
+                yield memoryview(zeros)[:n]
+                at += n
+            while at < end:
+                block = os.pread(fd, min(len(zeros), end - at), at)
+                if not block:
+                    raise CorruptStoreError(f"{path} shrank to {at:,} bytes while it was packed (it held {size:,})")
+                bar.update(len(block))
+                yield block
+                at += len(block)
     finally:
         os.close(fd)
 
 
-def _add(zf: zipfile.ZipFile, key: str, at: int, blocks: Iterable[bytes]) -> int:
+def data_runs(fd: int, size: int) -> list[tuple[int, int]]:
+    """(start, end) of each part of the first ``size`` bytes of a file that holds data, its holes (never written, read
+    as zeros) left out; the whole file where the file system cannot tell them apart (no ``SEEK_DATA``).
+
+    Examples
+    --------
+    >>> import tempfile; fd, name = tempfile.mkstemp()
+    >>> os.pwrite(fd, b"rows", 0); os.ftruncate(fd, 1 << 20)
+    4
+    >>> data_runs(fd, 1 << 20)  # doctest: +SKIP
+    [(0, 4096)]
+    """
+    runs: list[tuple[int, int]] = []
+    at = 0
+    try:
+        while at < size:
+            start = os.lseek(fd, at, os.SEEK_DATA)
+            if start >= size:
+                break
+            at = min(os.lseek(fd, start, os.SEEK_HOLE), size)
+            runs.append((start, at))
+    except OSError as e:
+        if e.errno == errno.ENXIO:  # no data past `at`: the rest is a hole
+            return runs
+        if e.errno not in (errno.EINVAL, errno.EOPNOTSUPP):
+            raise
+        return [(0, size)] if size else []
+    return runs
+
+
+def nonzero_runs(data: Any, offset: int) -> list[tuple[int, int]]:
+    """(start, end) of the parts of ``data`` to write at byte ``offset`` of a file that reads as zeros there (a new
+    one) for it to hold ``data``: ``data`` cut at the file's page boundaries, the pieces of zeros left out.
+
+    Examples
+    --------
+    >>> nonzero_runs(bytes(8192) + b"row" + bytes(8192), 0)
+    [(8192, 12288)]
+    >>> nonzero_runs(b"row" + bytes(8192), 4000)
+    [(0, 96)]
+    """
+    raw = np.frombuffer(data, np.uint8)
+    head = min(len(raw), -offset % PAGE)
+    pages = (len(raw) - head) // PAGE
+    tail = head + pages * PAGE
+    bounds = np.concatenate(([0], head + PAGE * np.arange(pages + 1), [len(raw)]))  # head, whole pages, tail
+    full = raw[head:tail].view(np.uint64).reshape(pages, PAGE // 8).any(axis=1)
+    used = np.concatenate(([raw[:head].any()], full, [raw[tail:].any()]))
+    keep = bounds[1:] > bounds[:-1]  # an empty head or tail
+    bounds, used = np.append(bounds[:-1][keep], len(raw)), used[keep]
+    edges = np.flatnonzero(np.diff(np.concatenate(([0], used.astype(np.int8), [0]))))
+    return list(zip(bounds[edges[0::2]].tolist(), bounds[edges[1::2]].tolist()))
+
+
+def write_sparse(fd: int, data: Any, offset: int) -> int:
+    """Write ``data`` at byte ``offset`` of ``fd``, where the file reads as zeros (a new file), leaving its pages of
+    zeros unwritten: holes, once the file is long enough (``ftruncate``). Returns the bytes written.
+
+    Examples
+    --------
+    >>> import tempfile; fd, name = tempfile.mkstemp()
+    >>> write_sparse(fd, bytes(3 * 4096) + b"row", 0)
+    3
+    >>> os.ftruncate(fd, 3 * 4096 + 3); os.pread(fd, 4, 3 * 4096 - 1)
+    b'\\x00row'
+    """
+    view = memoryview(data).cast("B")
+    runs = nonzero_runs(view, offset)
+    for a, b in runs:
+        write_all(fd, view[a:b], offset + a)
+    return sum(b - a for a, b in runs)
+
+
+class _SparseFile(io.RawIOBase):
+    """A new file that zipfile writes an archive into, leaving every page of zeros a hole (:func:`write_sparse`)."""
+
+    def __init__(self, path: str) -> None:
+        super().__init__()
+        self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+        self.pos = self.end = 0
+
+    def writable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self.pos
+
+    def seek(self, offset: int, whence: int = os.SEEK_SET) -> int:
+        self.pos = offset + {os.SEEK_SET: 0, os.SEEK_CUR: self.pos, os.SEEK_END: self.end}[whence]
+        return self.pos
+
+    def write(self, data: Any) -> int:
+        view = memoryview(data).cast("B")
+        n = len(view)
+        again = max(0, min(n, self.end - self.pos))  # bytes written before (a local header, CRC-32 and sizes now known)
+        write_all(self.fd, view[:again], self.pos)
+        write_sparse(self.fd, view[again:], self.pos + again)  # past every byte written: the file reads as zeros there
+        self.pos += n
+        self.end = max(self.end, self.pos)
+        return n
+
+    def close(self) -> None:
+        if not self.closed:
+            try:
+                os.ftruncate(self.fd, self.end)  # a hole at the end has no byte written past it
+            finally:
+                os.close(self.fd)
+                super().close()
+
+
+def _add(zf: zipfile.ZipFile, key: str, at: int, blocks: Iterable[bytes | memoryview]) -> int:
     """Write member ``key`` whose local header starts at byte ``at``; returns where the next one starts."""
     info = _zip_info(key, at)
     start = at + _LOCAL.size + len(key.encode("utf-8")) + len(info.extra) + 20
@@ -533,6 +679,10 @@ def add_arguments(parser: argparse.ArgumentParser, name: str) -> None:
         "archive", help="the zip file to write (it must not exist); EpisodeStore.open reads it in place"
     )
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
+    parser.epilog = (
+        "The archive is as sparse as the store: the rows an uncompressed array's chunk files do not hold yet are holes "
+        "there and in the archive, so it takes about the store's disk space (its size counts them)."
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -544,9 +694,10 @@ def run(args: argparse.Namespace) -> int:
     0
     """
     commit = pack_store(args.store, args.archive, progress=not args.quiet)
-    size = os.path.getsize(args.archive)
+    st = os.stat(args.archive)
     print(
         f"packed {commit.end_episode - commit.first_episode:,} episodes ({commit.num_transitions:,} transitions, "
-        f"commit generation {commit.generation}) into {args.archive} ({size / 1e6:,.1f} MB)"
+        f"commit generation {commit.generation}) into {args.archive} ({st.st_size / 1e6:,.1f} MB, "
+        f"{st.st_blocks * 512 / 1e6:,.1f} MB on disk)"
     )
     return 0

@@ -20,7 +20,7 @@ from gymnasium import spaces
 
 from her_store import CorruptStoreError, EpisodeStore, HerSampler, NotAStoreError, ReadOnlyStoreError, open_store
 from her_store.cli import main
-from her_store.pack import ALIGNMENT, PackedArchive, pack_store
+from her_store.pack import ALIGNMENT, PackedArchive, data_runs, pack_store
 from tests.conftest import assert_episode_equal, fetch_spaces, make_episode
 
 IMG_OBS = spaces.Dict(
@@ -309,3 +309,59 @@ def test_inspect_gives_a_packed_stores_bytes_from_its_members(tmp_path):
         unpacked, packed = summary(d), summary(z)
     assert packed["bytes_on_disk"] == unpacked["bytes_on_disk"] > 0
     assert [f["bytes_on_disk"] for f in packed["fields"]] == [f["bytes_on_disk"] for f in unpacked["fields"]]
+
+
+# -- sparse files: an uncompressed array's chunk files hold holes where no row was written yet --------------------------
+
+
+def _disk(path: Path) -> tuple[int, int]:
+    """(size, bytes on disk) of a file, or of the files under a directory."""
+    found = [p.stat() for p in (path.rglob("*") if path.is_dir() else [path]) if p.is_file()]
+    return sum(st.st_size for st in found), sum(st.st_blocks * 512 for st in found)
+
+
+def test_an_archive_is_as_sparse_as_its_store_and_reads_bit_exact(tmp_path):
+    """A store whose uncompressed chunks of 65,536 rows hold about 300 rows: the archive leaves the rest holes, as the
+    store does, with every member's CRC-32 (zeros included) right for zipfile and zarr's ZipStore."""
+    obs, act = fetch_spaces()
+    src = tmp_path / "store"
+    with EpisodeStore.create(src, obs, act, chunk_rows=1 << 16) as store:
+        for i in range(EPISODES):
+            store.append_episode(make_episode(obs, act, 3 + i % 11, i))
+    size, disk = _disk(src)
+    if disk * 4 > size:
+        pytest.skip("this file system keeps no holes")
+    zpath = tmp_path / "store.zip"
+    assert main(["pack", str(src), str(zpath), "--quiet"]) == 0
+    zsize, zdisk = _disk(zpath)
+    assert zsize > size - 4096 and zdisk < disk + 64 * 1024  # the holes counted in its size, not stored
+    with zipfile.ZipFile(zpath) as zf:
+        assert zf.testzip() is None
+    theirs = zarr.open_group(zarr.storage.ZipStore(zpath, mode="r"), mode="r")
+    mine = zarr.open_group(src, mode="r")
+    np.testing.assert_array_equal(theirs["packs/float32"][:], mine["packs/float32"][:])
+    with EpisodeStore.open(zpath) as z:
+        for i in range(EPISODES):
+            assert_episode_equal(z.episode(i, verify=True), make_episode(obs, act, 3 + i % 11, i))
+
+
+def test_data_runs_leave_out_holes_and_are_the_whole_file_where_the_file_system_cannot_tell(tmp_path):
+    path = tmp_path / "sparse"
+    fd = os.open(path, os.O_RDWR | os.O_CREAT)
+    try:
+        os.ftruncate(fd, 1 << 22)
+        os.pwrite(fd, b"rows", 1 << 21)
+        runs = data_runs(fd, 1 << 22)
+        if sum(b - a for a, b in runs) == 1 << 22:
+            pytest.skip("this file system keeps no holes")
+        assert len(runs) == 1 and runs[0][0] <= 1 << 21 and runs[0][1] >= (1 << 21) + 4 and runs[0][1] - runs[0][0] <= 1 << 16
+        assert data_runs(fd, 1 << 20) == [] and data_runs(fd, 0) == []
+    finally:
+        os.close(fd)
+    if not os.path.exists("/proc/self/status"):
+        return
+    fd = os.open("/proc/self/status", os.O_RDONLY)  # procfs has no SEEK_DATA: every byte is data
+    try:
+        assert data_runs(fd, 100) == [(0, 100)]
+    finally:
+        os.close(fd)
