@@ -14,6 +14,13 @@ its size, crc32 and the source's fingerprint: size and mtime locally, ETag on ob
 copy skips the files whose source fingerprint is unchanged and whose copy is still whole, and copies the rest.
 A local DEST is built in ``.NAME.copy-partial`` beside it (kept by an interrupted copy, for the next run) and renamed
 into place at the end; on object storage the manifest sits under DEST's prefix until ``commit.json`` is written.
+
+Sparse files: an uncompressed array's chunk files are full-size, the rows not yet written left as holes
+(storage.RawChunkFile). A local DEST leaves every page of zeros a hole too (:func:`her_store.pack.write_sparse`), so a
+copy takes about its source's disk space. Object storage has no holes, and Zarr reads an uncompressed chunk only whole,
+so such a chunk is sent whole, zeros included: only the chunks holding committed rows are sent at all, and the result
+counts the bytes sent and the zeros among them. A store meant for sharing sends less with compressed arrays (the
+default for images: their shards hold only the rows written) or smaller chunks (``chunk_rows``).
 """
 
 from __future__ import annotations
@@ -34,9 +41,10 @@ import numpy as np
 
 from her_store.errors import CorruptStoreError, ReadOnlyStoreError, StoreExistsError
 from her_store.format import COMMIT_KEY, INDEX_COLUMNS, ArraySpec
+from her_store.pack import nonzero_runs, write_sparse
 from her_store.progress import progress as progress_bar
 from her_store.shard import parse_index, shard_limit
-from her_store.storage import METADATA_LIMIT, Location, chunk_key, staged_output, write_all
+from her_store.storage import METADATA_LIMIT, Location, chunk_key, staged_output
 from her_store.store import EpisodeStore
 from her_store.verify import clear_tail, verify
 
@@ -57,7 +65,8 @@ class CopyResult:
     transitions: int
     files_copied: int
     files_skipped: int  # already copied whole by an earlier, interrupted run
-    bytes_copied: int
+    bytes_copied: int  # written: sent to object storage whole; on local disk every page of zeros left a hole
+    bytes_zero: int  # of the files copied, in pages of zeros (rows not yet written, mostly): sent, or left holes
     passes: int  # records tried: more than one when a ring evicted episodes while they were copied
     seconds: float
 
@@ -116,9 +125,11 @@ class _Dest:
         found = self.loc.fs.find(self.loc.root, detail=True)
         return {path[len(self.loc.root) + 1 :]: int(info["size"]) for path, info in found.items()}
 
-    def write(self, items: Mapping[str, bytes], identity: str, files: Mapping[str, list[Any]]) -> None:
-        """Files replaced whole (concurrent PUTs on object storage; locally temp file + rename, a run of zeros at the
-        end left a hole as in a writer's chunk files), then the manifest recording them."""
+    def write(self, items: Mapping[str, bytes], identity: str, files: Mapping[str, list[Any]]) -> tuple[int, int]:
+        """Files replaced whole (concurrent PUTs on object storage; locally temp file + rename, every page of zeros
+        left a hole as in a writer's chunk files), then the manifest recording them. Returns (bytes written, bytes
+        of the files in pages of zeros)."""
+        written = zeros = 0
         if self.loc.is_local:
             for key, data in items.items():
                 path = self.loc.key_path(key)
@@ -126,14 +137,18 @@ class _Dest:
                 tmp = f"{path}.{os.getpid()}.tmp"
                 fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
                 try:
-                    write_all(fd, memoryview(data)[: len(data.rstrip(b"\0"))])
+                    n = write_sparse(fd, data, 0)
                     os.ftruncate(fd, len(data))
                 finally:
                     os.close(fd)
                 os.replace(tmp, path)
+                written, zeros = written + n, zeros + len(data) - n
         elif items:
             self.loc.fs.pipe({self.loc.key_path(k): v for k, v in items.items()})
+            written = sum(len(v) for v in items.values())
+            zeros = written - sum(b - a for v in items.values() for a, b in nonzero_runs(v, 0))
         self.loc.write_atomic(MANIFEST_KEY, json.dumps({"source": identity, "files": files}).encode(), fsync=False)
+        return written, zeros
 
     def finish(self, commit: bytes) -> None:
         """Write the commit record last (DEST becomes a store), the manifest gone first; locally, rename into place."""
@@ -253,6 +268,7 @@ class _Tally:
     copied: int = 0
     skipped: int = 0
     nbytes: int = 0
+    zeros: int = 0
 
 
 def _copy_pass(store: EpisodeStore, out: _Dest, files: dict[str, list[Any]], tally: _Tally, progress: bool) -> np.ndarray:
@@ -290,10 +306,11 @@ def _copy_pass(store: EpisodeStore, out: _Dest, files: dict[str, list[Any]], tal
         for (_, key), raw in zip(fresh, read):
             files[key] = [len(raw), zlib.crc32(raw), found[key][0]]
             got[key] = raw
-        out.write({key: got[key] for _, key in fresh}, identity, files)
+        written, zeros = out.write({key: got[key] for _, key in fresh}, identity, files)
         tally.copied += len(fresh)
         tally.skipped += len(old)
-        tally.nbytes += sum(len(raw) for raw in read)
+        tally.nbytes += written
+        tally.zeros += zeros
         bar.update(size)
         for spec, key, chunk in batch:
             raw = got.get(key)
@@ -333,7 +350,7 @@ def copy_store(
     dest_storage_options : mapping, optional
         fsspec options of DEST.
     progress : bool
-        A progress bar over the bytes copied.
+        A progress bar over the bytes of the files to copy.
 
     Returns
     -------
@@ -382,7 +399,8 @@ def copy_store(
                         clear_tail(copied, log=lambda line: None)
                 return CopyResult(
                     str(out.final), commit.generation, commit.end_episode - commit.first_episode,
-                    commit.num_transitions, tally.copied, tally.skipped, tally.nbytes, attempt, time.perf_counter() - t0,
+                    commit.num_transitions, tally.copied, tally.skipped, tally.nbytes, tally.zeros, attempt,
+                    time.perf_counter() - t0,
                 )
             failed = table["episode_id"][bad]
             store.refresh()  # a ring evicted them while they were copied: copy a newer record, what changed since
@@ -423,14 +441,32 @@ def add_arguments(parser: argparse.ArgumentParser, name: str) -> None:
     parser.add_argument("src", help="the store to copy: a local path, s3://bucket/name or http(s)://... (read only)")
     parser.add_argument("dest", help="where to: a new local path or s3://bucket/name (an interrupted copy there resumes)")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
+    parser.epilog = (
+        "Only the chunks holding committed rows are copied. An uncompressed array (the low-dimensional fields, by "
+        "default) travels as whole chunks: object storage has no holes and Zarr reads such a chunk only whole, so the "
+        "rows of its chunks not yet written are sent as zeros (a local chunk holds up to 1,048,576 rows; a local DEST "
+        "keeps them as holes). For sharing, compressed arrays (the default for images) or a smaller chunk_rows send "
+        "less."
+    )
 
 
 def run(args: argparse.Namespace) -> int:
     """Run ``her-store copy``; 0 on success."""
-    r = copy_store(args.src, args.dest, progress=not args.quiet)
-    print(
-        f"copied {r.episodes:,} episodes ({r.transitions:,} transitions, commit generation {r.generation}) to {r.dest}: "
-        f"{r.files_copied} files, {r.bytes_copied / 1e6:.1f} MB in {r.seconds:.1f} s"
-        + (f", {r.files_skipped} already copied by an earlier run" if r.files_skipped else "")
-    )
+    print(_summary(copy_store(args.src, args.dest, progress=not args.quiet)))
     return 0
+
+
+def _summary(r: CopyResult) -> str:
+    """The line ``her-store copy`` ends with: what was copied, and the bytes written or sent."""
+    local = "://" not in r.dest  # as storage.Location tells a path from a URL
+    zeros = (
+        f" ({r.bytes_zero / 1e6:.1f} MB of zeros: "
+        + ("left as holes)" if local else "rows not yet written of uncompressed chunks, which travel whole)")
+        if r.bytes_zero
+        else ""
+    )
+    return (
+        f"copied {r.episodes:,} episodes ({r.transitions:,} transitions, commit generation {r.generation}) to {r.dest}: "
+        f"{r.files_copied} files, {r.bytes_copied / 1e6:.1f} MB {'written' if local else 'sent'}{zeros} in "
+        f"{r.seconds:.1f} s" + (f", {r.files_skipped} already copied by an earlier run" if r.files_skipped else "")
+    )

@@ -9,11 +9,13 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
+from pathlib import Path
 
 import numpy as np
 import pytest
 
-from her_store import EpisodeStore, open_store
+from her_store import EpisodeStore, open_store, transfer
 from her_store.cli import main
 from her_store.errors import CorruptStoreError, StoreExistsError
 from her_store.transfer import MANIFEST_KEY, copy_store
@@ -39,9 +41,10 @@ for i in range(100_000):
 CARD = {"dataset_id": "her/copy-v0", "author": "lab", "description": "copied"}
 
 
-def _make(path: str, n: int, capacity: int | None = None, **kw) -> None:
+def _make(path: str, n: int, capacity: int | None = None, chunk_rows: int = 64) -> None:
     """``n`` episodes ``episode_for(i)`` (low-dimensional fields and LZ4-sharded frames), 64-row chunks: many files."""
-    with open_store(path, OBS, ACT, capacity=capacity, info_keys=["is_success"], chunk_rows=64, metadata=CARD, **kw) as s:
+    opts = {"capacity": capacity, "info_keys": ["is_success"], "chunk_rows": chunk_rows, "metadata": CARD}
+    with open_store(path, OBS, ACT, **opts) as s:
         for i in range(n):
             s.append_episode(episode_for(i))
 
@@ -56,15 +59,46 @@ def _check(path: str, storage_options=None, end: int | None = None, card=CARD) -
         return s.end_episode
 
 
+def _packs_bytes(path: str) -> tuple[int, int]:
+    """(size, bytes on disk) of the chunk files of the uncompressed arrays (``packs/``) under ``path``."""
+    found = [os.stat(os.path.join(d, f)) for d, _, names in os.walk(os.path.join(path, "packs")) for f in names]
+    return sum(st.st_size for st in found), sum(st.st_blocks * 512 for st in found)
+
+
+def _sparse_source(path: str) -> tuple[int, int]:
+    """A store of 20 episodes in chunks of 16,384 rows (about 500 of them written): the (size, bytes on disk) of its
+    uncompressed chunk files, which are full-size with holes where no row was written."""
+    _make(path, 20, chunk_rows=1 << 14)
+    size, disk = _packs_bytes(path)
+    if disk * 4 > size:
+        pytest.skip("this file system keeps no holes")
+    return size, disk
+
+
 def test_local_to_s3_to_local_is_bit_exact(tmp_path, s3_url):
+    """Uncompressed chunks travel to object storage whole (it has no holes, and Zarr reads such a chunk only whole),
+    the rows not yet written as zeros, which the result and the command's line count; back on local disk they are
+    holes again."""
+    import s3fs
+
     url, opts = s3_url
     src = str(tmp_path / "src")
-    _make(src, 30)
+    _, disk = _sparse_source(src)
     r = copy_store(src, url, storage_options=opts)
-    assert (r.episodes, r.files_skipped, r.passes) == (30, 0, 1) and r.bytes_copied > 0
+    assert (r.episodes, r.files_skipped, r.passes) == (20, 0, 1)
+    prefix = url[len("s3://") :] + "/"
+    objects = {k[len(prefix) :]: int(i["size"]) for k, i in s3fs.S3FileSystem(**opts).find(prefix, detail=True).items()}
+    with EpisodeStore.open(src) as s:
+        whole = {f"{a.path}/c/0/0": a.chunk_rows * a.row_nbytes for a in s.layout.arrays if not a.compressed}
+    assert {k: n for k, n in objects.items() if k.startswith("packs/") and "/c/" in k} == whole  # chunk 0 only, whole
+    assert r.bytes_copied == sum(objects.values()) - objects["commit.json"]  # the record is written last, not counted
+    assert r.bytes_zero > 0.95 * sum(whole.values())  # and the index chunks' zeros
+    line = transfer._summary(r)
+    assert f" {r.bytes_copied / 1e6:.1f} MB sent ({r.bytes_zero / 1e6:.1f} MB of zeros: rows not yet" in line, line
     back = str(tmp_path / "back")
     copy_store(url, back, storage_options=opts)
-    _check(back, end=30)
+    _check(back, end=20)
+    assert _packs_bytes(back)[1] <= disk
     with EpisodeStore.open(src) as a, EpisodeStore.open(back) as b:
         assert a.commit_record == b.commit_record and a.layout.to_json() == b.layout.to_json()
         np.testing.assert_array_equal(a.episodes["crc32"], b.episodes["crc32"])
@@ -102,10 +136,23 @@ def _slow_copy(args: str) -> subprocess.Popen:
     code = (
         "import time, her_store.transfer as t\n"
         "write = t._Dest.write\n"
-        "t._Dest.write = lambda self, *a: (write(self, *a), time.sleep(0.5))\n"
+        "t._Dest.write = lambda self, *a: (write(self, *a), time.sleep(0.5))[0]\n"
         f"t.copy_store({args})\n"
     )
     return subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT})
+
+
+def _wait_for_manifest(read: Callable[[], bytes], files: int = 30) -> None:
+    """Until the copy manifest that ``read`` returns lists ``files`` files (absent or half written: not yet)."""
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        try:
+            if len(json.loads(read())["files"]) >= files:
+                return
+        except (FileNotFoundError, ValueError):
+            pass
+        time.sleep(0.01)
+    raise AssertionError(f"the manifest did not list {files} files in 60 s")
 
 
 def test_a_copy_killed_half_way_resumes(tmp_path, s3_url, s3_endpoint):
@@ -117,21 +164,15 @@ def test_a_copy_killed_half_way_resumes(tmp_path, s3_url, s3_endpoint):
     proc = _slow_copy(f"{src!r}, {url!r}, storage_options={opts!r}")
     fs = s3fs.S3FileSystem(**opts)
     manifest = url[len("s3://") :] + "/" + MANIFEST_KEY
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        try:
-            if len(json.loads(fs.cat_file(manifest))["files"]) >= 30:
-                break
-        except (FileNotFoundError, ValueError):
-            pass
-        time.sleep(0.02)
+    _wait_for_manifest(lambda: fs.cat_file(manifest))
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
     fs.invalidate_cache()
     assert not fs.exists(url[len("s3://") :] + "/commit.json")  # not a store until the copy ends
     with pytest.raises(CorruptStoreError, match="no commit record"):
         EpisodeStore.open(url, storage_options=opts)
-    total = copy_store(src, str(tmp_path / "whole")).bytes_copied
+    whole = copy_store(src, str(tmp_path / "whole"))
+    total = whole.bytes_copied + whole.bytes_zero  # every byte of every file, as object storage takes them
     r = copy_store(src, url, storage_options=opts)
     assert r.files_skipped >= 30 and r.bytes_copied < total
     copy_store(url, str(tmp_path / "back"), storage_options=opts)
@@ -144,16 +185,7 @@ def test_a_local_copy_killed_half_way_resumes_from_its_partial_directory(tmp_pat
     src, dest = str(tmp_path / "src"), str(tmp_path / "dest")
     _make(src, 60)
     proc = _slow_copy(f"{src!r}, {dest!r}")
-    manifest = os.path.join(str(tmp_path), ".dest.copy-partial", MANIFEST_KEY)
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        try:
-            with open(manifest) as f:
-                if len(json.loads(f.read())["files"]) >= 30:
-                    break
-        except (FileNotFoundError, ValueError):
-            pass
-        time.sleep(0.005)
+    _wait_for_manifest(Path(tmp_path, ".dest.copy-partial", MANIFEST_KEY).read_bytes)
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
     assert not os.path.exists(dest)
@@ -208,7 +240,7 @@ def test_a_copy_to_s3_stopped_right_after_its_first_objects_resumes(tmp_path, s3
         if items:
             self.loc.fs.pipe({self.loc.key_path(k): v for k, v in items.items()})  # the objects, not the manifest
             raise KeyboardInterrupt("killed")
-        write(self, items, identity, files)
+        return write(self, items, identity, files)
 
     monkeypatch.setattr(transfer._Dest, "write", dies_after_the_objects)
     with pytest.raises(KeyboardInterrupt):
@@ -216,3 +248,13 @@ def test_a_copy_to_s3_stopped_right_after_its_first_objects_resumes(tmp_path, s3
     monkeypatch.setattr(transfer._Dest, "write", write)
     copy_store(src, url, storage_options=opts)
     _check(url, storage_options=opts, end=12)
+
+
+def test_a_local_copy_keeps_the_holes_of_uncompressed_chunk_files(tmp_path, capsys):
+    src, dest = str(tmp_path / "src"), str(tmp_path / "dest")
+    size, disk = _sparse_source(src)
+    assert main(["copy", src, dest, "--quiet"]) == 0
+    line = capsys.readouterr().out
+    assert " MB written (" in line and " MB of zeros: left as holes)" in line, line
+    assert _packs_bytes(dest)[0] == size and _packs_bytes(dest)[1] <= disk
+    _check(dest, end=20)
