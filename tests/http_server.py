@@ -3,11 +3,15 @@ of stores over HTTP and for tools/bench.py."""
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import http.server
 import os
 import re
+import threading
+from collections.abc import Iterator
 
-__all__ = ["RangeHandler", "Server"]
+__all__ = ["RangeHandler", "Server", "serving"]
 
 
 class RangeHandler(http.server.SimpleHTTPRequestHandler):
@@ -21,7 +25,11 @@ class RangeHandler(http.server.SimpleHTTPRequestHandler):
         if not os.path.isfile(path):
             self.send_error(404)
             return
-        st = os.stat(path)
+        with open(path, "rb") as f:  # opened before its stat: a file replaced meanwhile is served whole, old or new
+            self._send(f.fileno())
+
+    def _send(self, fd: int) -> None:
+        st = os.fstat(fd)
         etag = f'"{st.st_ino:x}-{st.st_mtime_ns:x}-{st.st_size:x}"'
         if self.headers.get("If-Match") not in (None, etag, "*"):
             self.send_error(412)
@@ -41,9 +49,21 @@ class RangeHandler(http.server.SimpleHTTPRequestHandler):
         if status == 206:
             self.send_header("Content-Range", f"bytes {a}-{b - 1}/{size}")
         self.end_headers()
-        with open(path, "rb") as f:
-            self.wfile.write(os.pread(f.fileno(), b - a, a))
+        self.wfile.write(os.pread(fd, b - a, a))
 
 
 class Server(http.server.ThreadingHTTPServer):
     request_queue_size = 128  # socketserver's 5 drops the SYNs of a gather's concurrent GETs (a 1 s retransmit)
+
+
+@contextlib.contextmanager
+def serving(directory: str, handler: type[RangeHandler] = RangeHandler) -> Iterator[str]:
+    """Serve ``directory`` from a Server on loopback, in threads of this process, for the block; its base URL."""
+    server = Server(("127.0.0.1", 0), functools.partial(handler, directory=directory))
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()

@@ -7,6 +7,10 @@ sampler in another process while this process appends} x {unbounded, a ring that
 of 16 rows: most shards are filled by several commits, and a ring rewrites them as it wraps. Episode ``e`` is a
 function of its id (each row encodes (e, step)), so the model is a formula: batches are checked by (episode id,
 step) from ``batch.episode_ids`` / ``batch.steps``, in the reader process too, with nothing shared but the store.
+Two read-only paths follow the uncompressed and LZ4 layouts: a store served over HTTP (tests/http_server.py) while
+this process appends to its directory, read in this process between appends and by the reader process meanwhile
+(uncompressed rows by ranged GETs, shards by GETs conditioned on their ETag), and a store packed into one zip
+(``her-store pack``: uncompressed members memory-mapped inside the archive, shards read by byte range).
 
 Run as ``python -m tests.test_differential``, this module is that reader process, one for the whole module (its
 start, importing torch, costs more than most cases): ``open {"url": ..., "opts": ..., "io_threads": ...}`` opens a
@@ -19,6 +23,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -30,7 +35,9 @@ import pytest
 from gymnasium import spaces
 
 from her_store import EpisodeStore, HerBatch, HerSampler
+from her_store.cli import main
 from her_store.reader import ShardedArray
+from tests.http_server import serving
 from tests.test_sampler import sparse_reward
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -65,6 +72,12 @@ STORAGES = {
     "zstd": Storage({"compressors": {"pixels": "zstd", "observation": "zstd"}}, {"MappedArray", "ShardedArray"}, 48, 0),
     "s3": Storage({}, {"RangedArray", "ShardedArray lz4"}, 16),
 }
+# the layouts also read over HTTP and from a packed store: {name in STORAGES: (gather paths over HTTP, from a zip)}
+SERVED = {
+    "mmap": ({"RangedArray"}, {"MappedArray"}),
+    "lz4": ({"RangedArray", "ShardedArray lz4"}, {"MappedArray", "ShardedArray lz4"}),
+}
+HTTP_EPISODES = 16  # appended by each HTTP case (each refresh over HTTP costs tens of ms): 145 rows, a ring wraps twice
 
 
 # -- the model -----------------------------------------------------------------------------------------------
@@ -168,11 +181,12 @@ def reader_main() -> None:
         else:
             assert store is not None and sampler is not None
             target = int(command)
-            seen = sampler.refresh().end
-            if seen < target:
-                print(f"bad the reader sees episodes below {seen}, committed below {target}", flush=True)
+            view = sampler.refresh()
+            if view.end < target:
+                print(f"bad the reader sees episodes below {view.end}, committed below {target}", flush=True)
                 continue
-            problems = [p for p in (wrong_rows(sampler.sample(), 0, store.end_episode) for _ in range(2)) if p]
+            # episodes below the view's first were evicted before it was taken: a batch never holds them
+            problems = [p for p in (wrong_rows(sampler.sample(), view.first, store.end_episode) for _ in range(2)) if p]
             print(f"bad {problems[0]}" if problems else f"ok {4 * BATCH}", flush=True)
 
 
@@ -272,32 +286,97 @@ def test_a_sampler_on_the_writers_handle_between_appends(storage, capacity):
         _assert_wrapped(store, capacity)
 
 
+def _follow(
+    reader: ReaderProcess, store: EpisodeStore, url: str, opts: dict[str, Any], name: str, paths: set[str], episodes: int
+) -> None:
+    """The reader process samples ``url`` (``store`` as a reader sees it) each round while ``store`` appends."""
+    case = STORAGES[name]
+    per_round = 4  # about 36 rows: the writer is one round ahead of the reader
+    for e in range(per_round):
+        store.append_episode(episode(e))
+    opened = reader.ask("open " + json.dumps({"url": url, "opts": opts, "io_threads": case.io_threads}))
+    try:
+        assert opened.startswith("opened "), opened
+        got = json.loads(opened.split(" ", 1)[1])
+        assert set(got["paths"]) == paths, opened
+        if case.io_threads is not None:
+            assert got["decode_threads"] == case.io_threads
+        for r in range(1, episodes // per_round):
+            reader.send(str(store.end_episode))
+            for e in range(r * per_round, (r + 1) * per_round):  # while the reader samples
+                store.append_episode(episode(e))
+            answer = reader.answer()
+            assert answer.startswith("ok"), f"round {r}: {answer}"
+        assert reader.ask("close") == "closed"
+    except BaseException:
+        reader.stop()
+        raise
+
+
 @pytest.mark.parametrize("capacity", [None, RING], ids=["unbounded", "ring"])
 def test_a_readers_sampler_in_another_process_while_appending(storage, capacity, reader_process):
     name, url, opts = storage
-    case = STORAGES[name]
-    per_round = 4  # about 36 rows: the writer is one round ahead of the reader
     with _create(name, url, opts, capacity) as store:
-        for e in range(per_round):
-            store.append_episode(episode(e))
-        opened = reader_process.ask("open " + json.dumps({"url": url, "opts": opts, "io_threads": case.io_threads}))
-        try:
-            assert opened.startswith("opened "), opened
-            got = json.loads(opened.split(" ", 1)[1])
-            assert set(got["paths"]) == case.paths, opened
-            if case.io_threads is not None:
-                assert got["decode_threads"] == case.io_threads
-            for r in range(1, case.episodes // per_round):
-                reader_process.send(str(store.end_episode))
-                for e in range(r * per_round, (r + 1) * per_round):  # while the reader samples
-                    store.append_episode(episode(e))
-                answer = reader_process.answer()
-                assert answer.startswith("ok"), f"round {r}: {answer}"
-            assert reader_process.ask("close") == "closed"
-        except BaseException:
-            reader_process.stop()
-            raise
+        _follow(reader_process, store, url, opts, name, STORAGES[name].paths, STORAGES[name].episodes)
         _assert_wrapped(store, capacity)
+
+
+# -- read-only paths: a store over HTTP, a packed store -----------------------------------------------------
+@pytest.mark.parametrize("capacity", [None, RING], ids=["unbounded", "ring"])
+@pytest.mark.parametrize("name", sorted(SERVED))
+def test_a_reader_over_http_between_appends(name, capacity, tmp_path):
+    case = STORAGES[name]
+    with serving(str(tmp_path)) as base, _create(name, str(tmp_path / "store"), {}, capacity) as store:
+        store.append_episode(episode(0))
+        with EpisodeStore.open(f"{base}/store") as remote:
+            with HerSampler(remote, BATCH, reward_fn=sparse_reward, seed=0, io_threads=case.io_threads) as sampler:
+                assert gather_paths(sampler) == SERVED[name][0]
+                for e in range(1, HTTP_EPISODES):
+                    assert store.append_episode(episode(e)) == e
+                    view = sampler.refresh()
+                    assert (view.first, view.end) == (store.first_episode, store.end_episode), f"after episode {e}"
+                    problem = wrong_rows(sampler.sample(), store.first_episode, store.end_episode)
+                    assert problem is None, f"after episode {e}: {problem}"
+            for e in range(remote.first_episode, remote.end_episode):  # every live episode, read whole
+                got = remote.episode(e, verify=True)
+                for k, want in episode(e).items():
+                    np.testing.assert_array_equal(got[k], want, err_msg=f"episode {e} {k}")
+        _assert_wrapped(store, capacity)
+
+
+@pytest.mark.parametrize("capacity", [None, RING], ids=["unbounded", "ring"])
+@pytest.mark.parametrize("name", sorted(SERVED))
+def test_a_reader_over_http_in_another_process_while_appending(name, capacity, tmp_path, reader_process):
+    with serving(str(tmp_path)) as base, _create(name, str(tmp_path / "store"), {}, capacity) as store:
+        _follow(reader_process, store, f"{base}/store", {}, name, SERVED[name][0], HTTP_EPISODES)
+        _assert_wrapped(store, capacity)
+
+
+@pytest.mark.parametrize("capacity", [None, RING], ids=["unbounded", "ring"])
+@pytest.mark.parametrize("name", sorted(SERVED))
+def test_a_packed_store_samples_as_the_model(name, capacity, tmp_path):
+    source, archive = tmp_path / "store", tmp_path / "store.zip"
+    n = STORAGES[name].episodes
+    with _create(name, str(source), {}, capacity) as store:
+        for e in range(n):
+            store.append_episode(episode(e))
+        _assert_wrapped(store, capacity)
+        first, end = store.first_episode, store.end_episode
+        assert main(["pack", str(source), str(archive), "--quiet"]) == 0  # beside the live writer
+        for e in range(n, n + 8):  # a ring overwrites rows the archive holds: it has its own
+            store.append_episode(episode(e))
+    shutil.rmtree(source)  # the archive alone
+    with EpisodeStore.open(archive) as packed:
+        assert (packed.first_episode, packed.end_episode) == (first, end)
+        with HerSampler(packed, BATCH, reward_fn=sparse_reward, seed=0, io_threads=STORAGES[name].io_threads) as sampler:
+            assert gather_paths(sampler) == SERVED[name][1]
+            for i in range(8):
+                problem = wrong_rows(sampler.sample(), first, end)
+                assert problem is None, f"batch {i}: {problem}"
+        for e in range(first, end):
+            got = packed.episode(e, verify=True)
+            for k, want in episode(e).items():
+                np.testing.assert_array_equal(got[k], want, err_msg=f"episode {e} {k}")
 
 
 if __name__ == "__main__":
