@@ -16,7 +16,7 @@ A compressed member is refused rather than read slowly: extract such an archive 
 An archive is as sparse as its store: an uncompressed array's chunk files are full-size with their rows not yet written
 left as holes (storage.RawChunkFile), and ``pack`` reads only their data (``SEEK_DATA``/``SEEK_HOLE``) and leaves every
 page of zeros a hole in the archive too, so the archive takes about the store's disk space. Its members' CRC-32 cover
-the zeros as well. :func:`data_runs` and :func:`write_sparse` serve ``her-store copy`` to local disk the same way.
+the zeros as well. ``her-store copy`` to local disk does the same (:func:`her_store.storage.write_sparse`).
 """
 
 from __future__ import annotations
@@ -42,22 +42,18 @@ from zarr.core.buffer import Buffer, BufferPrototype
 from her_store.errors import CorruptStoreError, short_repr
 from her_store.format import COMMIT_KEY, Commit
 from her_store.progress import progress as progress_bar
-from her_store.storage import METADATA_LIMIT, Location, open_regular, staged_output, write_all
+from her_store.storage import METADATA_LIMIT, Location, data_runs, open_regular, staged_output, write_all, write_sparse
 
 __all__ = [
     "ALIGNMENT",
     "ArchiveStore",
     "PackedArchive",
-    "data_runs",
     "is_archive",
-    "nonzero_runs",
     "pack_store",
-    "write_sparse",
 ]
 
 # member data starts on a page boundary, so an uncompressed chunk is mapped at its own offset and its holes stay pages
 ALIGNMENT = 4096
-PAGE = 4096  # the unit of a hole: a page of zeros written nowhere
 MAX_MEMBERS = 1 << 22  # a store of 10^9 frames in shards of 256 rows has about 4 million files
 MAX_DIRECTORY_BYTES = 1 << 30  # the central directory is read whole: about 250 bytes per member at most
 COPY_BLOCK = 8 << 20
@@ -536,79 +532,6 @@ def _blocks(path: str, zeros: bytes, bar: Any) -> Iterable[bytes | memoryview]:
                 at += len(block)
     finally:
         os.close(fd)
-
-
-def data_runs(fd: int, size: int) -> list[tuple[int, int]]:
-    """(start, end) of each part of the first ``size`` bytes of a file that holds data, its holes (never written, read
-    as zeros) left out; the whole file where the file system cannot tell them apart (no ``SEEK_DATA``).
-
-    Examples
-    --------
-    >>> import tempfile; fd, name = tempfile.mkstemp()
-    >>> os.pwrite(fd, b"rows", 0); os.ftruncate(fd, 1 << 20)
-    4
-    >>> data_runs(fd, 1 << 20)  # doctest: +SKIP
-    [(0, 4096)]
-    """
-    runs: list[tuple[int, int]] = []
-    at = 0
-    try:
-        while at < size:
-            start = os.lseek(fd, at, os.SEEK_DATA)
-            if start >= size:
-                break
-            at = min(os.lseek(fd, start, os.SEEK_HOLE), size)
-            runs.append((start, at))
-    except OSError as e:
-        if e.errno == errno.ENXIO:  # no data past `at`: the rest is a hole
-            return runs
-        if e.errno not in (errno.EINVAL, errno.EOPNOTSUPP):
-            raise
-        return [(0, size)] if size else []
-    return runs
-
-
-def nonzero_runs(data: Any, offset: int) -> list[tuple[int, int]]:
-    """(start, end) of the parts of ``data`` to write at byte ``offset`` of a file that reads as zeros there (a new
-    one) for it to hold ``data``: ``data`` cut at the file's page boundaries, the pieces of zeros left out.
-
-    Examples
-    --------
-    >>> nonzero_runs(bytes(8192) + b"row" + bytes(8192), 0)
-    [(8192, 12288)]
-    >>> nonzero_runs(b"row" + bytes(8192), 4000)
-    [(0, 96)]
-    """
-    raw = np.frombuffer(data, np.uint8)
-    head = min(len(raw), -offset % PAGE)
-    pages = (len(raw) - head) // PAGE
-    tail = head + pages * PAGE
-    bounds = np.concatenate(([0], head + PAGE * np.arange(pages + 1), [len(raw)]))  # head, whole pages, tail
-    full = raw[head:tail].view(np.uint64).reshape(pages, PAGE // 8).any(axis=1)
-    used = np.concatenate(([raw[:head].any()], full, [raw[tail:].any()]))
-    keep = bounds[1:] > bounds[:-1]  # an empty head or tail
-    bounds, used = np.append(bounds[:-1][keep], len(raw)), used[keep]
-    edges = np.flatnonzero(np.diff(np.concatenate(([0], used.astype(np.int8), [0]))))
-    return list(zip(bounds[edges[0::2]].tolist(), bounds[edges[1::2]].tolist()))
-
-
-def write_sparse(fd: int, data: Any, offset: int) -> int:
-    """Write ``data`` at byte ``offset`` of ``fd``, where the file reads as zeros (a new file), leaving its pages of
-    zeros unwritten: holes, once the file is long enough (``ftruncate``). Returns the bytes written.
-
-    Examples
-    --------
-    >>> import tempfile; fd, name = tempfile.mkstemp()
-    >>> write_sparse(fd, bytes(3 * 4096) + b"row", 0)
-    3
-    >>> os.ftruncate(fd, 3 * 4096 + 3); os.pread(fd, 4, 3 * 4096 - 1)
-    b'\\x00row'
-    """
-    view = memoryview(data).cast("B")
-    runs = nonzero_runs(view, offset)
-    for a, b in runs:
-        write_all(fd, view[a:b], offset + a)
-    return sum(b - a for a, b in runs)
 
 
 class _SparseFile(io.RawIOBase):

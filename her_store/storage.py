@@ -44,6 +44,7 @@ if TYPE_CHECKING:
 __all__ = ["Location", "ObjectReplaced", "WriterLock", "RawChunkFile", "ZarrChunks", "chunk_io", "staged_output", "ZARR_CONFIG"]
 
 DEFAULT_LEASE_TTL = 300.0  # seconds an object-storage writer lease lasts unless renewed
+HOLE_PAGE = 4096  # the unit of a hole: a page of zeros written nowhere
 METADATA_LIMIT = 64 << 20  # bytes a commit record, lease or zarr.json may hold (spaces with per-pixel bounds included)
 ZARR_CONFIG: ArrayConfigParams = {"write_empty_chunks": True}  # an all-zero chunk is data here, not absence
 OBJECT_LIMIT = 1 << 30  # bytes any object of a store read over HTTP may hold (a chunk is under 256 MiB)
@@ -524,6 +525,79 @@ def write_all(fd: int, data: Any, offset: int | None = None) -> None:
         if n <= 0:
             raise OSError(errno.ENOSPC, f"wrote {done} of {size} bytes, then the device took no more")
         done += n
+
+
+def data_runs(fd: int, size: int) -> list[tuple[int, int]]:
+    """(start, end) of each part of the first ``size`` bytes of a file that holds data, its holes (never written, read
+    as zeros) left out; the whole file where the file system cannot tell them apart (no ``SEEK_DATA``).
+
+    Examples
+    --------
+    >>> import tempfile; fd, name = tempfile.mkstemp()
+    >>> os.pwrite(fd, b"rows", 0); os.ftruncate(fd, 1 << 20)
+    4
+    >>> data_runs(fd, 1 << 20)  # doctest: +SKIP
+    [(0, 4096)]
+    """
+    runs: list[tuple[int, int]] = []
+    at = 0
+    try:
+        while at < size:
+            start = os.lseek(fd, at, os.SEEK_DATA)
+            if start >= size:
+                break
+            at = min(os.lseek(fd, start, os.SEEK_HOLE), size)
+            runs.append((start, at))
+    except OSError as e:
+        if e.errno == errno.ENXIO:  # no data past `at`: the rest is a hole
+            return runs
+        if e.errno not in (errno.EINVAL, errno.EOPNOTSUPP):
+            raise
+        return [(0, size)] if size else []
+    return runs
+
+
+def nonzero_runs(data: Any, offset: int) -> list[tuple[int, int]]:
+    """(start, end) of the parts of ``data`` to write at byte ``offset`` of a file that reads as zeros there (a new
+    one) for it to hold ``data``: ``data`` cut at the file's page boundaries, the pieces of zeros left out.
+
+    Examples
+    --------
+    >>> nonzero_runs(bytes(8192) + b"row" + bytes(8192), 0)
+    [(8192, 12288)]
+    >>> nonzero_runs(b"row" + bytes(8192), 4000)
+    [(0, 96)]
+    """
+    raw = np.frombuffer(data, np.uint8)
+    head = min(len(raw), -offset % HOLE_PAGE)
+    pages = (len(raw) - head) // HOLE_PAGE
+    tail = head + pages * HOLE_PAGE
+    bounds = np.concatenate(([0], head + HOLE_PAGE * np.arange(pages + 1), [len(raw)]))  # head, whole pages, tail
+    full = raw[head:tail].view(np.uint64).reshape(pages, HOLE_PAGE // 8).any(axis=1)
+    used = np.concatenate(([raw[:head].any()], full, [raw[tail:].any()]))
+    keep = bounds[1:] > bounds[:-1]  # an empty head or tail
+    bounds, used = np.append(bounds[:-1][keep], len(raw)), used[keep]
+    edges = np.flatnonzero(np.diff(np.concatenate(([0], used.astype(np.int8), [0]))))
+    return list(zip(bounds[edges[0::2]].tolist(), bounds[edges[1::2]].tolist()))
+
+
+def write_sparse(fd: int, data: Any, offset: int) -> int:
+    """Write ``data`` at byte ``offset`` of ``fd``, where the file reads as zeros (a new file), leaving its pages of
+    zeros unwritten: holes, once the file is long enough (``ftruncate``). Returns the bytes written.
+
+    Examples
+    --------
+    >>> import tempfile; fd, name = tempfile.mkstemp()
+    >>> write_sparse(fd, bytes(3 * 4096) + b"row", 0)
+    3
+    >>> os.ftruncate(fd, 3 * 4096 + 3); os.pread(fd, 4, 3 * 4096 - 1)
+    b'\\x00row'
+    """
+    view = memoryview(data).cast("B")
+    runs = nonzero_runs(view, offset)
+    for a, b in runs:
+        write_all(fd, view[a:b], offset + a)
+    return sum(b - a for a, b in runs)
 
 
 def fsync_file(path: str) -> None:

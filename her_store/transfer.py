@@ -16,7 +16,7 @@ A local DEST is built in ``.NAME.copy-partial`` beside it (kept by an interrupte
 into place at the end; on object storage the manifest sits under DEST's prefix until ``commit.json`` is written.
 
 Sparse files: an uncompressed array's chunk files are full-size, the rows not yet written left as holes
-(storage.RawChunkFile). A local DEST leaves every page of zeros a hole too (:func:`her_store.pack.write_sparse`), so a
+(storage.RawChunkFile). A local DEST leaves every page of zeros a hole too (:func:`her_store.storage.write_sparse`), so a
 copy takes about its source's disk space. Object storage has no holes, and Zarr reads an uncompressed chunk only whole,
 so such a chunk is sent whole, zeros included: only the chunks holding committed rows are sent at all, and the result
 counts the bytes sent and the zeros among them. A store meant for sharing sends less with compressed arrays (the
@@ -41,10 +41,9 @@ import numpy as np
 
 from her_store.errors import CorruptStoreError, ReadOnlyStoreError, StoreExistsError
 from her_store.format import COMMIT_KEY, INDEX_COLUMNS, ArraySpec
-from her_store.pack import nonzero_runs, write_sparse
 from her_store.progress import progress as progress_bar
 from her_store.shard import parse_index, shard_limit
-from her_store.storage import METADATA_LIMIT, Location, chunk_key, staged_output
+from her_store.storage import METADATA_LIMIT, Location, chunk_key, nonzero_runs, staged_output, write_sparse
 from her_store.store import EpisodeStore
 from her_store.verify import clear_tail, verify
 

@@ -20,7 +20,8 @@ from gymnasium import spaces
 
 from her_store import CorruptStoreError, EpisodeStore, HerSampler, NotAStoreError, ReadOnlyStoreError, open_store
 from her_store.cli import main
-from her_store.pack import ALIGNMENT, PackedArchive, data_runs, pack_store
+from her_store.pack import ALIGNMENT, PackedArchive, pack_store
+from her_store.storage import data_runs
 from tests.conftest import assert_episode_equal, fetch_spaces, make_episode
 
 IMG_OBS = spaces.Dict(
