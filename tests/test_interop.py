@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import pickle
+import re
 import subprocess
 import sys
 import zipfile
@@ -197,6 +198,61 @@ def test_ogbench_file_from_elsewhere(tmp_path):
             row += size
 
 
+def _ogbench_file(path: str, **arrays) -> None:
+    """An OGBench file as OGBench writes it (no header): trajectories of 4 and 3 states, with ``arrays`` beside."""
+    rng = np.random.default_rng(1)
+    terminals = np.array([0, 0, 0, 1, 0, 0, 1], bool)
+    np.savez_compressed(
+        path,
+        observations=rng.standard_normal((7, 2)).astype(np.float32),
+        actions=rng.uniform(-1, 1, (7, 2)).astype(np.float32),
+        terminals=terminals,
+        **arrays,
+    )
+
+
+def test_ogbench_casts_that_keep_every_value_are_stated_once(tmp_path):
+    """float64 rewards of float32 values and 0/1 truncations as floats: imported as the store's float32 and bool,
+    each cast stated once for the whole file, with both dtypes."""
+    src = str(tmp_path / "cube-v0.npz")
+    rewards = np.array([-1, -0.5, 0, 0, -1, 0.25, 0], np.float64)
+    truncations = np.array([0, 0, 1, 0, 0, 1, 0], np.float64)
+    _ogbench_file(src, rewards=rewards, truncations=truncations)
+    with pytest.warns(UserWarning) as caught:
+        assert import_source(src, str(tmp_path / "s")) == 2
+    notes = sorted(str(w.message) for w in caught if "every value kept exactly" in str(w.message))
+    assert notes == [
+        f"{src}: rewards is float64 in the file, stored as float32 (every value kept exactly)",
+        f"{src}: truncations is float64 in the file, stored as bool (every value kept exactly)",
+    ]
+    with EpisodeStore.open(str(tmp_path / "s")) as s:
+        ep = s.episode(1)
+        assert ep["reward"].dtype == np.float32 and ep["reward"].tolist() == [-1.0, 0.25]
+        assert ep["truncated"].tolist() == [False, True]
+
+
+@pytest.mark.parametrize(
+    "name,values,words",
+    [
+        ("rewards", np.array([-1, -1, 0, 0, -1, 0.1, 0]), r"rewards is float64 in the file and float32 in the store: "
+         r"casting would change 0\.1 at \(1,\) of episode 1 to 0\.10000000149011612"),
+        ("truncations", np.array([0, 0.5, 1, 0, 0, 1, 0]), r"truncations is float64 in the file and bool in the "
+         r"store: casting would change 0\.5 at \(1,\) of episode 0 to True"),
+        ("rewards", np.array([0, 0, 0, 0, 0, 1e300, 0]), r"rewards is float64 in the file and float32 in the store: "
+         r"casting would change 1e\+300 at \(1,\) of episode 1 to inf"),
+    ],
+    ids=["float64 past float32", "0.5 into a flag", "overflow"],
+)
+def test_ogbench_casts_that_would_change_a_value_are_refused(tmp_path, name, values, words):
+    """An OGBench file (no header: the store's spaces come from its arrays) with values the store's dtypes cannot
+    hold exactly: refused naming the file, the array, both dtypes and the episode, leaving nothing."""
+    src = str(tmp_path / "cube-v0.npz")
+    _ogbench_file(src, **{name: values})
+    with pytest.raises(ValueError, match=rf"^{re.escape(src)}: {words}; refused$"):
+        import_source(src, str(tmp_path / "s"))
+    assert not os.path.exists(tmp_path / "s")
+
+
 # -- SB3 replay buffers -----------------------------------------------------------------------------------------
 def _fill_sb3(rb, n_envs: int, steps: int):
     """Step PointGoal envs with random actions and add() every step as SB3's off-policy loop does (done =
@@ -238,13 +294,9 @@ def _as_episode(steps, ended: bool) -> dict[str, np.ndarray]:
     return ep
 
 
-@pytest.mark.parametrize("kind", ["her", "dict"])
-@pytest.mark.parametrize("rows_per_env", [200, 25])
-def test_sb3_replay_buffer_pickle(tmp_path, kind, rows_per_env):
-    """A real SB3 buffer (2 envs, real add() calls, saved by SB3's save_replay_buffer) imports as the episodes it
-    holds, in the order they ended: with rows_per_env=25 the ring wrapped, so episodes it overwrote are gone (and a
-    DictReplayBuffer also drops each column's oldest episode, whose start it cannot know); the unfinished episodes
-    end truncated."""
+def _sb3_pickle(path: str, kind: str, n_envs: int, rows_per_env: int, steps: int):
+    """A real SB3 buffer of ``kind`` ("her": HerReplayBuffer, "dict": DictReplayBuffer), filled by :func:`_fill_sb3`
+    and saved by SAC's save_replay_buffer at ``path``; returns what :func:`_fill_sb3` returns."""
     pytest.importorskip("stable_baselines3")
     from stable_baselines3 import SAC, HerReplayBuffer
     from stable_baselines3.common.buffers import DictReplayBuffer
@@ -252,7 +304,6 @@ def test_sb3_replay_buffer_pickle(tmp_path, kind, rows_per_env):
 
     from her_store.envs import PointGoalEnv
 
-    n_envs, steps = 2, 60
     venv = DummyVecEnv([PointGoalEnv] * n_envs)
     cls, kw = (HerReplayBuffer, {"env": venv}) if kind == "her" else (DictReplayBuffer, {})
     model = SAC(
@@ -266,10 +317,22 @@ def test_sb3_replay_buffer_pickle(tmp_path, kind, rows_per_env):
     model.replay_buffer = cls(
         rows_per_env * n_envs, venv.observation_space, venv.action_space, device="cpu", n_envs=n_envs, **kw
     )
-    done_eps, current = _fill_sb3(model.replay_buffer, n_envs, steps)
+    filled = _fill_sb3(model.replay_buffer, n_envs, steps)
     assert model.replay_buffer.full == (rows_per_env < steps)
-    path = str(tmp_path / "rb.pkl")
     model.save_replay_buffer(path)
+    return filled
+
+
+@pytest.mark.parametrize("kind", ["her", "dict"])
+@pytest.mark.parametrize("rows_per_env", [200, 25])
+def test_sb3_replay_buffer_pickle(tmp_path, kind, rows_per_env):
+    """A real SB3 buffer (2 envs, real add() calls, saved by SB3's save_replay_buffer) imports as the episodes it
+    holds, in the order they ended: with rows_per_env=25 the ring wrapped, so episodes it overwrote are gone (and a
+    DictReplayBuffer also drops each column's oldest episode, whose start it cannot know); the unfinished episodes
+    end truncated."""
+    n_envs, steps = 2, 60
+    path = str(tmp_path / "rb.pkl")
+    done_eps, current = _sb3_pickle(path, kind, n_envs, rows_per_env, steps)
 
     window = max(0, steps - rows_per_env)  # the first step still in each column
     expected = []
@@ -295,6 +358,48 @@ def test_sb3_replay_buffer_pickle(tmp_path, kind, rows_per_env):
         for i, (_, _, want) in enumerate(expected):
             assert_episode_equal(s.episode(i), want)
         assert "stable-baselines3" in s.metadata["description"]
+
+
+def _her_episode_rows(rb, env: int) -> np.ndarray:
+    """The buffer rows of the first ended episode of ``env`` in ``rb`` (in the order written) of 3 steps or more."""
+    start, length = rb.ep_start[:, env], rb.ep_length[:, env]
+    order = (rb.pos + np.arange(rb.buffer_size)) % rb.buffer_size if rb.full else np.arange(rb.pos)
+    s = next(int(r) for r in order if start[r] == r and length[r] > 2)
+    return (s + np.arange(length[s])) % rb.buffer_size
+
+
+def _cut_short(rb, env):  # the hostile case: the episode's first row says it is one step long
+    rb.ep_length[_her_episode_rows(rb, env)[0], env] = 1
+
+
+def _done_inside(rb, env):  # a done on a middle row that ep_length says belongs to a longer episode
+    rb.dones[_her_episode_rows(rb, env)[1], env] = 1.0
+
+
+def _episode_dropped(rb, env):  # every row of an episode says length 0 (SB3 sets that only for overwritten rows)
+    rb.ep_length[_her_episode_rows(rb, env), env] = 0
+
+
+@pytest.mark.parametrize("rows_per_env,steps", [(16, 12), (16, 30)])
+@pytest.mark.parametrize("corrupt", [_cut_short, _done_inside, _episode_dropped])
+def test_sb3_her_pickle_whose_episodes_do_not_tile_its_rows_is_refused(tmp_path, rows_per_env, steps, corrupt):
+    """A real HerReplayBuffer (3 envs, 16 rows each; filled part-way, and wrapped) saved by save_replay_buffer, then
+    loaded, given an ep_length or done that disagrees with ep_start and the rows written, and pickled again: refused
+    with the env and row named, never imported as fragments of episodes. The buffer as SB3 saved it imports."""
+    path, bad = str(tmp_path / "rb.pkl"), str(tmp_path / "bad.pkl")
+    done_eps, _ = _sb3_pickle(path, "her", 3, rows_per_env, steps)
+    assert done_eps[1]  # env 1 ended an episode, which is corrupted below
+    assert import_source(path, str(tmp_path / "good")) >= 3
+    with open(path, "rb") as f:
+        rb = pickle.load(f)
+    rows = _her_episode_rows(rb, 1)
+    corrupt(rb, 1)
+    with open(bad, "wb") as f:
+        pickle.dump(rb, f)
+    at = rows[1] if corrupt is _done_inside else rows[0]
+    with pytest.raises(ValueError, match=rf"bad\.pkl: env 1: .*\brow {at}\b"):
+        import_source(bad, str(tmp_path / "s"))
+    assert not os.path.exists(tmp_path / "s")
 
 
 def test_sb3_pickle_of_something_else(tmp_path):

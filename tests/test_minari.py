@@ -270,3 +270,126 @@ def test_a_data_file_reading_outside_itself_or_disagreeing_with_its_metadata_is_
     with pytest.raises(ValueError, match="episode_0/rewards keeps its data outside the file"):
         import_minari(tmp_path / "random-v0", tmp_path / "store")
     assert not (tmp_path / "store").exists()
+
+
+def _replace_datasets(data_dir, arrays):
+    """Rewrite datasets of a Minari export's main_data.hdf5 (``{path: array}``), as another tool might save them."""
+    import h5py
+
+    with h5py.File(data_dir / "main_data.hdf5", "r+") as f:
+        for path, a in arrays.items():
+            del f[path]
+            f.create_dataset(path, data=a)
+
+
+def test_casts_that_keep_every_value_are_stated_once_per_array(tmp_path):
+    """float64 rewards of float32 values, 0/1 contacts saved as bool, a float32 info saved as float64: imported
+    bit-exact, each cast stated once (however many episodes hold it) with the file's dtype and the store's."""
+    import h5py
+
+    eps = _store(tmp_path / "src", "discrete", n=3)
+    with EpisodeStore.open(tmp_path / "src") as src:
+        export_minari(src, src.episodes["episode_id"], tmp_path / "random-v0")
+    data = tmp_path / "random-v0" / "data"
+    with h5py.File(data / "main_data.hdf5", "r") as f:
+        stored = {i: {k: f[f"episode_{i}/{k}"][()] for k in ("rewards", "observations/contacts", "infos/is_success")}
+                  for i in range(3)}
+    _replace_datasets(data, {f"episode_{i}/rewards": stored[i]["rewards"].astype(np.float64) for i in range(3)})
+    _replace_datasets(data, {f"episode_{i}/observations/contacts": stored[i]["observations/contacts"].astype(bool)
+                             for i in range(3)})
+    _replace_datasets(data, {f"episode_{i}/infos/is_success": stored[i]["infos/is_success"].astype(np.float64)
+                             for i in range(3)})
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert import_minari(tmp_path / "random-v0", tmp_path / "back") == 3
+    notes = sorted(str(w.message) for w in caught if "every value kept exactly" in str(w.message))
+    assert notes == [
+        f"the Minari dataset at {data}: {name} is {dtype} in the file, stored as {want} (every value kept exactly)"
+        for name, dtype, want in [("infos/is_success", "float64", "float32"), ("observations/contacts", "bool", "int8"),
+                                  ("rewards", "float64", "float32")]
+    ]
+    with EpisodeStore.open(tmp_path / "back") as back:
+        for i, ep in enumerate(eps):
+            assert_episode_equal(back.episode(i), ep)
+
+
+@pytest.mark.parametrize(
+    "path,value,words",
+    [
+        ("observations/observation", lambda a: a.astype(np.float64) + 1e-9,
+         r"observations/observation is float64 in the file and float32 in the store: casting would change "
+         r"[-0-9.e]+ at \(0, 0\) of episode 1 to [-0-9.e]+; refused"),
+        ("observations/contacts", lambda a: np.where(np.arange(a.size).reshape(a.shape) == 5, 300, a.astype(np.int16)),
+         r"observations/contacts is int16 in the file and int8 in the store: casting would change 300 at \(1, 1\) of "
+         r"episode 1 to 44; refused"),
+        ("terminations", lambda a: np.where(np.arange(len(a)) == 2, np.nan, a),
+         r"terminations is float64 in the file and bool in the store: casting would change nan at \(2,\) of "
+         r"episode 1 to True; refused"),
+    ],
+    ids=["float64 past float32", "int out of range", "NaN into a flag"],
+)
+def test_casts_that_would_change_a_value_are_refused(tmp_path, path, value, words):
+    """A value the store's dtype cannot hold exactly: the import stops, naming the dataset, episode, array, the file's
+    dtype and the store's, and leaves nothing."""
+    import h5py
+
+    _store(tmp_path / "src", "discrete", n=3)
+    with EpisodeStore.open(tmp_path / "src") as src:
+        export_minari(src, src.episodes["episode_id"], tmp_path / "random-v0")
+    data = tmp_path / "random-v0" / "data"
+    with h5py.File(data / "main_data.hdf5", "r") as f:
+        a = f[f"episode_1/{path}"][()]
+    _replace_datasets(data, {f"episode_1/{path}": value(a.astype(np.float64) if path == "terminations" else a)})
+    with pytest.raises(ValueError, match=rf"^the Minari dataset at {data}: {words}$"):
+        import_minari(tmp_path / "random-v0", tmp_path / "back")
+    assert not (tmp_path / "back").exists()
+
+
+def test_export_of_a_ring_store_its_writer_overwrites_meanwhile(tmp_path):
+    """``her-store export --to minari`` of a ring store whose writer (a thread with its own handle) evicts and
+    overwrites every exported episode while the export writes the Minari dataset: the export reads as the other
+    exports do (one commit's rows, checked), succeeds, and each exported episode is bit-exact the store's episode of
+    that id as it was committed."""
+    import threading
+    import time
+
+    from her_store.interop import export_store
+
+    obs, act = fetch_spaces()
+    path, out = str(tmp_path / "ring"), tmp_path / "out"
+    out.mkdir()
+    with EpisodeStore.create(path, obs, act, capacity=150, info_keys=["is_success"], metadata=CARD) as store:
+        for i in range(25):
+            store.append_episode(make_episode(obs, act, 5 + i % 7, i, ("is_success",), terminated=i % 3 == 0))
+    with EpisodeStore.open(path) as store:
+        ids = range(store.first_episode, store.end_episode)
+        assert store.first_episode > 0  # the ring has evicted already
+        want = [store.episode(i) for i in ids]
+    during: list[int] = []
+
+    def overwrite() -> None:  # once the export's staging directory appears: every exported episode's rows rewritten
+        with EpisodeStore.open(path, mode="a", commit_interval=0.0) as w:
+            while not os.listdir(out):
+                time.sleep(0.0002)
+            for i in range(4):
+                w.append_episode(make_episode(obs, act, 70, 100 + i, ("is_success",)))
+                w.flush()
+                during.append(w.first_episode)
+
+    writer = threading.Thread(target=overwrite)
+    writer.start()
+    try:
+        assert export_store(path, "minari", out / "random-v0") == (len(want), sum(len(e["action"]) for e in want))
+    finally:
+        writer.join()
+    assert during[-1] >= ids.stop  # the writer evicted (and overwrote) every exported episode
+    dataset = minari.MinariDataset(str(out / "random-v0" / "data"))
+    assert dataset.total_episodes == len(want)
+    for got, ep in zip(dataset.iterate_episodes(), want):
+        for k in ("observation", "achieved_goal", "desired_goal"):
+            np.testing.assert_array_equal(got.observations[k], ep[k])
+        np.testing.assert_array_equal(got.actions, ep["action"])
+        np.testing.assert_array_equal(got.rewards, ep["reward"])
+        np.testing.assert_array_equal(got.terminations, ep["terminated"])
+        np.testing.assert_array_equal(got.truncations, ep["truncated"])
+        np.testing.assert_array_equal(got.infos["is_success"][1:], ep["is_success"])

@@ -19,10 +19,12 @@ Import reads ``metadata.json`` itself and checks it before Minari opens anything
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 import json
 import os
 import warnings
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -31,7 +33,8 @@ from gymnasium import spaces
 from her_store.card import check_card
 from her_store.errors import SchemaMismatchError
 from her_store.extras import require
-from her_store.interop import check_hdf5
+from her_store.interop import Batch, check_hdf5, minari_name, read_batches
+from her_store.interop.ogbench import exact_cast
 from her_store.progress import progress as progress_bar
 from her_store.schema import DTYPES, GOAL_KEYS, space_from_json, space_to_json
 from her_store.storage import Location, staged_output
@@ -96,7 +99,9 @@ def export_minari(
     ------
     ValueError
         The id is not a Minari id, the card holds a key Minari writes itself or an ``env_spec`` gymnasium cannot
-        read.
+        read, or ``episode_ids`` is empty.
+    CorruptStoreError
+        An episode's rows do not match their crc32 (damaged, or overwritten by a ring writer while read).
     FileExistsError
         ``dest`` exists.
 
@@ -118,23 +123,28 @@ def export_minari(
         dataset_id = minari_dataset_id(os.path.basename(dest), "the card has no dataset_id and the destination's name")
     metadata = _minari_metadata(card, dataset_id, minari.__version__, store.schema.info_spaces)
     ids = np.asarray(episode_ids, np.int64).reshape(-1)
+    if not len(ids):
+        raise ValueError(f"no episode to export from {store.url}: a Minari dataset holds at least one")
     info_keys = store.info_keys
 
-    def buffers(bar: Any) -> Iterator[Any]:
-        for eid in ids:
-            ep = store.episode(int(eid))
-            infos = {k: np.concatenate([np.zeros((1, *ep[k].shape[1:]), ep[k].dtype), ep[k]]) for k in info_keys}
-            yield EpisodeBuffer(
-                observations={k: ep[k] for k in store.schema.observation_keys},
-                actions=ep["action"],
-                rewards=ep["reward"],
-                terminations=ep["terminated"],
-                truncations=ep["truncated"],
-                infos=infos or None,
-            )
-            bar.update(1)
+    def buffers(batches: Iterable[Batch]) -> Iterator[Any]:
+        for batch in batches:
+            for _, ep in batch.episodes():
+                infos = {k: np.concatenate([np.zeros((1, *ep[k].shape[1:]), ep[k].dtype), ep[k]]) for k in info_keys}
+                yield EpisodeBuffer(
+                    observations={k: ep[k] for k in store.schema.observation_keys},
+                    actions=ep["action"],
+                    rewards=ep["reward"],
+                    terminations=ep["terminated"],
+                    truncations=ep["truncated"],
+                    infos=infos or None,
+                )
 
-    with staged_output(dest) as tmp:
+    # read as the other exports read (one commit's rows, each episode checked against its crc32), and the first
+    # batch (every episode of a small store) gathered before Minari's set-up, while a ring writer moves on
+    batches = read_batches(store, ids, progress, "exporting to Minari")
+    with contextlib.closing(batches), staged_output(dest) as tmp:
+        first = next(batches)
         os.mkdir(tmp)
         data = os.path.join(tmp, "data")
         storage = MinariStorage.new(
@@ -148,8 +158,7 @@ def export_minari(
             written = json.load(f)
         with open(path, "w") as f:
             json.dump({**written, **metadata}, f)
-        with progress_bar(len(ids), "exporting to Minari", progress, unit="episode") as bar:
-            storage.update_episodes(buffers(bar))
+        storage.update_episodes(buffers(itertools.chain([first], batches)))
 
 
 def _minari_metadata(
@@ -188,12 +197,16 @@ def import_minari(source: str | os.PathLike[str], store_path: str | os.PathLike[
     dataset). The card comes from Minari's metadata (a one-name author list becomes that name). Numeric infos become
     info keys, with the spaces a her_store export recorded, else float scalars as found (integers keep their dtype,
     booleans become float32); an info of ``T + 1`` rows (Minari's DataCollector: the reset's info first) is stored
-    from its second row, one of ``T`` rows whole. Other infos are skipped with a warning.
+    from its second row, one of ``T`` rows whole. Other infos are skipped with a warning. An array whose dtype is not
+    its space's (rewards in float64, observations saved in float64 under a float32 Box) is cast only when every value
+    survives exactly (:func:`~her_store.interop.ogbench.exact_cast`), which is stated once per array as a warning;
+    a cast that would change a value is refused.
 
     Raises
     ------
     ValueError
-        Not a Minari dataset, not a goal dataset, or metadata or an episode that does not fit (named).
+        Not a Minari dataset, not a goal dataset, or metadata or an episode that does not fit (named), or an array
+        whose values its space's dtype cannot hold exactly (named, with both dtypes).
     FileNotFoundError
         No such directory or dataset id.
     FileExistsError
@@ -262,9 +275,18 @@ def import_minari(source: str | os.PathLike[str], store_path: str | os.PathLike[
         ) as store,
         progress_bar(total if isinstance(total, int) else None, "importing Minari", progress, unit="episode") as bar,
     ):
+        noted: set[str] = set()
+        names = {f.name: minari_name(f) for f in store.schema.fields}
         while first is not None:
-            try:  # episode `count` is appended, then the next one read
-                store.append_episode(_store_episode(first, store.schema.observation_keys, info_spaces))
+            try:  # episode `count` is read, then appended, then the next one read
+                ep = _store_episode(first, store.schema.observation_keys, info_spaces)
+            except (KeyError, ValueError, TypeError, AssertionError) as e:
+                raise ValueError(f"{where}: episode {count}: {type(e).__name__}: {e}") from None
+            for f in store.schema.fields:  # Minari keeps what it was given: a dtype other than the space's is cast
+                if f.name in ep:  # when that keeps every value, else refused
+                    ep[f.name] = exact_cast(ep[f.name], f.dtype, where, names[f.name], count, noted)
+            try:
+                store.append_episode(ep)
                 count += 1
                 bar.update(1)
                 first = next(episodes, None)
@@ -376,8 +398,8 @@ def _inferred_info_spaces(episode: Any, where: str) -> dict[str, spaces.Space]:
     return out
 
 
-def _store_episode(ep: Any, observation_keys: Sequence[str], info_spaces: Mapping[str, spaces.Space]) -> dict[str, Any]:
-    """A Minari episode in a store's episode shape (infos of ``T + 1`` rows drop the reset's)."""
+def _store_episode(ep: Any, observation_keys: Sequence[str], info_keys: Iterable[str]) -> dict[str, Any]:
+    """A Minari episode in a store's episode shape (infos of ``T + 1`` rows drop the reset's), in the file's dtypes."""
     obs = ep.observations
     if not isinstance(obs, dict):
         raise ValueError(f"observations are a {type(obs).__name__}, expected a dict of {list(observation_keys)}")
@@ -385,11 +407,9 @@ def _store_episode(ep: Any, observation_keys: Sequence[str], info_spaces: Mappin
     out.update(action=ep.actions, reward=ep.rewards, terminated=ep.terminations, truncated=ep.truncations)
     T = len(ep.rewards)
     infos = ep.infos or {}
-    for key, space in info_spaces.items():
+    for key in info_keys:
         if key not in infos:
             raise ValueError(f"info {key!r} is missing (the first episode has it)")
         a = np.asarray(infos[key])
-        if len(a) == T + 1:
-            a = a[1:]
-        out[key] = a.astype(space.dtype) if a.dtype == bool else a
+        out[key] = a[1:] if len(a) == T + 1 else a
     return out

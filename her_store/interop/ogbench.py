@@ -19,13 +19,19 @@ Import splits episodes at ``terminals``. A file from elsewhere (no header) becom
 each trajectory reaches at its end, as in OGBench's hindsight goal sampling. Rewards are ``rewards`` when the
 file has them, else 0 on the last transition (it reaches that goal) and -1 before; ``terminated`` is where ``masks``
 is 0 (never, without masks); the last step is ``truncated`` unless it terminated. Spaces of such a file are
-unbounded Boxes in the file's dtypes (``[0, 255]`` for uint8 images).
+unbounded Boxes in the file's dtypes (``[0, 255]`` for uint8 images; bool arrays as int8 0/1).
+
+An array whose dtype is not the store's (``rewards`` in float64, ``truncations`` as 0/1 floats, a bool array kept
+as int8) is cast only when every value survives the cast exactly (:func:`exact_cast`, which the Minari import uses
+too): the cast is stated once per array as a warning; a value the cast would change is refused, naming the file, the
+array and both dtypes.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import warnings
 from typing import Any
 
 import numpy as np
@@ -46,7 +52,7 @@ from her_store.progress import progress as progress_bar
 from her_store.schema import Field, Schema
 from her_store.store import EpisodeStore
 
-__all__ = ["export_ogbench", "import_ogbench"]
+__all__ = ["exact_cast", "export_ogbench", "import_ogbench"]
 
 _FIXED = {
     "observation": "observations",
@@ -60,6 +66,53 @@ RESERVED = frozenset({*_FIXED.values(), "terminals", "next_observations", "valid
 
 def _array_name(field: Field) -> str:
     return _FIXED.get(field.name, field.name)
+
+
+def exact_cast(values: Any, dtype: np.dtype, where: str, name: str, episode: int, noted: set[str]) -> np.ndarray:
+    """``values`` (an array read from a file made elsewhere) in the store's ``dtype``, when the cast keeps every value.
+
+    A cast is exact when casting back gives every value again (NaN stays NaN): bool to uint8, float64 values that
+    float32 holds, int64 values inside int16's range. The first cast of each ``name`` is stated as a warning (the
+    caller keeps ``noted`` for one import). A cast that would change a value (float64 digits float32 drops, an
+    integer out of range, NaN into an integer or a flag, 0.5 into a flag) is refused.
+
+    Raises
+    ------
+    ValueError
+        Naming ``where`` (the file), ``name``, ``episode`` (its number in the file), the file's dtype, the store's
+        and the first value that would change.
+
+    Examples
+    --------
+    >>> noted = set()
+    >>> exact_cast(np.array([-1.0, 0.0]), np.dtype("<f4"), "x.npz", "rewards", 0, noted)
+    array([-1.,  0.], dtype=float32)
+    >>> exact_cast(np.array([0.1]), np.dtype("<f4"), "x.npz", "rewards", 1, noted)  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ValueError: x.npz: rewards is float64 in the file and float32 in the store: casting would change 0.1 at (0,) ...
+    """
+    values, dtype = np.asarray(values), np.dtype(dtype)
+    if values.dtype == dtype:
+        return values
+    if values.dtype.kind not in "biuf":
+        raise ValueError(f"{where}: {name} is {values.dtype} in the file; expected numbers ({dtype})")
+    with np.errstate(invalid="ignore", over="ignore"):  # what the cast breaks is found below, by casting back
+        cast = values.astype(dtype)
+        back = cast.astype(values.dtype)
+    kept = back == values
+    if values.dtype.kind == "f":
+        kept |= np.isnan(values) & np.isnan(back)
+    if not kept.all():
+        at = tuple(int(i) for i in np.unravel_index(np.argmin(kept), kept.shape))
+        raise ValueError(
+            f"{where}: {name} is {values.dtype} in the file and {dtype} in the store: casting would change "
+            f"{values[at].item()!r} at {at} of episode {episode} to {cast[at].item()!r}; refused"
+        )
+    if name not in noted:
+        noted.add(name)
+        warnings.warn(f"{where}: {name} is {values.dtype} in the file, stored as {dtype} (every value kept exactly)",
+                      stacklevel=2)
+    return cast
 
 
 def export_ogbench(
@@ -219,26 +272,33 @@ def import_ogbench(
                         f"{f.shape}" + (f" {want}" if own else "")
                     )
         bar = progress_bar(len(sizes), "importing ogbench", progress, unit="episode")
+        noted: set[str] = set()
         with staged_store(store_path, schema, card) as store, bar:
-            for n in sizes.tolist():
-                store.append_episode(_episode(z, schema, names, n))
+            for k, n in enumerate(sizes.tolist()):
+                store.append_episode(_episode(z, schema, names, n, k, noted))
                 bar.update(1)
             for name in set(names.values()):
                 z.finish(name)
     return len(sizes)
 
 
-def _episode(z: NpzReader, schema: Schema, names: dict[str, str], n: int) -> dict[str, np.ndarray]:
-    """One trajectory of ``n`` rows (``T = n - 1`` transitions) as a store episode."""
+def _episode(
+    z: NpzReader, schema: Schema, names: dict[str, str], n: int, k: int, noted: set[str]
+) -> dict[str, np.ndarray]:
+    """Trajectory ``k``, of ``n`` rows (``T = n - 1`` transitions), as a store episode in the store's dtypes."""
     T = n - 1
     read = {f: z.read(a, n) for f, a in names.items()}
-    ep = {f.name: read[f.name][:T] if f.per_step else read[f.name] for f in schema.fields if f.name in read}
+    ep = {
+        f.name: exact_cast(read[f.name][:T] if f.per_step else read[f.name], f.dtype, z.path, names[f.name], k, noted)
+        for f in schema.fields
+        if f.name in read and f.name != "terminated"  # masks: 1 - terminated, read below
+    }
     if "achieved_goal" not in read:
         ep["achieved_goal"] = ep["observation"]
         ep["desired_goal"] = np.broadcast_to(ep["observation"][-1], ep["observation"].shape)
     if "reward" not in read:
         ep["reward"] = np.where(np.arange(T) == T - 1, 0.0, -1.0).astype(np.float32)
-    ep["terminated"] = ep["terminated"] == 0 if "terminated" in read else np.zeros(T, bool)
+    ep["terminated"] = read["terminated"][:T] == 0 if "terminated" in read else np.zeros(T, bool)
     if "truncated" not in read:
         ep["truncated"] = (np.arange(T) == T - 1) & ~ep["terminated"][-1]
     return ep

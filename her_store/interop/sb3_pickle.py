@@ -7,7 +7,9 @@ A ``DictReplayBuffer`` or ``HerReplayBuffer`` (Dict observations with the goal k
 ring arrays. Each env column is read in the order it was written (from ``pos`` on once the ring is ``full``) and cut
 into episodes:
 
-- ``HerReplayBuffer``: the episodes ``ep_start``/``ep_length`` describe (those the ring overwrote have length 0);
+- ``HerReplayBuffer``: the episodes ``ep_start``/``ep_length`` describe (those the ring overwrote have length 0),
+  which must tile each env column's rows as SB3's ``add`` leaves them and agree with ``dones`` (a buffer whose
+  ``ep_length`` would cut an episode into fragments is refused, naming the env and row);
 - ``DictReplayBuffer``: at ``dones``; once the ring is full, the rows before a column's first done are dropped (the
   start of that episode was overwritten);
 - the steps after a column's last episode (its unfinished episode) become one more episode ending truncated, as
@@ -141,10 +143,7 @@ def _episodes(a: dict[str, Any], her: bool) -> list[tuple[int, int, np.ndarray, 
     out = []
     for env in range(a["n_envs"]):
         if her:
-            length, start = a["ep_length"][:, env], a["ep_start"][:, env]
-            spans = [(int(s), int(length[s])) for s in np.unique(start[length > 0])]
-            current = int(a["current"][env])
-            tail = (current, (pos - current) % size)
+            spans, tail = _her_spans(a, env, order)
         else:
             ends = order[a["dones"][order, env] > 0]
             begins = np.concatenate([order[:1], (ends[:-1] + 1) % size])
@@ -156,11 +155,79 @@ def _episodes(a: dict[str, Any], her: bool) -> list[tuple[int, int, np.ndarray, 
             if n < 1:
                 continue
             rows = (s + np.arange(n)) % size
-            if her and ended and (n == 0 or (start[rows] != s).any() or (length[rows] != n).any()):
-                raise ValueError(f"ep_start/ep_length of env {env} disagree about the episode at row {s}")
             out.append((int(age[rows[-1]]), env, rows, ended))
     out.sort(key=lambda e: (e[0], e[1]))
     return out
+
+
+def _her_spans(a: dict[str, Any], env: int, order: np.ndarray) -> tuple[list[tuple[int, int]], tuple[int, int]]:
+    """The ended episodes of a HerReplayBuffer's env column as ``(first row, length)``, and its unfinished tail,
+    checked to tile the column's filled rows as SB3's ``add`` leaves them (nothing in the pickle is trusted).
+
+    In the order rows were written (``order``): once the ring is full, the rest of the one episode whose start was
+    overwritten (``ep_length`` 0, which ``add`` sets when it overwrites an episode's first row; its ``ep_start`` that
+    overwritten row, a done on its last row only); then ended episodes back to back, each row of one holding its
+    first row in ``ep_start`` and its length in ``ep_length``, ``dones`` set on its last row only; then the
+    unfinished episode, from ``_current_ep_start`` to ``pos``, of length 0 and no done. Anything else (an ``ep_length`` that cuts an episode short or runs past it, a gap, a done inside an
+    episode) is refused naming the env and row: importing it would make fragments of episodes.
+    """
+    size, pos = a["size"], a["pos"]
+    start, length, dones = a["ep_start"][:, env], a["ep_length"][:, env], a["dones"][:, env]
+    current = int(a["current"][env])
+    filled = len(order)
+    n_tail = (pos - current) % size
+    if not a["full"] and current > pos:
+        raise ValueError(f"env {env}: _current_ep_start {current} is past pos {pos} in a buffer that never wrapped")
+    tail_at = filled - n_tail  # where the unfinished episode starts, in written order
+    k = 0
+    if a["full"]:
+        while k < tail_at and length[order[k]] == 0:  # an overwritten episode's remaining rows
+            k += 1
+        rest = order[:k]
+        second = (start[rest[1:]] != start[rest[:1]]) | (dones[rest[:-1]] > 0)  # row i + 1 begins another episode
+        if second.any():
+            j = 1 + int(np.argmax(second))
+            at, before = int(rest[j]), int(rest[j - 1])
+            raise ValueError(
+                f"env {env}: rows {int(rest[0])}..{int(rest[-1])} have ep_length 0, as the rest of the one episode "
+                f"the ring overwrote part of would, but a second episode begins at row {at} (ep_start "
+                f"{int(start[at])}; row {before}: ep_start {int(start[before])}, done {bool(dones[before] > 0)})"
+            )
+        if k and np.isin(start[rest[0]], rest):
+            raise ValueError(
+                f"env {env}: rows {int(rest[0])}..{int(rest[-1])} have ep_length 0, as the rest of an episode the "
+                f"ring overwrote part of would, but their first row, row {int(start[rest[0]])}, is among them"
+            )
+    spans = []
+    while k < tail_at:
+        r = int(order[k])
+        n = int(length[r])
+        rows = order[k : k + n]
+        if n == 0 or start[r] != r or k + n > tail_at:
+            raise ValueError(
+                f"env {env}: the episode at row {r} has ep_start {int(start[r])} and ep_length {n}, which do not "
+                f"tile the rows written before the unfinished episode at row {current} (an episode there must start "
+                f"at row {r} and end by row {int(order[tail_at - 1])})"
+            )
+        bad = np.flatnonzero((start[rows] != r) | (length[rows] != n) | ((dones[rows] > 0) != (np.arange(n) == n - 1)))
+        if len(bad):
+            at = int(rows[bad[0]])
+            raise ValueError(
+                f"env {env}: row {at} of the episode at rows {r}..{int(rows[-1])} has ep_start {int(start[at])}, "
+                f"ep_length {int(length[at])} and done {bool(dones[at] > 0)}; expected {r}, {n} and "
+                f"{at == int(rows[-1])}"
+            )
+        spans.append((r, n))
+        k += n
+    tail = order[tail_at:]
+    bad = np.flatnonzero((start[tail] != current) | (length[tail] != 0) | (dones[tail] > 0))
+    if len(bad):
+        at = int(tail[bad[0]])
+        raise ValueError(
+            f"env {env}: row {at} of the unfinished episode from row {current} has ep_start {int(start[at])}, "
+            f"ep_length {int(length[at])} and done {bool(dones[at] > 0)}; expected {current}, 0 and False"
+        )
+    return spans, (current, n_tail)
 
 
 def _episode(a: dict[str, Any], schema: Schema, env: int, rows: np.ndarray, ended: bool) -> dict[str, np.ndarray]:
