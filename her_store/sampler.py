@@ -39,7 +39,9 @@ class HerBatch(NamedTuple):
     """One sampled batch, as torch tensors on the sampler's device.
 
     Observations keep their stored dtype; rewards and flags are float32 with shape ``(B, 1)``. The first
-    ``int(her_ratio * B)`` rows are the relabelled ones (``is_relabeled``).
+    ``int(her_ratio * B)`` rows are the relabelled ones (``is_relabeled``). ``source`` is None from a
+    :class:`HerSampler`; from a :class:`~her_store.mixture.MixtureSampler` it is int64 ``(B,)``, the position of
+    the store each row came from (``episode_ids`` are that store's ids).
     """
 
     observations: dict[str, torch.Tensor]
@@ -53,6 +55,7 @@ class HerBatch(NamedTuple):
     episode_ids: torch.Tensor
     steps: torch.Tensor
     infos: dict[str, torch.Tensor]
+    source: torch.Tensor | None = None
 
 
 class _Draw(NamedTuple):
