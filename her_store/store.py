@@ -982,8 +982,10 @@ def open_store(
     path_or_url: str | os.PathLike[str],
     observation_space: spaces.Dict | None = None,
     action_space: spaces.Space | None = None,
+    *,
+    shard: str | None = None,
     **kwargs: Any,
-) -> EpisodeStore:
+) -> EpisodeStore | ShardedView:
     """Open a store for appending if it exists (checking its spaces), else create it: what a training script calls.
 
     Parameters
@@ -992,16 +994,34 @@ def open_store(
         Local path or fsspec URL.
     observation_space, action_space : gymnasium spaces, optional
         Required to create; when the store exists they must equal the stored ones (SchemaMismatchError otherwise).
+    shard : str, optional
+        Append to shard ``shard`` of the sharded dataset at ``path_or_url``, one shard per writer: the shard (and
+        the dataset, if there is none yet) is created on first use and resumed after, and the spaces are checked
+        against the dataset's (:func:`her_store.sharded.open_shard`).
     **kwargs
         Passed to :meth:`EpisodeStore.create` (capacity, info_keys, metadata, ...) or, for an existing store,
         the ones :meth:`EpisodeStore.open` takes (storage_options, durability, commit_interval, lease_ttl).
 
+    Returns
+    -------
+    EpisodeStore or ShardedView
+        The store, opened with ``mode="a"``. A sharded dataset's root opened with no shard and no spaces (only
+        ``storage_options``) gives a read view over every shard, :class:`her_store.sharded.ShardedView`.
+
     Examples
     --------
     >>> store = open_store("runs/fetch", env.observation_space, env.action_space, capacity=1_000_000)  # doctest: +SKIP
+    >>> actor = open_store("s3://bucket/fetch", env.observation_space, env.action_space, shard="actor-7")  # doctest: +SKIP
+    >>> view = open_store("s3://bucket/fetch")  # every shard, read-only  # doctest: +SKIP
     """
+    from her_store import sharded
+
+    if shard is not None:
+        return sharded.open_shard(path_or_url, observation_space, action_space, shard, **kwargs)
     loc = Location(path_or_url, kwargs.get("storage_options"))
     if not loc.exists(COMMIT_KEY):
+        if sharded.is_sharded(loc):
+            return sharded.open_view(loc, observation_space, action_space, kwargs)
         if observation_space is None or action_space is None:
             raise NotAStoreError(f"{loc} holds no store; pass observation_space and action_space to create one")
         try:

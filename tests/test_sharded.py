@@ -1,0 +1,289 @@
+"""Sharded datasets: many writer processes, one shard each, under one root; the read view over every shard."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+from gymnasium import spaces
+
+from her_store import (
+    CorruptStoreError,
+    EpisodeNotFoundError,
+    EpisodeStore,
+    FormatVersionError,
+    NotAStoreError,
+    SchemaMismatchError,
+    StoreError,
+    StoreExistsError,
+    StoreLockedError,
+    open_store,
+)
+from her_store.schema import Schema
+from her_store.sharded import MARKER_KEY, ShardedView
+from tests.conftest import assert_episode_equal, fetch_spaces
+from tests.crash_writer import ACT, OBS, episode_for
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+INFO = ["is_success"]
+
+
+def shard_episode(shard: str, i: int) -> dict:
+    """Episode ``i`` of shard ``actor-<k>``: seed-determined, so any process can check it bit for bit."""
+    return episode_for(1000 * int(shard.rsplit("-", 1)[1]) + i)
+
+
+def writer_main(root: str, shard: str, count: int, options: str) -> None:
+    """A writer process: appends episodes to its shard, committing every second one, until ``count`` (0: until
+    killed); prints ``committed N`` after each commit."""
+    store = open_store(root, OBS, ACT, shard=shard, info_keys=INFO, chunk_rows=64, commit_interval=3600,
+                       storage_options=json.loads(options) or None)
+    i = store.end_episode
+    while count == 0 or i < count:
+        assert store.append_episode(shard_episode(shard, i)) == i
+        i += 1
+        if i % 2 == 0 or i == count:
+            store.flush()
+            print("committed", i, flush=True)
+    store.close()
+
+
+def _spawn(root: str, shard: str, count: int, options: dict | None) -> subprocess.Popen:
+    code = "import sys; from tests.test_sharded import writer_main; writer_main(sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4])"
+    return subprocess.Popen(
+        [sys.executable, "-c", code, root, shard, str(count), json.dumps(options or {})],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+    )
+
+
+def _check_shard(view: ShardedView, shard: str) -> int:
+    """Every committed episode of one shard reads back bit for bit; returns its end id."""
+    store = view.stores[view.shards.index(shard)]
+    for i in range(store.first_episode, store.end_episode):
+        assert_episode_equal(view.episode(shard, i), shard_episode(shard, i))
+    return store.end_episode
+
+
+@pytest.fixture(params=["local", "s3"])
+def root(request, tmp_path):
+    """A dataset root on local disk or on the loopback S3 server: (url, storage_options)."""
+    if request.param == "local":
+        return str(tmp_path / "dataset"), None
+    url, opts = request.getfixturevalue("s3_url")
+    return url.rsplit("/", 1)[0] + "/dataset", opts
+
+
+def test_writer_processes_append_to_their_shards_and_a_kill_9_loses_only_its_own(root):
+    """Three writer processes append to three shards of one root at once while a view reads them; one is killed by
+    SIGKILL. The others finish untouched, every committed episode of every shard reads back bit for bit, and the
+    killed shard resumes after its last commit (on S3 its lease, held by a dead process, is taken over)."""
+    url, opts = root
+    procs = {name: _spawn(url, name, count, opts) for name, count in (("actor-0", 3), ("actor-1", 3), ("actor-2", 0))}
+    killed = procs["actor-2"]
+    view, checks = None, 0
+    try:
+        lines = iter(killed.stdout.readline, "")
+        committed = next(int(ln.split()[1]) for ln in lines if ln.startswith("committed"))
+        killed.kill()  # as soon as it has committed once: the others are still starting or writing
+        out, err = killed.communicate(timeout=60)
+        assert killed.returncode == -9, err
+        committed = max([committed] + [int(ln.split()[1]) for ln in out.split("\n")[:-1] if ln.startswith("committed")])
+        while procs["actor-0"].poll() is None or procs["actor-1"].poll() is None or view is None:
+            if view is None:
+                view = open_store(url, storage_options=opts)
+            if opts:  # the S3 server shares this process: read once the writers are done
+                time.sleep(0.1)
+                continue
+            view.refresh()
+            for shard, store in zip(view.shards, view.stores):  # while they write: never a torn episode
+                if store.num_episodes:
+                    last = store.end_episode - 1
+                    assert_episode_equal(view.episode(shard, last), shard_episode(shard, last))
+                    checks += 1
+        for name in ("actor-0", "actor-1"):
+            out, err = procs[name].communicate(timeout=60)
+            assert procs[name].returncode == 0, err  # the kill of another writer went unnoticed
+            assert out.split()[-1] == "3", out
+    finally:
+        for p in procs.values():
+            if p.poll() is None:
+                p.kill()
+                p.communicate()
+    assert view is not None and (checks > 0 or opts)
+    view.refresh()
+    assert sorted(view.shards) == ["actor-0", "actor-1", "actor-2"]
+    assert _check_shard(view, "actor-0") == _check_shard(view, "actor-1") == 3
+    end = _check_shard(view, "actor-2")
+    assert end >= committed >= 1
+    assert view.num_episodes == 6 + end
+    assert view.num_transitions == sum(len(shard_episode(s, i)["action"]) for s, n in
+                                       (("actor-0", 3), ("actor-1", 3), ("actor-2", end)) for i in range(n))
+    with open_store(url, shard="actor-2", storage_options=opts, commit_interval=0) as store:  # spaces from the root
+        assert store.end_episode == end
+        assert store.append_episode(shard_episode("actor-2", end)) == end
+    assert view.refresh() == 1
+    assert _check_shard(view, "actor-2") == end + 1
+    view.close()
+
+
+def _make_unfinished_create(path: str) -> None:
+    """What a shard's creator killed before its first commit record leaves."""
+    EpisodeStore.create(path, OBS, ACT, info_keys=INFO).close()
+    os.unlink(os.path.join(path, "commit.json"))
+
+
+def test_refresh_finds_new_episodes_and_new_shards(tmp_path):
+    root = str(tmp_path / "dataset")
+    a = open_store(root, OBS, ACT, shard="actor-0", info_keys=INFO, commit_interval=0)
+    a.append_episode(shard_episode("actor-0", 0))
+    view = open_store(root)
+    assert isinstance(view, ShardedView) and view.shards == ("actor-0",) and view.num_episodes == 1
+    assert view.observation_space == OBS and view.info_keys == ("is_success",)
+
+    _make_unfinished_create(os.path.join(root, "shards", "actor-9"))
+    b = open_store(root, shard="actor-1", commit_interval=0)  # spaces and info keys from the dataset
+    a.append_episode(shard_episode("actor-0", 1))
+    b.append_episode(shard_episode("actor-1", 0))
+    assert view.refresh() == 2
+    assert view.shards == ("actor-0", "actor-1")  # actor-9 has no commit record yet: left out
+    with open_store(root, OBS, ACT, shard="actor-9") as late:  # the unfinished create is made anew
+        late.append_episode(shard_episode("actor-9", 0))
+    assert view.refresh() == 1
+    assert view.shards == ("actor-0", "actor-1", "actor-9")
+    earlier = open_store(root, shard="actor-5", commit_interval=0)  # sorts before actor-9, found after it
+    assert view.refresh() == 0
+    assert view.shards == ("actor-0", "actor-1", "actor-9", "actor-5")  # found later, listed later
+    assert view.num_episodes == 4 and view.stores[3].num_episodes == 0
+
+    table = view.episodes
+    assert table["shard"].tolist() == [0, 0, 1, 2] and table["episode_id"].tolist() == [0, 1, 0, 0]
+    assert table["length"].tolist() == [len(shard_episode(view.shards[s], i)["action"]) for s, i in
+                                        zip(table["shard"], table["episode_id"])]
+    assert int(table["length"].sum()) == len(view)
+    assert_episode_equal(view.episode("actor-1", 0), shard_episode("actor-1", 0))
+    assert_episode_equal(view.episode(2, 0), shard_episode("actor-9", 0))  # a shard's position, as in the table
+    for shard, i in (("actor-7", 0), (4, 0), (True, 0), ("actor-0", 2)):
+        with pytest.raises(EpisodeNotFoundError):
+            view.episode(shard, i)
+    with pytest.raises(StoreLockedError):  # one writer per shard, as per store
+        open_store(root, shard="actor-0")
+    for store in (a, b, earlier):
+        store.close()
+    view.close()
+    with pytest.raises(StoreError, match="closed"):
+        view.num_episodes
+
+
+def test_spaces_must_match_the_dataset(tmp_path):
+    root = str(tmp_path / "dataset")
+    open_store(root, OBS, ACT, shard="actor-0", info_keys=INFO).close()
+    other_obs, other_act = fetch_spaces(obs_dim=11)
+    for obs, act, info in ((other_obs, ACT, INFO), (OBS, spaces.Box(-1, 1, (5,), np.float32), INFO), (OBS, ACT, [])):
+        with pytest.raises(SchemaMismatchError, match=MARKER_KEY):
+            open_store(root, obs, act, shard="actor-1", info_keys=info)
+    assert os.listdir(os.path.join(root, "shards")) == ["actor-0"]  # nothing made for the refused writers
+    with pytest.raises(StoreError, match="shard="):  # a sharded root is written through shards only
+        open_store(root, OBS, ACT, info_keys=INFO)
+    assert sorted(os.listdir(root)) == [MARKER_KEY, "shards"]
+
+    EpisodeStore.create(os.path.join(root, "shards", "actor-2"), other_obs, other_act).close()  # not by her_store
+    with pytest.raises(SchemaMismatchError):
+        open_store(root, shard="actor-2")
+    with pytest.raises(CorruptStoreError, match="shard 'actor-2' does not hold the dataset's spaces"):
+        open_store(root)
+
+
+@pytest.mark.parametrize(
+    "name", ["", ".", "..", "../x", "a/b", "a\\b", ".hidden", "a.b", "-a", "a b", "é", "a\0", "x" * 129, 7, b"a"]
+)
+def test_bad_shard_names_are_refused(tmp_path, name):
+    root = str(tmp_path / "dataset")
+    with pytest.raises(ValueError, match="shard name .* is not allowed"):
+        open_store(root, OBS, ACT, shard=name)
+    assert not os.path.exists(root)
+
+
+def _files(path: str) -> dict[str, bytes]:
+    out = {}
+    for d, _, names in os.walk(path):
+        for n in names:
+            full = os.path.join(d, n)
+            with open(full, "rb") as f:
+                out[os.path.relpath(full, path)] = f.read()
+    return out
+
+
+def test_a_plain_store_is_unchanged(tmp_path):
+    path = str(tmp_path / "plain")
+    with open_store(path, OBS, ACT, info_keys=INFO) as store:
+        store.append_episode(shard_episode("actor-0", 0))
+    before = _files(path)
+    with open_store(path) as store:
+        assert type(store) is EpisodeStore and store.mode == "a" and store.num_episodes == 1
+    with pytest.raises(StoreExistsError, match="plain store"):
+        open_store(path, OBS, ACT, shard="actor-0", info_keys=INFO)
+    after = _files(path)
+    assert after.keys() == before.keys()
+    assert {k: v for k, v in after.items() if k != "writer.lock"} == {k: v for k, v in before.items() if k != "writer.lock"}
+    with pytest.raises(NotAStoreError, match="pass observation_space"):
+        open_store(str(tmp_path / "nothing"))
+
+
+def _marker(**change) -> bytes:
+    doc = {"format": "her_store.sharded", "version": 1, "schema": Schema(OBS, ACT, INFO).to_json(), "created_at": 1.0}
+    doc.update(change)
+    return json.dumps({k: v for k, v in doc.items() if v != "drop"}).encode()
+
+
+HOSTILE = {
+    "not json": (b"{format", CorruptStoreError, "not JSON"),
+    "not utf-8": (b"\xff\xfe\x00", CorruptStoreError, "not JSON"),
+    "nested past the parser": (b"[" * 200_000 + b"]" * 200_000, CorruptStoreError, "not JSON"),
+    "a list": (b"[1, 2]", CorruptStoreError, "expected an object with keys"),
+    "a key missing": (_marker(created_at="drop"), CorruptStoreError, "expected an object with keys"),
+    "a key more": (_marker(extra=1), CorruptStoreError, "expected an object with keys"),
+    "another format": (_marker(format="her_store.npz"), CorruptStoreError, "format is"),
+    "version as text": (_marker(version="1"), CorruptStoreError, "version is '1'"),
+    "version a bool": (_marker(version=True), CorruptStoreError, "version is True"),
+    "a newer version": (_marker(version=2), FormatVersionError, "upgrade"),
+    "created_at text": (_marker(created_at="now"), CorruptStoreError, "created_at"),
+    "created_at infinite": (_marker(created_at=float("inf")), CorruptStoreError, "created_at"),
+    "schema of wrong types": (_marker(schema={"observation_space": 5, "info_spaces": []}), CorruptStoreError, "schema"),
+    "a space naming code": (
+        _marker(schema={**Schema(OBS, ACT, INFO).to_json(), "action_space": {"type": "her_store_evil:Space"}}),
+        CorruptStoreError,
+        "schema is invalid",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", [*HOSTILE, "huge", "a directory", "a symbolic link"])
+def test_a_hostile_root_marker_is_refused(tmp_path, case):
+    """A damaged or crafted root marker is a clear error, for the view and for writers; nothing is written, nothing
+    it names is imported."""
+    root = tmp_path / "dataset"
+    root.mkdir()
+    marker = root / MARKER_KEY
+    expected, match = CorruptStoreError, {"huge": "more than", "a directory": "not a regular file"}.get(case, "symbolic")
+    if case in HOSTILE:
+        raw, expected, match = HOSTILE[case]
+        marker.write_bytes(raw)
+    elif case == "huge":
+        with open(marker, "wb") as f:
+            f.truncate((64 << 20) + 1)  # sparse: never read
+    elif case == "a directory":
+        marker.mkdir()
+    else:
+        (tmp_path / "elsewhere.json").write_bytes(_marker())
+        marker.symlink_to(tmp_path / "elsewhere.json")
+    with pytest.raises(expected, match=match):
+        open_store(str(root))
+    with pytest.raises(expected, match=match):
+        open_store(str(root), OBS, ACT, shard="actor-0", info_keys=INFO)
+    assert sorted(p.name for p in root.iterdir()) == [MARKER_KEY]
+    assert "her_store_evil" not in sys.modules
