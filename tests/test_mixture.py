@@ -10,6 +10,7 @@ import threading
 
 import numpy as np
 import pytest
+import torch
 from gymnasium import spaces
 
 from her_store import EpisodeStore, HerSampler, SchemaMismatchError, StoreError
@@ -42,13 +43,13 @@ def three(tmp_path):
         s.close()
 
 
-def check_rows(batch, stores, n_sampled_goal=4) -> None:
+def check_rows(batch, stores) -> None:
     """Every row is its store's (episode, step) row; a relabelled row's goal is a later achieved goal of that same
     episode and its reward is recomputed from it."""
     B = len(batch.actions)
     src, ids, steps = batch.source.numpy(), batch.episode_ids.numpy(), batch.steps.numpy()
     her = batch.is_relabeled.numpy()
-    assert batch.source.dtype == np.int64 or str(batch.source.dtype) == "torch.int64"
+    assert batch.source.dtype == torch.int64 and batch.source.shape == (B,)
     episodes = {}
     for j in range(B):
         key = (int(src[j]), int(ids[j]))
