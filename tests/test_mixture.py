@@ -13,7 +13,7 @@ import pytest
 import torch
 from gymnasium import spaces
 
-from her_store import EpisodeStore, HerSampler, SchemaMismatchError, StoreError
+from her_store import EpisodeStore, HerSampler, SchemaMismatchError, StoreError, open_store
 from her_store.mixture import MixtureSampler, StoreSet
 from her_store.transfer import copy_store
 from tests.conftest import fetch_spaces, make_episode
@@ -288,3 +288,27 @@ def test_refresh_picks_up_a_new_store_of_a_store_set(tmp_path):
         with pytest.raises(StoreError, match="no longer lists store 0"):
             m.refresh()
     shards.close()
+
+
+def test_a_sharded_datasets_view_samples_uniformly_and_grows(tmp_path):
+    obs, act = fetch_spaces()
+    root = str(tmp_path / "dataset")
+    writers = [open_store(root, obs, act, shard=f"actor-{k}", commit_interval=0) for k in range(2)]
+    for k, w in enumerate(writers):
+        for i in range(k + 1):
+            w.append_episode(make_episode(obs, act, 8, seed=10 * k + i))
+    with open_store(root) as view, MixtureSampler(view, "transitions", 600, seed=4, reward_fn=sparse_reward) as m:
+        assert isinstance(view, StoreSet)
+        np.testing.assert_allclose(m.weights, [1 / 3, 2 / 3])
+        b = m.sample()
+        check_rows(b, view.stores)
+        writers.append(open_store(root, obs, act, shard="actor-2", commit_interval=0))
+        writers[2].append_episode(make_episode(obs, act, 24, seed=99))
+        np.testing.assert_array_equal(m.refresh(), [8, 16, 24])
+        assert view.shards[2] == "actor-2"
+        b = m.sample()
+        check_rows(b, view.stores)
+        share = np.bincount(b.source.numpy(), minlength=3) / 600
+        assert (np.abs(share - [1 / 6, 1 / 3, 1 / 2]) < 5 * np.sqrt(0.25 / 600)).all(), share
+    for w in writers:
+        w.close()
