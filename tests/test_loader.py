@@ -99,12 +99,16 @@ def test_ranks_draw_different_streams_and_the_same_ones_again(store_path):
 
 
 def _learner(init: str, rank: int, path: str, out) -> None:
-    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
     try:
-        ds = dataset(path)
-        out.put((rank, ds.rank, ds.world_size))
-    finally:
-        dist.destroy_process_group()
+        dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
+        try:
+            ds = dataset(path)
+            out.put((rank, ds.rank, ds.world_size))
+            dist.barrier()  # a learner leaving early would break the other's connection while it is being made
+        finally:
+            dist.destroy_process_group()
+    except Exception as e:  # noqa: BLE001 - shown by the test's assertion, not lost in a child's stderr
+        out.put(repr(e))
 
 
 def test_rank_and_world_size_default_to_torch_distributeds(store_path, tmp_path):
