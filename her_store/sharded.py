@@ -16,7 +16,7 @@ import re
 import tempfile
 import time
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from gymnasium import spaces
@@ -33,10 +33,13 @@ from her_store.errors import (
     StoreExistsError,
     short_repr,
 )
-from her_store.format import COMMIT_KEY
+from her_store.format import COMMIT_KEY, INDEX_COLUMNS
 from her_store.schema import Schema
 from her_store.storage import Location, fsync_file, write_all
 from her_store.store import EpisodeStore, open_store
+
+if TYPE_CHECKING:
+    from her_store.mixture import MixtureSampler
 
 __all__ = ["MARKER_KEY", "SHARDS_DIR", "ShardedView", "check_shard_name", "is_sharded", "open_shard", "open_view"]
 
@@ -428,9 +431,7 @@ class ShardedView:
         episode's shard in :attr:`shards` (int32)."""
         tables = [s.episodes for s in self.stores]
         counts = [len(t["episode_id"]) for t in tables]
-        if not tables:
-            return {"shard": np.zeros(0, np.int32)}
-        out = {k: np.concatenate([t[k] for t in tables]) for k in tables[0]}
+        out = {k: np.concatenate([np.zeros(0, dt), *(t[k] for t in tables)]) for k, dt in INDEX_COLUMNS.items()}
         out["shard"] = np.repeat(np.arange(len(tables), dtype=np.int32), counts)
         return out
 
@@ -473,7 +474,7 @@ class ShardedView:
         self._require_open()
         return sum(s.refresh() for s in self._stores.values()) + self._discover()
 
-    def sampler(self, batch_size: int, **kwargs: Any) -> Any:
+    def sampler(self, batch_size: int, **kwargs: Any) -> MixtureSampler:
         """A sampler of HER batches drawn uniformly from every committed transition of every shard: a
         :class:`her_store.mixture.MixtureSampler` over this view weighted by transitions, which calls :meth:`refresh`
         and so follows new episodes and new shards. A batch's ``source`` is the shard's position in :attr:`shards`.
@@ -486,7 +487,7 @@ class ShardedView:
             The mixture sampler's other options (``n_sampled_goal``, ``goal_selection_strategy``, ``reward_fn``,
             ``device``, ``seed``, ...).
         """
-        from her_store.mixture import MixtureSampler
+        from her_store.mixture import MixtureSampler  # imports torch: only when a view samples
 
         return MixtureSampler(self, weights="transitions", batch_size=batch_size, **kwargs)
 

@@ -18,16 +18,20 @@ from her_store import (
     EpisodeStore,
     FormatVersionError,
     NotAStoreError,
+    ReadOnlyStoreError,
     SchemaMismatchError,
     StoreError,
     StoreExistsError,
     StoreLockedError,
     open_store,
 )
+from her_store.format import INDEX_COLUMNS
 from her_store.schema import Schema
-from her_store.sharded import MARKER_KEY, ShardedView
-from tests.conftest import assert_episode_equal, fetch_spaces
+from her_store.sharded import MARKER_KEY, ShardedView, _create_once
+from her_store.storage import Location
+from tests.conftest import assert_episode_equal, fetch_spaces, make_episode
 from tests.crash_writer import ACT, OBS, episode_for
+from tests.http_server import serving
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 INFO = ["is_success"]
@@ -41,8 +45,16 @@ def shard_episode(shard: str, i: int) -> dict:
 def writer_main(root: str, shard: str, count: int, options: str) -> None:
     """A writer process: appends episodes to its shard, committing every second one, until ``count`` (0: until
     killed); prints ``committed N`` after each commit."""
-    store = open_store(root, OBS, ACT, shard=shard, info_keys=INFO, chunk_rows=64, commit_interval=3600,
-                       storage_options=json.loads(options) or None)
+    store = open_store(
+        root,
+        OBS,
+        ACT,
+        shard=shard,
+        info_keys=INFO,
+        chunk_rows=64,
+        commit_interval=3600,
+        storage_options=json.loads(options) or None,
+    )
     i = store.end_episode
     while count == 0 or i < count:
         assert store.append_episode(shard_episode(shard, i)) == i
@@ -57,7 +69,10 @@ def _spawn(root: str, shard: str, count: int, options: dict | None) -> subproces
     code = "import sys; from tests.test_sharded import writer_main; writer_main(sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4])"
     return subprocess.Popen(
         [sys.executable, "-c", code, root, shard, str(count), json.dumps(options or {})],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
     )
 
 
@@ -121,14 +136,47 @@ def test_writer_processes_append_to_their_shards_and_a_kill_9_loses_only_its_own
     end = _check_shard(view, "actor-2")
     assert end >= committed >= 1
     assert view.num_episodes == 6 + end
-    assert view.num_transitions == sum(len(shard_episode(s, i)["action"]) for s, n in
-                                       (("actor-0", 3), ("actor-1", 3), ("actor-2", end)) for i in range(n))
+    assert view.num_transitions == sum(
+        len(shard_episode(s, i)["action"])
+        for s, n in (("actor-0", 3), ("actor-1", 3), ("actor-2", end))
+        for i in range(n)
+    )
     with open_store(url, shard="actor-2", storage_options=opts, commit_interval=0) as store:  # spaces from the root
         assert store.end_episode == end
         assert store.append_episode(shard_episode("actor-2", end)) == end
     assert view.refresh() == 1
     assert _check_shard(view, "actor-2") == end + 1
     view.close()
+
+
+def test_the_root_marker_is_created_once(root):
+    """Create-if-absent, locally and on S3: the first write stays, a second one writes nothing."""
+    url, opts = root
+    loc = Location(url, opts)
+    assert _create_once(loc, MARKER_KEY, b"first") is True
+    assert _create_once(loc, MARKER_KEY, b"second") is False
+    assert loc.read_bytes(MARKER_KEY) == b"first"
+    if loc.is_local:
+        assert os.listdir(url) == [MARKER_KEY]  # no temp file left beside it
+
+
+def test_where_a_sharded_dataset_cannot_be_written_or_listed(tmp_path):
+    root = str(tmp_path / "dataset")
+    with open_store(root, OBS, ACT, shard="actor-0", info_keys=INFO) as store:
+        store.append_episode(shard_episode("actor-0", 0))
+    with pytest.raises(StoreError, match="commit_interval"):  # a reader takes storage_options only
+        open_store(root, commit_interval=0)
+    with serving(str(tmp_path)) as base:
+        with pytest.raises(ReadOnlyStoreError, match="HTTP"):
+            open_store(f"{base}/dataset", OBS, ACT, shard="actor-0", info_keys=INFO)
+        with pytest.raises(StoreError, match="listing"):
+            open_store(f"{base}/dataset")
+        with EpisodeStore.open(f"{base}/dataset/shards/actor-0") as shard:  # one shard reads as any store
+            assert_episode_equal(shard.episode(0), shard_episode("actor-0", 0))
+    packed = tmp_path / "packed.zip"
+    packed.write_bytes(b"PK\x05\x06" + bytes(18))  # an empty zip archive
+    with pytest.raises(ReadOnlyStoreError, match="packed"):
+        open_store(str(packed), OBS, ACT, shard="actor-0")
 
 
 def _make_unfinished_create(path: str) -> None:
@@ -140,6 +188,12 @@ def _make_unfinished_create(path: str) -> None:
 def test_refresh_finds_new_episodes_and_new_shards(tmp_path):
     root = str(tmp_path / "dataset")
     a = open_store(root, OBS, ACT, shard="actor-0", info_keys=INFO, commit_interval=0)
+    with open_store(root) as empty:  # a shard with no episode yet: in the view, with nothing in it
+        assert empty.shards == ("actor-0",) and empty.num_episodes == 0 and len(empty) == 0
+        assert {k: (len(v), v.dtype) for k, v in empty.episodes.items()} == {
+            **{k: (0, dt) for k, dt in INDEX_COLUMNS.items()},
+            "shard": (0, np.int32),
+        }
     a.append_episode(shard_episode("actor-0", 0))
     view = open_store(root)
     assert isinstance(view, ShardedView) and view.shards == ("actor-0",) and view.num_episodes == 1
@@ -162,8 +216,9 @@ def test_refresh_finds_new_episodes_and_new_shards(tmp_path):
 
     table = view.episodes
     assert table["shard"].tolist() == [0, 0, 1, 2] and table["episode_id"].tolist() == [0, 1, 0, 0]
-    assert table["length"].tolist() == [len(shard_episode(view.shards[s], i)["action"]) for s, i in
-                                        zip(table["shard"], table["episode_id"])]
+    assert table["length"].tolist() == [
+        len(shard_episode(view.shards[s], i)["action"]) for s, i in zip(table["shard"], table["episode_id"])
+    ]
     assert int(table["length"].sum()) == len(view)
     assert_episode_equal(view.episode("actor-1", 0), shard_episode("actor-1", 0))
     assert_episode_equal(view.episode(2, 0), shard_episode("actor-9", 0))  # a shard's position, as in the table
@@ -176,7 +231,7 @@ def test_refresh_finds_new_episodes_and_new_shards(tmp_path):
         store.close()
     view.close()
     with pytest.raises(StoreError, match="closed"):
-        view.num_episodes
+        _ = view.num_episodes
 
 
 def test_spaces_must_match_the_dataset(tmp_path):
@@ -229,7 +284,9 @@ def test_a_plain_store_is_unchanged(tmp_path):
         open_store(path, OBS, ACT, shard="actor-0", info_keys=INFO)
     after = _files(path)
     assert after.keys() == before.keys()
-    assert {k: v for k, v in after.items() if k != "writer.lock"} == {k: v for k, v in before.items() if k != "writer.lock"}
+    assert {k: v for k, v in after.items() if k != "writer.lock"} == {
+        k: v for k, v in before.items() if k != "writer.lock"
+    }
     with pytest.raises(NotAStoreError, match="pass observation_space"):
         open_store(str(tmp_path / "nothing"))
 
@@ -269,7 +326,10 @@ def test_a_hostile_root_marker_is_refused(tmp_path, case):
     root = tmp_path / "dataset"
     root.mkdir()
     marker = root / MARKER_KEY
-    expected, match = CorruptStoreError, {"huge": "more than", "a directory": "not a regular file"}.get(case, "symbolic")
+    expected, match = (
+        CorruptStoreError,
+        {"huge": "more than", "a directory": "not a regular file"}.get(case, "symbolic"),
+    )
     if case in HOSTILE:
         raw, expected, match = HOSTILE[case]
         marker.write_bytes(raw)
@@ -287,3 +347,36 @@ def test_a_hostile_root_marker_is_refused(tmp_path, case):
         open_store(str(root), OBS, ACT, shard="actor-0", info_keys=INFO)
     assert sorted(p.name for p in root.iterdir()) == [MARKER_KEY]
     assert "her_store_evil" not in sys.modules
+
+
+def test_view_sampler_draws_uniformly_over_every_shard(tmp_path):
+    """The view's sampler is a MixtureSampler over the shards weighted by transitions: each shard's share of a batch
+    is its share of the committed transitions, every transition is drawn, a row's source and episode id name the
+    episode it was read from, and shards created later join at refresh."""
+    obs, act = fetch_spaces()
+    root = str(tmp_path / "dataset")
+    lengths = {"actor-0": 3, "actor-1": 9}  # episodes of 10 steps: a quarter and three quarters of the transitions
+    for shard, n in lengths.items():
+        with open_store(root, obs, act, shard=shard) as store:
+            for i in range(n):
+                store.append_episode(make_episode(obs, act, 10, seed=100 * int(shard[-1]) + i))
+    view = open_store(root)
+    sampler = view.sampler(batch_size=4000, n_sampled_goal=0, seed=0, reward_fn=lambda a, d, info: -np.ones(len(a)))
+    batch = sampler.sample()
+    source, ids, steps = (batch.source.numpy(), batch.episode_ids.numpy(), batch.steps.numpy())
+    share = np.bincount(source, minlength=2) / len(source)
+    assert abs(share[0] - 0.25) < 5 * np.sqrt(0.25 * 0.75 / len(source)), share
+    assert len(set(zip(source.tolist(), ids.tolist(), steps.tolist()))) == 120  # every transition is drawn
+    for k in range(0, len(source), 97):
+        want = make_episode(obs, act, 10, seed=100 * source[k] + ids[k])
+        np.testing.assert_array_equal(batch.observations["observation"][k].numpy(), want["observation"][steps[k]])
+        np.testing.assert_array_equal(batch.actions[k].numpy(), want["action"][steps[k]])
+
+    with open_store(root, obs, act, shard="actor-2") as store:
+        for i in range(12):
+            store.append_episode(make_episode(obs, act, 10, seed=200 + i))
+    sampler.refresh()
+    share = np.bincount(sampler.sample().source.numpy(), minlength=3) / 4000
+    assert abs(share[2] - 0.5) < 5 * np.sqrt(0.25 / 4000), share
+    sampler.close()
+    view.close()
