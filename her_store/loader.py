@@ -1,8 +1,8 @@
-"""HerIterableDataset: HER batches of a store for a torch DataLoader, one store handle per worker process.
+"""HerIterableDataset: HER batches of a store or sharded dataset for a torch DataLoader, one handle per worker.
 
 The dataset object holds only where the data is and how to sample it (picklable, so ``spawn`` workers get it);
-each worker opens its own read-only handle and :class:`~her_store.sampler.HerSampler` when its iteration starts,
-after the fork or spawn, so no file descriptor, map or thread of the parent is ever shared. Every
+each worker opens its own read-only handle (:func:`open_source`) and sampler when its iteration starts, after the
+fork or spawn, so no file descriptor, map or thread of the parent is ever shared. Every
 ``(seed, rank, worker, epoch, pass)`` seeds its own generator through numpy's SeedSequence, so no two workers of
 any rank draw the same batch stream and a run draws the same streams again.
 """
@@ -20,7 +20,10 @@ import torch
 import torch.distributed
 from torch.utils.data import IterableDataset, get_worker_info
 
+from her_store.mixture import MixtureSampler
 from her_store.sampler import HerBatch, HerSampler
+from her_store.sharded import ShardedView, is_sharded
+from her_store.storage import Location
 from her_store.store import EpisodeStore
 
 __all__ = ["HerIterableDataset", "StoreSource", "open_source"]
@@ -43,10 +46,11 @@ def open_source(source: StoreSource, storage_options: Mapping[str, Any] | None =
     Parameters
     ----------
     source : str, PathLike or callable
-        A store's path or URL, opened read-only (``EpisodeStore.open(source, "r", storage_options)``); or a
-        picklable callable taking no arguments that returns what :class:`~her_store.sampler.HerSampler` samples
-        from (a read-only store, or a read view over a dataset's shards) with a ``close()`` method. A callable is
-        how other views plug in, e.g. ``functools.partial(EpisodeStore.open, url, "r", storage_options=opts)``.
+        A store's path or URL, opened read-only (``EpisodeStore.open(source, "r", storage_options)``), or a sharded
+        dataset's root, opened as a read view over every shard (:class:`~her_store.sharded.ShardedView`). Or a
+        picklable callable taking no arguments that returns a read-only :class:`EpisodeStore` or a view with
+        ``sampler(batch_size, seed=..., **kwargs)`` and ``close()`` (as ShardedView has): this is how other views
+        plug in, e.g. ``functools.partial(EpisodeStore.open, url, "r", storage_options=opts)``.
     storage_options : mapping, optional
         fsspec options of a path or URL (a callable carries its own).
 
@@ -60,8 +64,28 @@ def open_source(source: StoreSource, storage_options: Mapping[str, Any] | None =
     >>> store = open_source("runs/fetch")  # doctest: +SKIP
     """
     if callable(source):
-        return source()
+        opened = source()
+        if not isinstance(opened, EpisodeStore) and not all(
+            callable(getattr(opened, m, None)) for m in ("sampler", "close")
+        ):
+            close = getattr(opened, "close", None)
+            if callable(close):
+                close()
+            raise TypeError(
+                f"the source {source!r} returned a {type(opened).__name__}; expected an EpisodeStore or a view with "
+                "sampler(batch_size, seed=..., **kwargs) and close(), such as her_store.sharded.ShardedView"
+            )
+        return opened
+    if is_sharded(Location(source, storage_options)):
+        return ShardedView(source, storage_options)
     return EpisodeStore.open(source, "r", storage_options)
+
+
+def _sampler_of(opened: Any, batch_size: int, seed: int, kwargs: Mapping[str, Any]) -> HerSampler | MixtureSampler:
+    """A store's HerSampler, or the sampler a view makes of itself (uniform over every shard's transitions)."""
+    if isinstance(opened, EpisodeStore):
+        return HerSampler(opened, batch_size, seed=seed, **kwargs)
+    return opened.sampler(batch_size, seed=seed, **kwargs)
 
 
 def _distributed(rank: int | None, world_size: int | None) -> tuple[int, int]:
@@ -81,12 +105,12 @@ def _distributed(rank: int | None, world_size: int | None) -> tuple[int, int]:
 class HerIterableDataset(IterableDataset[HerBatch]):
     """HER batches of a store for ``torch.utils.data.DataLoader(dataset, batch_size=None, num_workers=N)``.
 
-    Each DataLoader worker (and the main process with ``num_workers=0``) opens its own read-only handle and
-    :class:`~her_store.sampler.HerSampler` when its iteration starts (fork or spawn alike) and yields
-    :class:`~her_store.sampler.HerBatch` objects of CPU tensors, ``batch_size`` transitions each; the handle is
-    closed when the iteration ends, is closed or is garbage collected. Batches are drawn as
-    :meth:`HerSampler.sample` draws them: uniformly from the committed episodes, which a worker picks up as they
-    are committed.
+    Each DataLoader worker (and the main process with ``num_workers=0``) opens its own read-only handle when its
+    iteration starts (fork or spawn alike) and yields :class:`~her_store.sampler.HerBatch` objects of CPU tensors,
+    ``batch_size`` transitions each; the handle is closed when the iteration ends, is closed or is garbage
+    collected. Batches are drawn as :class:`~her_store.sampler.HerSampler` draws them, uniformly from the
+    committed transitions, which a worker picks up as they are committed; from a sharded dataset, uniformly over
+    every shard's (the view's :class:`~her_store.mixture.MixtureSampler`; ``batch.source`` is the shard).
 
     Worker ``w`` of rank ``r`` seeds its generator with ``SeedSequence(seed, spawn_key=(r, w, epoch, pass))``
     (numpy's spawn mixing), where ``pass`` counts the iterations this copy of the dataset has started: streams
@@ -98,8 +122,8 @@ class HerIterableDataset(IterableDataset[HerBatch]):
     Parameters
     ----------
     source : str, PathLike or callable
-        A store's path or URL, or a picklable callable returning a read-only store or sharded view (see
-        :func:`open_source`, the one place data is opened).
+        A store's or a sharded dataset's path or URL, or a picklable callable returning a read-only store or view
+        (see :func:`open_source`, the one place data is opened).
     batch_size : int
         Transitions per batch.
     seed : int, optional
@@ -114,7 +138,7 @@ class HerIterableDataset(IterableDataset[HerBatch]):
         ``batches_per_epoch // world_size`` of them (so it must divide evenly: ranks of a distributed run step
         together) split across its workers. None: endless (stop the loop yourself).
     **her_sampler_kwargs
-        Passed to :class:`~her_store.sampler.HerSampler` in each worker (``n_sampled_goal``,
+        Passed to :class:`~her_store.sampler.HerSampler` (a view's sampler) in each worker (``n_sampled_goal``,
         ``goal_selection_strategy``, ``reward_fn``, ...); with spawn workers they are pickled, so a ``reward_fn``
         must be a module-level function. ``device`` is not taken: batches stay on the CPU
         (``DataLoader(..., pin_memory=True)`` and ``.to("cuda", non_blocking=True)`` in the loop).
@@ -220,7 +244,7 @@ class HerIterableDataset(IterableDataset[HerBatch]):
             e.add_note(f"HerIterableDataset (rank {self.rank}, worker {worker}) opening {self.source!r}")
             raise
         try:
-            with HerSampler(store, self.batch_size, seed=seed, **self.her_sampler_kwargs) as sampler:
+            with _sampler_of(store, self.batch_size, seed, self.her_sampler_kwargs) as sampler:
                 for _ in itertools.repeat(None) if count is None else range(count):
                     yield sampler.sample()
         finally:

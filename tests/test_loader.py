@@ -12,8 +12,9 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader
 
-from her_store import EpisodeStore, NotAStoreError
+from her_store import EpisodeStore, NotAStoreError, open_store
 from her_store.loader import HerIterableDataset
+from her_store.sharded import ShardedView
 from tests.conftest import fetch_spaces, make_episode
 
 B = 8
@@ -175,6 +176,26 @@ def test_a_callable_source_is_opened_per_iteration_and_closed(store_path):
     del endless
     gc.collect()
     assert opened[1]._closed
+    with pytest.raises(TypeError, match="returned a dict; expected an EpisodeStore or a view"):
+        next(iter(dataset(dict)))
+
+
+def test_a_sharded_datasets_root_samples_every_shard(tmp_path):
+    obs, act = fetch_spaces()
+    root = str(tmp_path / "dataset")
+    for s, name in enumerate(("actor-0", "actor-1")):
+        with open_store(root, obs, act, shard=name) as shard:
+            for i in range(4):
+                shard.append_episode(make_episode(obs, act, T=6 + i, seed=10 * s + i))
+    batches = load(dataset(root, batch_size=32, batches_per_epoch=2))
+    with ShardedView(root) as view:
+        for b in batches:
+            for i, (s, e, t) in enumerate(zip(b.source.tolist(), b.episode_ids.tolist(), b.steps.tolist())):
+                ep = view.episode(s, e)
+                np.testing.assert_array_equal(b.observations["observation"][i].numpy(), ep["observation"][t])
+                np.testing.assert_array_equal(b.actions[i].numpy(), ep["action"][t])
+    assert set(torch.cat([b.source for b in batches]).tolist()) == {0, 1}
+    assert draws(batches[:1]) != draws(batches[1:])
 
 
 def test_bad_arguments_are_refused_here(store_path):
