@@ -164,6 +164,9 @@ def test_where_a_sharded_dataset_cannot_be_written_or_listed(tmp_path):
     root = str(tmp_path / "dataset")
     with open_store(root, OBS, ACT, shard="actor-0", info_keys=INFO) as store:
         store.append_episode(shard_episode("actor-0", 0))
+    with pytest.raises(NotAStoreError, match="pass observation_space and action_space"):
+        open_store(str(tmp_path / "nothing"), shard="actor-0")  # no dataset to take spaces from
+    assert not os.path.exists(tmp_path / "nothing")
     with pytest.raises(StoreError, match="commit_interval"):  # a reader takes storage_options only
         open_store(root, commit_interval=0)
     with serving(str(tmp_path)) as base:
