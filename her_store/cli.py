@@ -12,6 +12,7 @@ import argparse
 import importlib
 import sys
 import time
+import warnings
 from collections.abc import Sequence
 
 import numpy as np
@@ -135,7 +136,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         p.error(f"unrecognized arguments: {' '.join(rest)}")
     args.train_args = rest
     try:
-        return int(args.func(args))
+        with warnings.catch_warnings():  # a library's warning (a cast stated, episodes left out) as one line
+            warnings.showwarning = lambda message, *_: print(f"her-store {args.command}: {message}", file=sys.stderr)
+            return int(args.func(args))
     except KeyboardInterrupt:
         print(f"her-store {args.command}: interrupted", file=sys.stderr)
         return 130

@@ -3,8 +3,8 @@
 This module is the format registry and the ``her-store export`` / ``her-store import`` commands; each format lives in
 its own module (``npz``, ``hdf5``, ``minari``, ``ogbench``, ``sb3_pickle``), imported only when it is used, with
 
-- ``export_<fmt>(store, episode_ids, dest, *, progress=False) -> None`` (whole episodes, in the format's own
-  conventions, with the store's spaces and dataset card), and
+- ``export_<fmt>(store, episode_ids, dest, *, progress=False) -> (episodes, transitions)`` (whole episodes, in the
+  format's own conventions, with the store's spaces and dataset card; the counts written), and
 - ``import_<fmt>(source, store_path, *, progress=False) -> int`` (a NEW store at ``store_path``; the number of
   episodes imported).
 
@@ -28,6 +28,7 @@ import os
 import re
 import shutil
 import tokenize
+import warnings
 import zipfile
 import zlib
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -37,7 +38,7 @@ import numpy as np
 
 from her_store import _frames
 from her_store.card import check_card
-from her_store.errors import CorruptStoreError, short_repr
+from her_store.errors import CorruptStoreError, EpisodeNotFoundError, short_repr
 from her_store.progress import progress as progress_bar
 from her_store.reader import ChunkReader, MappedArray
 from her_store.schema import Field, Schema
@@ -51,6 +52,7 @@ __all__ = [
     "Batch",
     "NpzReader",
     "add_arguments",
+    "exact_cast",
     "export_store",
     "guess_format",
     "header_of",
@@ -230,7 +232,11 @@ def read_batches(
     store: EpisodeStore, episode_ids: np.ndarray, progress: bool, what: str, batch_rows: int = 1 << 18
 ) -> Iterator[Batch]:
     """The episodes ``episode_ids`` of ``store``, in order, in batches of about ``batch_rows`` rows, each episode
-    checked against its crc32 (a damaged or evicted one raises), with a progress bar over episodes.
+    checked against its crc32, with a progress bar over episodes.
+
+    A ring store's writer may evict the oldest episodes while they are read: those that fail their check and lie
+    below the store's live range by then (:meth:`EpisodeStore.live_first`) are left out, as ``copy`` and ``pack``
+    leave them, with one warning naming them. A damaged episode of the live range raises CorruptStoreError.
 
     A store of uncompressed arrays is read a batch at a time (one gather of every row of the batch per array, then
     one crc32 per episode and array, as :meth:`EpisodeStore.episode` checks them): the fixed cost of reading one
@@ -246,36 +252,67 @@ def read_batches(
     ids = np.asarray(episode_ids, np.int64)
     lengths = lengths_of(store, ids)
     schema = store.schema
+    evicted: list[int] = []
     with progress_bar(len(ids), what, progress, unit="episode") as bar:
-        if any(spec.compressed or spec.sharded for spec in store.layout.arrays):
-            for i, T in zip(ids.tolist(), lengths.tolist()):
-                ep = store.episode(i)
-                yield Batch(np.array([i]), np.array([T]), {f.name: ep[f.name] for f in schema.fields}, schema)
-                bar.update(1)
-            return
-        table = store.episodes
-        pos = ids - store.first_episode
-        starts, crcs = table["start_row"][pos], table["crc32"][pos]
-        reader = ChunkReader(store, io_threads=0)
-        for array in reader.arrays.values():
-            if isinstance(array, MappedArray):  # rows are read in order here: let the kernel read ahead
-                array.random_access = False
-        reader.observe(store.snapshot())
         try:
-            rows = np.cumsum(lengths + 1)
-            cut = np.searchsorted(rows, np.arange(batch_rows, int(rows[-1]), batch_rows), side="right")
-            for a, b in itertools.pairwise([0, *np.unique(cut).tolist(), len(ids)]):
-                if a < b:
-                    yield _gathered(store, reader, ids[a:b], lengths[a:b], starts[a:b], crcs[a:b])
-                    bar.update(b - a)
+            if any(spec.compressed or spec.sharded for spec in store.layout.arrays):
+                for i, T in zip(ids.tolist(), lengths.tolist()):
+                    bar.update(1)
+                    try:
+                        ep = store.episode(i)
+                    except (CorruptStoreError, EpisodeNotFoundError):
+                        if i >= store.live_first():
+                            raise
+                        evicted.append(i)
+                        continue
+                    yield Batch(np.array([i]), np.array([T]), {f.name: ep[f.name] for f in schema.fields}, schema)
+            else:
+                yield from _read_uncompressed(store, ids, lengths, batch_rows, bar, evicted)
+            if len(evicted) == len(ids):
+                raise ValueError(
+                    f"{store.url}: every episode selected was evicted by the store's writer while it was read; "
+                    "select newer episodes (--episodes -N:) or export once the writer has stopped"
+                )
         finally:
-            reader.close()
+            if evicted:
+                warnings.warn(
+                    f"{store.url}: {len(evicted)} episodes ({short_repr(evicted)}) were evicted by the store's writer "
+                    "while they were read and are left out", stacklevel=2,
+                )
+
+
+def _read_uncompressed(
+    store: EpisodeStore, ids: np.ndarray, lengths: np.ndarray, batch_rows: int, bar: Any, evicted: list[int]
+) -> Iterator[Batch]:
+    """:func:`read_batches` of a store of uncompressed arrays: each batch's rows gathered at once."""
+    table = store.episodes
+    pos = ids - store.first_episode
+    starts, crcs = table["start_row"][pos], table["crc32"][pos]
+    reader = ChunkReader(store, io_threads=0)
+    for array in reader.arrays.values():
+        if isinstance(array, MappedArray):  # rows are read in order here: let the kernel read ahead
+            array.random_access = False
+    reader.observe(store.snapshot())
+    try:
+        rows = np.cumsum(lengths + 1)
+        cut = np.searchsorted(rows, np.arange(batch_rows, int(rows[-1]), batch_rows), side="right")
+        for a, b in itertools.pairwise([0, *np.unique(cut).tolist(), len(ids)]):
+            if a < b:
+                batch = _gathered(store, reader, ids[a:b], lengths[a:b], starts[a:b], crcs[a:b], evicted)
+                if len(batch.ids):
+                    yield batch
+                bar.update(b - a)
+    finally:
+        reader.close()
 
 
 def _gathered(
-    store: EpisodeStore, reader: ChunkReader, ids: np.ndarray, lengths: np.ndarray, starts: np.ndarray, crcs: np.ndarray
+    store: EpisodeStore, reader: ChunkReader, ids: np.ndarray, lengths: np.ndarray, starts: np.ndarray, crcs: np.ndarray,
+    evicted: list[int],
 ) -> Batch:
-    """One batch of a store of uncompressed arrays: every row gathered at once, each episode's crc32 checked."""
+    """One batch of a store of uncompressed arrays: every row gathered at once, each episode's crc32 checked; the
+    episodes the writer evicted meanwhile (below its live range, the batch's first ones) are added to ``evicted``
+    and left out."""
     n = lengths + 1
     first = np.cumsum(n) - n  # each episode's first row in the batch
     rows = np.repeat(starts - first, n) + np.arange(int(n.sum()))
@@ -293,13 +330,21 @@ def _gathered(
             part = (data[:, lo:hi] if spec.is_pack else data).reshape(len(rows), *f.shape)
             fields[name] = part[~last] if f.per_step else np.ascontiguousarray(part)
     bad = np.flatnonzero(crc.astype(np.int64) != crcs.astype(np.int64))
-    if len(bad):
-        k = int(bad[0])
+    if not len(bad):
+        return Batch(ids, lengths, fields, store.schema)
+    live = int(np.searchsorted(ids, store.live_first()))  # eviction is committed before a row is overwritten
+    if bad[-1] >= live:
+        k = int(bad[bad >= live][0])
         raise CorruptStoreError(
             f"{store.url}: rows {int(starts[k])}..{int(starts[k] + lengths[k])} of episode {int(ids[k])} do not match "
-            "the crc32 recorded when they were written (or the episode was evicted while it was read)"
+            "the crc32 recorded when they were written"
         )
-    return Batch(ids, lengths, fields, store.schema)
+    evicted.extend(ids[:live].tolist())
+    kept = np.repeat(np.arange(len(ids)) >= live, lengths + 1)  # the episodes' rows, observation rows included
+    out = {}
+    for f in store.schema.fields:
+        out[f.name] = fields[f.name][kept[~last] if f.per_step else kept]
+    return Batch(ids[live:], lengths[live:], out, store.schema)
 
 
 def lengths_of(store: EpisodeStore, episode_ids: np.ndarray) -> np.ndarray:
@@ -309,6 +354,53 @@ def lengths_of(store: EpisodeStore, episode_ids: np.ndarray) -> np.ndarray:
     if len(pos) and (pos.min() < 0 or pos.max() >= len(table["length"])):
         raise ValueError(f"episode ids {short_repr(episode_ids)} are not all live in {store.url}")
     return table["length"][pos].astype(np.int64)
+
+
+def exact_cast(values: Any, dtype: np.dtype, where: str, name: str, episode: int, noted: set[str]) -> np.ndarray:
+    """``values`` (an array read from a file made elsewhere) in the store's ``dtype``, when the cast keeps every value.
+
+    A cast is exact when casting back gives every value again (NaN stays NaN): bool to uint8, float64 values that
+    float32 holds, int64 values inside int16's range. The first cast of each ``name`` is stated as a warning (the
+    caller keeps ``noted`` for one import). A cast that would change a value (float64 digits float32 drops, an
+    integer out of range, NaN into an integer or a flag, 0.5 into a flag) is refused.
+
+    Raises
+    ------
+    ValueError
+        Naming ``where`` (the file), ``name``, ``episode`` (its number in the file), the file's dtype, the store's
+        and the first value that would change.
+
+    Examples
+    --------
+    >>> noted = set()
+    >>> exact_cast(np.array([-1.0, 0.0]), np.dtype("<f4"), "x.npz", "rewards", 0, noted)
+    array([-1.,  0.], dtype=float32)
+    >>> exact_cast(np.array([0.1]), np.dtype("<f4"), "x.npz", "rewards", 1, noted)  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ValueError: x.npz: rewards is float64 in the file and float32 in the store: casting would change 0.1 at (0,) ...
+    """
+    values, dtype = np.asarray(values), np.dtype(dtype)
+    if values.dtype == dtype:
+        return values
+    if values.dtype.kind not in "biuf":
+        raise ValueError(f"{where}: {name} is {values.dtype} in the file; expected numbers ({dtype})")
+    with np.errstate(invalid="ignore", over="ignore"):  # what the cast breaks is found below, by casting back
+        cast = values.astype(dtype)
+        back = cast.astype(values.dtype)
+    kept = back == values
+    if values.dtype.kind == "f":
+        kept |= np.isnan(values) & np.isnan(back)
+    if not kept.all():
+        at = tuple(int(i) for i in np.unravel_index(np.argmin(kept), kept.shape))
+        raise ValueError(
+            f"{where}: {name} is {values.dtype} in the file and {dtype} in the store: casting would change "
+            f"{values[at].item()!r} at {at} of episode {episode} to {cast[at].item()!r}; refused"
+        )
+    if name not in noted:
+        noted.add(name)
+        warnings.warn(f"{where}: {name} is {values.dtype} in the file, stored as {dtype} (every value kept exactly)",
+                      stacklevel=2)
+    return cast
 
 
 # -- npz members, streamed ------------------------------------------------------------------------------------------
@@ -355,43 +447,42 @@ def write_npz(
     path: str,
     members: Mapping[str, tuple[np.dtype, tuple[int, ...]]],
     rows: Iterable[Mapping[str, np.ndarray]],
-    small: Mapping[str, np.ndarray],
+    small: Callable[[], Mapping[str, np.ndarray]],
 ) -> None:
     """Write an uncompressed npz (what :func:`numpy.load` reads, ``allow_pickle=False``) whose big members are
     filled piece by piece.
 
-    ``members`` gives each big member's dtype and full shape; ``rows`` yields, piece after piece, the next rows of
-    every member (a mapping member -> rows; each member's rows in order). Each member is first appended to its own
-    ``.npy`` scratch file beside ``path`` (memory stays bounded), then copied whole into the zip, which holds each
-    member contiguous as npz needs. ``small`` members are written from memory.
+    ``members`` gives each big member's dtype and row shape; ``rows`` yields, piece after piece, the next rows of
+    every member (a mapping member -> rows; each member's rows in order); a member holds the rows it was given. Each
+    member is first appended to its own ``.npy`` scratch file beside ``path`` (memory stays bounded), its header
+    rewritten with the final row count, then copied whole into the zip, which holds each member contiguous as npz
+    needs. ``small()``, called once every piece is written, gives the members written from memory.
 
     Raises
     ------
     ValueError
-        A piece does not match its member's dtype or row shape, or the pieces do not fill every member exactly.
+        A piece does not match its member's dtype or row shape.
     """
     scratch = f"{path}.members"
     os.mkdir(scratch)
     files: dict[str, Any] = {}
     try:
         filled = dict.fromkeys(members, 0)
-        for k, (name, (dt, shape)) in enumerate(members.items()):
+        for k, (name, (dt, row_shape)) in enumerate(members.items()):
             files[name] = open(os.path.join(scratch, f"{k}.npy"), "w+b")  # noqa: SIM115 - closed in finally
-            head = {"descr": np.lib.format.dtype_to_descr(np.dtype(dt)), "fortran_order": False, "shape": tuple(shape)}
-            np.lib.format.write_array_header_2_0(files[name], head)
+            files[name].write(_npy_header(np.dtype(dt), (_NPY_ROWS_RESERVED, *row_shape)))
         for piece in rows:
             for name, a in piece.items():
-                dt, shape = members[name]
-                at = filled[name]
-                if a.dtype != dt or a.shape[1:] != tuple(shape[1:]) or at + len(a) > shape[0]:
-                    raise ValueError(f"npz member {name!r}: rows {a.dtype}{a.shape} do not fit {dt}{shape} at {at}")
+                dt, row_shape = members[name]
+                if a.dtype != dt or a.shape[1:] != tuple(row_shape):
+                    raise ValueError(f"npz member {name!r}: rows {a.dtype}{a.shape} do not fit {dt}{tuple(row_shape)}")
                 files[name].write(np.ascontiguousarray(a).data.cast("B"))
-                filled[name] = at + len(a)
-        short = [n for n, (_, shape) in members.items() if filled[n] != shape[0]]
-        if short:
-            raise ValueError(f"npz members {short} were not filled (the store changed while it was exported?)")
+                filled[name] += len(a)
+        for name, (dt, row_shape) in members.items():  # the same header length: the reserved count is the widest
+            files[name].seek(0)
+            files[name].write(_npy_header(np.dtype(dt), (filled[name], *row_shape), _npy_header_size(dt, row_shape)))
         with zipfile.ZipFile(path, "w", zipfile.ZIP_STORED, allowZip64=True) as zf:
-            for name, a in small.items():
+            for name, a in small().items():
                 with zf.open(f"{name}.npy", "w", force_zip64=True) as f:
                     np.lib.format.write_array(f, np.ascontiguousarray(a), allow_pickle=False)
             for name, f in files.items():
@@ -404,6 +495,22 @@ def write_npz(
             with contextlib.suppress(OSError):  # a full disk fails the flush again: the scratch goes all the same
                 f.close()
         shutil.rmtree(scratch, ignore_errors=True)
+
+
+_NPY_ROWS_RESERVED = 10**18  # the row count a member's header is first written with: as wide as any it will hold
+
+
+def _npy_header_size(dtype: np.dtype, row_shape: tuple[int, ...]) -> int:
+    return len(_npy_header(np.dtype(dtype), (_NPY_ROWS_RESERVED, *row_shape)))
+
+
+def _npy_header(dtype: np.dtype, shape: tuple[int, ...], size: int | None = None) -> bytes:
+    """An ``.npy`` version 2.0 header of ``size`` bytes (padded with spaces; by default to a multiple of 64)."""
+    text = repr({"descr": np.lib.format.dtype_to_descr(dtype), "fortran_order": False, "shape": tuple(shape)})
+    body = text.encode("latin1")
+    size = size if size is not None else -(-(12 + len(body) + 1) // 64) * 64
+    body += b" " * (size - 12 - len(body) - 1) + b"\n"
+    return b"\x93NUMPY\x02\x00" + len(body).to_bytes(4, "little") + body
 
 
 class NpzReader:
@@ -534,7 +641,8 @@ def export_store(
     progress: bool = False,
 ) -> tuple[int, int]:
     """Export the episodes ``episodes`` names (a selection, :func:`her_store.selection.parse_selection`; None: all)
-    of the store at ``source`` to ``dest`` as ``fmt``. Returns ``(episodes, transitions)`` written.
+    of the store at ``source`` to ``dest`` as ``fmt``. Returns ``(episodes, transitions)`` written (fewer than
+    selected when a ring's writer evicted some while they were read: :func:`read_batches`).
 
     Examples
     --------
@@ -550,9 +658,7 @@ def export_store(
                 f"no episode to export: {store.url} holds episodes {store.first_episode}..{store.end_episode - 1}"
                 + (f", the selection {episodes!r} names none of them" if episodes else "")
             )
-        transitions = int(lengths_of(store, ids).sum())
-        export(store, ids, dest, progress=progress)
-    return len(ids), transitions
+        return tuple(export(store, ids, dest, progress=progress))
 
 
 def guess_format(source: str | os.PathLike[str]) -> str:

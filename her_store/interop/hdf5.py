@@ -45,8 +45,9 @@ _EPISODE = re.compile(r"^episode_(\d{1,18})$")
 
 def export_hdf5(
     store: EpisodeStore, episode_ids: np.ndarray, dest: str | os.PathLike[str], *, progress: bool = False
-) -> None:
-    """Write episodes ``episode_ids`` of ``store`` to the HDF5 file ``dest`` (layout in the module docstring).
+) -> tuple[int, int]:
+    """Write episodes ``episode_ids`` of ``store`` to the HDF5 file ``dest`` (layout in the module docstring); returns
+    the episodes and transitions written.
 
     Raises
     ------
@@ -62,8 +63,9 @@ def export_hdf5(
     ids = np.asarray(episode_ids, np.int64)
     with staged_file(dest) as tmp, h5py.File(tmp, "w") as f:
         f.attrs[HEADER_KEY] = json.dumps(header_of(store, "hdf5"))
-        steps = 0
+        episodes = steps = 0
         for batch in read_batches(store, ids, progress, "exporting hdf5"):
+            episodes += len(batch.ids)
             for i, ep in batch.episodes():
                 g = f.create_group(f"episode_{i}")
                 g.attrs["id"] = i
@@ -72,8 +74,9 @@ def export_hdf5(
                 for field in store.schema.fields:
                     g.create_dataset(minari_name(field), data=ep[field.name])
             steps += int(batch.lengths.sum())
-        f.attrs["total_episodes"] = len(ids)
+        f.attrs["total_episodes"] = episodes
         f.attrs["total_steps"] = steps
+    return episodes, steps
 
 
 def import_hdf5(source: str | os.PathLike[str], store_path: str | os.PathLike[str], *, progress: bool = False) -> int:

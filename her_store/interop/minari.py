@@ -33,8 +33,7 @@ from gymnasium import spaces
 from her_store.card import check_card
 from her_store.errors import SchemaMismatchError
 from her_store.extras import require
-from her_store.interop import Batch, check_hdf5, minari_name, read_batches
-from her_store.interop.ogbench import exact_cast
+from her_store.interop import Batch, check_hdf5, exact_cast, minari_name, read_batches
 from her_store.progress import progress as progress_bar
 from her_store.schema import DTYPES, GOAL_KEYS, space_from_json, space_to_json
 from her_store.storage import Location, staged_output
@@ -77,8 +76,9 @@ def minari_dataset_id(dataset_id: Any, what: str) -> str:
 
 def export_minari(
     store: EpisodeStore, episode_ids: Sequence[int] | np.ndarray, dest: str | os.PathLike[str], *, progress: bool = False
-) -> None:
-    """Write episodes of ``store`` as a local Minari dataset at ``dest`` (a new directory).
+) -> tuple[int, int]:
+    """Write episodes of ``store`` as a local Minari dataset at ``dest`` (a new directory); returns the episodes and
+    transitions written.
 
     Parameters
     ----------
@@ -101,7 +101,7 @@ def export_minari(
         The id is not a Minari id, the card holds a key Minari writes itself or an ``env_spec`` gymnasium cannot
         read, or ``episode_ids`` is empty.
     CorruptStoreError
-        An episode's rows do not match their crc32 (damaged, or overwritten by a ring writer while read).
+        An episode of the live range whose rows do not match their crc32 (damaged).
     FileExistsError
         ``dest`` exists.
 
@@ -127,8 +127,12 @@ def export_minari(
         raise ValueError(f"no episode to export from {store.url}: a Minari dataset holds at least one")
     info_keys = store.info_keys
 
+    counts = [0, 0]  # episodes, transitions written (a ring's writer may evict some while they are read)
+
     def buffers(batches: Iterable[Batch]) -> Iterator[Any]:
         for batch in batches:
+            counts[0] += len(batch.ids)
+            counts[1] += int(batch.lengths.sum())
             for _, ep in batch.episodes():
                 infos = {k: np.concatenate([np.zeros((1, *ep[k].shape[1:]), ep[k].dtype), ep[k]]) for k in info_keys}
                 yield EpisodeBuffer(
@@ -159,6 +163,7 @@ def export_minari(
         with open(path, "w") as f:
             json.dump({**written, **metadata}, f)
         storage.update_episodes(buffers(itertools.chain([first], batches)))
+    return counts[0], counts[1]
 
 
 def _minari_metadata(
@@ -199,7 +204,7 @@ def import_minari(source: str | os.PathLike[str], store_path: str | os.PathLike[
     booleans become float32); an info of ``T + 1`` rows (Minari's DataCollector: the reset's info first) is stored
     from its second row, one of ``T`` rows whole. Other infos are skipped with a warning. An array whose dtype is not
     its space's (rewards in float64, observations saved in float64 under a float32 Box) is cast only when every value
-    survives exactly (:func:`~her_store.interop.ogbench.exact_cast`), which is stated once per array as a warning;
+    survives exactly (:func:`~her_store.interop.exact_cast`), which is stated once per array as a warning;
     a cast that would change a value is refused.
 
     Raises

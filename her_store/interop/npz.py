@@ -16,14 +16,15 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Iterator
 
 import numpy as np
 
 from her_store.interop import (
     HEADER_KEY,
+    Batch,
     NpzReader,
     header_of,
-    lengths_of,
     minari_name,
     read_batches,
     read_npz_header,
@@ -39,8 +40,9 @@ __all__ = ["export_npz", "import_npz"]
 
 def export_npz(
     store: EpisodeStore, episode_ids: np.ndarray, dest: str | os.PathLike[str], *, progress: bool = False
-) -> None:
-    """Write episodes ``episode_ids`` of ``store`` to the npz file ``dest`` (layout in the module docstring).
+) -> tuple[int, int]:
+    """Write episodes ``episode_ids`` of ``store`` to the npz file ``dest`` (layout in the module docstring); returns
+    the episodes and transitions written.
 
     Memory stays bounded: each field is filled in a memory-mapped scratch file beside ``dest``, then stored in the
     zip. ``dest`` appears only when the whole file is written.
@@ -56,21 +58,25 @@ def export_npz(
     ...     export_npz(store, np.arange(store.first_episode, store.end_episode), "point.npz")
     """
     ids = np.asarray(episode_ids, np.int64)
-    lengths = lengths_of(store, ids)
     fields = store.schema.fields
-    members = {
-        minari_name(f): (f.dtype, (int(lengths.sum()) + (0 if f.per_step else len(ids)), *f.shape)) for f in fields
-    }
-    pieces = (
-        {minari_name(f): b.fields[f.name] for f in fields} for b in read_batches(store, ids, progress, "exporting npz")
-    )
-    small = {
-        HEADER_KEY: np.frombuffer(json.dumps(header_of(store, "npz")).encode(), np.uint8),
-        "episode_lengths": lengths,
-        "episode_ids": ids,
-    }
+    members = {minari_name(f): (f.dtype, f.shape) for f in fields}
+    written: list[Batch] = []  # ids and lengths of the episodes written (a ring's writer may evict some meanwhile)
+
+    def pieces() -> Iterator[dict[str, np.ndarray]]:
+        for b in read_batches(store, ids, progress, "exporting npz"):
+            written.append(Batch(b.ids, b.lengths, {}, b.schema))
+            yield {minari_name(f): b.fields[f.name] for f in fields}
+
+    def small() -> dict[str, np.ndarray]:
+        return {
+            HEADER_KEY: np.frombuffer(json.dumps(header_of(store, "npz")).encode(), np.uint8),
+            "episode_lengths": np.concatenate([b.lengths for b in written]).astype(np.int64),
+            "episode_ids": np.concatenate([b.ids for b in written]).astype(np.int64),
+        }
+
     with staged_file(dest) as tmp:
-        write_npz(tmp, members, pieces, small)
+        write_npz(tmp, members, pieces(), small)
+    return sum(len(b.ids) for b in written), sum(int(b.lengths.sum()) for b in written)
 
 
 def import_npz(source: str | os.PathLike[str], store_path: str | os.PathLike[str], *, progress: bool = False) -> int:

@@ -22,7 +22,7 @@ is 0 (never, without masks); the last step is ``truncated`` unless it terminated
 unbounded Boxes in the file's dtypes (``[0, 255]`` for uint8 images; bool arrays as int8 0/1).
 
 An array whose dtype is not the store's (``rewards`` in float64, ``truncations`` as 0/1 floats, a bool array kept
-as int8) is cast only when every value survives the cast exactly (:func:`exact_cast`, which the Minari import uses
+as int8) is cast only when every value survives the cast exactly (:func:`her_store.interop.exact_cast`, which the Minari import uses
 too): the cast is stated once per array as a warning; a value the cast would change is refused, naming the file, the
 array and both dtypes.
 """
@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import json
 import os
-import warnings
 from typing import Any
 
 import numpy as np
@@ -40,8 +39,8 @@ from gymnasium import spaces
 from her_store.interop import (
     HEADER_KEY,
     NpzReader,
+    exact_cast,
     header_of,
-    lengths_of,
     read_batches,
     read_npz_header,
     staged_file,
@@ -52,7 +51,7 @@ from her_store.progress import progress as progress_bar
 from her_store.schema import Field, Schema
 from her_store.store import EpisodeStore
 
-__all__ = ["exact_cast", "export_ogbench", "import_ogbench"]
+__all__ = ["export_ogbench", "import_ogbench"]
 
 _FIXED = {
     "observation": "observations",
@@ -68,57 +67,11 @@ def _array_name(field: Field) -> str:
     return _FIXED.get(field.name, field.name)
 
 
-def exact_cast(values: Any, dtype: np.dtype, where: str, name: str, episode: int, noted: set[str]) -> np.ndarray:
-    """``values`` (an array read from a file made elsewhere) in the store's ``dtype``, when the cast keeps every value.
-
-    A cast is exact when casting back gives every value again (NaN stays NaN): bool to uint8, float64 values that
-    float32 holds, int64 values inside int16's range. The first cast of each ``name`` is stated as a warning (the
-    caller keeps ``noted`` for one import). A cast that would change a value (float64 digits float32 drops, an
-    integer out of range, NaN into an integer or a flag, 0.5 into a flag) is refused.
-
-    Raises
-    ------
-    ValueError
-        Naming ``where`` (the file), ``name``, ``episode`` (its number in the file), the file's dtype, the store's
-        and the first value that would change.
-
-    Examples
-    --------
-    >>> noted = set()
-    >>> exact_cast(np.array([-1.0, 0.0]), np.dtype("<f4"), "x.npz", "rewards", 0, noted)
-    array([-1.,  0.], dtype=float32)
-    >>> exact_cast(np.array([0.1]), np.dtype("<f4"), "x.npz", "rewards", 1, noted)  # doctest: +ELLIPSIS
-    Traceback (most recent call last):
-    ValueError: x.npz: rewards is float64 in the file and float32 in the store: casting would change 0.1 at (0,) ...
-    """
-    values, dtype = np.asarray(values), np.dtype(dtype)
-    if values.dtype == dtype:
-        return values
-    if values.dtype.kind not in "biuf":
-        raise ValueError(f"{where}: {name} is {values.dtype} in the file; expected numbers ({dtype})")
-    with np.errstate(invalid="ignore", over="ignore"):  # what the cast breaks is found below, by casting back
-        cast = values.astype(dtype)
-        back = cast.astype(values.dtype)
-    kept = back == values
-    if values.dtype.kind == "f":
-        kept |= np.isnan(values) & np.isnan(back)
-    if not kept.all():
-        at = tuple(int(i) for i in np.unravel_index(np.argmin(kept), kept.shape))
-        raise ValueError(
-            f"{where}: {name} is {values.dtype} in the file and {dtype} in the store: casting would change "
-            f"{values[at].item()!r} at {at} of episode {episode} to {cast[at].item()!r}; refused"
-        )
-    if name not in noted:
-        noted.add(name)
-        warnings.warn(f"{where}: {name} is {values.dtype} in the file, stored as {dtype} (every value kept exactly)",
-                      stacklevel=2)
-    return cast
-
-
 def export_ogbench(
     store: EpisodeStore, episode_ids: np.ndarray, dest: str | os.PathLike[str], *, progress: bool = False
-) -> None:
-    """Write episodes ``episode_ids`` of ``store`` to ``dest`` in OGBench's npz layout (module docstring).
+) -> tuple[int, int]:
+    """Write episodes ``episode_ids`` of ``store`` to ``dest`` in OGBench's npz layout (module docstring); returns the
+    episodes and transitions written.
 
     Raises
     ------
@@ -139,14 +92,14 @@ def export_ogbench(
     if clash:
         raise ValueError(f"fields {clash} of {store.url} are named like OGBench's own arrays {sorted(RESERVED)}")
     ids = np.asarray(episode_ids, np.int64)
-    rows = int(lengths_of(store, ids).sum()) + len(ids)
-    members = {
-        _array_name(f): (np.dtype("<f4") if f.name == "terminated" else f.dtype, (rows, *f.shape)) for f in fields
-    }
-    members["terminals"] = (np.dtype(bool), (rows,))
+    members = {_array_name(f): (np.dtype("<f4") if f.name == "terminated" else f.dtype, f.shape) for f in fields}
+    members["terminals"] = (np.dtype(bool), ())
+    written = [0, 0]  # episodes, transitions (a ring's writer may evict some while they are read)
 
     def pieces() -> Any:
         for batch in read_batches(store, ids, progress, "exporting ogbench"):
+            written[0] += len(batch.ids)
+            written[1] += int(batch.lengths.sum())
             last = np.zeros(int(batch.lengths.sum()) + len(batch.lengths), bool)
             last[np.cumsum(batch.lengths + 1) - 1] = True  # row T of each episode
             piece = {"terminals": last}
@@ -163,7 +116,8 @@ def export_ogbench(
 
     small = {HEADER_KEY: np.frombuffer(json.dumps(header_of(store, "ogbench")).encode(), np.uint8)}
     with staged_file(dest) as tmp:
-        write_npz(tmp, members, pieces(), small)
+        write_npz(tmp, members, pieces(), lambda: small)
+    return written[0], written[1]
 
 
 def _box(dtype: np.dtype, shape: tuple[int, ...]) -> spaces.Space:
