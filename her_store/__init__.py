@@ -1,8 +1,8 @@
 """her_store: a persistent, disk-backed episode store for Hindsight Experience Replay on Zarr.
 
 Public API: :class:`EpisodeStore`, :func:`open_store`, :class:`StepWriter`, :class:`HerSampler`,
-:class:`HerBatch`, :class:`GoalSelectionStrategy`, :class:`GoalMixture`, :class:`Episode` and the errors in
-:mod:`her_store.errors`.
+:class:`HerBatch`, :class:`MixtureSampler`, :class:`HerIterableDataset`, :class:`GoalSelectionStrategy`,
+:class:`GoalMixture`, :class:`Episode` and the errors in :mod:`her_store.errors`.
 """
 
 from her_store.envs import register as _register_envs
@@ -29,11 +29,19 @@ __version__ = "0.1.0"
 
 
 def __getattr__(name: str) -> object:
-    # The sampler imports torch (seconds); writers, readers and tools that never sample should not pay for it.
+    # The samplers import torch (seconds); writers, readers and tools that never sample should not pay for it.
     if name in ("HerSampler", "HerBatch"):
         from her_store import sampler
 
         return getattr(sampler, name)
+    if name == "MixtureSampler":
+        from her_store.mixture import MixtureSampler
+
+        return MixtureSampler
+    if name == "HerIterableDataset":
+        from her_store.loader import HerIterableDataset
+
+        return HerIterableDataset
     raise AttributeError(f"module 'her_store' has no attribute {name!r}")
 
 _register_envs()
@@ -43,6 +51,8 @@ __all__ = [
     "open_store",
     "HerSampler",
     "HerBatch",
+    "MixtureSampler",
+    "HerIterableDataset",
     "GoalSelectionStrategy",
     "GoalContext",
     "GoalMixture",
