@@ -1,6 +1,6 @@
 """her_store: a persistent, disk-backed episode store for Hindsight Experience Replay on Zarr.
 
-Public API: :class:`EpisodeStore`, :func:`open_store`, :class:`StepWriter`, :class:`HerSampler`,
+Public API: :class:`EpisodeStore`, :func:`open_store`, :class:`ShardedView`, :class:`StepWriter`, :class:`HerSampler`,
 :class:`HerBatch`, :class:`MixtureSampler`, :class:`HerIterableDataset`, :class:`GoalSelectionStrategy`,
 :class:`GoalMixture`, :class:`Episode` and the errors in :mod:`her_store.errors`.
 """
@@ -22,6 +22,7 @@ from her_store.errors import (
 from her_store.format import FORMAT_VERSION
 from her_store.reader import ChunkReader
 from her_store.relabel import GoalContext, GoalMixture, GoalSelectionStrategy
+from her_store.sharded import ShardedView
 from her_store.store import EpisodeStore, open_store
 from her_store.writer import StepWriter
 
@@ -49,6 +50,7 @@ _register_envs()
 __all__ = [
     "EpisodeStore",
     "open_store",
+    "ShardedView",
     "HerSampler",
     "HerBatch",
     "MixtureSampler",

@@ -13,7 +13,7 @@ import os
 import time
 import zlib
 from collections.abc import Mapping, Sequence
-from typing import Any, Literal, cast
+from typing import TYPE_CHECKING, Any, Literal, cast
 
 import numpy as np
 import zarr
@@ -60,6 +60,9 @@ from her_store.storage import (
     chunk_io,
 )
 from her_store.writer import StepWriter
+
+if TYPE_CHECKING:
+    from her_store.sharded import ShardedView
 
 __all__ = ["EpisodeStore", "open_store"]
 
@@ -973,6 +976,13 @@ def _open_root(loc: Location, read_only: bool) -> zarr.Group:
         zarr.errors.GroupNotFoundError,
         zarr.errors.NodeTypeValidationError,
     ) as e:
+        from her_store.sharded import MARKER_KEY  # sharded builds on this module
+
+        if loc.exists(MARKER_KEY):
+            raise NotAStoreError(
+                f"{loc} is a sharded dataset's root: her_store.open_store(root) reads every shard; "
+                f"EpisodeStore.open(root + '/shards/<name>') opens one"
+            ) from e
         raise NotAStoreError(f"{loc} is not a her_store store (no Zarr group there)") from e
     except (ValueError, TypeError, KeyError, AttributeError, OverflowError, RecursionError) as e:  # zarr's parse
         raise CorruptStoreError(f"{loc}/zarr.json is not Zarr v3 group metadata ({short_repr(e)})") from e

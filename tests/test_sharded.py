@@ -169,6 +169,8 @@ def test_where_a_sharded_dataset_cannot_be_written_or_listed(tmp_path):
     assert not os.path.exists(tmp_path / "nothing")
     with pytest.raises(StoreError, match="commit_interval"):  # a reader takes storage_options only
         open_store(root, commit_interval=0)
+    with pytest.raises(NotAStoreError, match=r"sharded dataset's root: her_store.open_store\(root\) reads every shard"):
+        EpisodeStore.open(root)  # the root of a dataset is not itself a store: say what it is
     with serving(str(tmp_path)) as base:
         with pytest.raises(ReadOnlyStoreError, match="HTTP"):
             open_store(f"{base}/dataset", OBS, ACT, shard="actor-0", info_keys=INFO)
