@@ -1,10 +1,11 @@
 """Fault injection for the write path: make the n-th write into a store fail the way a failing machine does.
 
 Counted are the calls that put bytes of the store somewhere: ``os.write``/``os.pwrite``/``os.fsync`` on a file
-under the store's directory, zarr's local ``_put`` (array metadata, compressed chunks) under it, and s3fs PUTs
-(``_pipe_file``) under the store's URL; with ``renames``, also the ``os.replace`` that puts a written temp file in
-place (a whole-object write). ``under`` narrows all of these to one part of the store, such as one sharded array's
-shards. Modes:
+under the store's directory, the raw writes of files opened with ``open`` under it (``zipfile``, ``numpy`` and
+Python's buffered files write through them), zarr's local ``_put`` (array metadata, compressed chunks) under it, and
+s3fs PUTs (``_pipe_file``) under the store's URL; with ``renames``, also the ``os.replace``/``os.rename`` that puts a
+written temp file or directory in place (a whole-object write). ``under`` narrows all of these to one part of the
+store, such as one sharded array's shards. Modes:
 
 - ``short``: that call writes half of its bytes and returns the short count (a whole-object write raises ENOSPC
   instead); every later write raises ENOSPC: a disk filling up.
@@ -12,16 +13,26 @@ shards. Modes:
 - ``eio``: that call raises EIO, once: a transient device error.
 - ``kill``: the process SIGKILLs itself at that call (run it in a subprocess).
 
+Writes made in C by a library (HDF5's) reach none of these: :class:`FileSizeLimit` fails them (``EFBIG``) from the
+byte it is given on, as a full quota does.
+
 Usage as a script (the kill runs): ``python tests/faults.py CONFIG PATH AT MODE FIRST [STORAGE_OPTIONS_JSON]``.
 """
 
 from __future__ import annotations
 
+import builtins
+import contextlib
 import errno
+import gc
+import io
 import json
 import os
+import resource
 import signal
+import subprocess
 import sys
+import zlib
 from collections.abc import Callable
 from typing import Any, Self
 
@@ -48,14 +59,16 @@ class WriteFaults:
         self.mode = mode
         self.calls = 0
         self.kinds: list[str] = []  # per counted call: "bytes" (write/pwrite, may be short) or "object" (whole)
+        self.paths: list[str] = []  # per counted call: the path written (a file, object, directory or rename target)
         self.full = False  # the disk filled up: every later write fails
         self._saved: list[tuple[Any, str, Any]] = []
 
     # -- the decision ------------------------------------------------------------------------------------------
-    def _fault(self, whole_object: bool) -> str | None:
+    def _fault(self, whole_object: bool, path: str) -> str | None:
         """None to let the call through, "short" to write half, or raises."""
         self.calls += 1
         self.kinds.append("object" if whole_object else "bytes")
+        self.paths.append(path)
         if self.full:
             raise OSError(errno.ENOSPC, "No space left on device (injected)")
         if self.at is None or self.calls != self.at:
@@ -69,54 +82,84 @@ class WriteFaults:
             return "short"
         raise OSError(errno.ENOSPC, "No space left on device (injected)")
 
-    def _ours_fd(self, fd: int) -> bool:
+    def _ours_fd(self, fd: int) -> str:
+        """The path of ``fd`` if it lies under the prefix, else ""."""
         try:
-            return os.readlink(f"/proc/self/fd/{fd}").startswith(self.prefix)
+            path = os.readlink(f"/proc/self/fd/{fd}")
         except OSError:
-            return False
+            return ""
+        return path if path.startswith(self.prefix) else ""
 
     # -- the patched calls ----------------------------------------------------------------------------------------
     def __enter__(self) -> Self:
         import s3fs
         import zarr.storage._local as zlocal
 
-        write, pwrite, fsync, replace = os.write, os.pwrite, os.fsync, os.replace
+        write, pwrite, fsync, replace, rename, real_open = os.write, os.pwrite, os.fsync, os.replace, os.rename, io.open
         put, pipe = zlocal._put, s3fs.S3FileSystem._pipe_file
 
         def p_write(fd: int, data: Any) -> int:
-            if self._ours_fd(fd) and self._fault(False) == "short":
+            if (path := self._ours_fd(fd)) and self._fault(False, path) == "short":
                 return write(fd, memoryview(data).cast("B")[: max(1, len(memoryview(data).cast("B")) // 2)])
             return write(fd, data)
 
         def p_pwrite(fd: int, data: Any, offset: int) -> int:
-            if self._ours_fd(fd) and self._fault(False) == "short":
+            if (path := self._ours_fd(fd)) and self._fault(False, path) == "short":
                 return pwrite(fd, memoryview(data).cast("B")[: max(1, len(memoryview(data).cast("B")) // 2)], offset)
             return pwrite(fd, data, offset)
 
         def p_fsync(fd: int) -> None:
-            if self._ours_fd(fd):
-                self._fault(True)
+            if path := self._ours_fd(fd):
+                self._fault(True, path)
             return fsync(fd)
 
         def p_replace(src: Any, dst: Any, *args: Any, **kwargs: Any) -> None:
             if self.renames and os.path.abspath(dst).startswith(self.prefix):
-                self._fault(True)
+                self._fault(True, os.path.abspath(dst))
             return replace(src, dst, *args, **kwargs)
+
+        def p_rename(src: Any, dst: Any, *args: Any, **kwargs: Any) -> None:
+            if self.renames and os.path.abspath(dst).startswith(self.prefix):
+                self._fault(True, os.path.abspath(dst))
+            return rename(src, dst, *args, **kwargs)
+
+        faults = self
+
+        class FaultyFile(io.FileIO):
+            """A file whose every raw write (what a buffered file, zipfile or numpy calls) is counted."""
+
+            def write(self, data: Any) -> int | None:
+                if faults._fault(False, str(self.name)) == "short":
+                    return super().write(memoryview(data).cast("B")[: max(1, len(memoryview(data).cast("B")) // 2)])
+                return super().write(data)
+
+        def p_open(file: Any, mode: str = "r", buffering: int = -1, encoding: str | None = None, errors: str | None = None,
+                   newline: str | None = None, closefd: bool = True, opener: Any = None) -> Any:
+            if isinstance(file, int) or not set(mode) & set("wxa+") or not os.path.abspath(os.fsdecode(file)).startswith(self.prefix):
+                return real_open(file, mode, buffering, encoding, errors, newline, closefd, opener)
+            raw = FaultyFile(file, mode.replace("b", "").replace("t", ""), closefd=closefd, opener=opener)
+            if buffering == 0:
+                return raw
+            buffered = (io.BufferedRandom if "+" in mode else io.BufferedWriter)(raw, buffering if buffering > 1 else io.DEFAULT_BUFFER_SIZE)
+            return buffered if "b" in mode else io.TextIOWrapper(buffered, encoding, errors, newline, line_buffering=buffering == 1)
 
         def p_put(path: Any, *args: Any, **kwargs: Any) -> Any:
             if str(path).startswith(self.prefix):
-                self._fault(True)
+                self._fault(True, str(path))
             return put(path, *args, **kwargs)
 
         async def p_pipe(fs: Any, path: str, *args: Any, **kwargs: Any) -> Any:
             if path.startswith(self.prefix):
-                self._fault(True)
+                self._fault(True, path)
             return await pipe(fs, path, *args, **kwargs)
 
         self._patch(os, "write", p_write)
         self._patch(os, "pwrite", p_pwrite)
         self._patch(os, "fsync", p_fsync)
         self._patch(os, "replace", p_replace)
+        self._patch(os, "rename", p_rename)
+        self._patch(io, "open", p_open)
+        self._patch(builtins, "open", p_open)
         self._patch(zlocal, "_put", p_put)
         self._patch(s3fs.S3FileSystem, "_pipe_file", p_pipe)
         # a filesystem instance binds its sync methods (fs.pipe_file) to _pipe_file when it is made: new ones only
@@ -134,6 +177,64 @@ class WriteFaults:
             setattr(owner, name, fn)
         self._saved.clear()
         s3fs.S3FileSystem.clear_instance_cache()
+
+
+class FileSizeLimit:
+    """While active, no file of this process may grow past ``nbytes``: a write that would fails with ``EFBIG`` (the
+    soft ``RLIMIT_FSIZE``, with ``SIGXFSZ`` ignored so that the write fails rather than the process dying). Unlike
+    :class:`WriteFaults` it reaches writes made in C (HDF5's); it applies to every file the process writes."""
+
+    def __init__(self, nbytes: int) -> None:
+        self.nbytes = nbytes
+        self._saved: tuple[tuple[int, int], Any] | None = None
+
+    def __enter__(self) -> Self:
+        soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+        self._saved = ((soft, hard), signal.signal(signal.SIGXFSZ, signal.SIG_IGN))
+        resource.setrlimit(resource.RLIMIT_FSIZE, (self.nbytes if hard == resource.RLIM_INFINITY else min(self.nbytes, hard), hard))
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        assert self._saved is not None
+        resource.setrlimit(resource.RLIMIT_FSIZE, self._saved[0])
+        signal.signal(signal.SIGXFSZ, self._saved[1])
+
+
+# -- checks for the dataset tools --------------------------------------------------------------------------------
+def tree_digest(path: str) -> dict[str, int]:
+    """Every file under ``path`` (or the file itself), by relative name, with the crc32 of its bytes: equal digests
+    mean nothing was added, removed or changed."""
+    if os.path.isfile(path):
+        with open(path, "rb") as f:
+            return {"": zlib.crc32(f.read())}
+    out = {}
+    for d, _, names in os.walk(path):
+        for name in names:
+            with open(os.path.join(d, name), "rb") as f:
+                out[os.path.relpath(os.path.join(d, name), path)] = zlib.crc32(f.read())
+    return out
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess:
+    """``her-store ARGS`` through its entry point in this process (faults patch this process; a subprocess also
+    costs seconds): its exit status, stdout and stderr. An exception the command does not turn into a message
+    propagates."""
+    from her_store.cli import main
+
+    if any("://" in a for a in args):  # the HTTP sessions of s3fs instances dropped before: their notices not in here
+        gc.collect()
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main([*args])
+    return subprocess.CompletedProcess(args, code, out.getvalue(), err.getvalue())
+
+
+def assert_one_line_error(proc: subprocess.CompletedProcess, cause: str = "") -> None:
+    """A failed command said why in one line on stderr, naming the command (and ``cause``), without a traceback."""
+    assert proc.returncode == 2, proc
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"her-store {proc.args[0]}: "), proc
+    assert "Traceback" not in proc.stdout + proc.stderr and cause in lines[0], proc
 
 
 # -- the workloads ------------------------------------------------------------------------------------------------
