@@ -1,8 +1,8 @@
 """her_store: a persistent, disk-backed episode store for Hindsight Experience Replay on Zarr.
 
 Public API: :class:`EpisodeStore`, :func:`open_store`, :class:`ShardedView`, :class:`StepWriter`, :class:`HerSampler`,
-:class:`HerBatch`, :class:`MixtureSampler`, :class:`HerIterableDataset`, :class:`GoalSelectionStrategy`,
-:class:`GoalMixture`, :class:`Episode` and the errors in :mod:`her_store.errors`.
+:class:`HerBatch`, :class:`MixtureSampler`, :class:`WorkingSetSampler`, :class:`HerIterableDataset`,
+:class:`GoalSelectionStrategy`, :class:`GoalMixture`, :class:`Episode` and the errors in :mod:`her_store.errors`.
 """
 
 from her_store.envs import register as _register_envs
@@ -39,6 +39,10 @@ def __getattr__(name: str) -> object:
         from her_store.mixture import MixtureSampler
 
         return MixtureSampler
+    if name == "WorkingSetSampler":
+        from her_store.working_set import WorkingSetSampler
+
+        return WorkingSetSampler
     if name == "HerIterableDataset":
         from her_store.loader import HerIterableDataset
 
@@ -54,6 +58,7 @@ __all__ = [
     "HerSampler",
     "HerBatch",
     "MixtureSampler",
+    "WorkingSetSampler",
     "HerIterableDataset",
     "GoalSelectionStrategy",
     "GoalContext",

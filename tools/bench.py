@@ -16,6 +16,7 @@ is future, n_sampled_goal=4, with rewards recomputed for every relabelled row.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -23,7 +24,7 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -970,27 +971,17 @@ def _serve_http(directory: str, port: Any) -> None:
     server.serve_forever()
 
 
-def bench_remote(workdir: str, quick: bool) -> dict[str, Any]:
-    """Sampling over HTTP and S3 (loopback, each server in its own process) through the cache, batch 256, against the
-    same store on local disk: FetchReach-shaped and 3x84x84 LZ4 images; the first batch apart from the warm median."""
-    import multiprocessing
+@contextlib.contextmanager
+def moto_s3() -> Iterator[dict[str, Any]]:
+    """moto's S3 server on loopback in its own process, with a bucket ``bench``: the storage options to reach it."""
     import socket
     import subprocess
 
-    from her_store import HerSampler
-    from her_store.transfer import copy_store
-
-    ctx = multiprocessing.get_context("fork")
-    port: Any = ctx.Queue()
-    http_server = ctx.Process(target=_serve_http, args=(workdir, port), daemon=True)
-    http_server.start()
-    base = f"http://127.0.0.1:{port.get()}"
     with socket.socket() as sock:  # a free port for moto's S3 server
         sock.bind(("127.0.0.1", 0))
         s3_port = sock.getsockname()[1]
     s3_server = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(s3_port)],
                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    out: dict[str, Any] = {}
     try:
         for _ in range(200):
             with socket.socket() as sock:
@@ -1001,31 +992,101 @@ def bench_remote(workdir: str, quick: bool) -> dict[str, Any]:
         import s3fs
 
         s3fs.S3FileSystem(**opts).mkdir("bench")
-        n_low, n_img = (100_000, 10_000) if quick else (1_000_000, 50_000)
-        stores = {
-            "fetch": filled_store(workdir, n_low),
-            "images": build_image_store(os.path.join(workdir, "remote-img"), image_pool("rendered"), n_img),
-        }
-        out.update({"fetch transitions": n_low, "image transitions": n_img, "batch": IMG_BATCH})
-        for name, path in stores.items():
-            copy_store(path, f"s3://bench/{name}", storage_options=opts)
-            where = {"local": (path, None), "http": (f"{base}/{os.path.basename(path)}", None),
-                     "s3": (f"s3://bench/{name}", opts)}
-            for kind, (url, so) in where.items():
-                with EpisodeStore.open(url, storage_options=so) as store, HerSampler(
-                    store, IMG_BATCH, reward_fn=fetch_reward, seed=0
-                ) as sampler:
-                    first = time.perf_counter()
-                    sampler.sample()
-                    out[f"{name} {kind} first batch s"] = time.perf_counter() - first
-                    out[f"{name} {kind} transitions/s"] = IMG_BATCH / _time_batches(sampler.sample, 10 if quick else 30)
-            for kind in ("http", "s3"):
-                out[f"{name} {kind} / local"] = out[f"{name} {kind} transitions/s"] / out[f"{name} local transitions/s"]
-        shutil.rmtree(stores["images"])
+        yield opts
     finally:
-        http_server.terminate()
         s3_server.terminate()
         s3_server.wait()
+
+
+def bench_remote(workdir: str, quick: bool) -> dict[str, Any]:
+    """Sampling over HTTP and S3 (loopback, each server in its own process) through the cache, batch 256, against the
+    same store on local disk: FetchReach-shaped and 3x84x84 LZ4 images; the first batch apart from the warm median."""
+    import multiprocessing
+
+    from her_store import HerSampler
+    from her_store.transfer import copy_store
+
+    ctx = multiprocessing.get_context("fork")
+    port: Any = ctx.Queue()
+    http_server = ctx.Process(target=_serve_http, args=(workdir, port), daemon=True)
+    http_server.start()
+    base = f"http://127.0.0.1:{port.get()}"
+    out: dict[str, Any] = {}
+    try:
+        with moto_s3() as opts:
+            n_low, n_img = (100_000, 10_000) if quick else (1_000_000, 50_000)
+            stores = {
+                "fetch": filled_store(workdir, n_low),
+                "images": build_image_store(os.path.join(workdir, "remote-img"), image_pool("rendered"), n_img),
+            }
+            out.update({"fetch transitions": n_low, "image transitions": n_img, "batch": IMG_BATCH})
+            for name, path in stores.items():
+                copy_store(path, f"s3://bench/{name}", storage_options=opts)
+                where = {"local": (path, None), "http": (f"{base}/{os.path.basename(path)}", None),
+                         "s3": (f"s3://bench/{name}", opts)}
+                for kind, (url, so) in where.items():
+                    with EpisodeStore.open(url, storage_options=so) as store, HerSampler(
+                        store, IMG_BATCH, reward_fn=fetch_reward, seed=0
+                    ) as sampler:
+                        first = time.perf_counter()
+                        sampler.sample()
+                        out[f"{name} {kind} first batch s"] = time.perf_counter() - first
+                        out[f"{name} {kind} transitions/s"] = IMG_BATCH / _time_batches(sampler.sample, 10 if quick else 30)
+                for kind in ("http", "s3"):
+                    out[f"{name} {kind} / local"] = out[f"{name} {kind} transitions/s"] / out[f"{name} local transitions/s"]
+            shutil.rmtree(stores["images"])
+    finally:
+        http_server.terminate()
+    return out
+
+
+def bench_working_set(workdir: str, quick: bool) -> dict[str, Any]:
+    """Sampling stores on S3 (loopback) through a WorkingSetSampler holding a tenth of each, batch 256, for a fixed
+    time, against the same store's warm local HerSampler: FetchReach-shaped and 3x84x84 LZ4 images; the background
+    refill's rate (transitions loaded/s) beside the sampling rate."""
+    from her_store import HerSampler
+    from her_store.transfer import copy_store
+    from her_store.working_set import WorkingSetSampler
+
+    seconds = 3.0 if quick else 15.0
+    n_low, n_img = (100_000, 10_000) if quick else (1_000_000, 50_000)
+    stores = {
+        "fetch": filled_store(workdir, n_low),
+        "images": build_image_store(os.path.join(workdir, "ws-img"), image_pool("rendered"), n_img),
+    }
+    out: dict[str, Any] = {"fetch transitions": n_low, "image transitions": n_img, "batch": IMG_BATCH}
+
+    def rate(sample: Callable[[], Any]) -> float:
+        batches, t = 0, time.perf_counter()
+        while time.perf_counter() - t < seconds:
+            sample()
+            batches += 1
+        return batches * IMG_BATCH / (time.perf_counter() - t)
+
+    with moto_s3() as opts:
+        for name, path in stores.items():
+            with EpisodeStore.open(path) as store, HerSampler(store, IMG_BATCH, reward_fn=fetch_reward, seed=0) as local:
+                for _ in range(20):
+                    local.sample()
+                out[f"{name} local warm transitions/s"] = rate(local.sample)
+            copy_store(path, f"s3://bench/ws-{name}", storage_options=opts)
+            with EpisodeStore.open(f"s3://bench/ws-{name}", storage_options=opts) as store:
+                row_bytes = sum(spec.row_nbytes for spec in store.layout.arrays)
+                budget = store.num_transitions // 10 * row_bytes  # a tenth of the store's rows, decoded
+                with WorkingSetSampler(store, budget, IMG_BATCH, reward_fn=fetch_reward, seed=0) as ws:
+                    t = time.perf_counter()
+                    ws.sample()  # fills the set
+                    out[f"{name} working set: first fill s"] = time.perf_counter() - t
+                    out[f"{name} working set: MB"] = ws.nbytes / 1e6
+                    loaded, refills, t = ws.loaded_transitions, ws.refills, time.perf_counter()
+                    sampled = rate(ws.sample)
+                    wall = time.perf_counter() - t
+                    out[f"{name} s3 working set transitions/s"] = sampled
+                    out[f"{name} s3 working set / local warm"] = sampled / out[f"{name} local warm transitions/s"]
+                    out[f"{name} refill transitions loaded/s"] = (ws.loaded_transitions - loaded) / wall
+                    out[f"{name} refills while sampling"] = ws.refills - refills
+    shutil.rmtree(stores["images"])
+    out["target"] = "batches near the warm local rate; the refill keeps rotating the set while the learner samples"
     return out
 
 
@@ -1192,6 +1253,7 @@ BENCHES: dict[str, Callable[[str, bool], dict[str, Any]]] = {
     "export": bench_export,
     "pack": bench_pack,
     "remote": bench_remote,
+    "working_set": bench_working_set,
 }
 
 
