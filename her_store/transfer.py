@@ -157,8 +157,10 @@ class _Dest:
             with staged_output(self.final.root) as tmp:
                 os.rename(self.loc.root, tmp)
             return
-        self.loc.fs.rm_file(self.loc.key_path(MANIFEST_KEY))
+        # the record first: until it is in place the manifest claims DEST for this copy, so that a copy stopped at any
+        # point (a failed PUT of the record too) resumes; a manifest left beside a record is inert
         self.loc.write_atomic(COMMIT_KEY, commit, fsync=False)
+        self.loc.fs.rm_file(self.loc.key_path(MANIFEST_KEY))
 
 
 def _fingerprints(loc: Location, keys: list[str]) -> dict[str, tuple[str, int]]:

@@ -191,7 +191,7 @@ def verify(
             report.problems = [p for p in report.problems if p.kind != "uncommitted"]
             report.tail_positions, report.tail_chunks = [], {}
         plan = _plan_of(store.url) if store._loc.is_local else None
-        if plan is not None:
+        if plan is not None and store.commit_record.generation != plan["generation"]:  # the cut was committed
             waiting = plan["count"] - max(0, store.end_episode - plan["cut"])
             report.problems.append(Problem(
                 "repair", f"a repair was interrupted: {waiting} good episodes it was moving wait in "
@@ -606,7 +606,7 @@ def _drop(store: EpisodeStore, found: Report, progress: bool, log: Callable[[str
                 aside.append_episode(store.episode(i), env_index=int(env_index[i - first]))
                 bar.update(1)
             bar.close()
-        plan = {"cut": cut, "count": len(keep), "ids": keep.tolist()}
+        plan = {"cut": cut, "count": len(keep), "ids": keep.tolist(), "generation": store.commit_record.generation}
         Location(spill).write_atomic(PLAN_KEY, json.dumps(plan).encode(), fsync=True)
     committer.keep_only(first + lead, cut)
     for i in bad.tolist():
@@ -638,7 +638,10 @@ def _plan_of(url: str) -> dict[str, Any] | None:
         return None
     try:
         plan = json.loads(raw)
-        return {"cut": int(plan["cut"]), "count": int(plan["count"]), "ids": [int(i) for i in plan["ids"]]}
+        return {
+            "cut": int(plan["cut"]), "count": int(plan["count"]), "ids": [int(i) for i in plan["ids"]],
+            "generation": int(plan["generation"]),
+        }
     except (ValueError, KeyError, TypeError) as e:
         raise CorruptStoreError(f"{_spill_dir(url)}/{PLAN_KEY} is not a repair plan ({e})") from e
 
@@ -650,7 +653,9 @@ def _finish_moving(store: EpisodeStore, log: Callable[[str], None]) -> None:
     if not os.path.isdir(spill):
         return
     plan = _plan_of(store.url)
-    if plan is None:
+    if plan is None or store.commit_record.generation == plan["generation"]:
+        # no plan: the cut never came after the copy; the plan's own generation: the cut's commit never replaced it.
+        # Either way the store still holds every episode copied aside
         shutil.rmtree(spill)
         return
     done = store.end_episode - plan["cut"]

@@ -61,7 +61,9 @@ def export_hdf5(
     """
     h5py = require("h5py", "hdf5")
     ids = np.asarray(episode_ids, np.int64)
-    with staged_file(dest) as tmp, h5py.File(tmp, "w") as f:
+    # HDF5 writes through a Python file: a failed write (a full disk) raises OSError, where HDF5's own file driver
+    # crashes the process when the file is closed after it
+    with staged_file(dest) as tmp, open(tmp, "w+b") as raw, h5py.File(raw, "w") as f:
         f.attrs[HEADER_KEY] = json.dumps(header_of(store, "hdf5"))
         episodes = steps = 0
         for batch in read_batches(store, ids, progress, "exporting hdf5"):
