@@ -9,7 +9,7 @@ node reaches (``s3://bucket/run`` with ``--storage-options '{"profile": "..."}'`
 cluster is started and the dataset goes to a temporary directory.
 
     pip install her_store[ray]
-    python examples/ray_actors.py [--actors 4] [--seconds 20] [--root PATH_OR_URL] [--address auto]
+    python examples/ray_actors.py [--actors 4] [--seconds 15] [--root PATH_OR_URL] [--address auto]
 """
 
 from __future__ import annotations
@@ -106,7 +106,7 @@ def learn(root: str, storage_options: dict[str, Any] | None, pending: list, batc
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--actors", type=int, default=4, help="Ray actors, each writing its own shard")
-    p.add_argument("--seconds", type=float, default=20.0, help="how long the actors collect")
+    p.add_argument("--seconds", type=float, default=15.0, help="how long the actors collect")
     p.add_argument("--root", help="the dataset's root: a directory or an fsspec URL (default: a temporary directory)")
     p.add_argument("--storage-options", type=json.loads, default=None, help="fsspec options of --root, as JSON")
     p.add_argument("--address", help="an existing Ray cluster ('auto', 'ray://host:10001'); default: start one here")
