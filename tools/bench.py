@@ -32,6 +32,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from frames import FRAME_KINDS, FrameKind, image_episode  # tools/frames.py
+from bench_writers import bench_writers  # tools/bench_writers.py
 from gymnasium import spaces
 
 from her_store import EpisodeStore
@@ -1254,6 +1255,7 @@ BENCHES: dict[str, Callable[[str, bool], dict[str, Any]]] = {
     "pack": bench_pack,
     "remote": bench_remote,
     "working_set": bench_working_set,
+    "writers": bench_writers,
 }
 
 

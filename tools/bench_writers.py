@@ -16,7 +16,6 @@ import json
 import logging
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -24,7 +23,7 @@ from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-EP_LEN = 50  # FetchReach-shaped episodes: observation 10, goals 3, action 4, float32 (as tools/bench.py's)
+EP_LEN = 50
 WRITERS = (1, 2, 4)
 COMMIT_INTERVAL = 1.0
 # s3fs call names by request kind
@@ -52,13 +51,9 @@ def writer(root: str, shard: str, seconds: float, options: dict[str, Any] | None
     """One writer process: open its shard, say ``ready``, wait for a line on stdin, append episodes for ``seconds``,
     close; returns what it did (its requests too, on object storage)."""
     import numpy as np
-    from gymnasium import spaces
+    from bench import ACT, OBS, fetch_episode  # tools/bench.py: the FetchReach-shaped episodes of every figure
 
     from her_store import open_store
-
-    obs = spaces.Dict({k: spaces.Box(-np.inf, np.inf, (d,), np.float32)
-                       for k, d in (("observation", 10), ("achieved_goal", 3), ("desired_goal", 3))})
-    act = spaces.Box(-1.0, 1.0, (4,), np.float32)
 
     calls = _S3Calls()
     log = logging.getLogger("s3fs")
@@ -66,13 +61,8 @@ def writer(root: str, shard: str, seconds: float, options: dict[str, Any] | None
     log.setLevel(logging.DEBUG)
     log.propagate = False
     rng = np.random.default_rng(int(shard.rsplit("-", 1)[1]))
-    pool = []
-    for _ in range(64):
-        ep = {k: rng.standard_normal((EP_LEN + 1, s.shape[0])).astype(np.float32) for k, s in obs.spaces.items()}
-        ep.update(action=rng.uniform(-1, 1, (EP_LEN, 4)).astype(np.float32), reward=-np.ones(EP_LEN, np.float32),
-                  terminated=np.zeros(EP_LEN, bool), truncated=np.arange(EP_LEN) == EP_LEN - 1)
-        pool.append(ep)
-    store = open_store(root, obs, act, shard=shard, commit_interval=COMMIT_INTERVAL, storage_options=options)
+    pool = [fetch_episode(rng, EP_LEN) for _ in range(64)]
+    store = open_store(root, OBS, ACT, shard=shard, commit_interval=COMMIT_INTERVAL, storage_options=options)
     calls.counts.pop("commits", None)  # the create's own commit record is one of its PUTs
     create = dict(calls.counts)
     calls.counts.clear()
@@ -117,25 +107,6 @@ def _run(root: str, n: int, seconds: float, options: dict[str, Any] | None) -> l
                 p.communicate()
 
 
-def _moto() -> tuple[subprocess.Popen, dict[str, Any]]:
-    """moto's S3 server on a free loopback port, in its own process, with one bucket; its storage options."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    server = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    for _ in range(200):
-        with socket.socket() as sock:
-            if sock.connect_ex(("127.0.0.1", port)) == 0:
-                break
-        time.sleep(0.05)
-    opts = {"client_kwargs": {"endpoint_url": f"http://127.0.0.1:{port}"}, "key": "testing", "secret": "testing"}
-    import s3fs
-
-    s3fs.S3FileSystem(**opts).mkdir("bench")
-    return server, opts
-
-
 def _commit_bytes(shard: str, options: dict[str, Any]) -> int:
     """Bytes one commit of a shard on object storage PUTs: a commit rewrites the current chunk of each array whole
     (data and index columns; an object cannot be appended to), so this is one chunk object of each array."""
@@ -156,8 +127,9 @@ def bench_writers(workdir: str, quick: bool) -> dict[str, Any]:
     for k, v in {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing"}.items():
         os.environ.setdefault(k, v)  # moto accepts any credentials; the writer processes inherit these
     out: dict[str, Any] = {"seconds per run": seconds, "commit_interval s": COMMIT_INTERVAL, "cores": os.cpu_count()}
-    server, opts = _moto()
-    try:
+    from bench import moto_s3  # tools/bench.py, which imports this module
+
+    with moto_s3() as opts:
         for where in ("local", "s3"):
             base = None
             for n in WRITERS:
@@ -182,9 +154,6 @@ def bench_writers(workdir: str, quick: bool) -> dict[str, Any]:
                         out["s3 bytes PUT per commit"] = _commit_bytes(f"{root}/shards/actor-0", opts)
                 else:
                     shutil.rmtree(root)
-    finally:
-        server.terminate()
-        server.wait()
     return out
 
 
