@@ -238,8 +238,12 @@ class MixtureSampler:
             self._refreshed.append(time.monotonic())
 
     def _refresh_set(self) -> None:
+        """The set's refresh, which refreshes its stores too: each sampler then takes its store's new view without
+        reading its commit record again."""
         assert self._set is not None
         self._set.refresh()
+        for pos in range(len(self._samplers)):
+            self._refresh_store(pos, reread=False)
         stores = list(self._set.stores)
         for pos, s in enumerate(self._samplers):
             if pos >= len(stores) or stores[pos] is not s.store:
@@ -250,8 +254,8 @@ class MixtureSampler:
         self._join(stores[len(self._samplers) :])
         self._set_refreshed = time.monotonic()
 
-    def _refresh_store(self, pos: int) -> None:
-        self._counts[pos] = self._samplers[pos].refresh().num_transitions
+    def _refresh_store(self, pos: int, reread: bool = True) -> None:
+        self._counts[pos] = self._samplers[pos].refresh(reread=reread).num_transitions
         self._refreshed[pos] = time.monotonic()
 
     def refresh(self) -> np.ndarray:
@@ -259,8 +263,9 @@ class MixtureSampler:
         transitions."""
         if self._set is not None:
             self._refresh_set()
-        for pos in range(len(self._samplers)):
-            self._refresh_store(pos)
+        else:
+            for pos in range(len(self._samplers)):
+                self._refresh_store(pos)
         return self._counts.copy()
 
     def _refresh_due(self) -> None:

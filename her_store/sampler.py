@@ -249,9 +249,10 @@ class HerSampler:
         self._goal_dtype = schema.by_name["achieved_goal"].dtype
 
     # -- the committed episodes ----------------------------------------------------------------------------
-    def refresh(self) -> IndexView:
-        """Look for new commits now; returns the episodes sampled from."""
-        if self.store.mode == "r":
+    def refresh(self, *, reread: bool = True) -> IndexView:
+        """Look for new commits now; returns the episodes sampled from. ``reread=False`` takes what the store's
+        handle already holds (its owner, a sharded dataset's view, has just refreshed it)."""
+        if self.store.mode == "r" and reread:
             self.store.refresh()
         view = self.store.snapshot()
         self.reader.observe(view)  # before the view is published: a gather under it must find its episodes recorded

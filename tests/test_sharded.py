@@ -385,3 +385,28 @@ def test_view_sampler_draws_uniformly_over_every_shard(tmp_path):
     assert abs(share[2] - 0.5) < 5 * np.sqrt(0.25 / 4000), share
     sampler.close()
     view.close()
+
+
+def test_a_view_samplers_refresh_reads_each_shards_commit_record_once(tmp_path, monkeypatch):
+    """The view's refresh refreshes every shard; the sampler over it then takes each shard's new view without reading
+    its commit record again (one read per shard per refresh: on object storage, one GET each)."""
+    root = str(tmp_path / "dataset")
+    for k in range(3):
+        with open_store(root, OBS, ACT, shard=f"actor-{k}", info_keys=INFO) as store:
+            store.append_episode(shard_episode(f"actor-{k}", 0))
+    reads: list[str] = []
+    real = EpisodeStore._read_commit
+
+    def counted(self):
+        reads.append(self.url)
+        return real(self)
+
+    with open_store(root) as view, view.sampler(8, n_sampled_goal=0, seed=0) as sampler:
+        monkeypatch.setattr(EpisodeStore, "_read_commit", counted)
+        with open_store(root, OBS, ACT, shard="actor-1", info_keys=INFO) as store:
+            store.append_episode(shard_episode("actor-1", 1))
+        reads.clear()
+        assert sampler.refresh().tolist() == [len(shard_episode("actor-0", 0)["action"]),
+                                              sum(len(shard_episode("actor-1", i)["action"]) for i in (0, 1)),
+                                              len(shard_episode("actor-2", 0)["action"])]
+        assert sorted(reads) == sorted(s.url for s in view.stores)  # once each
