@@ -93,11 +93,12 @@ def root(request, tmp_path):
     return url.rsplit("/", 1)[0] + "/dataset", opts
 
 
-def test_writer_processes_append_to_their_shards_and_a_kill_9_loses_only_its_own(root):
+def test_writer_processes_append_to_their_shards_and_a_kill_9_loses_only_its_own(tmp_path):
     """Three writer processes append to three shards of one root at once while a view reads them; one is killed by
     SIGKILL. The others finish untouched, every committed episode of every shard reads back bit for bit, and the
-    killed shard resumes after its last commit (on S3 its lease, held by a dead process, is taken over)."""
-    url, opts = root
+    killed shard resumes after its last commit. (tests/test_many_writers.py does the same on S3 with four writers and
+    a sampling learner; tests/test_s3.py takes over a dead process's lease.)"""
+    url, opts = str(tmp_path / "dataset"), None
     procs = {name: _spawn(url, name, count, opts) for name, count in (("actor-0", 3), ("actor-1", 3), ("actor-2", 0))}
     killed = procs["actor-2"]
     view, checks = None, 0
