@@ -71,7 +71,10 @@ def _check_same_spaces(ref: EpisodeStore, ref_pos: int, store: EpisodeStore, pos
 
 def _fixed_weights(weights: Any, n: int) -> np.ndarray:
     try:
-        w = np.asarray(weights, dtype=np.float64)
+        w = np.asarray(weights)
+        if w.dtype.kind not in "biuf" or w.dtype == bool:  # numbers only: not '1', not True
+            raise TypeError(f"dtype {w.dtype}")
+        w = w.astype(np.float64)
     except (TypeError, ValueError) as e:
         raise ValueError(
             f"weights must be a sequence of non-negative numbers or 'transitions', got {short_repr(weights)}"
@@ -82,9 +85,17 @@ def _fixed_weights(weights: Any, n: int) -> np.ndarray:
         if bad.any():
             first = int(np.flatnonzero(bad)[0])
             raise ValueError(f"weights must be {what}, got {short_repr(weights)} (weight {first})")
-    if w.sum() <= 0:
+    if w.max() <= 0:
         raise ValueError(f"weights must not all be 0, got {short_repr(weights)}")
+    w = w / w.max()  # scaled first: the sum of large finite weights would overflow
     return w / w.sum()
+
+
+def _check_batch_size(batch_size: Any) -> int:
+    """``batch_size`` as an int >= 1 (an int, not a bool or a float)."""
+    if isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)) or batch_size < 1:
+        raise ValueError(f"batch_size must be an int >= 1, got {short_repr(batch_size)}")
+    return int(batch_size)
 
 
 class MixtureSampler:
@@ -155,8 +166,7 @@ class MixtureSampler:
         seed: int | None = None,
         **her_sampler_kwargs: Any,
     ) -> None:
-        if batch_size < 1:
-            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        _check_batch_size(batch_size)
         if her_sampler_kwargs.get("prefetch"):
             raise ValueError(
                 "MixtureSampler does not prefetch (each batch's split among the stores differs); drop prefetch"
@@ -192,7 +202,8 @@ class MixtureSampler:
         self._intervals: list[float] = []  # each store's refresh interval (its own sampler never refreshes itself)
         self._refreshed: list[float] = []
         self._counts = np.zeros(0, np.int64)  # committed transitions of each store's current view
-        self._pending: dict[int, Mapping[str, Any]] = {}  # loaded states of stores not yet joined
+        self._closed = False
+        self._pending: dict[str, Mapping[str, Any]] = {}  # loaded states of stores not yet joined, by store URL
         interval = her_sampler_kwargs.get("refresh_interval")
         self._set_interval = _STORE_SET_INTERVAL if interval is None else float(interval)
         self._set_refreshed = time.monotonic()
@@ -229,8 +240,8 @@ class MixtureSampler:
             sampler = HerSampler(store, self.batch_size, **self._kwargs, seed=int.from_bytes(seed.tobytes(), "little"))
             if not self._samplers:
                 self.her_ratio = sampler.her_ratio
-            if pos in self._pending:
-                sampler.load_state_dict(self._pending.pop(pos))
+            if store.url in self._pending:
+                sampler.load_state_dict(self._pending.pop(store.url))
             self._intervals.append(sampler.refresh_interval)
             sampler.refresh_interval = math.inf  # refreshed by the mixture, so that the weights match its view
             self._samplers.append(sampler)
@@ -304,9 +315,9 @@ class MixtureSampler:
         StoreError
             No store has a committed episode ("transitions"), or a store with a positive weight has none.
         """
-        B = self.batch_size if batch_size is None else int(batch_size)
-        if B < 1:
-            raise ValueError(f"batch_size must be >= 1, got {B}")
+        if self._closed:
+            raise StoreError("MixtureSampler is closed")
+        B = self.batch_size if batch_size is None else _check_batch_size(batch_size)
         self._refresh_due()
         p = self._probabilities()
         M = int(self.her_ratio * B)
@@ -331,21 +342,42 @@ class MixtureSampler:
 
     # -- state ---------------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        """The split's generator state and each store's sampler state: a resumed run draws the same batches
-        (from stores holding the same committed episodes)."""
-        return {"rng": self.rng.bit_generator.state, "samplers": [s.state_dict() for s in self._samplers]}
+        """The split's generator state and each store's sampler state, by store URL: a resumed run draws the same
+        batches (from stores holding the same committed episodes)."""
+        return {
+            "rng": self.rng.bit_generator.state,
+            "stores": [s.store.url for s in self._samplers],
+            "samplers": [s.state_dict() for s in self._samplers],
+        }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore :meth:`state_dict`; states of stores not joined yet are applied when they join."""
+        """Restore :meth:`state_dict`. Each store's state goes to the store of the same URL, wherever it now is (a
+        sharded view opened again lists its shards in another order); for a store set, states of stores not joined
+        yet are applied when they join. The stores of a fixed list must be the ones saved.
+
+        Raises
+        ------
+        ValueError
+            ``state`` is not a state of this mixture (nothing is changed then).
+        """
+        try:
+            urls, states = list(state["stores"]), list(state["samplers"])
+            np.random.default_rng().bit_generator.state = dict(state["rng"])  # checked before anything changes
+        except (KeyError, TypeError, ValueError) as e:
+            raise ValueError(f"not a MixtureSampler state ({short_repr(e)}); expected what state_dict() returns") from e
+        have = [s.store.url for s in self._samplers]
+        if len(urls) != len(states) or (self._set is None and sorted(urls) != sorted(have)):
+            raise ValueError(f"the state is of stores {short_repr(urls)}; this mixture samples {short_repr(have)}")
         self.rng.bit_generator.state = dict(state["rng"])
-        for pos, s in enumerate(state["samplers"]):
-            if pos < len(self._samplers):
-                self._samplers[pos].load_state_dict(s)
+        for url, st in zip(urls, states):
+            if url in have:
+                self._samplers[have.index(url)].load_state_dict(st)
             else:
-                self._pending[pos] = s
+                self._pending[url] = st
 
     def close(self) -> None:
-        """Close every store's sampler (the stores stay open)."""
+        """Close every store's sampler (the stores stay open). Idempotent; a closed mixture samples no more."""
+        self._closed = True
         for s in self._samplers:
             s.close()
 

@@ -248,6 +248,7 @@ def open_shard(
     name = check_shard_name(shard)
     location = Location(path_or_url, kwargs.get("storage_options"))
     _writable(location)
+    _no_links(location, SHARDS_DIR, f"{SHARDS_DIR}/{name}")
     given = None
     if observation_space is not None and action_space is not None:
         given = Schema(observation_space, action_space, kwargs.get("info_keys", ()))
@@ -279,11 +280,24 @@ def open_view(
     return ShardedView(location.url, options.get("storage_options"))
 
 
+def _no_links(location: Location, *keys: str) -> None:
+    """Refuse a symbolic link at any of ``keys`` of a local root: a shard is a directory of its dataset (one reached
+    through a link would be written to where no view of the dataset reads it)."""
+    if not location.is_local:
+        return
+    for key in keys:
+        if os.path.islink(location.key_path(key)):
+            raise CorruptStoreError(
+                f"{location.key_path(key)} is a symbolic link; expected the dataset's own directory (FORMAT.md)"
+            )
+
+
 def _list_shards(location: Location) -> list[str]:
     """The shard names under ``shards/``, sorted; entries that are not directories with a shard name are not shards
     (no writer makes them) and are left out."""
     path = location.key_path(SHARDS_DIR)
     if location.is_local:
+        _no_links(location, SHARDS_DIR)
         try:
             with os.scandir(path) as entries:
                 names = [e.name for e in entries if e.is_dir(follow_symlinks=False)]

@@ -275,6 +275,13 @@ class EpisodeStore:
         self._lock = WriterLock(loc, LOCK_KEY, lease_ttl)
         self._lock.acquire()
         try:
+            from her_store.sharded import MARKER_KEY  # sharded builds on this module
+
+            if loc.exists(MARKER_KEY):
+                raise StoreExistsError(
+                    f"{loc} is a sharded dataset's root: a writer appends to its own shard, "
+                    "her_store.open_store(root, observation_space, action_space, shard='actor-7')"
+                )
             if loc.exists("zarr.json"):
                 if loc.exists(COMMIT_KEY):
                     raise StoreExistsError(
@@ -386,6 +393,9 @@ class EpisodeStore:
     def _attach(self, root: zarr.Group, attrs: dict[str, Any], commit: Commit) -> None:
         self._root = root
         self._attrs = attrs
+        local = self._loc.is_local and self._loc.archive is None  # a directory (a packed store never changes)
+        st = os.stat(self._loc.key_path("zarr.json")) if local else None
+        self._root_stamp = (st.st_ino, st.st_mtime_ns) if st is not None else None
         # every name and number below becomes a file path, an allocation or an index: all are checked first
         self.schema, self.layout, self.capacity, slots = parse_attrs(attrs, f"{self._loc}/zarr.json")
         self._index = EpisodeIndex(slots)
@@ -730,6 +740,7 @@ class EpisodeStore:
         self._require_open()
         if self.mode == "a":
             return 0
+        self._check_same_store()
         commit = self._read_commit()
         if commit.generation == self._commit.generation:
             return 0
@@ -754,6 +765,30 @@ class EpisodeStore:
             self._load_committed(commit)
         self._array_rows = self._commit.array_rows
         return max(0, commit.end_episode - old_end)
+
+    def _check_same_store(self) -> None:
+        """A local store deleted and created again under this handle (a shard wiped and restarted, say) is another
+        store: its rows are not the ones this handle mapped. Its root ``zarr.json`` is then a new file with another
+        ``created_at`` (a card edit replaces the file too, keeping ``created_at``)."""
+        if self._root_stamp is None:
+            return
+        try:
+            st = os.stat(self._loc.key_path("zarr.json"))
+        except OSError as e:
+            raise CorruptStoreError(f"{self._loc}/zarr.json is gone ({e.strerror}); the store was removed") from e
+        stamp = (st.st_ino, st.st_mtime_ns)
+        if stamp == self._root_stamp:
+            return
+        try:
+            created = json.loads(self._loc.read_bytes("zarr.json") or b"null")["attributes"][ATTRS_KEY]["created_at"]
+        except (ValueError, TypeError, KeyError, RecursionError):
+            created = None
+        if created != self._attrs.get("created_at"):
+            raise CorruptStoreError(
+                f"{self._loc} was created again since this handle opened it (its zarr.json holds another store); "
+                "open it again"
+            )
+        self._root_stamp = stamp
 
     def live_first(self) -> int:
         """The oldest episode id the ring has not evicted, as of now (episodes below may be being overwritten).

@@ -88,20 +88,35 @@ def store_path(tmp_path):
 
 @pytest.fixture(scope="session")
 def s3_endpoint():
-    """moto's S3 server on loopback, as zarr and s3fs test themselves."""
+    """moto's S3 server on loopback, in its own process (as zarr and s3fs test themselves; a server thread inside
+    the test process would share its interpreter with the code under test)."""
     pytest.importorskip("s3fs", reason="pip install her_store[s3]")
-    from moto.server import ThreadedMotoServer
+    pytest.importorskip("moto.server", reason="pip install moto[server]")
+    import socket
+    import subprocess
+    import sys
+    import time
 
     for k, v in {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}.items():
         os.environ.setdefault(k, v)
-    import logging
-
-    logging.getLogger("werkzeug").setLevel(logging.WARNING)  # one line per request otherwise
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    yield f"http://{host}:{port}"
-    server.stop()
+    with socket.socket() as sock:  # a free port
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    server = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            with socket.socket() as sock:
+                if sock.connect_ex(("127.0.0.1", port)) == 0:
+                    break
+            if server.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"moto's S3 server did not start (exit status {server.poll()})")
+            time.sleep(0.05)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.terminate()
+        server.wait()
 
 
 @pytest.fixture

@@ -238,7 +238,7 @@ def test_s3_writes_failing_every_way(s3_url):
     n = len(kinds)
     assert n > 10
     firsts = {kinds.index(kind) + 1 for kind in set(kinds)}  # each kind of write at least once
-    for j, at in enumerate(sorted(firsts | set(range(1, n + 1, 10)))):  # and every tenth (each write fails locally above)
+    for j, at in enumerate(sorted(firsts | set(range(1, n + 1, 20)))):  # and every 20th (each write fails locally above)
         mode = _modes(kinds[at - 1])[j % 2]
         path, root = fresh()
         _faulty_run(config, path, root, at, mode, opts)

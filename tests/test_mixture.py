@@ -312,3 +312,38 @@ def test_a_sharded_datasets_view_samples_uniformly_and_grows(tmp_path):
         assert (np.abs(share - [1 / 6, 1 / 3, 1 / 2]) < 5 * np.sqrt(0.25 / 600)).all(), share
     for w in writers:
         w.close()
+
+
+def test_misuse_is_refused_and_large_weights_keep_their_proportions(three):
+    """Weights whose sum overflows keep their proportions; numbers given as text or flags, a batch size that is not an
+    int, a closed mixture, and a state of other stores are refused (a refused state changes nothing); a state goes to
+    the store of its URL wherever that store now is."""
+    with MixtureSampler(three, [1e308, 1e308, 0], 1000, reward_fn=sparse_reward, seed=0) as m:
+        counts = np.bincount(m.sample().source.numpy(), minlength=3)
+        assert abs(counts[0] - 500) < 5 * np.sqrt(250) and counts[2] == 0
+    for weights in (["1", "2", "3"], [True, False, True]):
+        with pytest.raises(ValueError, match="non-negative numbers"):
+            MixtureSampler(three, weights, reward_fn=sparse_reward)
+    for size in (2.7, True, 0):
+        with pytest.raises(ValueError, match="batch_size must be an int >= 1"):
+            MixtureSampler(three, "transitions", size, reward_fn=sparse_reward)
+    m = MixtureSampler(three, "transitions", 16, reward_fn=sparse_reward, seed=1)
+    with pytest.raises(ValueError, match="batch_size must be an int >= 1"):
+        m.sample(2.5)
+    state = m.state_dict()
+    want = [m.sample() for _ in range(3)]
+    with pytest.raises(ValueError, match="not a MixtureSampler state"):
+        m.load_state_dict({"rng": {"bit_generator": "nonsense"}, "stores": [], "samplers": []})
+    with pytest.raises(ValueError, match="the state is of stores"):
+        m.load_state_dict({**state, "stores": state["stores"][:2], "samplers": state["samplers"][:2]})
+    m.load_state_dict(state)
+    for got, ref in zip([m.sample() for _ in range(3)], want):
+        assert torch.equal(got.source, ref.source) and torch.equal(got.episode_ids, ref.episode_ids)
+    m.close()
+    with pytest.raises(StoreError, match="closed"):
+        m.sample()
+    # the same stores listed in another order: each store's sampler state follows its URL
+    with MixtureSampler(three[::-1], "transitions", 16, reward_fn=sparse_reward, seed=2) as r:
+        r.load_state_dict(state)
+        for pos, store in enumerate(three[::-1]):
+            assert r.samplers[pos].state_dict() == state["samplers"][state["stores"].index(store.url)]

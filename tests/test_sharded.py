@@ -411,3 +411,27 @@ def test_a_view_samplers_refresh_reads_each_shards_commit_record_once(tmp_path, 
                                               sum(len(shard_episode("actor-1", i)["action"]) for i in (0, 1)),
                                               len(shard_episode("actor-2", 0)["action"])]
         assert sorted(reads) == sorted(s.url for s in view.stores)  # once each
+
+
+def test_a_sharded_root_takes_no_plain_store_and_no_links(tmp_path):
+    """EpisodeStore.create on a dataset's root is refused (the view would then open an empty plain store); a
+    symbolic link in place of ``shards/`` or of a shard's directory is refused to writers and views (a writer would
+    write where no view of the dataset reads)."""
+    root = str(tmp_path / "dataset")
+    with open_store(root, OBS, ACT, shard="actor-0", info_keys=INFO) as store:
+        store.append_episode(shard_episode("actor-0", 0))
+    with pytest.raises(StoreExistsError, match="sharded dataset's root"):
+        EpisodeStore.create(root, OBS, ACT, info_keys=INFO)
+    assert isinstance(open_store(root), ShardedView)
+    other = str(tmp_path / "elsewhere")
+    EpisodeStore.create(other, OBS, ACT, info_keys=INFO).close()
+    os.symlink(other, os.path.join(root, "shards", "linked"))
+    with pytest.raises(CorruptStoreError, match="symbolic link"):
+        open_store(root, OBS, ACT, shard="linked", info_keys=INFO)
+    os.unlink(os.path.join(root, "shards", "linked"))
+    moved = str(tmp_path / "shards-moved")
+    os.rename(os.path.join(root, "shards"), moved)
+    os.symlink(moved, os.path.join(root, "shards"))
+    for opening in (lambda: open_store(root), lambda: open_store(root, OBS, ACT, shard="actor-0", info_keys=INFO)):
+        with pytest.raises(CorruptStoreError, match="symbolic link"):
+            opening()

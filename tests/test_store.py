@@ -737,3 +737,28 @@ def test_create_refuses_a_card_of_the_wrong_kind_and_writes_nothing(tmp_path, fe
     assert not path.exists()
     with EpisodeStore.create(path, *fetch, metadata={"ref_max_score": 1.5, "custom": {"any": ["json"]}}) as store:
         assert store.metadata == {"ref_max_score": 1.5, "custom": {"any": ["json"]}}
+
+
+def test_a_reader_refuses_a_store_created_again_under_it(tmp_path):
+    """A local store deleted and created again under an open reader (a shard wiped and restarted) is another store:
+    refresh says so rather than pair the new index with rows the reader mapped from the old one. A card edit, which
+    replaces zarr.json too, is not a new store."""
+    obs, act = fetch_spaces()
+    path = str(tmp_path / "s")
+    with EpisodeStore.create(path, obs, act) as w:
+        for i in range(4):
+            w.append_episode(make_episode(obs, act, 5, i))
+    with EpisodeStore.open(path) as reader:
+        with EpisodeStore.open(path, mode="a") as w:
+            w.update_metadata(description="edited")
+            w.append_episode(make_episode(obs, act, 5, 4))
+        assert reader.refresh() == 1 and reader.metadata.get("description") is None  # the card as opened
+        shutil.rmtree(path)
+        with EpisodeStore.create(path, obs, act) as w:
+            for i in range(6):
+                w.append_episode(make_episode(obs, act, 3, 100 + i))
+        with pytest.raises(CorruptStoreError, match="created again since this handle opened it"):
+            reader.refresh()
+        with pytest.raises(CorruptStoreError, match="removed"):
+            shutil.rmtree(path)
+            reader.refresh()
