@@ -202,9 +202,13 @@ def test_bad_arguments_are_refused_here(store_path):
     for kw, match in [
         ({"device": "cuda"}, "workers sample on the CPU"),
         ({"prefetc": 2}, r"no argument\(s\) \['prefetc'\]"),
-        ({"batch_size": 0}, "batch_size must be >= 1"),
+        ({"batch_size": 0}, "batch_size must be an int >= 1"),
+        ({"batch_size": 2.5}, "batch_size must be an int >= 1"),
         ({"rank": 2, "world_size": 2}, "0 <= rank < world_size"),
-        ({"batches_per_epoch": -1}, "batches_per_epoch must be >= 0"),
+        ({"rank": True, "world_size": 2}, "rank and world_size must be ints"),
+        ({"batches_per_epoch": -1}, "batches_per_epoch must be an int >= 0"),
+        ({"batches_per_epoch": 4.0}, "batches_per_epoch must be an int >= 0"),
+        ({"batches_per_epoch": True}, "batches_per_epoch must be an int >= 0"),
     ]:
         with pytest.raises((TypeError, ValueError), match=match):
             dataset(store_path, **kw)
