@@ -8,6 +8,8 @@ drawn from the set with :class:`~her_store.sampler.HerSampler`'s own drawing, re
 
 from __future__ import annotations
 
+import math
+import numbers
 import threading
 import time
 from collections.abc import Callable
@@ -49,25 +51,31 @@ class WorkingSetSampler(HerSampler):
     The set is a ring of ``budget_bytes // row_bytes`` rows (``row_bytes``: one row of every array a batch reads),
     allocated once on ``device``; each resident episode owns ``T + 1`` consecutive rows of it, so future, final and
     episode goals stay within the episode. A refill (:meth:`refill`, or a background thread) places an *arc* of
-    ``refill_fraction`` of the ring's rows uniformly at random on the circle of all live episodes' rows (in id order,
-    the newest followed by the oldest), takes the episodes whose first row falls inside it and are not resident yet,
-    evicts the oldest-loaded resident episodes until they fit, and reads their rows (a run of consecutive episodes:
-    large sequential reads of whole chunks, or ranged blocks, through the store's
-    :class:`~her_store.reader.ChunkReader`) straight into the ring. The first batch fills the set. Batches are drawn
-    uniformly over the transitions in the set, relabelled and rewarded exactly as :class:`HerSampler` does it.
+    ``W`` rows uniformly at random on the circle of all live episodes' rows (in id order, the newest followed by the
+    oldest), ``W`` being ``refill_fraction`` of the ring's rows or the longest live episode's ``T + 1`` rows,
+    whichever is more (so that any arc holds some episode's first row), takes the episodes whose first row falls
+    inside it and are not resident yet, evicts the oldest-loaded resident episodes until they fit, and reads their
+    rows (a run of consecutive episodes: large sequential reads of whole chunks, or ranged blocks, through the store's
+    :class:`~her_store.reader.ChunkReader`) straight into the ring. The first batch fills the set arc by arc, until
+    the next arc's episodes do not fit in the free rows or the whole store is in it. Batches are drawn uniformly over
+    the transitions in the set, relabelled and rewarded exactly as :class:`HerSampler` does it.
 
     **How this deviates from uniform sampling over the store.** At a refill, every live episode is taken with the
     same probability, ``W / R`` (``W`` the arc's rows, ``R`` the live episodes' rows counting ``T + 1`` each),
-    whatever its length or position: the arc is placed uniformly on a circle, so the store's first and last episodes
-    (and the ring's wrap point) have no edge effect, and an episode is taken whole or not at all by where its first row
-    falls, never cut at a window's edge. Eviction is first in, first out, so an episode stays for about
-    ``1 / refill_fraction`` refills whichever episode it is. Hence, over many refills, every committed transition is
-    equally likely to be in the set, and (drawn uniformly within the set) equally likely to be sampled, to within the
-    spread of the set's transition count (a set holding longer episodes holds a few more transitions in its rows).
+    whatever its length or position: the arc starts at a row ``u`` drawn uniformly from the ``R`` rows of the circle
+    and an episode is taken when its first row is one of the ``W`` rows from ``u`` on, which happens for exactly
+    ``W`` of the ``R`` values of ``u`` whichever episode it is. ``W`` depends on the live episodes only (not on
+    ``u``), so lengthening the arc to the longest episode keeps every probability equal. On a circle the store's first
+    and last episodes (and the ring's wrap point) have no edge effect, and an episode is taken whole or not at all by
+    where its first row falls, never cut at a window's edge. Eviction is first in, first out, so an episode stays for
+    about ``capacity_rows / W`` refills (``1 / refill_fraction`` unless the longest episode sets ``W``) whichever
+    episode it is. Hence, over many refills, every committed transition is equally likely to be in the set, and
+    (drawn uniformly within the set) equally likely to be sampled, to within the spread of the set's transition count
+    (a set holding longer episodes holds a few more transitions in its rows).
     The differences from :class:`HerSampler`'s independent uniform draws:
 
     - Correlation in time: batches between two refills come from the same set, which holds about
-      ``1 / refill_fraction`` arcs, each a run of consecutive episodes (collected together, by similar policies).
+      ``capacity_rows / W`` arcs, each a run of consecutive episodes (collected together, by similar policies).
       A transition in the set is sampled about ``k * batch_size / set transitions`` times per refill when the learner
       takes ``k`` batches per refill, and not at all while it is out of the set: the sample stream is a mixture over
       slowly changing subsets, not i.i.d. over the store. More refills per batch (a larger ``refill_fraction``, the
@@ -87,12 +95,14 @@ class WorkingSetSampler(HerSampler):
     store : EpisodeStore
         Any store handle: local, object storage or HTTP (read-only), a writer's included.
     budget_bytes : int
-        Bytes of the set: all rows of all arrays a batch reads (``nbytes`` after construction, at most this). It
-        must hold at least two of the longest episode and an arc (a refill raises StoreError otherwise).
+        Bytes of the set: all rows of all arrays a batch reads (``nbytes`` after construction, at most this), an
+        int >= 1, allocated at once (MemoryError when the device cannot give it). It must hold at least two of the
+        longest episode (a refill raises StoreError otherwise).
     batch_size : int
         Default batch size of :meth:`sample`.
     refill_fraction : float
-        The share of the set's rows one refill loads (and so evicts, once the set is full), in ``(0, 0.5]``.
+        The share of the set's rows one refill's arc spans (it loads, and once the set is full evicts, about as
+        many), in ``(0, 0.5]``; an arc spans at least the longest live episode's rows.
     refill_interval : float
         Seconds the background thread waits between refills (0: back to back, as fast as the reads go).
     background : bool
@@ -146,6 +156,10 @@ class WorkingSetSampler(HerSampler):
         io_threads: int | None = None,
         refresh_interval: float | None = None,
     ) -> None:
+        if not isinstance(budget_bytes, numbers.Integral) or isinstance(budget_bytes, bool):
+            raise TypeError(f"budget_bytes must be an int (bytes of the working set), got {budget_bytes!r}")
+        if budget_bytes < 1:
+            raise ValueError(f"budget_bytes must be >= 1 (bytes of the working set), got {budget_bytes}")
         if not 0.0 < refill_fraction <= 0.5:
             raise ValueError(f"refill_fraction must be in (0, 0.5], got {refill_fraction}")
         if not refill_interval >= 0.0:
@@ -171,13 +185,21 @@ class WorkingSetSampler(HerSampler):
         self.refill_interval = float(refill_interval)
         self.background = bool(background)
         self._host_names = _HOST_FIELDS | set(self._info_keys)
-        self._buffers = {
-            path: torch.empty(
-                (self.capacity_rows, *spec.row_shape), dtype=torch.from_numpy(np.empty(0, spec.dtype)).dtype,
-                device=self.device,
-            )
-            for path, spec in self._specs.items()
-        }
+        try:
+            self._buffers = {
+                path: torch.empty(
+                    (self.capacity_rows, *spec.row_shape), dtype=torch.from_numpy(np.empty(0, spec.dtype)).dtype,
+                    device=self.device,
+                )
+                for path, spec in self._specs.items()
+            }
+        except (RuntimeError, MemoryError) as e:  # torch's allocators raise RuntimeError (CUDA's a subclass of it)
+            self.reader.close()
+            raise MemoryError(
+                f"budget_bytes={self.budget_bytes}: the working set's {self.capacity_rows} rows of {self.row_bytes} "
+                f"bytes ask {self.device} for {self.capacity_rows * self.row_bytes} bytes, which it cannot give "
+                f"({e}); lower budget_bytes"
+            ) from e
         self._refill_rng = np.random.default_rng(np.random.SeedSequence(seed).spawn(1)[0])
         # resident episodes, oldest loaded first (their ring positions increase, wrapping once at most)
         self._ids = self._lengths = self._pos = np.zeros(0, np.int64)
@@ -188,6 +210,7 @@ class WorkingSetSampler(HerSampler):
         self._halt = threading.Event()
         self._refiller: threading.Thread | None = None
         self._error: BaseException | None = None
+        self._closed = False
         self.refills = 0
         self.loaded_transitions = 0
         self.refill_seconds = 0.0
@@ -216,15 +239,26 @@ class WorkingSetSampler(HerSampler):
 
     # -- refills -------------------------------------------------------------------------------------------
     def refill(self) -> int:
-        """Look for new commits (at ``refresh_interval``) and refill once now; returns the transitions loaded."""
-        return self._refill(self._current_view())
+        """Look for new commits (at ``refresh_interval``) and refill once now; returns the transitions loaded.
+
+        Raises
+        ------
+        StoreError
+            The sampler is closed, or the set cannot hold two of the longest episode.
+        """
+        self._require_open()
+        return self._refill(self._current_view()) or 0
+
+    def _arc_rows(self, view: IndexView) -> int:
+        """Rows of an arc: ``refill_fraction`` of the ring's, at least the longest episode's ``T + 1``."""
+        return max(int(self.refill_fraction * self.capacity_rows), int(view.lengths.max()) + 1 if len(view) else 1)
 
     def _arc(self, view: IndexView) -> np.ndarray:
-        """Positions in ``view`` of the episodes whose first row lies in an arc of ``refill_fraction`` of the ring's
-        rows placed uniformly on the circle of the view's rows: each episode with probability arc / total."""
+        """Positions in ``view`` of the episodes whose first row lies in an arc of :meth:`_arc_rows` rows placed
+        uniformly on the circle of the view's rows: each episode with probability arc / total, at least one."""
         rows = view.lengths + 1
         total = int(rows.sum())
-        arc = max(1, int(self.refill_fraction * self.capacity_rows))
+        arc = self._arc_rows(view)
         if arc >= total:
             return np.arange(len(view))
         offsets = np.cumsum(rows) - rows
@@ -247,33 +281,42 @@ class WorkingSetSampler(HerSampler):
         view = IndexView(0, len(self._ids), self._pos, self._lengths, np.cumsum(self._lengths), 0)
         self._published = (view, self._ids)
 
-    def _refill(self, view: IndexView, evict: bool = True) -> int:
-        """One refill from the committed ``view``; without ``evict``, loads only what fits in the free rows."""
+    def _refill(self, view: IndexView, evict: bool = True) -> int | None:
+        """One refill from the committed ``view``; returns the transitions loaded, or None when no arc can load
+        anything: every live episode of the view is in the set, or (without ``evict``, which loads only what fits in
+        the free rows) the arc's new episodes do not fit."""
         with self._refill_lock:
+            self._require_open()
             started = time.perf_counter()
             ring = self.store.capacity is not None
+            if ring:  # the arc goes round the episodes the writer has not evicted, and those it evicted leave the set
+                view = view.since(self.store.live_first())
+                with self._lock:
+                    self._keep(self._ids >= view.first)
+                    self._publish()
+            if np.count_nonzero(self._ids < view.end) == len(view):
+                return None
             ids = view.first + self._arc(view)
             ids = ids[~np.isin(ids, self._ids)]
             lengths = view.lengths[ids - view.first]
             starts = view.start_rows[ids - view.first]
             n = int((lengths + 1).sum())
             longest = int(view.lengths.max()) + 1 if len(view) else 0
-            if n > self.capacity_rows or 2 * longest > self.capacity_rows:
+            # an arc's new episodes span under W + longest <= capacity rows (W <= capacity / 2) when this holds
+            if 2 * longest > self.capacity_rows:
                 raise StoreError(
                     f"{self.store.url}: the working set holds {self.capacity_rows} rows of {self.row_bytes} bytes "
-                    f"(budget_bytes={self.budget_bytes}); it must hold two of the longest episode ({longest} rows) "
-                    f"and a refill's {len(ids)} new episode(s) ({n} rows): raise budget_bytes or lower refill_fraction"
+                    f"(budget_bytes={self.budget_bytes}); it must hold two of the longest episode ({longest} rows): "
+                    f"raise budget_bytes to at least {2 * longest * self.row_bytes}"
                 )
             with self._lock:  # batches drawn from now on see neither the evicted episodes nor the rows being read
-                if ring:  # episodes the writer evicted leave the set
-                    self._keep(self._ids >= max(view.first, self.store.live_first()))
                 at = self._place(n) if n else None
                 while at is None and n and evict and len(self._ids):
                     self._keep(slice(1, None))
                     at = self._place(n)
                 self._publish()
             if at is None:
-                return 0
+                return None if n else 0
             rows = _episode_rows(starts, lengths)
             for path, buf in self._buffers.items():
                 block = buf[at : at + n]
@@ -299,22 +342,33 @@ class WorkingSetSampler(HerSampler):
             return loaded
 
     def _fill(self, view: IndexView) -> None:
-        """Fill the free rows arc by arc (the first batch: the set starts as a full set of independent arcs)."""
-        for _ in range(int(4 / self.refill_fraction) + 1):
-            if self._refill(view, evict=False) == 0:
+        """Fill the free rows arc by arc (the first batch: the set starts as a full set of independent arcs), until
+        an arc's new episodes do not fit or the whole view is in the set.
+
+        An arc that brings only resident episodes is drawn again. Bounded: about ``max(capacity, R) / W`` arcs fill
+        the set, and collecting every one of ``N`` episodes when the set holds the store takes about ``ln N`` times
+        as many (a coupon collector); four times that, whatever is then in the set is the first set.
+        """
+        arcs = -(-max(self.capacity_rows, view.num_transitions + len(view)) // self._arc_rows(view))
+        for _ in range(4 * arcs * (1 + math.ceil(math.log(len(view) + 1)))):
+            if self._refill(view, evict=False) is None:
                 return
 
     def _run(self) -> None:
         while not self._halt.is_set():
             try:
                 view = self._view
-                loaded = self._refill(view) if view is not None else 0
+                loaded = (self._refill(view) or 0) if view is not None else 0
             except Exception as e:  # handed to the learner's next batch
                 self._error = e
                 return
             wait = self.refill_interval if loaded else max(self.refill_interval, _IDLE_WAIT)
             if wait:
                 self._halt.wait(wait)
+
+    def _require_open(self) -> None:
+        if self._closed:
+            raise StoreError(f"{self.store.url}: this working set sampler is closed (close() released its set)")
 
     def _ready(self, view: IndexView) -> None:
         if self._error is not None:
@@ -326,14 +380,36 @@ class WorkingSetSampler(HerSampler):
             self._refiller.start()
 
     # -- one batch, HerSampler's, from the set -----------------------------------------------------------------
+    def sample(self, batch_size: int | None = None) -> HerBatch:
+        """One batch of ``batch_size`` transitions (default: the sampler's), drawn from the set.
+
+        Raises
+        ------
+        StoreError
+            No committed episode yet, the sampler is closed, or a refill failed (raised at the next batch).
+        """
+        self._require_open()
+        return super().sample(batch_size)
+
     def _make_batch(self, view: IndexView, B: int, may_refresh: bool = True) -> HerBatch:
-        for _ in range(100):
+        tries = 100
+        for _ in range(tries):
             self._ready(view)
             with self._lock:
                 # a refill that had to evict the whole set to place its episodes leaves it empty until its read ends
                 if self._published[0].num_transitions or not view.num_transitions:
                     return super()._make_batch(self._published[0], B, may_refresh)
-        raise StoreError(f"{self.store.url}: the ring writer evicts every episode a refill reads; give the ring more room")
+        if self.store.capacity is not None:
+            raise StoreError(
+                f"{self.store.url}: {tries} refills in a row kept no episode: the ring writer evicted the episodes of "
+                f"the view sampled from ({view.first}..{view.end - 1}; it now keeps {self.store.live_first()} on) "
+                "before a refill could keep them; give the ring more capacity, or sample with a smaller "
+                "refresh_interval"
+            )
+        raise StoreError(
+            f"{self.store.url}: the set was empty at {tries} batches in a row: each background refill evicted the whole "
+            f"set ({self.capacity_rows} rows) to place its arc's episodes; raise budget_bytes or lower refill_fraction"
+        )
 
     def _fresh(self, view: IndexView, B: int, may_refresh: bool) -> tuple[IndexView, _Draw, dict, dict, np.ndarray | None]:
         """Draw among the set's episodes (positions in the set), gather from the ring, and name the store's ids."""
@@ -398,10 +474,15 @@ class WorkingSetSampler(HerSampler):
         return read
 
     def close(self) -> None:
-        """Stop the refill thread, release the set and the reader (the store stays open)."""
+        """Stop the refill thread, release the set and the reader (the store stays open); then :meth:`sample`
+        and :meth:`refill` raise StoreError."""
         self._halt.set()
         if self._refiller is not None:
             self._refiller.join()
             self._refiller = None
+        with self._refill_lock, self._lock:  # a refill() of another thread ends first; later ones find it closed
+            self._closed = True
+            self._keep(slice(0, 0))
+            self._publish()
+            self._buffers = {}
         super().close()
-        self._buffers = {}

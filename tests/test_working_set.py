@@ -155,7 +155,9 @@ def test_over_s3_a_refill_reads_whole_chunks(s3_url):
             for _ in range(3):
                 before = {id(a): a.misses for a in arrays}
                 ids = set(s.episode_ids.tolist())
-                s.refill()
+                for _ in range(50):  # the set is full: an arc of resident episodes only reads nothing
+                    if s.refill():
+                        break
                 new = np.array(sorted(set(s.episode_ids.tolist()) - ids), np.int64)
                 rows = np.concatenate([view.start_rows[e] + np.arange(view.lengths[e] + 1) for e in new])
                 chunks = len(np.unique(rows // 32))
@@ -223,3 +225,76 @@ def test_the_set_lives_on_the_samplers_device_and_batches_stay_there(coded_store
         assert b.observations["observation"].device == s.device and b.rewards.dtype == torch.float32
     with pytest.raises(ValueError, match="refill_fraction"):
         WorkingSetSampler(store, 300 * 86, reward_fn=sparse_reward, refill_fraction=0.9)
+
+
+@pytest.fixture
+def long_episodes(tmp_path):
+    """Six episodes of 50 steps (51 rows each, 306 in all): an arc of a few rows would miss every first row."""
+    with EpisodeStore.create(tmp_path / "s", OBS, ACT, chunk_rows=64) as store:
+        for i in range(6):
+            store.append_episode(coded_episode(OBS, ACT, i, T=50, seed=i))
+    with EpisodeStore.open(tmp_path / "s") as store:
+        yield store
+
+
+def test_every_refill_takes_an_episode_however_small_refill_fraction(long_episodes):
+    """An arc is at least the longest episode's rows, so it holds some episode's first row: a refill of an empty
+    set loads one episode at every seed (a 1-row arc would find one 6 times in 306)."""
+    for seed in range(20):
+        with WorkingSetSampler(long_episodes, 130 * 86, 8, reward_fn=sparse_reward, seed=seed, background=False,
+                               refill_fraction=1e-4) as s:
+            assert s.refill() == 50 and len(s.episode_ids) == 1
+
+
+def test_the_first_batch_fills_the_set(long_episodes):
+    """The first batch fills the set arc by arc until no arc fits (five of the six episodes), or until the whole
+    store is in it, not until the first arc that brings nothing new."""
+    for seed in range(5):
+        with WorkingSetSampler(long_episodes, 260 * 86, 8, reward_fn=sparse_reward, seed=seed, background=False,
+                               refill_fraction=0.1) as s:
+            s.sample()
+            assert len(s.episode_ids) == 5 and s.refills == 5
+        with WorkingSetSampler(long_episodes, 400 * 86, 8, reward_fn=sparse_reward, seed=seed, background=False,
+                               refill_fraction=0.1) as s:
+            s.sample()
+            assert sorted(s.episode_ids.tolist()) == list(range(6))
+
+
+def test_a_closed_sampler_says_so(long_episodes):
+    s = WorkingSetSampler(long_episodes, 130 * 86, 8, reward_fn=sparse_reward, seed=0, refill_interval=0.0)
+    s.sample()
+    s.close()
+    assert s._refiller is None and s.nbytes == 0 and not len(s.episode_ids)
+    with pytest.raises(StoreError, match="sampler is closed"):
+        s.sample()
+    with pytest.raises(StoreError, match="sampler is closed"):
+        s.refill()
+
+
+def test_budget_bytes_must_be_a_whole_number_of_bytes_the_machine_can_give(long_episodes):
+    for bad in ("1000000", 1e6, True, None):
+        with pytest.raises(TypeError, match="budget_bytes must be an int"):
+            WorkingSetSampler(long_episodes, bad, reward_fn=sparse_reward)
+    for bad in (0, -5):
+        with pytest.raises(ValueError, match="budget_bytes must be >= 1"):
+            WorkingSetSampler(long_episodes, bad, reward_fn=sparse_reward)
+    budget = 1 << 60
+    with pytest.raises(MemoryError, match=f"budget_bytes={budget}.* {budget // 86 * 86} bytes"):
+        WorkingSetSampler(long_episodes, budget, reward_fn=sparse_reward)
+    assert WorkingSetSampler(long_episodes, np.int64(130 * 86), reward_fn=sparse_reward).capacity_rows == 130
+
+
+def test_a_ring_that_evicts_everything_a_refill_reads_is_named_as_the_cause(tmp_path):
+    """The set stays empty only when a ring writer evicts each episode a refill reads before the read ends: here
+    the sampler's view is older than the ring's whole content."""
+    with EpisodeStore.create(tmp_path / "s", OBS, ACT, capacity=60, chunk_rows=16, commit_interval=0) as writer:
+        for i in range(8):
+            writer.append_episode(coded(i % 2))
+        store = EpisodeStore.open(tmp_path / "s")
+        s = WorkingSetSampler(store, 40 * 86, 8, reward_fn=sparse_reward, background=False, refresh_interval=1e9)
+        with store, s:
+            s.refresh()
+            for i in range(8):
+                writer.append_episode(coded(i % 2))
+            with pytest.raises(StoreError, match="kept no episode: the ring writer evicted"):
+                s.sample()
