@@ -173,9 +173,10 @@ def test_a_handle_whose_shard_write_failed_appends_again(tmp_path):
             assert_episode_equal(store.episode(i), episode_for(config, i))
 
 
-@pytest.mark.parametrize("config", ["raw", "ring-compressed"])
+@pytest.mark.parametrize("config", ["ring-compressed"])
 def test_every_write_of_a_create_failing(tmp_path, config):
-    """A create that fails (or dies) at any write leaves nothing or a store that open_store resumes."""
+    """A create that fails (or dies) at any write leaves nothing or a store that open_store resumes. (The ring of
+    compressed frames creates every kind of array an unbounded store of packs does, and sharded ones too.)"""
     probe = str(tmp_path / "probe")
     with WriteFaults(probe) as counter:
         workload(config, probe, 0, 1)
@@ -198,7 +199,7 @@ def _kill_at(config: str, path: str, at: int, opts: dict | None = None, first: i
     return proc.returncode
 
 
-@pytest.mark.parametrize("config", list(CONFIGS))
+@pytest.mark.parametrize("config", ["raw", "ring-compressed"])  # kill -9 loses no fsync: the fsync'ed variant adds nothing
 def test_kill_9_at_writes(tmp_path, config):
     base, kinds = _baseline(tmp_path, config)
     n = len(kinds)

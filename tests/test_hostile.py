@@ -424,7 +424,7 @@ def _write_docs(store: Path, docs: dict[str, Any], valid_crc: bool) -> None:
             (store / file).write_text(json.dumps(doc))
 
 
-@settings(max_examples=180, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=110, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(data=st.data())
 def test_hostile_stores_give_store_errors_only(bases, arena, data):
     """Mutated root attributes, commit records (mostly with a valid crc32) and array metadata: opening, reading,
