@@ -19,6 +19,10 @@
  *   crc32_runs(data, starts, ends, crcs) -> None
  *       verify's side: crcs[i] = zlib.crc32(data[starts[i] : ends[i]], crcs[i]) for every i (uint32 crcs, updated in
  *       place; int64 starts and ends), so that a chunk's episodes are checksummed in one call without the GIL.
+ *   crc32(data, value=0) -> int
+ *       zlib.crc32(data, value) for any C-contiguous bytes-like data, without the GIL above a few KiB: verify's and
+ *       the writer's other checksums. Both crc32 functions use her_crc32 (crc32.c: carry-less multiplication where
+ *       the CPU has it, at memory speed).
  *
  * The decoders return (-1, 0) when every row decoded to exactly row_nbytes, else the first failing row and an errno (0 when
  * the bytes are not one row's LZ4 block). Nothing is trusted: every range is checked against its source.
@@ -33,6 +37,7 @@
 
 #include <zlib.h>
 
+#include "crc32.h"
 #include "lz4.h"
 
 typedef struct {
@@ -271,7 +276,7 @@ static PyObject *crc32_runs(PyObject *self, PyObject *args) {
         const unsigned char *d = data.buf;
         uint32_t *c = crcs.buf;
         Py_BEGIN_ALLOW_THREADS
-        for (Py_ssize_t i = 0; i < n; i++) c[i] = (uint32_t)crc32_z(c[i], d + a[i], (size_t)(b[i] - a[i]));
+        for (Py_ssize_t i = 0; i < n; i++) c[i] = her_crc32(c[i], d + a[i], (size_t)(b[i] - a[i]));
         Py_END_ALLOW_THREADS
     }
     PyBuffer_Release(&data);
@@ -285,7 +290,26 @@ static PyObject *crc32_runs(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+#define CRC_NOGIL_BYTES (8 << 10) /* smaller buffers keep the GIL: releasing it costs more than their crc */
+
+static PyObject *crc32_buffer(PyObject *self, PyObject *args) {
+    Py_buffer data;
+    unsigned int value = 0; /* "I" masks to 32 bits, as zlib.crc32 does */
+    if (!PyArg_ParseTuple(args, "y*|I", &data, &value)) return NULL;
+    uint32_t crc;
+    if (data.len > CRC_NOGIL_BYTES) {
+        Py_BEGIN_ALLOW_THREADS
+        crc = her_crc32(value, data.buf, (size_t)data.len);
+        Py_END_ALLOW_THREADS
+    } else {
+        crc = her_crc32(value, data.buf, (size_t)data.len);
+    }
+    PyBuffer_Release(&data);
+    return PyLong_FromUnsignedLong(crc);
+}
+
 static PyMethodDef methods[] = {
+    {"crc32", crc32_buffer, METH_VARARGS, "zlib.crc32(data, value), by carry-less multiplication where the CPU has it."},
     {"crc32_runs", crc32_runs, METH_VARARGS, "zlib crc32 of many runs of one buffer, chained from given values."},
     {"encode_lz4", encode_lz4, METH_VARARGS, "Encode rows as LZ4 blocks with size headers, without the GIL."},
     {"pread_lz4", pread_lz4, METH_VARARGS, "Read and decode LZ4 rows from files, without the GIL."},

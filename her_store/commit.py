@@ -12,13 +12,13 @@ from __future__ import annotations
 import math
 import os
 import time
-import zlib
 from collections.abc import Mapping, Sequence
 from typing import Any, cast
 
 import numpy as np
 import zarr
 
+from her_store import _frames
 from her_store.errors import EpisodeValidationError, StoreError, StoreLockedError
 from her_store.format import COMMIT_KEY, INDEX_COLUMNS, ArraySpec, Commit, Layout
 from her_store.index import EpisodeIndex
@@ -216,7 +216,7 @@ class Committer:
         encoded = {path: io.encode(self._episode_rows(path, T, data)) for path, io in self._sharded.items()}
         for path, members, step_cols in self._plan:
             if path in encoded:  # one field, T + 1 rows: its frames as they will be stored
-                crc = zlib.crc32(b"".join(encoded[path]), crc)
+                crc = _frames.crc32(b"".join(encoded[path]), crc)
                 continue
             buf = self._stage[path]
             if len(buf) < need:
@@ -227,7 +227,7 @@ class Committer:
                 d = data[name]
                 buf[at : at + len(d), cols] = d.reshape(len(d), -1) if flat else d
             buf[at + T, step_cols] = 0  # the unused last row of per-step fields
-            crc = zlib.crc32(buf[at:need].data, crc)
+            crc = _frames.crc32(buf[at:need].data, crc)
         for path, frames in encoded.items():
             self._frames[path].extend(frames)
         self._stage_n = need

@@ -23,7 +23,6 @@ import json
 import os
 import shutil
 import time
-import zlib
 from collections import deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -391,10 +390,10 @@ class _Check:
                 self.bad[i] = True
             elif self.checksums:
                 if follows[a : b - 1].all():
-                    self.crcs[i] = zlib.crc32(view[offsets[a] : offsets[b - 1] + nbytes[b - 1]], self.crcs[i])
+                    self.crcs[i] = _frames.crc32(view[offsets[a] : offsets[b - 1] + nbytes[b - 1]], self.crcs[i])
                 else:
                     for o, n in zip(offsets[a:b].tolist(), nbytes[a:b].tolist()):
-                        self.crcs[i] = zlib.crc32(view[o : o + n], self.crcs[i])
+                        self.crcs[i] = _frames.crc32(view[o : o + n], self.crcs[i])
         if missing:
             self.report.problems.append(Problem("file", f"{where}: committed rows are missing from the shard", tuple(missing)))
         return len(data)
@@ -415,7 +414,7 @@ class _Check:
         view = memoryview(rows).cast("B")
         for i in k:
             a, b = max(int(self.starts[i]), r0) - r0, min(int(self.ends[i]), r1) - r0
-            self.crcs[i] = zlib.crc32(view[a * rb : b * rb], self.crcs[i])
+            self.crcs[i] = _frames.crc32(view[a * rb : b * rb], self.crcs[i])
         return rows.nbytes
 
     # -- past the commit record ------------------------------------------------------------------------------
