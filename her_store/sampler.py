@@ -296,21 +296,32 @@ class HerSampler:
         samples, in order)."""
         B = len(d.rows)
         now, nxt, goals = {}, {}, None
+        field = self._field
         for path, is_pack, has_next, has_goal, fields in self._arrays:
             parts = [d.rows]
             if has_next:
                 parts.append(d.rows + 1)
             if has_goal and d.goal_rows is not None:
                 parts.append(d.goal_rows)
-            rows = self.reader.gather(path, np.concatenate(parts) if len(parts) > 1 else d.rows)
+            rows = self._rows(path, np.concatenate(parts) if len(parts) > 1 else d.rows)
             for name, a, b, shape, per_step in fields:
                 col = rows[:, a:b] if is_pack else rows
-                now[name] = np.ascontiguousarray(col[:B]).reshape(B, *shape)
+                now[name] = field(name, col[:B], shape)
                 if not per_step:
-                    nxt[name] = np.ascontiguousarray(col[B : 2 * B]).reshape(B, *shape)
+                    nxt[name] = field(name, col[B : 2 * B], shape)
                 if name == "achieved_goal" and d.goal_rows is not None:
-                    goals = np.ascontiguousarray(col[2 * B :]).reshape(-1, *shape)
+                    goals = field(name, col[2 * B :], shape)
         return now, nxt, goals
+
+    def _rows(self, path: str, rows: np.ndarray) -> np.ndarray:
+        """Rows ``rows`` of array ``path``, where :meth:`_gather` reads them: the store's chunks, through the reader."""
+        return self.reader.gather(path, rows)
+
+    @staticmethod
+    def _field(name: str, col: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
+        """One field of gathered rows, as batch assembly takes it: ``(len(col), *shape)``, contiguous (a view of
+        contiguous rows)."""
+        return np.ascontiguousarray(col).reshape(len(col), *shape)
 
     def _achieved_goals_at(self, view: IndexView) -> Callable[[np.ndarray, np.ndarray], np.ndarray]:
         spec, a, b = self.store.layout.fields["achieved_goal"]

@@ -188,6 +188,7 @@ class WorkingSetSampler(HerSampler):
         self.refill_interval = float(refill_interval)
         self.background = bool(background)
         self._host_names = _HOST_FIELDS | set(self._info_keys)
+        self._numpy_gather = self.device.type == "cpu"  # else index_select on the device
         try:
             self._buffers = {
                 path: torch.empty(
@@ -423,30 +424,19 @@ class WorkingSetSampler(HerSampler):
         d = d._replace(episode_ids=ids[d.episode_ids], goal_ids=None if d.goal_ids is None else ids[d.goal_ids])
         return view, d, now, nxt, goals
 
-    def _gather(self, d: _Draw) -> tuple[dict[str, Any], dict[str, Any], np.ndarray | None]:
-        """HerSampler's gather from the ring: one ``index_select`` per array on the set's device; the fields batch
-        assembly computes on with numpy come to the host, the others stay tensors."""
-        B = len(d.rows)
-        now: dict[str, Any] = {}
-        nxt: dict[str, Any] = {}
-        goals = None
-        for path, is_pack, has_next, has_goal, fields in self._arrays:
-            parts = [d.rows]
-            if has_next:
-                parts.append(d.rows + 1)
-            if has_goal and d.goal_rows is not None:
-                parts.append(d.goal_rows)
-            index = torch.as_tensor(np.concatenate(parts), device=self.device)
-            rows = self._buffers[path].index_select(0, index)
-            for name, a, b, shape, per_step in fields:
-                col = rows[:, a:b] if is_pack else rows
-                take = self._to_host if name in self._host_names else (lambda x: x.contiguous())
-                now[name] = take(col[:B].reshape(B, *shape))
-                if not per_step:
-                    nxt[name] = take(col[B : 2 * B].reshape(B, *shape))
-                if name == "achieved_goal" and d.goal_rows is not None:
-                    goals = self._to_host(col[2 * B :].reshape(-1, *shape))
-        return now, nxt, goals
+    def _rows(self, path: str, rows: np.ndarray) -> Any:
+        """HerSampler's gather reads from the ring: ``numpy.take`` of its rows on the CPU (as the reader gathers a
+        local store's rows), one ``index_select`` on another device."""
+        if self._numpy_gather:
+            return np.take(self._buffers[path].numpy(), rows, axis=0)
+        return self._buffers[path].index_select(0, torch.as_tensor(rows, device=self.device))
+
+    def _field(self, name: str, col: Any, shape: tuple[int, ...]) -> Any:
+        """On a device, the fields batch assembly computes on with numpy come to the host, the others stay there."""
+        if isinstance(col, np.ndarray):
+            return super()._field(name, col, shape)
+        col = col.reshape(len(col), *shape)
+        return self._to_host(col) if name in self._host_names else col.contiguous()
 
     @staticmethod
     def _to_host(x: torch.Tensor) -> np.ndarray:

@@ -4,6 +4,7 @@ whole-chunk reads over S3, and a ring writer evicting while the set is refilled.
 from __future__ import annotations
 
 import itertools
+import time
 
 import numpy as np
 import pytest
@@ -132,6 +133,11 @@ def test_the_set_never_holds_more_than_its_budget_while_a_writer_appends(tmp_pat
                 assert s.resident_bytes <= s.nbytes <= budget
                 assert_rows_are_the_stores(b, eps)
                 newest = max(newest, int(b.episode_ids.max()))
+            deadline = time.monotonic() + 30  # the background refills run at their own pace: give them time
+            while (s.refills <= 10 or newest < 150) and time.monotonic() < deadline:
+                b = s.sample()
+                assert_rows_are_the_stores(b, eps)
+                newest = max(newest, int(b.episode_ids.max()))
             assert s.refills > 10 and newest >= 150  # new commits joined the set
     with EpisodeStore.open(tmp_path / "s") as store:
         with pytest.raises(ValueError, match="holds 1 row"):
@@ -225,6 +231,26 @@ def test_the_set_lives_on_the_samplers_device_and_batches_stay_there(coded_store
         assert b.observations["observation"].device == s.device and b.rewards.dtype == torch.float32
     with pytest.raises(ValueError, match="refill_fraction"):
         WorkingSetSampler(store, 300 * 86, reward_fn=sparse_reward, refill_fraction=0.9)
+
+
+def test_the_device_gather_gives_the_rows_the_host_gather_gives(coded_store):
+    """The path a CUDA set takes (index_select on the device, goals and rewards brought to the host), run on CPU
+    tensors: the same batches, row for row, as the host's numpy gather."""
+    store, eps = coded_store
+    kw = dict(reward_fn=sparse_reward, seed=5, background=False, refill_fraction=0.25)
+    with WorkingSetSampler(store, 300 * 86, 64, **kw) as host, WorkingSetSampler(store, 300 * 86, 64, **kw) as dev:
+        dev._numpy_gather = False
+        for _ in range(5):
+            a, b = host.sample(), dev.sample()
+            assert_rows_are_the_stores(b, eps)
+            for key in ("observation", "achieved_goal", "desired_goal"):
+                assert isinstance(b.observations[key], torch.Tensor)
+                torch.testing.assert_close(a.observations[key], b.observations[key], rtol=0, atol=0)
+                torch.testing.assert_close(a.next_observations[key], b.next_observations[key], rtol=0, atol=0)
+            for x, y in ((a.actions, b.actions), (a.rewards, b.rewards), (a.episode_ids, b.episode_ids)):
+                torch.testing.assert_close(x, y, rtol=0, atol=0)
+            host.refill()
+            dev.refill()
 
 
 @pytest.fixture
