@@ -128,9 +128,12 @@ static PyObject *pread_lz4(PyObject *self, PyObject *args) {
         Py_ssize_t j = i;
         int64_t total = 0;
         while (j < n) {
-            if (nbytes[j] < 0 || offsets[j] < 0 || nbytes[j] > row_bound) break;
-            if (j > i && (fds[j] != fds[i] || offsets[j] != offsets[i] + total || total + nbytes[j] > RUN_BYTES)) break;
-            total += nbytes[j];
+            /* each entry is read once (here, and below from the decoded sizes' sum): another thread changing the
+               caller's arrays meanwhile can make rows fail, never a read or write outside tmp or out */
+            int64_t size = nbytes[j], at = offsets[j];
+            if (size < 0 || at < 0 || size > row_bound) break;
+            if (j > i && (fds[j] != fds[i] || at != offsets[i] + total || total + size > RUN_BYTES)) break;
+            total += size;
             j++;
         }
         if (j == i) { /* row i itself is not a row to read */
@@ -160,12 +163,14 @@ static PyObject *pread_lz4(PyObject *self, PyObject *args) {
         int64_t at = 0;
         for (Py_ssize_t k = i; k < j; k++) {
             /* with a short read, the rows it did not reach fail, the ones before are decoded */
-            if (at + nbytes[k] > done || decode_row(tmp + at, nbytes[k], out + dst_of[k] * row_nbytes, row_nbytes) != 0) {
+            int64_t size = nbytes[k], row = dst_of[k];
+            if (size < 0 || at + size > done || row < 0 || row >= out_rows ||
+                decode_row(tmp + at, size, out + row * row_nbytes, row_nbytes) != 0) {
                 failed = k;
-                if (at + nbytes[k] <= done) err = 0;
+                if (size >= 0 && at + size <= done) err = 0;
                 break;
             }
-            at += nbytes[k];
+            at += size;
         }
         i = j;
     }
@@ -262,27 +267,67 @@ static PyObject *encode_lz4(PyObject *self, PyObject *args) {
     return Py_BuildValue("(NN)", blob, sizes);
 }
 
+/* a C-contiguous buffer of integers of itemsize bytes (signed when is_signed), for crc32_runs; 0 or -1 (raised) */
+static int int_buffer(PyObject *obj, Py_buffer *view, Py_ssize_t itemsize, int is_signed, int writable, const char *name) {
+    if (PyObject_GetBuffer(obj, view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT | (writable ? PyBUF_WRITABLE : 0)) < 0) return -1;
+    const char *f = view->format ? view->format : "B";
+    if (*f == '<' || *f == '=' || *f == '@') f++;
+    int ok = view->itemsize == itemsize && f[0] && !f[1] && strchr(is_signed ? "bhilq" : "BHILQ", f[0]) != NULL;
+    if (!ok) {
+        PyErr_Format(PyExc_ValueError, "%s must be %s%d integers (got format %s, itemsize %zd)", name,
+                     is_signed ? "int" : "uint", (int)(8 * itemsize), view->format ? view->format : "B", view->itemsize);
+        PyBuffer_Release(view);
+        return -1;
+    }
+    return 0;
+}
+
 static PyObject *crc32_runs(PyObject *self, PyObject *args) {
     Py_buffer data, starts, ends, crcs;
-    if (!PyArg_ParseTuple(args, "y*y*y*w*", &data, &starts, &ends, &crcs)) return NULL;
-    Py_ssize_t n = crcs.len / 4;
+    PyObject *s_obj, *e_obj, *c_obj;
     const char *error = NULL;
-    if (starts.len != n * 8 || ends.len != n * 8 || crcs.len % 4 != 0)
-        error = "starts and ends must be int64 and crcs uint32, one each per run";
-    const int64_t *a = starts.buf, *b = ends.buf;
-    for (Py_ssize_t i = 0; !error && i < n; i++)
-        if (a[i] < 0 || a[i] > b[i] || b[i] > data.len) error = "a run lies outside data";
+    if (!PyArg_ParseTuple(args, "y*OOO", &data, &s_obj, &e_obj, &c_obj)) return NULL;
+    if (int_buffer(s_obj, &starts, 8, 1, 0, "starts") < 0) goto no_starts;
+    if (int_buffer(e_obj, &ends, 8, 1, 0, "ends") < 0) goto no_ends;
+    if (int_buffer(c_obj, &crcs, 4, 0, 1, "crcs") < 0) goto no_crcs;
+    Py_ssize_t n = crcs.len / 4;
+    /* the runs are copied, then checked and used from the copy: another thread (or crcs sharing memory with
+       them) changing a bound after its check cannot send the loop outside data */
+    int64_t *run = n ? malloc((size_t)n * 16) : NULL;
+    uint32_t *crc = n ? malloc((size_t)n * 4) : NULL;
+    if (starts.len != n * 8 || ends.len != n * 8)
+        error = "starts, ends and crcs must hold one entry per run";
+    else if (n && (!run || !crc)) {
+        free(run);
+        free(crc);
+        PyBuffer_Release(&data);
+        PyBuffer_Release(&starts);
+        PyBuffer_Release(&ends);
+        PyBuffer_Release(&crcs);
+        return PyErr_NoMemory();
+    }
+    for (Py_ssize_t i = 0; !error && i < n; i++) {
+        run[2 * i] = ((const int64_t *)starts.buf)[i], run[2 * i + 1] = ((const int64_t *)ends.buf)[i];
+        crc[i] = ((const uint32_t *)crcs.buf)[i];
+        if (run[2 * i] < 0 || run[2 * i] > run[2 * i + 1] || run[2 * i + 1] > data.len) error = "a run lies outside data";
+    }
     if (!error) {
         const unsigned char *d = data.buf;
-        uint32_t *c = crcs.buf;
         Py_BEGIN_ALLOW_THREADS
-        for (Py_ssize_t i = 0; i < n; i++) c[i] = her_crc32(c[i], d + a[i], (size_t)(b[i] - a[i]));
+        for (Py_ssize_t i = 0; i < n; i++) crc[i] = her_crc32(crc[i], d + run[2 * i], (size_t)(run[2 * i + 1] - run[2 * i]));
         Py_END_ALLOW_THREADS
+        memcpy(crcs.buf, crc, (size_t)n * 4);
     }
-    PyBuffer_Release(&data);
-    PyBuffer_Release(&starts);
-    PyBuffer_Release(&ends);
+    free(run);
+    free(crc);
     PyBuffer_Release(&crcs);
+no_crcs:
+    PyBuffer_Release(&ends);
+no_ends:
+    PyBuffer_Release(&starts);
+no_starts:
+    PyBuffer_Release(&data);
+    if (PyErr_Occurred()) return NULL;
     if (error) {
         PyErr_SetString(PyExc_ValueError, error);
         return NULL;

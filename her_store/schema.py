@@ -324,8 +324,11 @@ def _first(bad: np.ndarray) -> tuple[int, ...]:
 
 
 def _floats_to_json(a: np.ndarray) -> Any:
-    """Bounds as JSON: one scalar when uniform (image spaces), infinities as strings (strict JSON)."""
+    """Bounds as JSON: one scalar when uniform (image spaces), infinities as strings (strict JSON); a bool Box's as 0
+    and 1 (numbers, as every other bound)."""
     a = np.asarray(a)
+    if a.dtype == np.bool_:
+        a = a.astype(np.uint8)
     flat = a.reshape(-1)
     vals = [flat[0]] if flat.size and np.all(flat == flat[0]) else flat
     out = [v.item() if np.isfinite(v) else ("inf" if v > 0 else "-inf") for v in vals]

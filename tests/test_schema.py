@@ -23,6 +23,8 @@ SPACES = [
     spaces.Dict({"a": spaces.Discrete(2), "b": spaces.Box(-1, 1, (1,))}),
     spaces.Box(np.iinfo(np.int64).min, np.iinfo(np.int64).max, (2,), np.int64),  # not through float64
     spaces.Box(np.array([0, -5]), np.array([2**62 + 1, 7]), (2,), np.int64),
+    spaces.Box(0, 1, (), np.bool_),  # a flag as an info key: bounds False/True
+    spaces.Box(np.array([False, True]), np.array([True, True]), (2,), np.bool_),
 ]
 
 

@@ -453,7 +453,39 @@ def test_crc32_runs_is_zlibs_crc32_of_each_run_chained_and_checks_its_arguments(
     for bad_starts, bad_ends in (([-1], [3]), ([4], [3]), ([0], [10_001])):  # before, backwards, past the end
         with pytest.raises(ValueError, match="outside data"):
             _frames.crc32_runs(data, np.array(bad_starts, np.int64), np.array(bad_ends, np.int64), np.zeros(1, np.uint32))
-    with pytest.raises(ValueError, match="one each per run"):
+    with pytest.raises(ValueError, match="one entry per run"):
         _frames.crc32_runs(data, np.zeros(2, np.int64), np.zeros(2, np.int64), np.zeros(1, np.uint32))
-    with pytest.raises(TypeError):  # crcs are written: a read-only buffer is refused
+    with pytest.raises(BufferError):  # crcs are written: a read-only buffer is refused
         _frames.crc32_runs(data, np.zeros(1, np.int64), np.zeros(1, np.int64), bytes(4))
+    for starts, ends, crcs, name in (  # the bytes of other integer types are not taken as int64 / uint32
+        (np.zeros(1), np.zeros(1, np.int64), np.zeros(1, np.uint32), "starts"),
+        (np.zeros(2, np.int64), np.zeros(4, np.int32), np.zeros(2, np.uint32), "ends"),
+        (np.zeros(1, np.int64), np.zeros(1, np.int64), np.zeros(4, np.uint8), "crcs"),
+    ):
+        with pytest.raises(ValueError, match=f"{name} must be"):
+            _frames.crc32_runs(data, starts, ends, crcs)
+
+
+def test_pread_lz4_checks_each_dst_as_it_uses_it(tmp_path):
+    """dst sharing memory with out: decoding row 0 overwrites the dst of the rows after it (as another thread could,
+    the GIL released). Each dst is checked when it is used, so those rows fail rather than land outside out."""
+    blob, offsets, nbytes, rows = _lz4_rows(5)
+    (tmp_path / "f").write_bytes(blob)
+    out = np.zeros((5, *ROW), np.uint8)
+    dst = out[4].reshape(-1).view(np.int64)[:5]
+    dst[:] = [4, 0, 1, 2, 3]  # row 0 goes to out[4], over dst itself
+    with open(tmp_path / "f", "rb") as f:
+        assert _frames.pread_lz4(np.full(5, f.fileno(), np.int32), offsets, nbytes, dst, out, ROW_NBYTES) == (1, 0)
+    np.testing.assert_array_equal(out[4], rows[0])
+    assert not (0 <= dst[1] < 5)  # what row 1 found: no row of out
+
+
+def test_crc32_runs_uses_the_runs_as_they_were_when_checked():
+    """crcs sharing memory with ends: each crc written changes a later run's end after its check. The runs are
+    copied before they are checked, so the call computes the runs it was given and never reads outside data."""
+    data = np.random.default_rng(1).integers(0, 256, 4096, np.uint8).tobytes()
+    ends = np.full(8, 4096, np.int64)
+    crcs = ends.view(np.uint32)[8:]  # the last 4 ends, as 8 uint32
+    seeds = crcs.copy()
+    _frames.crc32_runs(data, np.zeros(8, np.int64), ends, crcs)
+    assert crcs.tolist() == [zlib.crc32(data, int(c)) for c in seeds]
