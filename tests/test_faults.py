@@ -191,6 +191,38 @@ def test_every_write_of_a_create_failing(tmp_path, config):
                     assert_episode_equal(store.episode(i), episode_for(config, i))
 
 
+def test_every_write_of_a_sharded_dataset_create_failing(tmp_path):
+    """Creating a sharded dataset (its root marker, then the first shard and its first episode) failing at any write,
+    every way: the call raises; the next open_store of the shard creates or resumes it, and the view over the root
+    reads every committed episode."""
+    config, name = "raw", "actor-0"
+    obs = CONFIGS[config]["obs"]
+
+    def create(root: str) -> None:
+        with open_store(root, obs, ACT, shard=name, **store_options(config, None)) as writer:
+            writer.append_episode(episode_for(config, 0))
+
+    probe = str(tmp_path / "probe")
+    with WriteFaults(probe) as counter:
+        create(probe)
+    marker = [i + 1 for i, p in enumerate(counter.paths) if "sharded.json" in p]
+    assert marker and marker[0] == 1  # the root marker is written first
+    # the marker's writes and the first two of the shard (its lock, its zarr.json): a single store's creation failing
+    # at each later write is test_every_write_of_a_create_failing's
+    for at in range(1, marker[-1] + 3):
+        for mode in ("enospc", "eio", "short"):
+            root = str(tmp_path / f"{at}-{mode}")
+            with WriteFaults(root, at, mode), pytest.raises((OSError, StoreError)):
+                create(root)
+            with open_store(root, obs, ACT, shard=name, **store_options(config, None)) as writer:
+                assert writer.end_episode in (0, 1)
+                if writer.end_episode == 0:
+                    writer.append_episode(episode_for(config, 0))
+            with open_store(root) as view:
+                assert view.num_episodes == 1
+                assert_episode_equal(view.episode(name, 0), episode_for(config, 0))
+
+
 def _kill_at(config: str, path: str, at: int, opts: dict | None = None, first: int = BASELINE) -> int:
     args = [sys.executable, os.path.join(ROOT, "tests", "faults.py"), config, path, str(at), "kill", str(first)]
     if opts is not None:
