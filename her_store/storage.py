@@ -234,8 +234,10 @@ class Location:
         """The ETag of an object on object storage (None locally, or when the store reports none)."""
         if self.is_local:
             return None
+        path = self.key_path(key)
+        self.fs.invalidate_cache(path)  # a listing's cached entry would hide a newer object
         try:
-            return self.fs.info(self.key_path(key)).get("ETag")
+            return self.fs.info(path).get("ETag")
         except FileNotFoundError:
             return None
 

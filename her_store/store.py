@@ -393,9 +393,16 @@ class EpisodeStore:
     def _attach(self, root: zarr.Group, attrs: dict[str, Any], commit: Commit) -> None:
         self._root = root
         self._attrs = attrs
-        local = self._loc.is_local and self._loc.archive is None  # a directory (a packed store never changes)
-        st = os.stat(self._loc.key_path("zarr.json")) if local else None
-        self._root_stamp = (st.st_ino, st.st_mtime_ns) if st is not None else None
+        # what tells this store from one created again at its place (see _check_same_store): a directory's root file
+        # (inode, mtime), an object store's root object ETag (None where the server reports none, and for a packed
+        # store, which never changes)
+        self._root_stamp: tuple[int, int] | str | None = None
+        if self._loc.archive is None:
+            if self._loc.is_local:
+                st = os.stat(self._loc.key_path("zarr.json"))
+                self._root_stamp = (st.st_ino, st.st_mtime_ns)
+            else:
+                self._root_stamp = self._loc.etag("zarr.json")
         # every name and number below becomes a file path, an allocation or an index: all are checked first
         self.schema, self.layout, self.capacity, slots = parse_attrs(attrs, f"{self._loc}/zarr.json")
         self._index = EpisodeIndex(slots)
@@ -767,16 +774,23 @@ class EpisodeStore:
         return max(0, commit.end_episode - old_end)
 
     def _check_same_store(self) -> None:
-        """A local store deleted and created again under this handle (a shard wiped and restarted, say) is another
-        store: its rows are not the ones this handle mapped. Its root ``zarr.json`` is then a new file with another
-        ``created_at`` (a card edit replaces the file too, keeping ``created_at``)."""
+        """A store deleted and created again under this handle (a shard wiped and restarted, say) is another store:
+        its rows are not the ones this handle mapped or cached. Its root ``zarr.json`` is then a new file (object) with
+        another ``created_at`` (a card edit replaces it too, keeping ``created_at``). Object storage: one HEAD of the
+        root object per look, its ETag against the one seen before."""
         if self._root_stamp is None:
             return
-        try:
-            st = os.stat(self._loc.key_path("zarr.json"))
-        except OSError as e:
-            raise CorruptStoreError(f"{self._loc}/zarr.json is gone ({e.strerror}); the store was removed") from e
-        stamp = (st.st_ino, st.st_mtime_ns)
+        stamp: tuple[int, int] | str | None
+        if self._loc.is_local:
+            try:
+                st = os.stat(self._loc.key_path("zarr.json"))
+            except OSError as e:
+                raise CorruptStoreError(f"{self._loc}/zarr.json is gone ({e.strerror}); the store was removed") from e
+            stamp = (st.st_ino, st.st_mtime_ns)
+        else:
+            stamp = self._loc.etag("zarr.json")
+            if stamp is None:
+                raise CorruptStoreError(f"{self._loc}/zarr.json is gone; the store was removed")
         if stamp == self._root_stamp:
             return
         try:

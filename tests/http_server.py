@@ -20,15 +20,19 @@ class RangeHandler(http.server.SimpleHTTPRequestHandler):
     def log_message(self, *args: object) -> None:
         pass
 
-    def do_GET(self) -> None:
+    def do_GET(self, body: bool = True) -> None:
         path = self.translate_path(self.path)
         if not os.path.isfile(path):
             self.send_error(404)
             return
         with open(path, "rb") as f:  # opened before its stat: a file replaced meanwhile is served whole, old or new
-            self._send(f.fileno())
+            self._send(f.fileno(), body)
 
-    def _send(self, fd: int) -> None:
+    def do_HEAD(self) -> None:
+        """GET's headers (ETag included, as servers send them), without its body (hostile subclasses' GETs aside)."""
+        RangeHandler.do_GET(self, body=False)
+
+    def _send(self, fd: int, body: bool) -> None:
         st = os.fstat(fd)
         etag = f'"{st.st_ino:x}-{st.st_mtime_ns:x}-{st.st_size:x}"'
         if self.headers.get("If-Match") not in (None, etag, "*"):
@@ -49,7 +53,8 @@ class RangeHandler(http.server.SimpleHTTPRequestHandler):
         if status == 206:
             self.send_header("Content-Range", f"bytes {a}-{b - 1}/{size}")
         self.end_headers()
-        self.wfile.write(os.pread(fd, b - a, a))
+        if body:
+            self.wfile.write(os.pread(fd, b - a, a))
 
 
 class Server(http.server.ThreadingHTTPServer):

@@ -7,6 +7,7 @@ import functools
 import http.server
 import os
 import re
+import shutil
 import threading
 
 import numpy as np
@@ -149,6 +150,21 @@ def test_a_server_without_range_or_etag_still_serves_whole_objects(stores, serve
             assert frames._ranged is False
             for j, (e, t) in enumerate(zip(b.episode_ids.tolist()[:32], b.steps.tolist()[:32])):
                 np.testing.assert_array_equal(b.observations["observation"][j].numpy(), local.episode(e)["observation"][t])
+
+
+def test_a_store_served_over_http_created_again_under_a_reader_is_refused(tmp_path, serve):
+    """A served store deleted and created again (a published dataset replaced) under an open reader: refresh says so
+    (the root object's ETag, then its created_at) rather than pair the new index with chunks it cached."""
+    obs, act = fetch_spaces()
+    path = tmp_path / "pub"
+    _fill(str(path / "s"), obs, act, 4)
+    base = serve(str(path))
+    with EpisodeStore.open(f"{base}/s") as reader:
+        assert reader.num_episodes == 4 and reader.refresh() == 0
+        shutil.rmtree(path / "s")
+        _fill(str(path / "s"), obs, act, 6)
+        with pytest.raises(CorruptStoreError, match="created again since this handle opened it"):
+            reader.refresh()
 
 
 def test_a_store_over_http_is_never_written(stores, serve):

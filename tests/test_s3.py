@@ -41,6 +41,34 @@ def test_round_trip_resume_and_reader_refresh(s3_url, fetch):
             assert_episode_equal(store.episode(i), e)
 
 
+def test_a_reader_refuses_a_store_created_again_under_it_on_s3(s3_url, fetch):
+    """An S3 store deleted and created again under an open reader is another store: refresh says so (its root
+    object's ETag, then its created_at) rather than pair the new index with chunks it cached from the old one. A card
+    edit, which replaces zarr.json too, is not a new store."""
+    import s3fs
+
+    url, opts = s3_url
+    obs, act = fetch
+    with EpisodeStore.create(url, obs, act, storage_options=opts, commit_interval=0) as w:
+        for i in range(4):
+            w.append_episode(make_episode(obs, act, 5, seed=i))
+    with EpisodeStore.open(url, storage_options=opts) as reader:
+        assert reader.episode(3) is not None
+        with EpisodeStore.open(url, mode="a", storage_options=opts, commit_interval=0) as w:
+            w.update_metadata(description="edited")
+            w.append_episode(make_episode(obs, act, 5, seed=4))
+        assert reader.refresh() == 1
+        s3fs.S3FileSystem(**opts).rm(url, recursive=True)
+        with EpisodeStore.create(url, obs, act, storage_options=opts, commit_interval=0) as w:
+            for i in range(6):
+                w.append_episode(make_episode(obs, act, 3, seed=100 + i))
+        with pytest.raises(CorruptStoreError, match="created again since this handle opened it"):
+            reader.refresh()
+        s3fs.S3FileSystem(**opts).rm(url, recursive=True)
+        with pytest.raises(CorruptStoreError, match="removed"):
+            reader.refresh()
+
+
 def test_ring_on_s3(s3_url, fetch):
     url, opts = s3_url
     obs, act = fetch
