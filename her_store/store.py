@@ -387,7 +387,10 @@ class EpisodeStore:
                 "nothing was stored); her_store.open_store(path, observation_space, action_space, ...) creates it anew"
             )
         if raw is None:
-            raise CorruptStoreError(f"{self._loc} has no commit record {COMMIT_KEY}; expected one in every store (FORMAT.md)")
+            raise CorruptStoreError(
+                f"{self._loc} has no commit record {COMMIT_KEY}, which every store has (FORMAT.md): the store was removed "
+                "or is damaged"
+            )
         return Commit.from_bytes(raw, str(self._loc), self._version)
 
     def _attach(self, root: zarr.Group, attrs: dict[str, Any], commit: Commit) -> None:
@@ -747,8 +750,10 @@ class EpisodeStore:
         self._require_open()
         if self.mode == "a":
             return 0
-        self._check_same_store()
+        # the root is checked after the commit record is read, and again after the index rows it names: a store
+        # created again before either read is seen before this handle takes anything of it
         commit = self._read_commit()
+        self._check_same_store()
         if commit.generation == self._commit.generation:
             return 0
         if commit.array_rows != self._array_rows or (self._index.slots is None and commit.end_episode > self._index_rows):
@@ -764,6 +769,7 @@ class EpisodeStore:
                 self._check_index(commit, old_end, new, idx.transitions_between(commit.first_episode, old_end))
             except CorruptStoreError:
                 new = None  # the ring reused those slots while they were read: reload the window below
+        self._check_same_store()
         if new is not None:
             idx.extend(new)
             idx.first = commit.first_episode
@@ -789,8 +795,8 @@ class EpisodeStore:
             stamp = (st.st_ino, st.st_mtime_ns)
         else:
             stamp = self._loc.etag("zarr.json")
-            if stamp is None:
-                raise CorruptStoreError(f"{self._loc}/zarr.json is gone; the store was removed")
+            if stamp is None:  # no answer, or none with an ETag (an outage, say): nothing to tell by; a store
+                return  # that is gone fails the commit record's read
         if stamp == self._root_stamp:
             return
         try:

@@ -167,6 +167,39 @@ def test_a_store_served_over_http_created_again_under_a_reader_is_refused(tmp_pa
             reader.refresh()
 
 
+class OutageHandler(RangeHandler):
+    """Answers 503 for the root zarr.json while the class's ``down`` is set (a passing outage)."""
+
+    down = False
+
+    def do_GET(self, body: bool = True) -> None:
+        if type(self).down and self.path.endswith("/zarr.json") and self.path.count("/") == 2:
+            self.send_error(503)
+            return
+        super().do_GET(body)
+
+    def do_HEAD(self) -> None:
+        self.do_GET(body=False)
+
+
+def test_a_passing_outage_of_the_root_object_is_no_removed_store(tmp_path, serve):
+    """The root zarr.json unreachable for a while (503) is nothing to tell a store by: refresh goes on from the
+    commit record rather than call the store removed, and still refuses a store created again afterwards."""
+    obs, act = fetch_spaces()
+    _fill(str(tmp_path / "s"), obs, act, 4)
+    base = serve(str(tmp_path), OutageHandler)
+    with EpisodeStore.open(f"{base}/s") as reader:
+        OutageHandler.down = True
+        try:
+            assert reader.refresh() == 0 and reader.num_episodes == 4
+        finally:
+            OutageHandler.down = False
+        shutil.rmtree(tmp_path / "s")
+        _fill(str(tmp_path / "s"), obs, act, 6)
+        with pytest.raises(CorruptStoreError, match="created again"):
+            reader.refresh()
+
+
 def test_a_store_over_http_is_never_written(stores, serve):
     base = serve(stores)
     before = sorted((d, f, os.path.getmtime(os.path.join(d, f))) for d, _, fs in os.walk(stores) for f in fs)

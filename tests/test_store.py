@@ -739,6 +739,35 @@ def test_create_refuses_a_card_of_the_wrong_kind_and_writes_nothing(tmp_path, fe
         assert store.metadata == {"ref_max_score": 1.5, "custom": {"any": ["json"]}}
 
 
+@pytest.mark.parametrize("step", ["_read_commit", "_read_index"])
+def test_a_store_created_again_while_a_refresh_reads_it_is_refused(tmp_path, step):
+    """The store deleted and created again just after refresh read its commit record, or the index rows it names
+    (another process's timing): refresh refuses it before the handle takes anything of the new store."""
+    obs, act = fetch_spaces()
+    path = str(tmp_path / "s")
+    with EpisodeStore.create(path, obs, act) as w:
+        for i in range(4):
+            w.append_episode(make_episode(obs, act, 5, i))
+    with EpisodeStore.open(path) as reader:
+        with EpisodeStore.open(path, mode="a") as w:
+            w.append_episode(make_episode(obs, act, 5, 4))  # a new commit: refresh reads index rows
+        read = getattr(reader, step)
+
+        def racing(*args):
+            got = read(*args)
+            shutil.rmtree(path)
+            with EpisodeStore.create(path, obs, act) as other:
+                for i in range(6):
+                    other.append_episode(make_episode(obs, act, 3, 100 + i))
+            setattr(reader, step, read)
+            return got
+
+        setattr(reader, step, racing)
+        with pytest.raises(CorruptStoreError, match="created again since this handle opened it"):
+            reader.refresh()
+        assert reader.num_episodes == 4  # the handle kept what it saw
+
+
 def test_a_reader_refuses_a_store_created_again_under_it(tmp_path):
     """A local store deleted and created again under an open reader (a shard wiped and restarted) is another store:
     refresh says so rather than pair the new index with rows the reader mapped from the old one. A card edit, which
