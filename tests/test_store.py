@@ -739,15 +739,20 @@ def test_create_refuses_a_card_of_the_wrong_kind_and_writes_nothing(tmp_path, fe
         assert store.metadata == {"ref_max_score": 1.5, "custom": {"any": ["json"]}}
 
 
+def _fill_store(path: str, obs, act, n: int, T: int, first: int = 0) -> None:
+    """A new store at ``path`` holding episodes ``first .. first + n - 1`` of ``T`` steps."""
+    with EpisodeStore.create(path, obs, act) as w:
+        for i in range(first, first + n):
+            w.append_episode(make_episode(obs, act, T, i))
+
+
 @pytest.mark.parametrize("step", ["_read_commit", "_read_index"])
 def test_a_store_created_again_while_a_refresh_reads_it_is_refused(tmp_path, step):
     """The store deleted and created again just after refresh read its commit record, or the index rows it names
     (another process's timing): refresh refuses it before the handle takes anything of the new store."""
     obs, act = fetch_spaces()
     path = str(tmp_path / "s")
-    with EpisodeStore.create(path, obs, act) as w:
-        for i in range(4):
-            w.append_episode(make_episode(obs, act, 5, i))
+    _fill_store(path, obs, act, 4, 5)
     with EpisodeStore.open(path) as reader:
         with EpisodeStore.open(path, mode="a") as w:
             w.append_episode(make_episode(obs, act, 5, 4))  # a new commit: refresh reads index rows
@@ -756,9 +761,7 @@ def test_a_store_created_again_while_a_refresh_reads_it_is_refused(tmp_path, ste
         def racing(*args):
             got = read(*args)
             shutil.rmtree(path)
-            with EpisodeStore.create(path, obs, act) as other:
-                for i in range(6):
-                    other.append_episode(make_episode(obs, act, 3, 100 + i))
+            _fill_store(path, obs, act, 6, 3, first=100)
             setattr(reader, step, read)
             return got
 
@@ -774,18 +777,14 @@ def test_a_reader_refuses_a_store_created_again_under_it(tmp_path):
     replaces zarr.json too, is not a new store."""
     obs, act = fetch_spaces()
     path = str(tmp_path / "s")
-    with EpisodeStore.create(path, obs, act) as w:
-        for i in range(4):
-            w.append_episode(make_episode(obs, act, 5, i))
+    _fill_store(path, obs, act, 4, 5)
     with EpisodeStore.open(path) as reader:
         with EpisodeStore.open(path, mode="a") as w:
             w.update_metadata(description="edited")
             w.append_episode(make_episode(obs, act, 5, 4))
         assert reader.refresh() == 1 and reader.metadata.get("description") is None  # the card as opened
         shutil.rmtree(path)
-        with EpisodeStore.create(path, obs, act) as w:
-            for i in range(6):
-                w.append_episode(make_episode(obs, act, 3, 100 + i))
+        _fill_store(path, obs, act, 6, 3, first=100)
         with pytest.raises(CorruptStoreError, match="created again since this handle opened it"):
             reader.refresh()
         with pytest.raises(CorruptStoreError, match="removed"):
