@@ -396,16 +396,7 @@ class EpisodeStore:
     def _attach(self, root: zarr.Group, attrs: dict[str, Any], commit: Commit) -> None:
         self._root = root
         self._attrs = attrs
-        # what tells this store from one created again at its place (see _check_same_store): a directory's root file
-        # (inode, mtime), an object store's root object ETag (None where the server reports none, and for a packed
-        # store, which never changes)
-        self._root_stamp: tuple[int, int] | str | None = None
-        if self._loc.archive is None:
-            if self._loc.is_local:
-                st = os.stat(self._loc.key_path("zarr.json"))
-                self._root_stamp = (st.st_ino, st.st_mtime_ns)
-            else:
-                self._root_stamp = self._loc.etag("zarr.json")
+        self._root_stamp = self._read_root_stamp()
         # every name and number below becomes a file path, an allocation or an index: all are checked first
         self.schema, self.layout, self.capacity, slots = parse_attrs(attrs, f"{self._loc}/zarr.json")
         self._index = EpisodeIndex(slots)
@@ -779,6 +770,17 @@ class EpisodeStore:
         self._array_rows = self._commit.array_rows
         return max(0, commit.end_episode - old_end)
 
+    def _read_root_stamp(self) -> tuple[int, int] | str | None:
+        """What tells this store from one created again at its place (see :meth:`_check_same_store`): a directory's
+        root file's (inode, mtime), an object store's root object ETag (None where the server reports none, and for a
+        packed store, which never changes)."""
+        if self._loc.archive is not None:
+            return None
+        if self._loc.is_local:
+            st = os.stat(self._loc.key_path("zarr.json"))
+            return (st.st_ino, st.st_mtime_ns)
+        return self._loc.etag("zarr.json")
+
     def _check_same_store(self) -> None:
         """A store deleted and created again under this handle (a shard wiped and restarted, say) is another store:
         its rows are not the ones this handle mapped or cached. Its root ``zarr.json`` is then a new file (object) with
@@ -786,17 +788,14 @@ class EpisodeStore:
         root object per look, its ETag against the one seen before."""
         if self._root_stamp is None:
             return
-        stamp: tuple[int, int] | str | None
-        if self._loc.is_local:
-            try:
-                st = os.stat(self._loc.key_path("zarr.json"))
-            except OSError as e:
-                raise CorruptStoreError(f"{self._loc}/zarr.json is gone ({e.strerror}); the store was removed") from e
-            stamp = (st.st_ino, st.st_mtime_ns)
-        else:
-            stamp = self._loc.etag("zarr.json")
-            if stamp is None:  # no answer, or none with an ETag (an outage, say): nothing to tell by; a store
-                return  # that is gone fails the commit record's read
+        try:
+            stamp = self._read_root_stamp()
+        except OSError as e:
+            if not self._loc.is_local:
+                raise
+            raise CorruptStoreError(f"{self._loc}/zarr.json is gone ({e.strerror}); the store was removed") from e
+        if stamp is None:  # no answer, or none with an ETag (an outage, say): nothing to tell by; a store that is
+            return  # gone fails the commit record's read
         if stamp == self._root_stamp:
             return
         try:
