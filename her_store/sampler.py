@@ -333,8 +333,8 @@ class HerSampler:
             lengths = view.lengths[episode_ids - view.first]
             if np.any(steps < 0) or np.any(steps >= lengths):
                 raise IndexError("steps must satisfy 0 <= step < episode length")
-            rows = self.reader.gather(spec.path, view.start_rows[episode_ids - view.first] + steps + 1)
-            return (rows[:, a:b] if spec.is_pack else rows).reshape(-1, *self._goal_shape)
+            rows = self._rows(spec.path, view.start_rows[episode_ids - view.first] + steps + 1)
+            return self._field("achieved_goal", rows[:, a:b] if spec.is_pack else rows, self._goal_shape)
 
         return read
 

@@ -451,7 +451,6 @@ class WorkingSetSampler(HerSampler):
         order = np.argsort(ids)
         known = ids[order]
         spec, a, b = self.store.layout.fields["achieved_goal"]
-        buf = self._buffers[spec.path]
 
         def read(episode_ids: np.ndarray, steps: np.ndarray) -> np.ndarray:
             episode_ids, steps = np.asarray(episode_ids, np.int64), np.asarray(steps, np.int64)
@@ -461,8 +460,8 @@ class WorkingSetSampler(HerSampler):
             at = order[k]
             if np.any(steps < 0) or np.any(steps >= view.lengths[at]):
                 raise IndexError("steps must satisfy 0 <= step < episode length")
-            rows = buf.index_select(0, torch.as_tensor(view.start_rows[at] + steps + 1, device=self.device))
-            return self._to_host(rows[:, a:b] if spec.is_pack else rows).reshape(-1, *self._goal_shape)
+            rows = self._rows(spec.path, view.start_rows[at] + steps + 1)
+            return self._field("achieved_goal", rows[:, a:b] if spec.is_pack else rows, self._goal_shape)
 
         return read
 

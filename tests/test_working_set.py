@@ -253,6 +253,32 @@ def test_the_device_gather_gives_the_rows_the_host_gather_gives(coded_store):
             dev.refill()
 
 
+@pytest.mark.parametrize("numpy_gather", [True, False])
+def test_a_callable_strategy_reads_achieved_goals_from_the_set(coded_store, numpy_gather):
+    """ctx.achieved_goals reads through the set's own gather (the host's numpy.take, or a device's index_select run
+    on CPU tensors): each goal is its episode's achieved goal at the step asked for."""
+    store, _ = coded_store
+
+    def two_ahead(ctx) -> np.ndarray:
+        return ctx.achieved_goals(ctx.episode_ids, np.minimum(ctx.steps + 2, ctx.lengths - 1))
+
+    with WorkingSetSampler(store, 300 * 86, 256, goal_selection_strategy=two_ahead, reward_fn=sparse_reward, seed=3,
+                           background=False) as s:
+        s._numpy_gather = numpy_gather
+        for _ in range(3):
+            b = s.sample()
+            n = int(b.is_relabeled.sum())
+            ids, t = b.episode_ids[:n].numpy(), b.steps[:n].numpy()
+            lengths = np.array([3 + (int(i) * 7) % 11 for i in ids])  # coded(i)'s length
+            goal = b.observations["desired_goal"][:n].numpy()
+            assert n > 0 and (goal[:, 0] == ids).all()  # achieved_goal row r of episode i is (i, r, 0)
+            np.testing.assert_array_equal(goal[:, 1] - 1, np.minimum(t + 2, lengths - 1))
+            s.refill()
+        with pytest.raises(IndexError, match="in the working set"):
+            ctx_ids = np.array([10_000])
+            s._achieved_goals_at(s._published[0])(ctx_ids, np.zeros(1, np.int64))
+
+
 @pytest.fixture
 def long_episodes(tmp_path):
     """Six episodes of 50 steps (51 rows each, 306 in all): an arc of a few rows would miss every first row."""
