@@ -216,8 +216,7 @@ class Committer:
         encoded = {path: io.encode(self._episode_rows(path, T, data)) for path, io in self._sharded.items()}
         for path, members, step_cols in self._plan:
             if path in encoded:  # one field, T + 1 rows: its frames as they will be stored
-                for frame in encoded[path]:  # chained frame by frame: the crc of their concatenation, not joined
-                    crc = _frames.crc32(frame, crc)
+                crc = _frames.crc32(b"".join(encoded[path]), crc)
                 continue
             buf = self._stage[path]
             if len(buf) < need:
