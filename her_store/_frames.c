@@ -12,13 +12,18 @@
  *       A row with nbytes[i] < 0 (never written) fails: a gather asks only for rows that were written.
  *   decode_lz4(src, offsets, nbytes, out, row_nbytes) -> (index, errno)
  *       the same, reading row i from src[offsets[i] : offsets[i] + nbytes[i]] (a shard fetched whole).
- *   encode_lz4(rows, row_nbytes, acceleration) -> (blob, nbytes)
- *       the writer's side: each row of the C-contiguous buffer rows encoded (size header + block) into one bytes
- *       object, one after the other; nbytes (int64 bytes) gives each row's encoded size.
+ *   encode_lz4(rows, row_nbytes, acceleration) -> list of bytes
+ *       the writer's side: each row of rows encoded (size header + block), a bytes each. rows is a buffer of whole
+ *       rows, each C-contiguous, taken at any stride (an env's frames in a StepWriter's (step, env, ...) buffer).
+ *   shard_body(rows) -> bytearray
+ *       the writer's shard: the rows' bytes (None: a row never written) and the shard index, in one pass; the last 4
+ *       bytes are left for the index's crc32c.
  *
  *   crc32_runs(data, starts, ends, crcs) -> None
  *       verify's side: crcs[i] = zlib.crc32(data[starts[i] : ends[i]], crcs[i]) for every i (uint32 crcs, updated in
  *       place; int64 starts and ends), so that a chunk's episodes are checksummed in one call without the GIL.
+ *   crc32_all(buffers, value=0) -> int
+ *       zlib.crc32 over the buffers one after the other (an episode's encoded frames), without joining them.
  *   crc32(data, value=0) -> int
  *       zlib.crc32(data, value) for any C-contiguous bytes-like data, without the GIL above a few KiB: verify's and
  *       the writer's other checksums. Both crc32 functions use her_crc32 (crc32.c: carry-less multiplication where
@@ -214,57 +219,172 @@ static PyObject *decode_lz4(PyObject *self, PyObject *args) {
     return Py_BuildValue("(ni)", failed, 0);
 }
 
+/* the row stride of a buffer whose first axis is rows of row_nbytes C-contiguous bytes each (a C-contiguous buffer,
+   or rows taken at a stride from a larger array); 0 with an exception set otherwise */
+static Py_ssize_t row_stride(const Py_buffer *v, Py_ssize_t row_nbytes, Py_ssize_t *n) {
+    if (row_nbytes <= 0 || row_nbytes > LZ4_MAX_INPUT_SIZE) {
+        PyErr_SetString(PyExc_ValueError, "row_nbytes must be 1 .. LZ4_MAX_INPUT_SIZE");
+        return 0;
+    }
+    if (v->ndim <= 1 && (v->strides == NULL || v->ndim == 0 || v->strides[0] == v->itemsize)) { /* flat bytes */
+        if (v->len % row_nbytes != 0) goto not_rows;
+        *n = v->len / row_nbytes;
+        return row_nbytes;
+    }
+    if (v->suboffsets != NULL) goto not_rows;
+    Py_ssize_t inner = v->itemsize; /* the bytes of one row, checked C-contiguous from the last axis up */
+    for (int k = v->ndim - 1; k >= 1; k--) {
+        if (v->shape[k] > 1 && v->strides[k] != inner) goto not_rows;
+        inner *= v->shape[k];
+    }
+    if (inner != row_nbytes) goto not_rows;
+    *n = v->shape[0];
+    return *n > 1 ? v->strides[0] : row_nbytes;
+not_rows:
+    PyErr_SetString(PyExc_ValueError, "rows must hold whole rows of row_nbytes (1 .. LZ4_MAX_INPUT_SIZE) bytes, each "
+                                      "C-contiguous");
+    return 0;
+}
+
 static PyObject *encode_lz4(PyObject *self, PyObject *args) {
     Py_buffer rows;
-    Py_ssize_t row_nbytes;
+    PyObject *obj;
+    Py_ssize_t row_nbytes, n = 0;
     int acceleration;
-    if (!PyArg_ParseTuple(args, "y*ni", &rows, &row_nbytes, &acceleration)) return NULL;
-    if (row_nbytes <= 0 || row_nbytes > LZ4_MAX_INPUT_SIZE || rows.len % row_nbytes != 0) {
+    if (!PyArg_ParseTuple(args, "Oni", &obj, &row_nbytes, &acceleration)) return NULL;
+    if (PyObject_GetBuffer(obj, &rows, PyBUF_STRIDES) < 0) return NULL;
+    Py_ssize_t stride = row_stride(&rows, row_nbytes, &n);
+    if (stride == 0) {
         PyBuffer_Release(&rows);
-        PyErr_SetString(PyExc_ValueError, "rows must hold whole rows of row_nbytes (1 .. LZ4_MAX_INPUT_SIZE) bytes");
         return NULL;
     }
-    Py_ssize_t n = rows.len / row_nbytes;
     Py_ssize_t bound = 4 + LZ4_compressBound((int)row_nbytes);
-    PyObject *blob = PyBytes_FromStringAndSize(NULL, n * bound);
-    PyObject *sizes = PyBytes_FromStringAndSize(NULL, n * 8);
-    if (!blob || !sizes) {
-        Py_XDECREF(blob);
-        Py_XDECREF(sizes);
+    /* every row is encoded into one scratch buffer without the GIL, then copied into its own bytes object */
+    char *scratch = n ? malloc((size_t)(n * bound)) : NULL;
+    int64_t *size = n ? malloc((size_t)n * sizeof *size) : NULL;
+    if (n && (!scratch || !size)) {
+        free(scratch);
+        free(size);
         PyBuffer_Release(&rows);
-        return NULL;
+        return PyErr_NoMemory();
     }
-    char *dst = PyBytes_AS_STRING(blob);
-    int64_t *nbytes = (int64_t *)PyBytes_AS_STRING(sizes);
     const char *src = rows.buf;
-    Py_ssize_t at = 0;
     int failed = 0;
     Py_BEGIN_ALLOW_THREADS
     for (Py_ssize_t i = 0; i < n; i++) {
-        uint32_t size = (uint32_t)row_nbytes;
-        unsigned char *h = (unsigned char *)dst + at;
-        h[0] = size & 0xff, h[1] = (size >> 8) & 0xff, h[2] = (size >> 16) & 0xff, h[3] = (size >> 24) & 0xff;
-        int got = LZ4_compress_fast(src + i * row_nbytes, dst + at + 4, (int)row_nbytes, (int)(bound - 4), acceleration);
+        uint32_t declared = (uint32_t)row_nbytes;
+        unsigned char *h = (unsigned char *)scratch + i * bound;
+        h[0] = declared & 0xff, h[1] = (declared >> 8) & 0xff, h[2] = (declared >> 16) & 0xff, h[3] = (declared >> 24) & 0xff;
+        int got = LZ4_compress_fast(src + i * stride, (char *)h + 4, (int)row_nbytes, (int)(bound - 4), acceleration);
         if (got <= 0) {
             failed = 1;
             break;
         }
-        nbytes[i] = 4 + got;
-        at += 4 + got;
+        size[i] = 4 + got;
     }
     Py_END_ALLOW_THREADS
     PyBuffer_Release(&rows);
-    if (failed) {
-        Py_DECREF(blob);
-        Py_DECREF(sizes);
-        PyErr_SetString(PyExc_RuntimeError, "LZ4 compression failed");
+    PyObject *out = failed ? NULL : PyList_New(n);
+    for (Py_ssize_t i = 0; out && i < n; i++) {
+        PyObject *row = PyBytes_FromStringAndSize(scratch + i * bound, (Py_ssize_t)size[i]);
+        if (!row) Py_CLEAR(out);
+        else PyList_SET_ITEM(out, i, row);
+    }
+    free(scratch);
+    free(size);
+    if (failed) PyErr_SetString(PyExc_RuntimeError, "LZ4 compression failed");
+    return out;
+}
+
+/* the bytes-like items of a list or tuple, as buffers (released by the caller); NULL items only when allow_none.
+   Returns the item count, -1 with an exception set otherwise. */
+static Py_ssize_t item_buffers(PyObject *items, Py_buffer **views, int allow_none, const char *name) {
+    PyObject *seq = PySequence_Fast(items, "");
+    if (!seq) {
+        PyErr_Format(PyExc_TypeError, "%s must be a list or tuple of bytes-like objects", name);
+        return -1;
+    }
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    *views = PyMem_Calloc(n ? (size_t)n : 1, sizeof(Py_buffer));
+    if (!*views) {
+        Py_DECREF(seq);
+        PyErr_NoMemory();
+        return -1;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *item = PySequence_Fast_GET_ITEM(seq, i);
+        if (item == Py_None && allow_none) continue;
+        if (PyObject_GetBuffer(item, &(*views)[i], PyBUF_C_CONTIGUOUS) < 0) {
+            for (Py_ssize_t k = 0; k < i; k++)
+                if ((*views)[k].obj) PyBuffer_Release(&(*views)[k]);
+            PyMem_Free(*views);
+            Py_DECREF(seq);
+            PyErr_Format(PyExc_TypeError, "%s[%zd] is %s, not a bytes-like object%s", name, i, Py_TYPE(item)->tp_name,
+                         allow_none ? " or None" : "");
+            return -1;
+        }
+    }
+    Py_DECREF(seq);
+    return n;
+}
+
+static void release_items(Py_buffer *views, Py_ssize_t n) {
+    for (Py_ssize_t i = 0; i < n; i++)
+        if (views[i].obj) PyBuffer_Release(&views[i]);
+    PyMem_Free(views);
+}
+
+/* crc32_all(buffers, value=0): zlib.crc32 of the buffers' bytes one after the other, without joining them */
+static PyObject *crc32_all(PyObject *self, PyObject *args) {
+    PyObject *items;
+    unsigned int value = 0;
+    if (!PyArg_ParseTuple(args, "O|I", &items, &value)) return NULL;
+    Py_buffer *views;
+    Py_ssize_t n = item_buffers(items, &views, 0, "buffers");
+    if (n < 0) return NULL;
+    uint32_t crc = value;
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t i = 0; i < n; i++) crc = her_crc32(crc, views[i].buf, (size_t)views[i].len);
+    Py_END_ALLOW_THREADS
+    release_items(views, n);
+    return PyLong_FromUnsignedLong(crc);
+}
+
+/* shard_body(rows) -> bytearray: a shard's bytes but the index's crc32c (FORMAT.md, Arrays): the rows' bytes in
+   order (a None row is never written and takes none), then per row (offset, nbytes) as little-endian uint64, both
+   2**64 - 1 for a None row, then 4 zero bytes for the crc32c, which the caller puts there */
+static PyObject *shard_body(PyObject *self, PyObject *args) {
+    PyObject *items;
+    if (!PyArg_ParseTuple(args, "O", &items)) return NULL;
+    Py_buffer *views;
+    Py_ssize_t n = item_buffers(items, &views, 1, "rows");
+    if (n < 0) return NULL;
+    Py_ssize_t data = 0;
+    for (Py_ssize_t i = 0; i < n; i++) data += views[i].obj ? views[i].len : 0;
+    PyObject *out = PyByteArray_FromStringAndSize(NULL, data + 16 * n + 4);
+    if (!out) {
+        release_items(views, n);
         return NULL;
     }
-    if (_PyBytes_Resize(&blob, at) < 0) {
-        Py_DECREF(sizes);
-        return NULL;
+    unsigned char *dst = (unsigned char *)PyByteArray_AS_STRING(out), *index = dst + data;
+    Py_BEGIN_ALLOW_THREADS
+    uint64_t at = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        uint64_t offset = UINT64_MAX, nbytes = UINT64_MAX;
+        if (views[i].obj) {
+            memcpy(dst + at, views[i].buf, (size_t)views[i].len);
+            offset = at, nbytes = (uint64_t)views[i].len;
+            at += nbytes;
+        }
+        for (int b = 0; b < 8; b++) {
+            index[16 * i + b] = (unsigned char)(offset >> (8 * b));
+            index[16 * i + 8 + b] = (unsigned char)(nbytes >> (8 * b));
+        }
     }
-    return Py_BuildValue("(NN)", blob, sizes);
+    memset(index + 16 * n, 0, 4);
+    Py_END_ALLOW_THREADS
+    release_items(views, n);
+    return out;
 }
 
 /* a C-contiguous buffer of integers of itemsize bytes (signed when is_signed), for crc32_runs; 0 or -1 (raised) */
@@ -356,7 +476,9 @@ static PyObject *crc32_buffer(PyObject *self, PyObject *args) {
 static PyMethodDef methods[] = {
     {"crc32", crc32_buffer, METH_VARARGS, "zlib.crc32(data, value), by carry-less multiplication where the CPU has it."},
     {"crc32_runs", crc32_runs, METH_VARARGS, "zlib crc32 of many runs of one buffer, chained from given values."},
-    {"encode_lz4", encode_lz4, METH_VARARGS, "Encode rows as LZ4 blocks with size headers, without the GIL."},
+    {"encode_lz4", encode_lz4, METH_VARARGS, "Encode rows as LZ4 blocks with size headers (a bytes each), without the GIL."},
+    {"crc32_all", crc32_all, METH_VARARGS, "zlib.crc32 of many buffers one after the other, without joining them."},
+    {"shard_body", shard_body, METH_VARARGS, "A shard's rows and index in one buffer, 4 bytes left for the crc32c."},
     {"pread_lz4", pread_lz4, METH_VARARGS, "Read and decode LZ4 rows from files, without the GIL."},
     {"decode_lz4", decode_lz4, METH_VARARGS, "Decode LZ4 rows from one buffer, without the GIL."},
     {NULL, NULL, 0, NULL},

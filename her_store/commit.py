@@ -213,21 +213,30 @@ class Committer:
         if start != self._stage_row0 + at:
             raise AssertionError("staged rows must be contiguous")
         need, crc = at + T + 1, 0
-        encoded = {path: io.encode(self._episode_rows(path, T, data)) for path, io in self._sharded.items()}
-        for path, members, step_cols in self._plan:
+        # the encoder threads read the episode's frames in place while its other fields are staged here
+        encoding = {path: io.encode(self._episode_rows(path, T, data)) for path, io in self._sharded.items()}
+        try:
+            for path, members, step_cols in self._plan:
+                if path in encoding:
+                    continue
+                buf = self._stage[path]
+                if len(buf) < need:
+                    grown = np.zeros((max(need, 2 * len(buf)), *buf.shape[1:]), buf.dtype)
+                    grown[:at] = buf[:at]
+                    self._stage[path] = buf = grown
+                for name, cols, flat in members:
+                    d = data[name]
+                    buf[at : at + len(d), cols] = d.reshape(len(d), -1) if flat else d
+                buf[at + T, step_cols] = 0  # the unused last row of per-step fields
+            encoded = {path: e.frames() for path, e in encoding.items()}
+        finally:
+            for e in encoding.values():
+                e.wait()  # no thread reads the caller's rows past this call (after frames(): nothing to wait for)
+        for path, _, _ in self._plan:
             if path in encoded:  # one field, T + 1 rows: its frames as they will be stored
-                crc = _frames.crc32(b"".join(encoded[path]), crc)
-                continue
-            buf = self._stage[path]
-            if len(buf) < need:
-                grown = np.zeros((max(need, 2 * len(buf)), *buf.shape[1:]), buf.dtype)
-                grown[:at] = buf[:at]
-                self._stage[path] = buf = grown
-            for name, cols, flat in members:
-                d = data[name]
-                buf[at : at + len(d), cols] = d.reshape(len(d), -1) if flat else d
-            buf[at + T, step_cols] = 0  # the unused last row of per-step fields
-            crc = _frames.crc32(buf[at:need].data, crc)
+                crc = _frames.crc32_all(encoded[path], crc)
+            else:
+                crc = _frames.crc32(self._stage[path][at:need].data, crc)
         for path, frames in encoded.items():
             self._frames[path].extend(frames)
         self._stage_n = need

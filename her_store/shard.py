@@ -8,9 +8,10 @@ written), then the index's crc32c. That is Zarr v3's ``sharding_indexed`` codec 
 - :class:`FrameCodec` encodes and decodes one row with the array's inner codecs, straight into the caller's buffer;
 - :func:`build_shard` and :func:`parse_index` make and check a shard's bytes (nothing read is trusted: every offset
   must lie in the shard, and a bad crc32c is a damaged shard);
-- :class:`ShardWriter` is the row access the commit protocol writes through: rows are encoded (in parallel) as
-  episodes are staged, placed at commit, and a commit replaces each shard it touched whole and atomically (a temp
-  file renamed into place, or one PUT), so a reader or a crash sees the old shard or the new one, never a mix.
+- :class:`ShardWriter` is the row access the commit protocol writes through: rows are encoded as episodes are
+  staged (the appending thread and the encoder threads each take a share, read in place, :class:`Encoded`), placed at
+  commit, and a commit replaces each shard it touched whole and atomically (a temp file renamed into place, or one
+  PUT), so a reader or a crash sees the old shard or the new one, never a mix.
 """
 
 from __future__ import annotations
@@ -20,7 +21,9 @@ import struct
 import warnings
 import zlib
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as futures_wait
+from itertools import pairwise
 from typing import Any
 
 import google_crc32c
@@ -38,7 +41,7 @@ from her_store.lossy import check_frames, frame_codec, is_lossy
 from her_store.schema import Field
 from her_store.storage import Location, chunk_key
 
-__all__ = ["EMPTY", "FrameCodec", "ShardWriter", "build_shard", "frame_codecs", "index_nbytes", "lz4_codec", "parse_index"]
+__all__ = ["EMPTY", "Encoded", "FrameCodec", "ShardWriter", "build_shard", "frame_codecs", "index_nbytes", "lz4_codec", "parse_index"]
 
 # zarr warns, each time it builds a numcodecs codec (creating or opening a store), that other Zarr implementations
 # may not read it; FORMAT.md says so once, and her_store's own reader decodes it
@@ -46,9 +49,10 @@ warnings.filterwarnings(
     "ignore", "Numcodecs codecs are not in the Zarr version 3 specification", UserWarning, r"zarr\.codecs\.numcodecs"
 )
 
-EMPTY = (1 << 64) - 1
-LZ4_MAX_ACCELERATION = 65537  # LZ4_ACCELERATION_MAX of lz4.c  # offset and nbytes of a row never written
+EMPTY = (1 << 64) - 1  # offset and nbytes of a row never written
+LZ4_MAX_ACCELERATION = 65537  # LZ4_ACCELERATION_MAX of lz4.c
 MIN_ROWS_PER_THREAD = 8  # below this, encoding in the calling thread is faster than handing rows to a pool
+MIN_SHARE, MAX_SHARE, SHARE_STEP = 0.1, 0.95, 0.02  # bounds of the encoder threads' share of the rows, its step
 
 
 def shard_limit(rows: int, row_nbytes: int) -> int:
@@ -239,18 +243,12 @@ def frame_codecs(codecs: Any, field: Field) -> Any:
     return items
 
 
-def build_shard(frames: Sequence[bytes | None]) -> bytes:
+def build_shard(frames: Sequence[bytes | None]) -> bytearray:
     """A shard's bytes: the encoded rows in order, then the index and its crc32c (rows that are None: empty)."""
-    n = len(frames)
-    index = np.full((n, 2), EMPTY, "<u8")
-    present = [i for i, f in enumerate(frames) if f is not None]
-    sizes = np.array([len(frames[i]) for i in present], np.uint64)  # type: ignore[arg-type]
-    if present:
-        index[present, 1] = sizes
-        index[present, 0] = np.cumsum(sizes) - sizes
-    raw_index = index.tobytes()
-    # one join: a shard is hundreds of KB, and each ``+`` would copy it whole again
-    return b"".join([*(frames[i] for i in present), raw_index, struct.pack("<I", google_crc32c.value(raw_index))])  # type: ignore[misc]
+    out = _frames.shard_body(frames)  # one pass in C: a shard is hundreds of KB of rows
+    index = bytes(out[len(out) - index_nbytes(len(frames)) : len(out) - 4])
+    struct.pack_into("<I", out, len(out) - 4, google_crc32c.value(index))
+    return out
 
 
 def parse_index(buf: Any, rows: int, where: str) -> tuple[np.ndarray, np.ndarray]:
@@ -284,6 +282,49 @@ def parse_index(buf: Any, rows: int, where: str) -> tuple[np.ndarray, np.ndarray
     return offsets, nbytes
 
 
+class Encoded:
+    """An episode's rows being encoded: the encoder threads' shares (futures, reading the rows in place), then the
+    rows the calling thread encoded. :meth:`frames` must be called before the rows may change.
+
+    Examples
+    --------
+    >>> frames = writer.encode(rows).frames()  # doctest: +SKIP
+    """
+
+    def __init__(
+        self, writer: ShardWriter, rows: np.ndarray, background: list[tuple[Future[list[bytes]], int, int]], done: list[bytes]
+    ) -> None:
+        self._writer = writer
+        self._rows: np.ndarray | None = rows if background else None
+        self._background = background
+        self._frames: list[bytes] | None = None if background else done
+        self._done = done
+
+    def frames(self) -> list[bytes]:
+        """The encoded rows in order, once the threads' shares are done: a share no thread has started yet is encoded
+        by the calling thread, and so is one whose thread failed (out of memory); if that fails again it raises, and
+        a later call tries again."""
+        if self._frames is None:
+            assert self._rows is not None
+            self._writer._balance(all(f.done() for f, _, _ in self._background))
+            frames: list[bytes] = []
+            for future, a, b in self._background:
+                if future.cancel() or future.exception() is not None:
+                    frames += self._writer._encode_part(self._rows[a:b])
+                else:
+                    frames += future.result()
+            self._frames = frames + self._done
+            self._rows, self._background = None, []
+        return self._frames
+
+    def wait(self) -> None:
+        """Wait until no thread reads the rows any more (their frames are not needed: an append that failed)."""
+        for future, _, _ in self._background:
+            if not future.cancel():
+                futures_wait([future])
+        self._rows = None
+
+
 class ShardWriter:
     """Rows of a sharded array: encoded by :meth:`encode`, placed by :meth:`put`, published as whole shards by
     :meth:`flush`.
@@ -295,7 +336,7 @@ class ShardWriter:
     Examples
     --------
     >>> w = ShardWriter(store._root["steps/observation"], store._loc)  # doctest: +SKIP
-    >>> w.put(0, w.encode(frames))  # doctest: +SKIP
+    >>> w.put(0, w.encode(frames).frames())  # doctest: +SKIP
     >>> w.flush(fsync=False)  # doctest: +SKIP
 
     Parameters
@@ -316,6 +357,8 @@ class ShardWriter:
         self._dirty: set[int] = set()
         self._made: set[int] = set()  # shards whose directory exists
         self._pool: ThreadPoolExecutor | None = None
+        self._workers = (os.cpu_count() or 1) - 1  # encoder threads beside the calling one
+        self._share = self._workers / (self._workers + 1)  # of an episode's rows, encoded by the threads
 
     def _key(self, shard: int) -> str:
         return chunk_key(self.array.path, shard, self._ndim)
@@ -337,26 +380,43 @@ class ShardWriter:
         return frames
 
     def _encode_part(self, rows: np.ndarray) -> list[bytes]:
-        if self.codec.is_lz4:  # in C, the GIL released
-            blob, sizes = _frames.encode_lz4(
-                np.ascontiguousarray(rows, self.codec.dtype.newbyteorder("<")), self.codec.nbytes, self.codec.lz4_acceleration
-            )
-            ends = np.cumsum(np.frombuffer(sizes, np.int64)).tolist()
-            view = memoryview(blob)
-            return [bytes(view[a:b]) for a, b in zip([0, *ends[:-1]], ends)]
+        if self.codec.is_lz4:  # in C, the GIL released; rows taken at a stride are read in place
+            dtype = self.codec.dtype.newbyteorder("<")
+            if rows.dtype != dtype or (len(rows) and not rows[0].flags.c_contiguous):
+                rows = np.ascontiguousarray(rows, dtype)
+            return _frames.encode_lz4(rows, self.codec.nbytes, self.codec.lz4_acceleration)  # type: ignore[no-any-return]
         return [self.codec.encode(r) for r in rows]
 
-    def encode(self, rows: np.ndarray) -> list[bytes]:
-        """Every row encoded, in parallel across the cores (the default LZ4 in C without the GIL)."""
+    def encode(self, rows: np.ndarray) -> Encoded:
+        """Encode rows on every core: the encoder threads take a share of them (read in place, no copy), the calling
+        thread encodes the rest, and returns. The caller goes on (staging the episode's other fields) while the
+        threads encode; :meth:`Encoded.frames` waits for them, and must be called before ``rows`` may change.
+
+        The threads' share follows how long the calling thread's own work took: it grows while the threads finish
+        first and shrinks while they are waited for (:meth:`_balance`), so that both finish together.
+        """
         n = len(rows)
-        threads = min(os.cpu_count() or 1, n // MIN_ROWS_PER_THREAD)
-        if threads < 2:
-            return self._encode_part(rows)
+        share = int(n * self._share) if self._workers else 0
+        if share < MIN_ROWS_PER_THREAD:
+            return Encoded(self, rows, [], self._encode_part(rows))
         if self._pool is None:
-            self._pool = ThreadPoolExecutor(os.cpu_count() or 1, thread_name_prefix="her_store-encode")
-        edges = np.linspace(0, n, threads + 1).astype(np.int64)
-        parts = self._pool.map(lambda i: self._encode_part(rows[edges[i] : edges[i + 1]]), range(threads))
-        return [f for part in parts for f in part]
+            self._pool = ThreadPoolExecutor(self._workers, thread_name_prefix="her_store-encode")
+        parts = max(1, min(self._workers, share // MIN_ROWS_PER_THREAD))
+        edges = [share * i // parts for i in range(parts + 1)]
+        background = [(self._pool.submit(self._encode_part, rows[a:b]), a, b) for a, b in pairwise(edges)]
+        encoded = Encoded(self, rows, background, [])
+        try:
+            encoded._done = self._encode_part(rows[share:])
+        except BaseException:
+            encoded.wait()  # the threads are done with the rows before the caller hears of the failure
+            raise
+        return encoded
+
+    def _balance(self, threads_first: bool) -> None:
+        """Move the threads' share of the next episodes by a step: up when they finished before the calling thread
+        asked for their frames, down when it had to wait for them."""
+        step = SHARE_STEP if threads_first else -SHARE_STEP
+        self._share = min(MAX_SHARE, max(MIN_SHARE, self._share + step))
 
     def put(self, row0: int, frames: Sequence[bytes]) -> None:
         """Place encoded rows (from :meth:`encode`) at rows ``row0, row0 + 1, ...``, published by the next

@@ -4,11 +4,17 @@ from __future__ import annotations
 
 import errno
 import os
+import threading
+import time
 
+import numpy as np
 import pytest
+from gymnasium import spaces
 
 from her_store import EpisodeStore, EpisodeValidationError
+from her_store.shard import ShardWriter
 from her_store.storage import Location
+from her_store.verify import verify
 from tests.conftest import assert_episode_equal, make_episode
 
 
@@ -133,3 +139,80 @@ def test_a_commit_record_write_that_raised_after_it_happened_counts(s3_url, fetc
         assert reader.end_episode == 3 and reader.commit_record.generation == 3
         for i, e in enumerate(eps):
             assert_episode_equal(reader.episode(i), e)
+
+
+def _image_spaces():
+    obs = spaces.Dict(
+        {
+            "observation": spaces.Box(0, 255, (3, 16, 16), np.uint8),
+            "achieved_goal": spaces.Box(-1, 1, (3,), np.float32),
+            "desired_goal": spaces.Box(-1, 1, (3,), np.float32),
+        }
+    )
+    return obs, spaces.Box(-1, 1, (2,), np.float32)
+
+
+def test_frames_encoded_across_threads_are_committed_with_their_checksums(store_path, monkeypatch):
+    """Image episodes whose frames the encoder threads share with the appending thread, the caller reusing its arrays
+    as soon as append returns: every frame is stored as given and every crc32 matches (verify reads them all)."""
+    obs, act = _image_spaces()
+    real, by_threads = ShardWriter._encode_part, []
+
+    def encode_part(self, rows):
+        if threading.current_thread() is not threading.main_thread():
+            by_threads.append(len(rows))
+        return real(self, rows)
+
+    monkeypatch.setattr(ShardWriter, "_encode_part", encode_part)
+    eps = [make_episode(obs, act, 30, seed=i) for i in range(12)]
+    with EpisodeStore.create(store_path, obs, act, commit_interval=3600) as store:
+        for e in eps:
+            given = {k: v.copy() for k, v in e.items()}
+            store.append_episode(given)
+            for v in given.values():
+                v[...] = 0  # the caller's arrays, reused at once
+        threads = store._committer._sharded["steps/observation"]._workers
+    assert bool(by_threads) == bool(threads)
+    with EpisodeStore.open(store_path) as store:
+        assert verify(store).clean
+        for i, e in enumerate(eps):
+            assert_episode_equal(store.episode(i), e)
+        assert np.all(store.episodes["crc32"] != 0)
+
+
+def test_an_append_whose_frames_cannot_be_encoded_leaves_no_trace(store_path, monkeypatch):
+    obs, act = _image_spaces()
+    real, failures, read_after = ShardWriter._encode_part, {"thread": 0, "main": 0}, []
+
+    def encode_part(self, rows):
+        who = "main" if threading.current_thread() is threading.main_thread() else "thread"
+        if failures[who] > 0:
+            failures[who] -= 1
+            if who == "thread":
+                time.sleep(0.3)  # still reading the caller's rows when the calling thread fails
+                read_after.append(returned.is_set())
+            else:
+                time.sleep(0.1)  # the thread has started its share by now
+            raise MemoryError("no memory for the encoded rows")
+        return real(self, rows)
+
+    returned = threading.Event()
+    monkeypatch.setattr(ShardWriter, "_encode_part", encode_part)
+    eps = [make_episode(obs, act, 30, seed=i) for i in range(3)]
+    store = EpisodeStore.create(store_path, obs, act, commit_interval=3600)
+    if not store._committer._sharded["steps/observation"]._workers:
+        pytest.skip("one core: no encoder thread")
+    store.append_episode(eps[0])
+    failures.update(thread=1, main=1)  # both parts of episode 1 fail: append raises
+    with pytest.raises(MemoryError):
+        store.append_episode(eps[1])
+    returned.set()
+    assert read_after == [False]  # the thread was done with the rows before append raised
+    assert store._index.end == 1
+    assert store.append_episode(eps[1]) == 1  # the retry gets the id the failed call would have had
+    store.append_episode(eps[2])
+    store.close()
+    with EpisodeStore.open(store_path) as store:
+        assert store.end_episode == 3
+        for i, e in enumerate(eps):
+            assert_episode_equal(store.episode(i), e)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import errno
 import os
 import struct
+import threading
 import zlib
 from pathlib import Path
 
@@ -19,7 +20,16 @@ import zarr.codecs as zc
 from her_store import _frames
 from her_store.errors import CorruptStoreError
 from her_store.lossy import jpeg_codec
-from her_store.shard import EMPTY, FrameCodec, ShardWriter, build_shard, index_nbytes, lz4_codec, parse_index
+from her_store.shard import (
+    EMPTY,
+    SHARE_STEP,
+    FrameCodec,
+    ShardWriter,
+    build_shard,
+    index_nbytes,
+    lz4_codec,
+    parse_index,
+)
 from her_store.storage import Location, chunk_key
 
 ROW = (3, 8, 8)
@@ -159,6 +169,21 @@ def test_index_gives_each_row_its_byte_range():
     assert raw[:8] == b"abcdefgh" and parse_index(memoryview(raw), 4, "s")[0].tolist() == offsets.tolist()
 
 
+def test_build_shard_refuses_rows_that_are_not_bytes():
+    with pytest.raises(TypeError, match=r"rows\[1\] is int, not a bytes-like object or None"):
+        build_shard([b"abc", 7])
+    with pytest.raises(TypeError, match="list or tuple"):
+        build_shard(5)  # type: ignore[arg-type]
+
+
+def test_crc32_all_is_zlibs_crc32_of_the_buffers_joined():
+    parts = [b"", b"abc", bytearray(b"d" * 20000), memoryview(np.arange(999, dtype=np.uint8))]
+    assert _frames.crc32_all(parts, 7) == zlib.crc32(b"".join(bytes(p) for p in parts), 7)
+    assert _frames.crc32_all((), 5) == 5
+    with pytest.raises(TypeError, match=r"buffers\[0\] is NoneType"):
+        _frames.crc32_all([None])
+
+
 def _with_index(data: bytes, index: np.ndarray) -> bytes:
     """Data then the given (offset, nbytes) entries and their valid crc32c: what a crafted shard holds."""
     raw_index = np.asarray(index, "<u8").tobytes()
@@ -215,7 +240,7 @@ def _zarr_rows(root) -> np.ndarray:
 def test_rows_written_across_shard_boundaries_are_read_back_by_the_writer_and_by_zarr(tmp_path):
     w = _writer(tmp_path)
     rows = _frames_of(13)
-    w.put(5, w.encode(rows))  # rows 5..17: the tail of shard 0, all of shard 1, the head of shard 2
+    w.put(5, w.encode(rows).frames())  # rows 5..17: the tail of shard 0, all of shard 1, the head of shard 2
     np.testing.assert_array_equal(w.read(5, 18), rows)  # before flush: the rows being written
     assert not os.path.exists(_shard_file(tmp_path, 0))
     w.flush(fsync=True)
@@ -232,11 +257,11 @@ def test_rows_written_across_shard_boundaries_are_read_back_by_the_writer_and_by
 def test_rows_written_into_a_shard_on_disk_keep_its_other_rows(tmp_path):
     w = _writer(tmp_path)
     first, second = _frames_of(3, seed=1), _frames_of(4, seed=2)
-    w.put(0, w.encode(first))
+    w.put(0, w.encode(first).frames())
     w.flush(fsync=False)
     w.close()
     w = _reopen(tmp_path)
-    w.put(3, w.encode(second))  # a new handle: shard 0 is read from disk, then rewritten whole
+    w.put(3, w.encode(second).frames())  # a new handle: shard 0 is read from disk, then rewritten whole
     w.flush(fsync=False)
     np.testing.assert_array_equal(_zarr_rows(tmp_path)[:7], np.concatenate([first, second]))
     w.close()
@@ -246,9 +271,9 @@ def test_rows_written_into_a_shard_on_disk_keep_its_other_rows(tmp_path):
 def test_a_ring_overwrite_replaces_only_the_rows_written(tmp_path, name):
     w = _writer(tmp_path, CODECS[name]())
     old, new = _frames_of(4 * SHARD_ROWS, seed=3), _frames_of(11, seed=4)
-    w.put(0, w.encode(old))  # 32 rows: enough to be encoded across threads
+    w.put(0, w.encode(old).frames())  # 32 rows: enough to be encoded across threads
     w.flush(fsync=False)
-    w.put(6, w.encode(new))  # rows 6..16 again, over shards 0, 1 and 2
+    w.put(6, w.encode(new).frames())  # rows 6..16 again, over shards 0, 1 and 2
     w.flush(fsync=False)
     want = old.copy()
     want[6:17] = new
@@ -257,16 +282,89 @@ def test_a_ring_overwrite_replaces_only_the_rows_written(tmp_path, name):
     w.close()
 
 
+def _held_threads(monkeypatch) -> threading.Event:
+    """Make ShardWriter's encoder threads wait until the returned event is set (the calling thread does not)."""
+    real, go = ShardWriter._encode_part, threading.Event()
+
+    def encode_part(self, rows):
+        if threading.current_thread() is not threading.main_thread():
+            go.wait(30)
+        return real(self, rows)
+
+    monkeypatch.setattr(ShardWriter, "_encode_part", encode_part)
+    return go
+
+
+def test_the_threads_share_of_the_rows_follows_who_finishes_first(tmp_path, monkeypatch):
+    """The encoder threads take a share of the rows, read in place; it grows while they finish before their frames are
+    asked for and shrinks while the calling thread waits for them, so that both finish together."""
+    w = _writer(tmp_path, rows=64 * SHARD_ROWS)
+    if not w._workers:
+        pytest.skip("one core: no encoder thread")
+    rows = _frames_of(40, seed=7)
+    start = w._share
+    pending = w.encode(rows)
+    (future, a, b), = pending._background
+    assert (a, b) == (0, int(40 * start)) and len(pending._done) == 40 - b
+    future.result()  # the thread finished first: it takes more of the next rows
+    np.testing.assert_array_equal(w.decode(pending.frames()), rows)
+    assert w._share == pytest.approx(start + SHARE_STEP)
+    go = _held_threads(monkeypatch)
+    pending = w.encode(rows)
+    threading.Timer(0.1, go.set).start()
+    np.testing.assert_array_equal(w.decode(pending.frames()), rows)  # waited for: it takes less
+    assert w._share == pytest.approx(start)
+    w.close()
+
+
+def test_a_share_no_thread_has_started_is_encoded_by_the_calling_thread(tmp_path, monkeypatch):
+    w = _writer(tmp_path, rows=64 * SHARD_ROWS)
+    if not w._workers:
+        pytest.skip("one core: no encoder thread")
+    go = _held_threads(monkeypatch)
+    rows = _frames_of(40, seed=9)
+    first, second = w.encode(rows), w.encode(rows[::-1])  # the second's share queues behind the held first
+    np.testing.assert_array_equal(w.decode(second.frames()), rows[::-1])  # not waited for
+    assert second._frames is not None and not first._background[0][0].done()
+    go.set()
+    np.testing.assert_array_equal(w.decode(first.frames()), rows)
+    w.close()
+
+
+def test_a_share_whose_thread_fails_is_encoded_again_and_wait_lets_go_of_the_rows(tmp_path, monkeypatch):
+    w = _writer(tmp_path)
+    if not w._workers:
+        pytest.skip("one core: no encoder thread")
+    real, failures = ShardWriter._encode_part, {"left": 0}
+
+    def encode_part(self, rows):
+        if failures["left"] > 0 and threading.current_thread() is not threading.main_thread():
+            failures["left"] -= 1
+            raise MemoryError("no memory for the encoded rows")
+        return real(self, rows)
+
+    monkeypatch.setattr(ShardWriter, "_encode_part", encode_part)
+    rows = _frames_of(2 * SHARD_ROWS, seed=8)
+    failures["left"] = 1  # the thread's share fails: the calling thread encodes it again
+    pending = w.encode(rows)
+    assert pending._background
+    np.testing.assert_array_equal(w.decode(pending.frames()), rows)
+    pending = w.encode(rows)
+    pending.wait()  # an append that failed: the thread is done with the rows, and nothing holds them
+    assert pending._rows is None and all(f.done() for f, _, _ in pending._background)
+    w.close()
+
+
 def test_flush_replaces_a_shard_whole_and_a_reader_holding_the_old_file_reads_the_old_rows(tmp_path):
     w = _writer(tmp_path)
     old, new = _frames_of(SHARD_ROWS, seed=5), _frames_of(2, seed=6)
-    w.put(0, w.encode(old[:6]))
+    w.put(0, w.encode(old[:6]).frames())
     w.flush(fsync=False)
     path = _shard_file(tmp_path, 0)
     inode = os.stat(path).st_ino
     with open(path, "rb") as held:
-        w.put(2, w.encode(new))  # rows 2, 3 again
-        w.put(6, w.encode(old[6:]))
+        w.put(2, w.encode(new).frames())  # rows 2, 3 again
+        w.put(6, w.encode(old[6:]).frames())
         w.flush(fsync=False)
         assert os.stat(path).st_ino != inode  # renamed into place, never written in place
         raw = held.read()
@@ -286,7 +384,7 @@ def test_flush_replaces_a_shard_whole_and_a_reader_holding_the_old_file_reads_th
 
 def test_a_damaged_shard_on_disk_is_a_corrupt_store_for_the_writer(tmp_path):
     w = _writer(tmp_path)
-    w.put(0, w.encode(_frames_of(4)))
+    w.put(0, w.encode(_frames_of(4)).frames())
     w.flush(fsync=False)
     w.close()
     path = Path(_shard_file(tmp_path, 0))
@@ -298,7 +396,7 @@ def test_a_damaged_shard_on_disk_is_a_corrupt_store_for_the_writer(tmp_path):
         w.read(0, 4)
     path.write_bytes(bytes(raw[:-3]))
     with pytest.raises(CorruptStoreError, match="crc32c"):
-        w.put(4, w.encode(_frames_of(1)))  # appending into it reads its index first
+        w.put(4, w.encode(_frames_of(1)).frames())  # appending into it reads its index first
     w.close()
 
 
@@ -308,9 +406,10 @@ DST3, DST5 = np.arange(3, dtype=np.int64), np.arange(5, dtype=np.int64)  # pread
 
 def _lz4_rows(n: int) -> tuple[bytes, np.ndarray, np.ndarray, np.ndarray]:
     rows = _frames_of(n)
-    blob, sizes = _frames.encode_lz4(rows, ROW_NBYTES, 1)
-    nbytes = np.frombuffer(sizes, np.int64).copy()
-    return blob, np.cumsum(nbytes) - nbytes, nbytes, rows
+    encoded = _frames.encode_lz4(rows, ROW_NBYTES, 1)
+    assert isinstance(encoded, list) and all(type(f) is bytes for f in encoded)
+    nbytes = np.array([len(f) for f in encoded], np.int64)
+    return b"".join(encoded), np.cumsum(nbytes) - nbytes, nbytes, rows
 
 
 def test_encode_lz4_writes_numcodecs_lz4_and_the_decoders_read_it(tmp_path):
@@ -334,13 +433,28 @@ def test_encode_lz4_writes_numcodecs_lz4_and_the_decoders_read_it(tmp_path):
 
 
 def test_encode_lz4_refuses_buffers_that_are_not_whole_rows():
-    for rows, row_nbytes in ((b"x" * 10, 3), (b"x" * 10, 0), (b"x" * 10, -1), (b"x" * 10, 1 << 31)):
-        with pytest.raises(ValueError, match="whole rows"):
+    for rows, row_nbytes, why in (
+        (b"x" * 10, 3, "whole rows"),
+        (b"x" * 10, 0, "row_nbytes must be"),
+        (b"x" * 10, -1, "row_nbytes must be"),
+        (b"x" * 10, 1 << 31, "row_nbytes must be"),
+        (np.zeros((4, 3, 5), np.uint8)[:, :, :4], 12, "each C-contiguous"),  # rows that are not contiguous
+        (np.zeros((4, 3, 5), np.uint8), 12, "whole rows"),  # contiguous rows of another size
+    ):
+        with pytest.raises(ValueError, match=why):
             _frames.encode_lz4(rows, row_nbytes, 1)
     with pytest.raises(TypeError):
         _frames.encode_lz4([1, 2, 3], 3, 1)
-    blob, sizes = _frames.encode_lz4(b"", 3, 1)
-    assert blob == b"" and sizes == b""
+    assert _frames.encode_lz4(b"", 3, 1) == []
+
+
+@pytest.mark.parametrize("take", [lambda a: a[1:7, 2], lambda a: a[::-2, 0], lambda a: a[3:4, 1]])
+def test_encode_lz4_reads_rows_taken_at_a_stride_in_place(take):
+    """An env's frames in a StepWriter's (step, env, ...) buffer: each row contiguous, the rows a stride apart."""
+    rows = take(np.random.default_rng(0).integers(0, 9, (8, 3, *ROW), np.uint8))
+    assert not rows.flags.c_contiguous or len(rows) == 1
+    encoded = _frames.encode_lz4(rows, ROW_NBYTES, 1)
+    assert [np.frombuffer(numcodecs.lz4.decompress(f), np.uint8).reshape(ROW).tolist() for f in encoded] == rows.tolist()
 
 
 def test_decode_lz4_refuses_bad_arguments():
