@@ -213,21 +213,17 @@ class Committer:
         if start != self._stage_row0 + at:
             raise AssertionError("staged rows must be contiguous")
         need, crc = at + T + 1, 0
+        if not self._sharded:  # low-dimensional arrays alone: staged and checksummed in one pass
+            for path, members, step_cols in self._plan:
+                crc = _frames.crc32(self._stage_array(path, members, step_cols, at, T, data)[at:need].data, crc)
+            self._stage_n = need
+            return crc
         # the encoder threads read the episode's frames in place while its other fields are staged here
         encoding = {path: io.encode(self._episode_rows(path, T, data)) for path, io in self._sharded.items()}
         try:
             for path, members, step_cols in self._plan:
-                if path in encoding:
-                    continue
-                buf = self._stage[path]
-                if len(buf) < need:
-                    grown = np.zeros((max(need, 2 * len(buf)), *buf.shape[1:]), buf.dtype)
-                    grown[:at] = buf[:at]
-                    self._stage[path] = buf = grown
-                for name, cols, flat in members:
-                    d = data[name]
-                    buf[at : at + len(d), cols] = d.reshape(len(d), -1) if flat else d
-                buf[at + T, step_cols] = 0  # the unused last row of per-step fields
+                if path not in encoding:
+                    self._stage_array(path, members, step_cols, at, T, data)
             encoded = {path: e.frames() for path, e in encoding.items()}
         finally:
             for e in encoding.values():
@@ -241,6 +237,23 @@ class Committer:
             self._frames[path].extend(frames)
         self._stage_n = need
         return crc
+
+    def _stage_array(
+        self, path: str, members: list[tuple[str, Any, bool]], step_cols: Any, at: int, T: int, data: Mapping[str, np.ndarray]
+    ) -> np.ndarray:
+        """Copy an episode's fields into the staging buffer of their unsharded array from staged row ``at`` (grown
+        when needed); returns the buffer."""
+        buf = self._stage[path]
+        need = at + T + 1
+        if len(buf) < need:
+            grown = np.zeros((max(need, 2 * len(buf)), *buf.shape[1:]), buf.dtype)
+            grown[:at] = buf[:at]
+            self._stage[path] = buf = grown
+        for name, cols, flat in members:
+            d = data[name]
+            buf[at : at + len(d), cols] = d.reshape(len(d), -1) if flat else d
+        buf[at + T, step_cols] = 0  # the unused last row of per-step fields
+        return buf
 
     def _episode_rows(self, path: str, T: int, data: Mapping[str, np.ndarray]) -> np.ndarray:
         """The T + 1 rows of the one field of a sharded array (a per-step field's last row is zeros)."""

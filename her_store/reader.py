@@ -38,6 +38,7 @@ import numpy as np
 import zarr
 
 from her_store import _frames
+from her_store.balance import Balance
 from her_store.errors import CorruptStoreError
 from her_store.format import ArraySpec
 from her_store.index import IndexView
@@ -388,6 +389,7 @@ class ShardedArray(CachedArray):
         self.location = location
         self.codec = FrameCodec(array, f"{location}/{spec.path}/zarr.json")
         self._ndim = 1 + len(spec.row_shape)
+        self._balance = Balance()  # the decoding threads' share of a local LZ4 gather
         if location.is_local:
             self.max_entries = self.MAX_OPEN
         # local shards (see _local_rows): open files, and per shard its descriptor, the committed end when it was
@@ -734,7 +736,7 @@ class ShardedArray(CachedArray):
             if bad >= 0:
                 failed.append((int(order[a + bad]), err))
 
-        _split(decode, len(rows), pool, parts)
+        _split(decode, len(rows), pool, parts, self._balance)
         del held  # the files stay open until their rows are decoded
         for row, err in failed:
             self._undecodable(int(rows[row]), err)
@@ -840,17 +842,26 @@ class ShardedArray(CachedArray):
         raise CorruptStoreError(f"{where}: row {row - c * self.chunk_rows} is not one row's LZ4 block")
 
 
-def _split(work: Callable[[int, int], None], n: int, pool: ThreadPoolExecutor | None, parts: int) -> None:
+def _split(
+    work: Callable[[int, int], None], n: int, pool: ThreadPoolExecutor | None, parts: int, balance: Balance | None = None
+) -> None:
     """``work(a, b)`` over ``parts`` consecutive pieces of ``range(n)``, on the pool's threads and the calling one (which
-    takes the last piece rather than wait idle); the first exception raised is raised here, after every piece ran."""
-    edges = np.linspace(0, n, max(1, parts) + 1).astype(np.int64).tolist()
+    takes the last piece rather than wait idle); the first exception raised is raised here, after every piece ran.
+    With ``balance``, the pool's share follows who finished first (decoding, where the calling thread has less of
+    the batch to do than its threads once they start late); else the pieces are even."""
     if pool is None or parts <= 1:
         work(0, n)
         return
+    if balance is not None:
+        edges = balance.edges(n, parts - 1, n // parts // 2)
+    else:
+        edges = np.linspace(0, n, parts + 1).astype(np.int64).tolist()
     futures = [pool.submit(work, a, b) for a, b in itertools.pairwise(edges[:-1])]
     try:
         work(edges[-2], edges[-1])
     finally:
+        if balance is not None and futures:
+            balance.observe(all(f.done() for f in futures))
         for f in futures:
             f.result()
 

@@ -36,6 +36,7 @@ import zarr.codecs as zc
 from zarr.codecs.numcodecs import LZ4
 
 from her_store import _frames
+from her_store.balance import Balance
 from her_store.errors import CorruptStoreError, StoreError, short_repr
 from her_store.lossy import check_frames, frame_codec, is_lossy
 from her_store.schema import Field
@@ -52,7 +53,6 @@ warnings.filterwarnings(
 EMPTY = (1 << 64) - 1  # offset and nbytes of a row never written
 LZ4_MAX_ACCELERATION = 65537  # LZ4_ACCELERATION_MAX of lz4.c
 MIN_ROWS_PER_THREAD = 8  # below this, encoding in the calling thread is faster than handing rows to a pool
-MIN_SHARE, MAX_SHARE, SHARE_STEP = 0.1, 0.95, 0.02  # bounds of the encoder threads' share of the rows, its step
 
 
 def shard_limit(rows: int, row_nbytes: int) -> int:
@@ -306,7 +306,7 @@ class Encoded:
         a later call tries again."""
         if self._frames is None:
             assert self._rows is not None
-            self._writer._balance(all(f.done() for f, _, _ in self._background))
+            self._writer._balance.observe(all(f.done() for f, _, _ in self._background))
             frames: list[bytes] = []
             for future, a, b in self._background:
                 if future.cancel() or future.exception() is not None:
@@ -357,8 +357,8 @@ class ShardWriter:
         self._dirty: set[int] = set()
         self._made: set[int] = set()  # shards whose directory exists
         self._pool: ThreadPoolExecutor | None = None
-        self._workers = (os.cpu_count() or 1) - 1  # encoder threads beside the calling one
-        self._share = self._workers / (self._workers + 1)  # of an episode's rows, encoded by the threads
+        self._threads = (os.cpu_count() or 1) - 1  # encoder threads beside the calling one
+        self._balance = Balance()  # their share of an episode's rows
 
     def _key(self, shard: int) -> str:
         return chunk_key(self.array.path, shard, self._ndim)
@@ -390,33 +390,23 @@ class ShardWriter:
     def encode(self, rows: np.ndarray) -> Encoded:
         """Encode rows on every core: the encoder threads take a share of them (read in place, no copy), the calling
         thread encodes the rest, and returns. The caller goes on (staging the episode's other fields) while the
-        threads encode; :meth:`Encoded.frames` waits for them, and must be called before ``rows`` may change.
-
-        The threads' share follows how long the calling thread's own work took: it grows while the threads finish
-        first and shrinks while they are waited for (:meth:`_balance`), so that both finish together.
+        threads encode; :meth:`Encoded.frames` waits for them, and must be called before ``rows`` may change. The
+        threads' share is kept where both finish together (:class:`~her_store.balance.Balance`).
         """
-        n = len(rows)
-        share = int(n * self._share) if self._workers else 0
-        if share < MIN_ROWS_PER_THREAD:
+        edges = self._balance.edges(len(rows), self._threads, MIN_ROWS_PER_THREAD)
+        if len(edges) == 2:
             return Encoded(self, rows, [], self._encode_part(rows))
         if self._pool is None:
-            self._pool = ThreadPoolExecutor(self._workers, thread_name_prefix="her_store-encode")
-        parts = max(1, min(self._workers, share // MIN_ROWS_PER_THREAD))
-        edges = [share * i // parts for i in range(parts + 1)]
-        background = [(self._pool.submit(self._encode_part, rows[a:b]), a, b) for a, b in pairwise(edges)]
+            self._pool = ThreadPoolExecutor(self._threads, thread_name_prefix="her_store-encode")
+        pieces = list(pairwise(edges))
+        background = [(self._pool.submit(self._encode_part, rows[a:b]), a, b) for a, b in pieces[:-1]]
         encoded = Encoded(self, rows, background, [])
         try:
-            encoded._done = self._encode_part(rows[share:])
+            encoded._done = self._encode_part(rows[pieces[-1][0] :])
         except BaseException:
             encoded.wait()  # the threads are done with the rows before the caller hears of the failure
             raise
         return encoded
-
-    def _balance(self, threads_first: bool) -> None:
-        """Move the threads' share of the next episodes by a step: up when they finished before the calling thread
-        asked for their frames, down when it had to wait for them."""
-        step = SHARE_STEP if threads_first else -SHARE_STEP
-        self._share = min(MAX_SHARE, max(MIN_SHARE, self._share + step))
 
     def put(self, row0: int, frames: Sequence[bytes]) -> None:
         """Place encoded rows (from :meth:`encode`) at rows ``row0, row0 + 1, ...``, published by the next

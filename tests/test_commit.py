@@ -171,7 +171,7 @@ def test_frames_encoded_across_threads_are_committed_with_their_checksums(store_
             store.append_episode(given)
             for v in given.values():
                 v[...] = 0  # the caller's arrays, reused at once
-        threads = store._committer._sharded["steps/observation"]._workers
+        threads = store._committer._sharded["steps/observation"]._threads
     assert bool(by_threads) == bool(threads)
     with EpisodeStore.open(store_path) as store:
         assert verify(store).clean
@@ -200,7 +200,7 @@ def test_an_append_whose_frames_cannot_be_encoded_leaves_no_trace(store_path, mo
     monkeypatch.setattr(ShardWriter, "_encode_part", encode_part)
     eps = [make_episode(obs, act, 30, seed=i) for i in range(3)]
     store = EpisodeStore.create(store_path, obs, act, commit_interval=3600)
-    if not store._committer._sharded["steps/observation"]._workers:
+    if not store._committer._sharded["steps/observation"]._threads:
         pytest.skip("one core: no encoder thread")
     store.append_episode(eps[0])
     failures.update(thread=1, main=1)  # both parts of episode 1 fail: append raises

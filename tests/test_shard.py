@@ -18,11 +18,11 @@ import zarr
 import zarr.codecs as zc
 
 from her_store import _frames
+from her_store.balance import STEP
 from her_store.errors import CorruptStoreError
 from her_store.lossy import jpeg_codec
 from her_store.shard import (
     EMPTY,
-    SHARE_STEP,
     FrameCodec,
     ShardWriter,
     build_shard,
@@ -299,27 +299,27 @@ def test_the_threads_share_of_the_rows_follows_who_finishes_first(tmp_path, monk
     """The encoder threads take a share of the rows, read in place; it grows while they finish before their frames are
     asked for and shrinks while the calling thread waits for them, so that both finish together."""
     w = _writer(tmp_path, rows=64 * SHARD_ROWS)
-    if not w._workers:
+    if not w._threads:
         pytest.skip("one core: no encoder thread")
     rows = _frames_of(40, seed=7)
-    start = w._share
+    start = w._threads / (w._threads + 1)  # an even split to start with
     pending = w.encode(rows)
-    (future, a, b), = pending._background
-    assert (a, b) == (0, int(40 * start)) and len(pending._done) == 40 - b
+    assert [(a, b) for _, a, b in pending._background][-1][1] == int(40 * start) and len(pending._done) == 40 - int(40 * start)
+    future = pending._background[0][0]
     future.result()  # the thread finished first: it takes more of the next rows
     np.testing.assert_array_equal(w.decode(pending.frames()), rows)
-    assert w._share == pytest.approx(start + SHARE_STEP)
+    assert w._balance.share == pytest.approx(start + STEP)
     go = _held_threads(monkeypatch)
     pending = w.encode(rows)
     threading.Timer(0.1, go.set).start()
     np.testing.assert_array_equal(w.decode(pending.frames()), rows)  # waited for: it takes less
-    assert w._share == pytest.approx(start)
+    assert w._balance.share == pytest.approx(start)
     w.close()
 
 
 def test_a_share_no_thread_has_started_is_encoded_by_the_calling_thread(tmp_path, monkeypatch):
     w = _writer(tmp_path, rows=64 * SHARD_ROWS)
-    if not w._workers:
+    if not w._threads:
         pytest.skip("one core: no encoder thread")
     go = _held_threads(monkeypatch)
     rows = _frames_of(40, seed=9)
@@ -333,7 +333,7 @@ def test_a_share_no_thread_has_started_is_encoded_by_the_calling_thread(tmp_path
 
 def test_a_share_whose_thread_fails_is_encoded_again_and_wait_lets_go_of_the_rows(tmp_path, monkeypatch):
     w = _writer(tmp_path)
-    if not w._workers:
+    if not w._threads:
         pytest.skip("one core: no encoder thread")
     real, failures = ShardWriter._encode_part, {"left": 0}
 

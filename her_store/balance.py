@@ -1,0 +1,55 @@
+"""Work shared between the calling thread and a pool's threads, the pool's share moved by who finishes first.
+
+Encoding an episode's frames (the writer) and decoding a batch's frames (the sampler) are CPU work done in C without
+the GIL: the calling thread hands the pool's threads a share of the rows and takes the rest itself. An even split
+leaves the calling thread waiting (a pool thread starts some tens of microseconds late), or the threads idle (the
+calling thread has other work in between). :class:`Balance` keeps the pool's share where both finish together: up a
+step each time the threads were done when their results were asked for, down a step each time the caller waited.
+
+Examples
+--------
+>>> b = Balance()
+>>> b.edges(100, threads=1, min_rows=8)  # rows 0..50 to the pool's thread, 50..100 to the calling thread
+[0, 50, 100]
+>>> b.observe(threads_first=True)
+>>> b.edges(100, threads=1, min_rows=8)
+[0, 52, 100]
+"""
+
+from __future__ import annotations
+
+__all__ = ["Balance"]
+
+MIN_SHARE, MAX_SHARE, STEP = 0.1, 0.95, 0.02  # bounds of the pool's share of the rows, and its step
+
+
+class Balance:
+    """The pool's share of work split between the calling thread and a pool's threads (an even split to start with).
+
+    Examples
+    --------
+    >>> Balance().edges(10, threads=3, min_rows=3)  # too few rows for three threads: two threads and the caller
+    [0, 3, 7, 10]
+    """
+
+    def __init__(self) -> None:
+        self.share: float | None = None
+
+    def edges(self, n: int, threads: int, min_rows: int) -> list[int]:
+        """Where ``n`` rows are cut: pieces ``edges[i]..edges[i + 1]`` for up to ``threads`` pool threads, then the last
+        piece for the calling thread; that piece alone (``[0, n]``) when a thread would get fewer than ``min_rows``."""
+        if threads <= 0:
+            return [0, n]
+        if self.share is None:
+            self.share = threads / (threads + 1)
+        pooled = int(n * self.share)
+        parts = min(threads, pooled // max(1, min_rows))
+        if parts == 0:
+            return [0, n]
+        return [pooled * i // parts for i in range(parts + 1)] + [n]
+
+    def observe(self, threads_first: bool) -> None:
+        """Move the pool's share a step: up when its threads had finished when their results were asked for, down
+        when the calling thread waited for them."""
+        if self.share is not None:
+            self.share = min(MAX_SHARE, max(MIN_SHARE, self.share + (STEP if threads_first else -STEP)))
