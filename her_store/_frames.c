@@ -219,17 +219,18 @@ static PyObject *decode_lz4(PyObject *self, PyObject *args) {
     return Py_BuildValue("(ni)", failed, 0);
 }
 
-/* the row stride of a buffer whose first axis is rows of row_nbytes C-contiguous bytes each (a C-contiguous buffer,
-   or rows taken at a stride from a larger array); 0 with an exception set otherwise */
-static Py_ssize_t row_stride(const Py_buffer *v, Py_ssize_t row_nbytes, Py_ssize_t *n) {
+/* the row count and row stride of a buffer whose first axis is rows of row_nbytes C-contiguous bytes each (a
+   C-contiguous buffer, or rows taken at any stride from a larger array, 0 for one row repeated); 0, or -1 with an
+   exception set */
+static int row_layout(const Py_buffer *v, Py_ssize_t row_nbytes, Py_ssize_t *n, Py_ssize_t *stride) {
     if (row_nbytes <= 0 || row_nbytes > LZ4_MAX_INPUT_SIZE) {
         PyErr_SetString(PyExc_ValueError, "row_nbytes must be 1 .. LZ4_MAX_INPUT_SIZE");
-        return 0;
+        return -1;
     }
     if (v->ndim <= 1 && (v->strides == NULL || v->ndim == 0 || v->strides[0] == v->itemsize)) { /* flat bytes */
         if (v->len % row_nbytes != 0) goto not_rows;
-        *n = v->len / row_nbytes;
-        return row_nbytes;
+        *n = v->len / row_nbytes, *stride = row_nbytes;
+        return 0;
     }
     if (v->suboffsets != NULL) goto not_rows;
     Py_ssize_t inner = v->itemsize; /* the bytes of one row, checked C-contiguous from the last axis up */
@@ -238,12 +239,12 @@ static Py_ssize_t row_stride(const Py_buffer *v, Py_ssize_t row_nbytes, Py_ssize
         inner *= v->shape[k];
     }
     if (inner != row_nbytes) goto not_rows;
-    *n = v->shape[0];
-    return *n > 1 ? v->strides[0] : row_nbytes;
+    *n = v->shape[0], *stride = v->strides[0];
+    return 0;
 not_rows:
     PyErr_SetString(PyExc_ValueError, "rows must hold whole rows of row_nbytes (1 .. LZ4_MAX_INPUT_SIZE) bytes, each "
                                       "C-contiguous");
-    return 0;
+    return -1;
 }
 
 static PyObject *encode_lz4(PyObject *self, PyObject *args) {
@@ -253,8 +254,8 @@ static PyObject *encode_lz4(PyObject *self, PyObject *args) {
     int acceleration;
     if (!PyArg_ParseTuple(args, "Oni", &obj, &row_nbytes, &acceleration)) return NULL;
     if (PyObject_GetBuffer(obj, &rows, PyBUF_STRIDES) < 0) return NULL;
-    Py_ssize_t stride = row_stride(&rows, row_nbytes, &n);
-    if (stride == 0) {
+    Py_ssize_t stride = 0;
+    if (row_layout(&rows, row_nbytes, &n, &stride) < 0) {
         PyBuffer_Release(&rows);
         return NULL;
     }
@@ -299,11 +300,13 @@ static PyObject *encode_lz4(PyObject *self, PyObject *args) {
 /* the bytes-like items of a list or tuple, as buffers (released by the caller); NULL items only when allow_none.
    Returns the item count, -1 with an exception set otherwise. */
 static Py_ssize_t item_buffers(PyObject *items, Py_buffer **views, int allow_none, const char *name) {
-    PyObject *seq = PySequence_Fast(items, "");
-    if (!seq) {
-        PyErr_Format(PyExc_TypeError, "%s must be a list or tuple of bytes-like objects", name);
+    if (!PyList_Check(items) && !PyTuple_Check(items)) {
+        PyErr_Format(PyExc_TypeError, "%s must be a list or tuple of bytes-like objects, got %s", name,
+                     Py_TYPE(items)->tp_name);
         return -1;
     }
+    PyObject *seq = PySequence_Fast(items, "");
+    if (!seq) return -1;
     Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
     *views = PyMem_Calloc(n ? (size_t)n : 1, sizeof(Py_buffer));
     if (!*views) {
@@ -319,8 +322,8 @@ static Py_ssize_t item_buffers(PyObject *items, Py_buffer **views, int allow_non
                 if ((*views)[k].obj) PyBuffer_Release(&(*views)[k]);
             PyMem_Free(*views);
             Py_DECREF(seq);
-            PyErr_Format(PyExc_TypeError, "%s[%zd] is %s, not a bytes-like object%s", name, i, Py_TYPE(item)->tp_name,
-                         allow_none ? " or None" : "");
+            PyErr_Format(PyExc_TypeError, "%s[%zd] is %s, not a C-contiguous bytes-like object%s", name, i,
+                         Py_TYPE(item)->tp_name, allow_none ? " or None" : "");
             return -1;
         }
     }

@@ -36,16 +36,17 @@ class Balance:
         self.share: float | None = None
 
     def edges(self, n: int, threads: int, min_rows: int) -> list[int]:
-        """Where ``n`` rows are cut: pieces ``edges[i]..edges[i + 1]`` for up to ``threads`` pool threads, then the last
-        piece for the calling thread; that piece alone (``[0, n]``) when a thread would get fewer than ``min_rows``."""
-        if threads <= 0:
+        """Where ``n`` rows are cut: pieces ``edges[i]..edges[i + 1]`` of at least ``min_rows`` rows for up to
+        ``threads`` pool threads, then the last piece for the calling thread; that piece alone (``[0, n]``) when
+        there are fewer than ``2 * min_rows`` rows."""
+        min_rows = max(1, min_rows)
+        if threads <= 0 or n < 2 * min_rows:
             return [0, n]
         if self.share is None:
             self.share = threads / (threads + 1)
-        pooled = int(n * self.share)
-        parts = min(threads, pooled // max(1, min_rows))
-        if parts == 0:
-            return [0, n]
+        # at least one thread's minimum: a share that shrank below it must still be split, or it could not grow back
+        pooled = max(int(n * self.share), min_rows)
+        parts = min(threads, pooled // min_rows)
         return [pooled * i // parts for i in range(parts + 1)] + [n]
 
     def observe(self, threads_first: bool) -> None:

@@ -23,7 +23,7 @@ from her_store.errors import EpisodeValidationError, StoreError, StoreLockedErro
 from her_store.format import COMMIT_KEY, INDEX_COLUMNS, ArraySpec, Commit, Layout
 from her_store.index import EpisodeIndex
 from her_store.schema import Schema
-from her_store.shard import ShardWriter
+from her_store.shard import Encoded, ShardWriter
 from her_store.storage import Location, RawChunkFile, WriterLock, ZarrChunks, fsync_file
 
 __all__ = ["Committer", "round_up", "COMMIT_ROWS"]
@@ -219,8 +219,10 @@ class Committer:
             self._stage_n = need
             return crc
         # the encoder threads read the episode's frames in place while its other fields are staged here
-        encoding = {path: io.encode(self._episode_rows(path, T, data)) for path, io in self._sharded.items()}
+        encoding: dict[str, Encoded] = {}
         try:
+            for path, io in self._sharded.items():
+                encoding[path] = io.encode(self._episode_rows(path, T, data))
             for path, members, step_cols in self._plan:
                 if path not in encoding:
                     self._stage_array(path, members, step_cols, at, T, data)

@@ -38,3 +38,13 @@ def test_the_share_moves_a_step_each_time_and_stays_within_its_bounds():
     for _ in range(100):
         b.observe(False)
     assert b.share == MIN_SHARE and b.edges(100, 1, 1) == [0, 10, 100]
+
+
+def test_a_share_at_its_floor_still_gives_a_thread_its_minimum_so_it_can_grow_back():
+    b = Balance()
+    b.edges(20, 1, 8)
+    for _ in range(100):
+        b.observe(False)
+    assert b.share == MIN_SHARE and b.edges(20, 1, 8) == [0, 8, 20]  # not [0, 20]: the threads stay observed
+    b.observe(True)
+    assert b.share > MIN_SHARE

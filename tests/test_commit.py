@@ -189,14 +189,15 @@ def test_an_append_whose_frames_cannot_be_encoded_leaves_no_trace(store_path, mo
         if failures[who] > 0:
             failures[who] -= 1
             if who == "thread":
+                started.set()
                 time.sleep(0.3)  # still reading the caller's rows when the calling thread fails
                 read_after.append(returned.is_set())
             else:
-                time.sleep(0.1)  # the thread has started its share by now
+                started.wait(10)  # the thread has started its share
             raise MemoryError("no memory for the encoded rows")
         return real(self, rows)
 
-    returned = threading.Event()
+    returned, started = threading.Event(), threading.Event()
     monkeypatch.setattr(ShardWriter, "_encode_part", encode_part)
     eps = [make_episode(obs, act, 30, seed=i) for i in range(3)]
     store = EpisodeStore.create(store_path, obs, act, commit_interval=3600)
@@ -214,5 +215,44 @@ def test_an_append_whose_frames_cannot_be_encoded_leaves_no_trace(store_path, mo
     store.close()
     with EpisodeStore.open(store_path) as store:
         assert store.end_episode == 3
+        for i, e in enumerate(eps):
+            assert_episode_equal(store.episode(i), e)
+
+
+def test_an_append_failing_on_one_image_key_waits_for_the_threads_reading_another(store_path, monkeypatch):
+    """Two image keys: the threads still encode the first key's frames when encoding the second fails; append raises
+    only once no thread reads the caller's rows."""
+    obs, act = _image_spaces()
+    obs = spaces.Dict({**obs.spaces, "pixels": spaces.Box(0, 255, (3, 16, 16), np.uint8)})
+    real, log = ShardWriter._encode_part, []
+
+    def encode_part(self, rows):
+        in_thread = threading.current_thread() is not threading.main_thread()
+        if in_thread and self.array.path.endswith("observation") and fail.is_set():
+            started.set()
+            time.sleep(0.3)
+            log.append("thread done")
+        if not in_thread and self.array.path.endswith("pixels") and fail.is_set():
+            started.wait(10)  # the thread is reading the first key's rows
+            raise MemoryError("no memory for the encoded rows")
+        return real(self, rows)
+
+    fail, started = threading.Event(), threading.Event()
+    monkeypatch.setattr(ShardWriter, "_encode_part", encode_part)
+    store = EpisodeStore.create(store_path, obs, act, commit_interval=3600)
+    if not store._committer._sharded["steps/observation"]._threads:
+        pytest.skip("one core: no encoder thread")
+    eps = [make_episode(obs, act, 30, seed=i) for i in range(2)]
+    store.append_episode(eps[0])
+    fail.set()
+    with pytest.raises(MemoryError):
+        store.append_episode(eps[1])
+    log.append("append raised")
+    assert log == ["thread done", "append raised"]
+    fail.clear()
+    store.append_episode(eps[1])
+    store.close()
+    with EpisodeStore.open(store_path) as store:
+        assert verify(store).clean
         for i, e in enumerate(eps):
             assert_episode_equal(store.episode(i), e)

@@ -170,7 +170,7 @@ def test_index_gives_each_row_its_byte_range():
 
 
 def test_build_shard_refuses_rows_that_are_not_bytes():
-    with pytest.raises(TypeError, match=r"rows\[1\] is int, not a bytes-like object or None"):
+    with pytest.raises(TypeError, match=r"rows\[1\] is int, not a C-contiguous bytes-like object or None"):
         build_shard([b"abc", 7])
     with pytest.raises(TypeError, match="list or tuple"):
         build_shard(5)  # type: ignore[arg-type]
@@ -448,11 +448,14 @@ def test_encode_lz4_refuses_buffers_that_are_not_whole_rows():
     assert _frames.encode_lz4(b"", 3, 1) == []
 
 
-@pytest.mark.parametrize("take", [lambda a: a[1:7, 2], lambda a: a[::-2, 0], lambda a: a[3:4, 1]])
+@pytest.mark.parametrize(
+    "take",
+    [lambda a: a[1:7, 2], lambda a: a[::-2, 0], lambda a: a[3:4, 1], lambda a: np.broadcast_to(a[0, 0], (5, *ROW))],
+)
 def test_encode_lz4_reads_rows_taken_at_a_stride_in_place(take):
     """An env's frames in a StepWriter's (step, env, ...) buffer: each row contiguous, the rows a stride apart."""
     rows = take(np.random.default_rng(0).integers(0, 9, (8, 3, *ROW), np.uint8))
-    assert not rows.flags.c_contiguous or len(rows) == 1
+    assert not rows.flags.c_contiguous or len(rows) == 1  # (a broadcast: one row, repeated at stride 0)
     encoded = _frames.encode_lz4(rows, ROW_NBYTES, 1)
     assert [np.frombuffer(numcodecs.lz4.decompress(f), np.uint8).reshape(ROW).tolist() for f in encoded] == rows.tolist()
 
