@@ -319,10 +319,13 @@ class Encoded:
 
     def wait(self) -> None:
         """Wait until no thread reads the rows any more (their frames are not needed: an append that failed)."""
-        for future, _, _ in self._background:
-            if not future.cancel():
-                futures_wait([future])
+        _let_go([future for future, _, _ in self._background])
         self._rows = None
+
+
+def _let_go(futures: list[Future[list[bytes]]]) -> None:
+    """Cancel the shares no thread has started, and wait for the others to end."""
+    futures_wait([f for f in futures if not f.cancel()])
 
 
 class ShardWriter:
@@ -400,13 +403,12 @@ class ShardWriter:
             self._pool = ThreadPoolExecutor(self._threads, thread_name_prefix="her_store-encode")
         pieces = list(pairwise(edges))
         background = [(self._pool.submit(self._encode_part, rows[a:b]), a, b) for a, b in pieces[:-1]]
-        encoded = Encoded(self, rows, background, [])
         try:
-            encoded._done = self._encode_part(rows[pieces[-1][0] :])
+            done = self._encode_part(rows[pieces[-1][0] :])
         except BaseException:
-            encoded.wait()  # the threads are done with the rows before the caller hears of the failure
+            _let_go([future for future, _, _ in background])  # no thread reads the rows when the caller hears of it
             raise
-        return encoded
+        return Encoded(self, rows, background, done)
 
     def put(self, row0: int, frames: Sequence[bytes]) -> None:
         """Place encoded rows (from :meth:`encode`) at rows ``row0, row0 + 1, ...``, published by the next
