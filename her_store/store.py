@@ -7,6 +7,7 @@ A commit is the only moment the store changes for a reader: data rows, then inde
 
 from __future__ import annotations
 
+import asyncio
 import json
 import math
 import os
@@ -17,7 +18,9 @@ from typing import TYPE_CHECKING, Any, Literal, cast
 
 import numpy as np
 import zarr
+import zarr.api.asynchronous
 from gymnasium import spaces
+from zarr.core.sync import sync as zarr_sync
 
 from her_store.card import card_problems, check_card
 from her_store.commit import Committer, round_up
@@ -304,10 +307,13 @@ class EpisodeStore:
                 "metadata": card,
                 "created_at": time.time(),
             }
-            root = zarr.open_group(loc.zarr_store(read_only=False), mode="a", attributes={ATTRS_KEY: attrs})
+            # zarr plans the nodes in memory; each node's metadata is then written once (zarr writing straight to
+            # the store rewrites every parent group's zarr.json at each array: 96 writes, not 20, for a store)
+            nodes: dict[str, Any] = {}
+            plan = zarr.open_group(zarr.storage.MemoryStore(nodes), mode="w", attributes={ATTRS_KEY: attrs})
             for spec in layout.arrays:
                 shape = (array_rows, *spec.row_shape)
-                root.create_array(
+                plan.create_array(
                     spec.path,
                     shape=shape,
                     chunks=(1, *spec.row_shape) if spec.sharded else (spec.chunk_rows, *spec.row_shape),
@@ -318,10 +324,12 @@ class EpisodeStore:
                     config=ZARR_CONFIG,
                 )
             for name, dt in INDEX_COLUMNS.items():
-                root.create_array(
+                plan.create_array(
                     f"episodes/{name}", shape=(index_rows,), chunks=(index_chunk,), dtype=dt, compressors=None,
                     fill_value=0, config=ZARR_CONFIG,
                 )
+            _write_nodes(loc, {key: buf.to_bytes() for key, buf in nodes.items()}, durability == "fsync")
+            root = _open_root(loc, read_only=False)
             commit = Commit(array_rows=array_rows)
             loc.write_atomic(COMMIT_KEY, commit.to_bytes(), fsync=durability == "fsync")
             self._attach(root, attrs, commit)
@@ -415,35 +423,39 @@ class EpisodeStore:
         writer has grown the arrays."""
         for w in (*self._arrays.values(), *self._index_io.values()):
             w.close()
-        data_rows, index_rows = [], []
-        for spec in self.layout.arrays:
-            array = self._checked_array(
-                spec.path, spec.dtype, spec.row_shape, spec.chunk_rows, not spec.compressed, spec.sharded
+        wanted = [(s.path, s.dtype, s.row_shape, s.chunk_rows, not s.compressed, s.sharded) for s in self.layout.arrays]
+        wanted += [(f"episodes/{name}", np.dtype(dt), (), None, True, False) for name, dt in INDEX_COLUMNS.items()]
+        arrays = self._checked_arrays(wanted)
+        for spec, array in zip(self.layout.arrays, arrays):
+            self._arrays[spec.path] = (
+                ShardWriter(array, self._loc) if spec.sharded else chunk_io(self._loc, array, spec.compressed)
             )
-            io = ShardWriter(array, self._loc) if spec.sharded else chunk_io(self._loc, array, spec.compressed)
-            self._arrays[spec.path] = io
-            data_rows.append(array.shape[0])
-        for name, dtype in INDEX_COLUMNS.items():
-            array = self._checked_array(f"episodes/{name}", dtype, (), None, True)
+        for name, array in zip(INDEX_COLUMNS, arrays[len(self.layout.arrays) :]):
             self._index_io[name] = chunk_io(self._loc, array, False)
-            index_rows.append(array.shape[0])
-        self._data_rows = min(data_rows)
-        self._index_rows = min(index_rows)
+        self._data_rows = min(a.shape[0] for a in arrays[: len(self.layout.arrays)])
+        self._index_rows = min(a.shape[0] for a in arrays[len(self.layout.arrays) :])
 
-    def _checked_array(
-        self, path: str, dtype: np.dtype, row_shape: tuple[int, ...], chunk_rows: int | None, raw: bool,
-        sharded: bool = False,
-    ) -> zarr.Array:
-        where = f"{self._loc}/{path}/zarr.json"
-        self._loc.check_file(f"{path}/zarr.json")  # zarr reads it whole: a regular file of bounded size
-        try:
-            array = self._root[path]
-        except (KeyError, ValueError, TypeError, AttributeError, OverflowError, RecursionError) as e:  # zarr's parse
-            raise CorruptStoreError(
-                f"{where} is missing or unreadable ({short_repr(e)}); expected the array FORMAT.md describes"
-            ) from e
-        check_array(array, dtype, row_shape, chunk_rows, raw, where, sharded)
-        return cast(zarr.Array, array)
+    def _checked_arrays(
+        self, wanted: Sequence[tuple[str, np.dtype, tuple[int, ...], int | None, bool, bool]]
+    ) -> list[zarr.Array]:
+        """The arrays at ``(path, dtype, row_shape, chunk_rows, raw, sharded)``, each checked against what the layout
+        says it is. Their metadata is read concurrently: on object storage an open waits one request, not one per
+        array."""
+        for path, *_ in wanted:
+            self._loc.check_file(f"{path}/zarr.json")  # zarr reads it whole: a regular file of bounded size
+        opened = _open_arrays(self._root, [path for path, *_ in wanted])
+        arrays = []
+        for (path, dtype, row_shape, chunk_rows, raw, sharded), array in zip(wanted, opened):
+            where = f"{self._loc}/{path}/zarr.json"
+            if isinstance(array, (KeyError, ValueError, TypeError, AttributeError, OverflowError, RecursionError)):
+                raise CorruptStoreError(  # zarr's parse
+                    f"{where} is missing or unreadable ({short_repr(array)}); expected the array FORMAT.md describes"
+                ) from array
+            if isinstance(array, BaseException):
+                raise array
+            check_array(array, dtype, row_shape, chunk_rows, raw, where, sharded)
+            arrays.append(array)
+        return arrays
 
     def _load_committed(self, commit: Commit) -> None:
         """Load the index window of a commit, checked against the arrays and the record; on error the handle keeps
@@ -950,6 +962,29 @@ def _plan_arrays(
     codecs = {f.name: _to_zarr_codecs(compressors.get(f.name, _default_codec(f))) for f in schema.fields}
     codecs = {k: frame_codecs(v, schema.by_name[k]) for k, v in codecs.items() if v}
     return Layout.build(schema, set(codecs), int(chunk_rows)), codecs
+
+
+def _open_arrays(root: zarr.Group, paths: Sequence[str]) -> list[zarr.Array | BaseException]:
+    """The arrays at ``paths`` under ``root``, opened concurrently on zarr's event loop; a path that failed to open
+    gives its exception."""
+
+    async def open_all() -> list[Any]:
+        return await asyncio.gather(
+            *(zarr.api.asynchronous.open_array(store=root.store, path=p, zarr_format=3) for p in paths),
+            return_exceptions=True,
+        )
+
+    return [a if isinstance(a, BaseException) else zarr.Array(a) for a in zarr_sync(open_all())]
+
+
+def _write_nodes(loc: Location, files: Mapping[str, bytes], fsync: bool) -> None:
+    """Write a new store's Zarr metadata documents, the root's first: from then on a create cut short is recognised
+    as unfinished (:func:`_unfinished_create`) and started again."""
+    if loc.is_local:  # every directory before any file, so fsync'ing a file's directory makes the tree durable
+        for key in files:
+            os.makedirs(os.path.dirname(loc.key_path(key)), exist_ok=True)
+    for key in sorted(files, key=lambda k: (k != "zarr.json", k)):
+        loc.write_atomic(key, files[key], fsync=fsync)
 
 
 def _unfinished_create(loc: Location) -> bool:

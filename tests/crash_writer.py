@@ -82,8 +82,14 @@ def _kill_on(kind: str, at: int) -> None:
 
         return inner
 
-    if kind == "commit":
-        storage.Location.write_atomic = wrap(storage.Location.write_atomic)
+    if kind == "commit":  # the commit record's writes (a create writes its Zarr metadata through write_atomic too)
+        orig_atomic = storage.Location.write_atomic
+        wrapped_atomic = wrap(orig_atomic)
+
+        def commit_only(self, key, *args, **kwargs):
+            return (wrapped_atomic if key == "commit.json" else orig_atomic)(self, key, *args, **kwargs)
+
+        storage.Location.write_atomic = commit_only
     elif kind == "data":
         storage.RawChunkFile.write = wrap(storage.RawChunkFile.write)
     elif kind == "index":

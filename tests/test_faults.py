@@ -620,8 +620,8 @@ def test_npz_import_failing_at_writes_leaves_no_store(tmp_path):
     assert run_cli("export", "--quiet", src, "--to", "npz", npz).returncode == 0
     digest = tree_digest(npz)
     kinds = _count(str(tmp_path / "probe"), "import", "--quiet", npz, str(tmp_path / "probe" / "store"))
-    assert len(kinds) > 50
-    for at, mode in _sample(kinds, 15):
+    assert len(kinds) > 40
+    for at, mode in _sample(kinds, 10):
         parent = str(tmp_path / f"{at}-{mode}")
         os.makedirs(parent)
         dest = os.path.join(parent, "store")

@@ -548,6 +548,27 @@ def test_a_create_killed_before_its_commit_record_is_started_again(store_path, f
         open_store(other, obs, act)
     assert zarr.open_group(other, mode="r").attrs["mine"] == 1
 
+@pytest.mark.parametrize("durability", ["flush", "fsync"])
+def test_a_create_writes_each_zarr_json_once_the_roots_first(store_path, durability):
+    """Every group's and array's metadata is put in place once, by an atomic replace, the root's first (so a create
+    cut short after it is an unfinished create); under fsync durability each is fsync'ed before its rename."""
+    from tests.faults import WriteFaults
+
+    obs = _goal_obs({"pixels": spaces.Box(0, 255, (3, 8, 8), np.uint8)})
+    with WriteFaults(store_path, renames=True) as counter:
+        EpisodeStore.create(store_path, obs, spaces.Box(-1, 1, (4,), np.float32), durability=durability).close()
+    on_disk = sorted(os.path.join(d, "zarr.json") for d, _, files in os.walk(store_path) if "zarr.json" in files)
+    assert len(on_disk) > 10  # the root, its groups, and every array (a sharded one among them)
+    renamed = [p for p, kind in zip(counter.paths, counter.kinds) if kind == "object" and p.endswith("/zarr.json")]
+    assert sorted(renamed) == on_disk, "a zarr.json written more than once, or not by an atomic replace"
+    assert renamed[0] == os.path.join(store_path, "zarr.json")
+    temps = [p for p, kind in zip(counter.paths, counter.kinds) if kind == "object" and p.endswith(".tmp")]
+    synced = {p.rsplit(".", 2)[0] for p in temps if "/zarr.json." in p}  # <key>.<pid>.tmp fsync'ed
+    assert synced == (set(on_disk) if durability == "fsync" else set())
+    with EpisodeStore.open(store_path) as store:
+        assert store.num_episodes == 0 and {a.path for a in store.layout.arrays if a.sharded} == {"steps/pixels"}
+
+
 
 @pytest.mark.parametrize(
     "option, msg",
