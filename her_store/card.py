@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import importlib
 import json
-import math
 import re
 from collections.abc import Callable, Mapping
 from typing import Any
 
 from her_store.errors import short_repr
+from her_store.values import is_number
 
 __all__ = ["CARD_FIELDS", "card_problems", "check_card", "json_object", "parse_assignment", "resolve_reward_function"]
 
@@ -41,7 +41,7 @@ _KINDS: dict[str, Callable[[Any], bool]] = {
     "str|list": lambda v: isinstance(v, str) or (isinstance(v, list) and all(isinstance(x, str) for x in v)),
     "list": lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v),
     "dict": lambda v: isinstance(v, dict) and all(isinstance(k, str) and isinstance(x, str) for k, x in v.items()),
-    "number": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v),
+    "number": lambda v: is_number(v, finite=True),
 }
 _REWARD_FN = re.compile(r"^[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*:[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*$")
 MAX_CARD_BYTES = 1 << 20  # a card is a few KB; a larger one is not a card

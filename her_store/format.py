@@ -6,7 +6,6 @@ FORMAT.md is the prose version of this module; the two change together (and FORM
 from __future__ import annotations
 
 import json
-import math
 import zlib
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
@@ -20,6 +19,7 @@ from zarr.core.metadata import ArrayV3Metadata
 
 from her_store.errors import CorruptStoreError, FormatVersionError, NotAStoreError, SchemaMismatchError, short_repr
 from her_store.schema import Field, Schema
+from her_store.values import is_int, is_number
 
 __all__ = [
     "FORMAT_VERSION",
@@ -214,7 +214,7 @@ class StoreAttrs(NamedTuple):
 
 def _is_count(v: Any) -> TypeGuard[int]:
     """A non-negative JSON integer small enough to stay exact (bools are not integers here)."""
-    return isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= MAX_COUNT
+    return is_int(v) and 0 <= v <= MAX_COUNT
 
 
 def check_attrs(attrs: Mapping[str, Any], where: str) -> dict[str, Any]:
@@ -267,7 +267,7 @@ def parse_attrs(meta: Mapping[str, Any], where: str) -> StoreAttrs:
     if not isinstance(meta["metadata"], Mapping):
         raise CorruptStoreError(f"{where}: {ATTRS_KEY}.metadata is {short_repr(meta['metadata'])}, expected an object")
     created = meta["created_at"]
-    if not (isinstance(created, (int, float)) and not isinstance(created, bool) and math.isfinite(created)):
+    if not is_number(created, finite=True):
         raise CorruptStoreError(f"{where}: {ATTRS_KEY}.created_at is {short_repr(created)}, expected unix seconds")
     try:
         schema = Schema.from_json(meta["schema"])

@@ -25,6 +25,7 @@ from her_store.sampler import HerBatch, HerSampler
 from her_store.sharded import ShardedView, is_sharded
 from her_store.storage import Location
 from her_store.store import EpisodeStore
+from her_store.values import is_int
 
 __all__ = ["HerIterableDataset", "StoreSource", "open_source"]
 
@@ -88,11 +89,6 @@ def _sampler_of(opened: Any, batch_size: int, seed: int, kwargs: Mapping[str, An
     return opened.sampler(batch_size, seed=seed, **kwargs)
 
 
-def _is_int(value: Any) -> bool:
-    """An int (numpy's too), not a bool."""
-    return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
-
-
 def _distributed(rank: int | None, world_size: int | None) -> tuple[int, int]:
     """``(rank, world_size)``: the given ones, else torch.distributed's when it is initialised, else (0, 1)."""
     live = torch.distributed.is_available() and torch.distributed.is_initialized()
@@ -100,7 +96,7 @@ def _distributed(rank: int | None, world_size: int | None) -> tuple[int, int]:
         world_size = torch.distributed.get_world_size() if live else 1
     if rank is None:
         rank = torch.distributed.get_rank() if live else 0
-    if not (_is_int(rank) and _is_int(world_size)):
+    if not (is_int(rank) and is_int(world_size)):
         raise ValueError(f"rank and world_size must be ints, got {rank!r} and {world_size!r}")
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
@@ -187,9 +183,9 @@ class HerIterableDataset(IterableDataset[HerBatch]):
             )
         if callable(source) and storage_options is not None:
             raise ValueError("storage_options apply to a path or URL; a callable source opens with its own")
-        if not _is_int(batch_size) or batch_size < 1:
+        if not is_int(batch_size) or batch_size < 1:
             raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r}")
-        if batches_per_epoch is not None and (not _is_int(batches_per_epoch) or batches_per_epoch < 0):
+        if batches_per_epoch is not None and (not is_int(batches_per_epoch) or batches_per_epoch < 0):
             raise ValueError(f"batches_per_epoch must be an int >= 0 or None (endless), got {batches_per_epoch!r}")
         for name, why in _RESERVED.items():
             if name in her_sampler_kwargs:

@@ -36,6 +36,8 @@ from zarr.abc.codec import BytesBytesCodec
 from zarr.core.common import JSON, parse_named_configuration
 from zarr.registry import register_codec
 
+from her_store.values import is_int
+
 if TYPE_CHECKING:
     from typing import Self
 
@@ -61,7 +63,7 @@ def _imagecodecs() -> ModuleType:
 
 
 def _parse_quality(quality: Any) -> int:
-    if isinstance(quality, bool) or not isinstance(quality, (int, np.integer)) or not 1 <= quality <= 100:
+    if not is_int(quality) or not 1 <= quality <= 100:
         raise ValueError(f"JPEG quality must be an int from 1 to 100, got {quality!r}")
     return int(quality)
 

@@ -20,6 +20,7 @@ from her_store.errors import SchemaMismatchError, StoreError, short_repr
 from her_store.sampler import HerBatch, HerSampler
 from her_store.schema import space_to_json
 from her_store.store import EpisodeStore
+from her_store.values import is_int
 
 __all__ = ["MixtureSampler", "StoreSet"]
 
@@ -93,7 +94,7 @@ def _fixed_weights(weights: Any, n: int) -> np.ndarray:
 
 def _check_batch_size(batch_size: Any) -> int:
     """``batch_size`` as an int >= 1 (an int, not a bool or a float)."""
-    if isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)) or batch_size < 1:
+    if not is_int(batch_size) or batch_size < 1:
         raise ValueError(f"batch_size must be an int >= 1, got {short_repr(batch_size)}")
     return int(batch_size)
 

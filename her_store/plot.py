@@ -19,6 +19,7 @@ from her_store.extras import require
 from her_store.reader import ChunkReader
 from her_store.storage import staged_output
 from her_store.store import EpisodeStore
+from her_store.values import is_number
 
 __all__ = ["PlotData", "add_arguments", "plot_data", "plot_store", "rolling_mean", "run"]
 
@@ -315,7 +316,7 @@ def _goal_panel(fig: Any, cell: Any, data: PlotData, threshold: Any) -> None:
     dist = np.linalg.norm(data.achieved.astype(np.float64) - data.desired.astype(np.float64), axis=1)
     ax.hist(dist, bins=40, color="tab:purple")
     ax.yaxis.set_major_locator(MaxNLocator(integer=True))
-    if isinstance(threshold, (int, float)) and not isinstance(threshold, bool):
+    if is_number(threshold):
         ax.axvline(threshold, color="tab:red", linestyle="--", label=f"success threshold {threshold:g}")
         ax.legend(fontsize=8)
     ax.set_title(f"{what}: distance achieved to desired ({dim}-D goals)")

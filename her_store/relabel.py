@@ -18,6 +18,8 @@ from typing import Union
 
 import numpy as np
 
+from her_store.values import is_number
+
 __all__ = ["GoalSelectionStrategy", "GoalContext", "GoalMixture", "GoalStrategy", "her_ratio", "select_goal_steps", "parse_strategy"]
 
 
@@ -157,7 +159,7 @@ class GoalMixture:
 
 
 def _real(x: object, name: str) -> float:
-    if isinstance(x, bool) or not isinstance(x, (int, float, np.integer, np.floating)) or not np.isfinite(x):
+    if not is_number(x, finite=True):
         raise ValueError(f"GoalMixture {name} must be a finite real number, got {x!r}")
     return float(x)
 

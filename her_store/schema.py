@@ -11,6 +11,7 @@ import numpy as np
 from gymnasium import spaces
 
 from her_store.errors import EpisodeValidationError, SchemaMismatchError, short_repr
+from her_store.values import is_int, is_number
 
 __all__ = ["GOAL_KEYS", "STEP_KEYS", "Field", "Schema", "conform", "space_from_json", "space_to_json"]
 
@@ -102,7 +103,7 @@ def _row_shape(shape: Any, dtype: np.dtype, what: str) -> tuple[int, ...]:
     """A field's row shape: positive dimensions, a plain numeric dtype, at most MAX_ROW_BYTES a row."""
     if dtype.name not in DTYPES:
         raise SchemaMismatchError(f"{what}: dtype {dtype} is not supported; expected one of {sorted(DTYPES)}")
-    if not isinstance(shape, list) or len(shape) > 32 or not all(_is_int(d) and d >= 1 for d in shape):
+    if not isinstance(shape, list) or len(shape) > 32 or not all(_fits_int64(d) and d >= 1 for d in shape):
         raise SchemaMismatchError(f"{what}: shape {short_repr(shape)} is not a list of positive integers")
     if math.prod(shape) * dtype.itemsize > MAX_ROW_BYTES:
         raise SchemaMismatchError(
@@ -112,9 +113,9 @@ def _row_shape(shape: Any, dtype: np.dtype, what: str) -> tuple[int, ...]:
     return tuple(shape)
 
 
-def _is_int(v: Any) -> bool:
+def _fits_int64(v: Any) -> bool:
     """A JSON integer that fits int64 (bools are not integers here)."""
-    return isinstance(v, (int, np.integer)) and not isinstance(v, bool) and bool(-_INT64_MAX <= v <= _INT64_MAX)
+    return is_int(v) and bool(-_INT64_MAX <= v <= _INT64_MAX)
 
 
 def _value_range(space: spaces.Space) -> tuple[Any, Any] | None:
@@ -339,7 +340,7 @@ def _floats_from_json(v: Any, shape: tuple[int, ...], dtype: np.dtype) -> np.nda
     """Bounds written by :func:`_floats_to_json`: one number, or one per element; infinities as strings."""
     values = v if isinstance(v, list) else [v]
     if len(values) != (math.prod(shape) if isinstance(v, list) else 1) or not all(
-        _is_number(x) or x in ("inf", "-inf") for x in values
+        is_number(x) or x in ("inf", "-inf") for x in values
     ):
         raise SchemaMismatchError(
             f"bounds {short_repr(v)} are not a number or {math.prod(shape)} numbers for shape {shape}"
@@ -352,10 +353,6 @@ def _floats_from_json(v: Any, shape: tuple[int, ...], dtype: np.dtype) -> np.nda
     else:
         arr = np.array([float(x) for x in values], dtype=np.float64)
     return arr.reshape(shape).astype(dtype) if isinstance(v, list) else np.broadcast_to(arr[0], shape).astype(dtype)
-
-
-def _is_number(v: Any) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
 def _dtype_from_json(v: Any, d: Any) -> np.dtype:
@@ -440,12 +437,12 @@ def _space_from_json(d: Any, depth: int) -> spaces.Space:
             return spaces.Box(low, high, shape, dtype)
         if kind == "Discrete":
             n, start = d.get("n"), d.get("start", 0)
-            if not (_is_int(n) and _is_int(start)):
+            if not (_fits_int64(n) and _fits_int64(start)):
                 raise SchemaMismatchError(f"Discrete space {short_repr(d)}: n and start must be integers")
             return spaces.Discrete(n, start=start)
         if kind == "MultiBinary":
             n = d.get("n")
-            _row_shape([n] if _is_int(n) else n, np.dtype("int8"), f"MultiBinary space {short_repr(d)}")
+            _row_shape([n] if _fits_int64(n) else n, np.dtype("int8"), f"MultiBinary space {short_repr(d)}")
             return spaces.MultiBinary(n)
         if kind == "MultiDiscrete":
             dtype = _dtype_from_json(d.get("dtype", "int64"), d)

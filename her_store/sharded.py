@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import math
 import os
 import re
 import tempfile
@@ -37,6 +36,7 @@ from her_store.format import COMMIT_KEY, INDEX_COLUMNS
 from her_store.schema import Schema
 from her_store.storage import Location, fsync_file, write_all
 from her_store.store import EpisodeStore, open_store
+from her_store.values import is_int, is_number
 
 if TYPE_CHECKING:
     from her_store.mixture import MixtureSampler
@@ -85,10 +85,6 @@ def _shard_url(location: Location, name: str) -> str:
     return os.path.join(location.root, SHARDS_DIR, name) if location.is_local else f"{location.url}/{SHARDS_DIR}/{name}"
 
 
-def _is_finite_number(v: Any) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
-
-
 def _parse_marker(raw: bytes, where: str) -> Schema:
     """The dataset's schema from the bytes of its root marker; anything but the marker of FORMAT.md raises
     CorruptStoreError naming the key, the value found and what was expected (FormatVersionError for a newer one).
@@ -106,14 +102,14 @@ def _parse_marker(raw: bytes, where: str) -> Schema:
     if doc["format"] != MARKER_FORMAT:
         raise CorruptStoreError(f"{where}: format is {short_repr(doc['format'])}, expected {MARKER_FORMAT!r}")
     version = doc["version"]
-    if not isinstance(version, int) or isinstance(version, bool) or version < 1:
+    if not is_int(version) or version < 1:
         raise CorruptStoreError(f"{where}: version is {short_repr(version)}, expected an integer >= 1")
     if version > MARKER_VERSION:
         raise FormatVersionError(
             f"{where} is a sharded dataset of version {version}; this her_store reads version {MARKER_VERSION}: "
             "upgrade her_store (pip install -U her_store)"
         )
-    if not _is_finite_number(doc["created_at"]):
+    if not is_number(doc["created_at"], finite=True):
         raise CorruptStoreError(f"{where}: created_at is {short_repr(doc['created_at'])}, expected unix seconds")
     try:
         return Schema.from_json(doc["schema"])
@@ -452,7 +448,7 @@ class ShardedView:
     def _store(self, shard: str | int) -> EpisodeStore:
         self._require_open()
         names = self.shards
-        if isinstance(shard, (int, np.integer)) and not isinstance(shard, bool) and 0 <= shard < len(names):
+        if is_int(shard) and 0 <= shard < len(names):
             return self._stores[names[int(shard)]]
         if isinstance(shard, str) and shard in self._stores:
             return self._stores[shard]

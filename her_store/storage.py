@@ -37,6 +37,7 @@ from zarr.core.array_spec import ArrayConfigParams
 
 from her_store.errors import CorruptStoreError, StoreLockedError
 from her_store.extras import require
+from her_store.values import is_number
 
 if TYPE_CHECKING:
     from her_store.pack import PackedArchive
@@ -711,8 +712,7 @@ class WriterLock:
     """
 
     def __init__(self, location: Location, key: str, lease_ttl: float = DEFAULT_LEASE_TTL) -> None:
-        numeric = isinstance(lease_ttl, (int, float, np.integer, np.floating)) and not isinstance(lease_ttl, bool)
-        if not numeric or not 0 < lease_ttl < math.inf:
+        if not is_number(lease_ttl) or not 0 < lease_ttl < math.inf:
             raise ValueError(f"lease_ttl must be a positive, finite number of seconds, got {lease_ttl!r}")
         self.location = location
         self.key = key

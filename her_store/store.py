@@ -62,6 +62,7 @@ from her_store.storage import (
     ZarrChunks,
     chunk_io,
 )
+from her_store.values import is_int, is_number
 from her_store.writer import StepWriter
 
 if TYPE_CHECKING:
@@ -260,6 +261,7 @@ class EpisodeStore:
         loc = Location(path_or_url, storage_options)
         schema = Schema(observation_space, action_space, info_keys)
         layout, codecs = _plan_arrays(loc, schema, capacity, chunk_rows, compressors)
+        capacity = None if capacity is None else int(capacity)  # a numpy integer: its rows and slots go into JSON
         grain = math.lcm(*(a.chunk_rows for a in layout.arrays))
         index_chunk = INDEX_CHUNK_ROWS if loc.is_local else REMOTE_CHUNK_ROWS
         if capacity is None:
@@ -540,7 +542,7 @@ class EpisodeStore:
 
     @commit_interval.setter
     def commit_interval(self, seconds: float) -> None:
-        if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not 0 <= seconds < math.inf:
+        if not is_number(seconds) or not 0 <= seconds < math.inf:
             raise ValueError(f"commit_interval must be a finite number of seconds >= 0, got {seconds!r}")
         self._commit_interval = float(seconds)
         if self._committer is not None:
@@ -945,15 +947,13 @@ def _plan_arrays(
     loc: Location, schema: Schema, capacity: Any, chunk_rows: int | None, compressors: Mapping[str, Any] | None
 ) -> tuple[Layout, dict[str, Any]]:
     """The arrays a store of these creation options gets: its Layout and the zarr codecs of compressed fields."""
-    if capacity is not None and (
-        isinstance(capacity, bool) or not isinstance(capacity, (int, np.integer)) or not 1 <= capacity <= MAX_CAPACITY
-    ):
+    if capacity is not None and (not is_int(capacity) or not 1 <= capacity <= MAX_CAPACITY):
         raise ValueError(f"capacity must be an int from 1 to {MAX_CAPACITY:,} or None, got {capacity!r}")
     if chunk_rows is None:
         chunk_rows = LOCAL_CHUNK_ROWS if loc.is_local else REMOTE_CHUNK_ROWS
         if capacity is not None:  # a small ring needs no chunk larger than itself
             chunk_rows = min(chunk_rows, 1 << int(capacity + capacity // RING_ROW_SLACK).bit_length())
-    if isinstance(chunk_rows, bool) or not isinstance(chunk_rows, (int, np.integer)) or chunk_rows < 1:
+    if not is_int(chunk_rows) or chunk_rows < 1:
         raise ValueError(f"chunk_rows must be a positive int, got {chunk_rows!r}")
     compressors = dict(compressors or {})
     unknown = sorted(set(compressors) - set(schema.by_name))

@@ -9,7 +9,6 @@ drawn from the set with :class:`~her_store.sampler.HerSampler`'s own drawing, re
 from __future__ import annotations
 
 import math
-import numbers
 import threading
 import time
 from collections.abc import Callable
@@ -23,6 +22,7 @@ from her_store.index import IndexView
 from her_store.relabel import GoalStrategy
 from her_store.sampler import HerBatch, HerSampler, RewardFn
 from her_store.store import EpisodeStore
+from her_store.values import is_int
 
 if TYPE_CHECKING:
     from her_store.sampler import _Draw
@@ -159,7 +159,7 @@ class WorkingSetSampler(HerSampler):
         io_threads: int | None = None,
         refresh_interval: float | None = None,
     ) -> None:
-        if not isinstance(budget_bytes, numbers.Integral) or isinstance(budget_bytes, bool):
+        if not is_int(budget_bytes):
             raise TypeError(f"budget_bytes must be an int (bytes of the working set), got {budget_bytes!r}")
         if budget_bytes < 1:
             raise ValueError(f"budget_bytes must be >= 1 (bytes of the working set), got {budget_bytes}")

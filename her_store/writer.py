@@ -9,6 +9,7 @@ import numpy as np
 
 from her_store.errors import EpisodeValidationError, StoreError
 from her_store.schema import Field, conform
+from her_store.values import is_int
 
 if TYPE_CHECKING:
     from her_store.store import EpisodeStore
@@ -417,7 +418,7 @@ class StepWriter:
         if envs is not None:
             chosen[:] = False
             for e in envs:
-                if isinstance(e, (bool, np.bool_)) or not isinstance(e, (int, np.integer)) or not 0 <= e < self.n_envs:
+                if not is_int(e) or not 0 <= e < self.n_envs:
                     raise IndexError(f"env {e!r} out of range for a writer of {self.n_envs} envs")
                 chosen[e] = True
         ending = np.flatnonzero(chosen & (self._t > self._start)).tolist()

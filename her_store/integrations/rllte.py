@@ -23,6 +23,7 @@ from her_store.errors import StoreError
 from her_store.relabel import GoalStrategy, parse_strategy
 from her_store.sampler import HerSampler, RewardFn
 from her_store.store import EpisodeStore, open_store
+from her_store.values import is_int
 from her_store.writer import StepWriter
 
 __all__ = ["HerReplayBatch", "HerReplayStorage", "NoEpisodeError"]
@@ -56,7 +57,7 @@ def _as_numpy(x: Any) -> np.ndarray:
 
 
 def _check_int(name: str, value: Any, low: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low:
+    if not is_int(value) or value < low:
         raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
 
 

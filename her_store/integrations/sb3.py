@@ -29,6 +29,7 @@ from her_store.integrations.sb3_layout import SB3Arrays, env_columns, sb3_arrays
 from her_store.relabel import GoalSelectionStrategy, GoalStrategy, her_ratio, parse_strategy
 from her_store.schema import Schema
 from her_store.store import EpisodeStore, open_store
+from her_store.values import is_int
 
 _her = require("stable_baselines3.her", "sb3")
 _types = require("stable_baselines3.common.type_aliases", "sb3")
@@ -252,11 +253,11 @@ class ZarrHerReplayBuffer(_her.HerReplayBuffer):
                 "ZarrHerReplayBuffer does not support optimize_memory_usage=True (SB3's HerReplayBuffer refuses it "
                 "too); pass optimize_memory_usage=False"
             )
-        if isinstance(buffer_size, bool) or not isinstance(buffer_size, (int, np.integer)) or buffer_size < 1:
+        if not is_int(buffer_size) or buffer_size < 1:
             raise ValueError(f"buffer_size must be a positive int (transitions), got {buffer_size!r}")
-        if isinstance(n_envs, bool) or not isinstance(n_envs, (int, np.integer)) or n_envs < 1:
+        if not is_int(n_envs) or n_envs < 1:
             raise ValueError(f"n_envs must be a positive int, got {n_envs!r}")
-        if isinstance(n_sampled_goal, bool) or not isinstance(n_sampled_goal, (int, np.integer)) or n_sampled_goal < 0:
+        if not is_int(n_sampled_goal) or n_sampled_goal < 0:
             raise ValueError(f"n_sampled_goal must be an int >= 0, got {n_sampled_goal!r}")
         if info_keys is not None and not copy_info_dict:
             raise ValueError("info_keys is only used with copy_info_dict=True; pass copy_info_dict=True or drop it")

@@ -16,6 +16,7 @@ import numpy as np
 
 from her_store.integrations import require
 from her_store.store import EpisodeStore
+from her_store.values import is_int
 
 __all__ = ["SB3Arrays", "env_columns", "sb3_arrays"]
 
@@ -168,7 +169,7 @@ def sb3_arrays(
     columns = stored + pend_t
     n = int(columns.max())
     if steps is not None:
-        if isinstance(steps, bool) or not isinstance(steps, (int, np.integer)) or steps < n:
+        if not is_int(steps) or steps < n:
             raise ValueError(f"steps must be an int >= {n} (the longest env column the store holds), got {steps!r}")
         n = int(steps)
 
@@ -247,7 +248,7 @@ def _place(
 
 
 def _positive(v: object, name: str) -> int:
-    if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
+    if not is_int(v) or v < 1:
         raise ValueError(f"{name} must be a positive int, got {v!r}")
     return int(v)
 

@@ -45,6 +45,7 @@ from her_store.schema import Field, Schema
 from her_store.selection import parse_selection
 from her_store.storage import METADATA_LIMIT, staged_output
 from her_store.store import EpisodeStore
+from her_store.values import is_int
 
 __all__ = [
     "EXPORTS",
@@ -131,7 +132,7 @@ def parse_header(raw: bytes | str, kind: str, where: str) -> tuple[Schema, dict[
         found = head.get("format") if isinstance(head, dict) else head
         raise ValueError(f"{where}: {HEADER_KEY} names format {short_repr(found)}, expected {want!r}")
     version = head.get("version")
-    if not isinstance(version, int) or isinstance(version, bool) or not 1 <= version <= HEADER_VERSION:
+    if not is_int(version) or not 1 <= version <= HEADER_VERSION:
         raise ValueError(f"{where}: header version {short_repr(version)}; this her_store reads 1..{HEADER_VERSION}")
     schema = Schema.from_json(head.get("schema"))
     return schema, check_card(head.get("metadata", {}), f"{where}: the dataset card")

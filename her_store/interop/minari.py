@@ -38,6 +38,7 @@ from her_store.progress import progress as progress_bar
 from her_store.schema import DTYPES, GOAL_KEYS, space_from_json, space_to_json
 from her_store.storage import Location, staged_output
 from her_store.store import EpisodeStore
+from her_store.values import is_int
 
 __all__ = ["export_minari", "import_minari", "minari_dataset_id"]
 
@@ -307,7 +308,7 @@ def _check_data_file(data_dir: str, meta: Mapping[str, Any], where: str) -> None
 
     path = os.path.join(data_dir, "main_data.hdf5")
     total = meta.get("total_episodes")
-    if not isinstance(total, int) or isinstance(total, bool) or total < 1:
+    if not is_int(total) or total < 1:
         raise ValueError(f"{where}: total_episodes is {total!r}; expected a positive integer")
     try:
         f = h5py.File(path, "r")
