@@ -24,6 +24,7 @@ from __future__ import annotations
 import builtins
 import contextlib
 import errno
+import functools
 import gc
 import io
 import json
@@ -255,11 +256,19 @@ CONFIGS: dict[str, dict[str, Any]] = {
 
 
 def episode_for(config: str, i: int) -> dict[str, np.ndarray]:
-    """Episode ``i`` of a workload: a function of ``i`` alone, so any process can check a stored one."""
+    """Episode ``i`` of a workload: a function of ``i`` alone, so any process can check a stored one (its arrays are
+    read-only: made once per process and shared by every caller)."""
+    return dict(_episode(config, i))
+
+
+@functools.lru_cache(maxsize=512)
+def _episode(config: str, i: int) -> dict[str, np.ndarray]:
     T = int(np.random.default_rng(1000 + i).integers(3, 30))
     ep = make_episode(CONFIGS[config]["obs"], ACT, T, seed=i, info_keys=("is_success",))
     if "pixels" in ep:
         ep["pixels"] = random_rows(CONFIGS[config]["obs"]["pixels"], T + 1, np.random.default_rng(i))
+    for v in ep.values():
+        v.setflags(write=False)
     return ep
 
 
