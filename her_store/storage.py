@@ -192,7 +192,7 @@ class Location:
             return
         try:
             os.close(_open_bounded(self.key_path(key), limit)[0])
-        except FileNotFoundError:
+        except (FileNotFoundError, NotADirectoryError):  # missing: what zarr then says of it is reported
             return
 
     def write_atomic(self, key: str, data: bytes, fsync: bool, if_match: str | None = None) -> str | None:

@@ -8,6 +8,7 @@ A commit is the only moment the store changes for a reader: data rows, then inde
 from __future__ import annotations
 
 import asyncio
+import glob
 import json
 import math
 import os
@@ -312,7 +313,9 @@ class EpisodeStore:
             # zarr plans the nodes in memory; each node's metadata is then written once (zarr writing straight to
             # the store rewrites every parent group's zarr.json at each array: 96 writes, not 20, for a store)
             nodes: dict[str, Any] = {}
-            plan = zarr.open_group(zarr.storage.MemoryStore(nodes), mode="w", attributes={ATTRS_KEY: attrs})
+            plan = zarr.open_group(
+                zarr.storage.MemoryStore(nodes), mode="w", zarr_format=3, attributes={ATTRS_KEY: attrs}
+            )
             for spec in layout.arrays:
                 shape = (array_rows, *spec.row_shape)
                 plan.create_array(
@@ -449,7 +452,11 @@ class EpisodeStore:
         arrays = []
         for (path, dtype, row_shape, chunk_rows, raw, sharded), array in zip(wanted, opened):
             where = f"{self._loc}/{path}/zarr.json"
-            if isinstance(array, (KeyError, ValueError, TypeError, AttributeError, OverflowError, RecursionError)):
+            if isinstance(array, zarr.errors.NodeTypeValidationError):
+                raise CorruptStoreError(f"{where} is not an array's metadata: {str(array)[:200]}") from array
+            if isinstance(
+                array, (KeyError, ValueError, TypeError, AttributeError, OverflowError, RecursionError, NotADirectoryError)
+            ):
                 raise CorruptStoreError(  # zarr's parse
                     f"{where} is missing or unreadable ({short_repr(array)}); expected the array FORMAT.md describes"
                 ) from array
@@ -961,6 +968,12 @@ def _plan_arrays(
         raise SchemaMismatchError(f"compressors name unknown fields {unknown}; fields are {list(schema.by_name)}")
     codecs = {f.name: _to_zarr_codecs(compressors.get(f.name, _default_codec(f))) for f in schema.fields}
     codecs = {k: frame_codecs(v, schema.by_name[k]) for k, v in codecs.items() if v}
+    if "zarr.json" in codecs:  # its array's directory, steps/zarr.json/, would be the steps group's metadata file
+        raise SchemaMismatchError(
+            "a compressed field cannot be named 'zarr.json' (its array steps/zarr.json would take the place of the "
+            "steps group's metadata); rename the observation key, or store it uncompressed (compressors={'zarr.json': "
+            "None})"
+        )
     return Layout.build(schema, set(codecs), int(chunk_rows)), codecs
 
 
@@ -979,10 +992,30 @@ def _open_arrays(root: zarr.Group, paths: Sequence[str]) -> list[zarr.Array | Ba
 
 def _write_nodes(loc: Location, files: Mapping[str, bytes], fsync: bool) -> None:
     """Write a new store's Zarr metadata documents, the root's first: from then on a create cut short is recognised
-    as unfinished (:func:`_unfinished_create`) and started again."""
+    as unfinished (:func:`_unfinished_create`) and started again.
+
+    Raises
+    ------
+    StoreExistsError
+        Something is already where a document goes (another Zarr node there, say): nothing is written.
+    """
+    if loc.is_local:
+        taken = [k for k in files if os.path.lexists(loc.key_path(k))]
+    else:
+        found = set(loc.fs.find(loc.root, withdirs=True))
+        taken = [k for k in files if loc.key_path(k) in found]
+    if taken:
+        raise StoreExistsError(
+            f"{loc} already holds {', '.join(taken[:3])}{', ...' if len(taken) > 3 else ''}, where a new store's Zarr "
+            "metadata goes (a Zarr node her_store did not create), and left it as it was: create the store somewhere "
+            "empty"
+        )
     if loc.is_local:  # every directory before any file, so fsync'ing a file's directory makes the tree durable
         for key in files:
             os.makedirs(os.path.dirname(loc.key_path(key)), exist_ok=True)
+            for stale in glob.glob(glob.escape(loc.key_path(key)) + ".*.tmp"):  # a create killed mid-write left it
+                if stale.rsplit(".", 2)[1].isdigit():
+                    os.unlink(stale)
     for key in sorted(files, key=lambda k: (k != "zarr.json", k)):
         loc.write_atomic(key, files[key], fsync=fsync)
 

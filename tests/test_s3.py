@@ -19,6 +19,19 @@ from her_store import CorruptStoreError, EpisodeStore, StoreLockedError, open_st
 from tests.conftest import assert_episode_equal, make_episode
 
 
+def test_a_create_over_someone_elses_zarr_array_on_s3_changes_nothing(s3_url, fetch):
+    from her_store import StoreExistsError
+
+    url, opts = s3_url
+    obs, act = fetch
+    theirs = zarr.open_array(f"{url}/episodes/length", mode="w", shape=(4,), dtype="f8", storage_options=opts)
+    theirs[:] = 7.5
+    with pytest.raises(StoreExistsError, match="already holds episodes/length/zarr.json"):
+        EpisodeStore.create(url, obs, act, storage_options=opts)
+    again = zarr.open_array(f"{url}/episodes/length", mode="r", storage_options=opts)
+    assert again.dtype == np.float64 and again[:].tolist() == [7.5] * 4
+
+
 def test_round_trip_resume_and_reader_refresh(s3_url, fetch):
     url, opts = s3_url
     obs, act = fetch

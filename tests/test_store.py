@@ -548,6 +548,72 @@ def test_a_create_killed_before_its_commit_record_is_started_again(store_path, f
         open_store(other, obs, act)
     assert zarr.open_group(other, mode="r").attrs["mine"] == 1
 
+@pytest.mark.parametrize("node", ["episodes/length", "steps", "episodes"])
+def test_a_create_over_someone_elses_zarr_node_changes_nothing(store_path, fetch, node):
+    """No root zarr.json, but another Zarr array or group where the store's metadata goes: the create is refused
+    and every byte there stays (FORMAT.md: a Zarr node without her_store attributes is never touched)."""
+    from tests.faults import tree_digest
+
+    obs, act = fetch
+    obs = type(obs)({**obs.spaces, "pixels": spaces.Box(0, 255, (3, 8, 8), np.uint8)})
+    theirs = zarr.open_array(os.path.join(store_path, node), mode="w", shape=(4,), dtype="f8", attributes={"owner": 1})
+    theirs[:] = 7.5
+    before = tree_digest(store_path)
+    with pytest.raises(StoreExistsError, match=f"already holds {node}/zarr.json"):
+        EpisodeStore.create(store_path, obs, act)
+    after = tree_digest(store_path)
+    assert after.pop("writer.lock") and after == before  # the create's lock file (released) is all it added
+    again = zarr.open_array(os.path.join(store_path, node), mode="r")
+    assert again.attrs["owner"] == 1 and again[:].tolist() == [7.5] * 4
+
+
+def test_a_compressed_field_named_zarr_json_is_refused_before_anything_is_written(store_path, fetch):
+    obs, act = fetch
+    obs = type(obs)({**obs.spaces, "zarr.json": spaces.Box(0, 255, (3, 8, 8), np.uint8)})
+    with pytest.raises(SchemaMismatchError, match="cannot be named 'zarr.json'"):
+        EpisodeStore.create(store_path, obs, act)
+    assert not os.path.exists(store_path)
+    with EpisodeStore.create(store_path, obs, act, compressors={"zarr.json": None}) as store:  # packed: no array of its own
+        ep = make_episode(obs, act, 3, seed=0)
+        assert store.append_episode(ep) == 0
+        assert_episode_equal(store.episode(0), ep)
+
+
+def test_a_create_killed_writing_its_root_metadata_leaves_no_temp_file_behind(store_path, fetch):
+    obs, act = fetch
+    os.makedirs(store_path)
+    Path(store_path, "zarr.json.4242.tmp").write_bytes(b'{"zarr_fo')  # cut short, never renamed into place
+    Path(store_path, "notes.tmp").write_bytes(b"someone's")  # not a her_store temp file: kept
+    with open_store(store_path, obs, act) as store:
+        assert store.num_episodes == 0
+    assert sorted(n for n in os.listdir(store_path) if n.endswith(".tmp")) == ["notes.tmp"]
+
+
+def test_a_create_writes_zarr_v3_whatever_zarrs_default_format(store_path, fetch):
+    obs, act = fetch
+    with zarr.config.set({"default_zarr_format": 2}):
+        EpisodeStore.create(store_path, obs, act).close()
+    with EpisodeStore.open(store_path) as store:
+        assert store.num_episodes == 0
+    assert json.loads(Path(store_path, "episodes", "length", "zarr.json").read_text())["zarr_format"] == 3
+
+
+@pytest.mark.parametrize("damage", ["group", "parent_is_a_file"])
+def test_an_array_whose_metadata_is_a_group_or_under_a_file_is_a_corrupt_store(store_path, fetch, damage):
+    obs, act = fetch
+    obs = type(obs)({**obs.spaces, "pixels": spaces.Box(0, 255, (3, 8, 8), np.uint8)})
+    EpisodeStore.create(store_path, obs, act).close()
+    shutil.rmtree(os.path.join(store_path, "steps", "pixels"))
+    if damage == "group":
+        zarr.open_group(os.path.join(store_path, "steps", "pixels"), mode="w")
+        match = r"steps/pixels/zarr.json is not an array's metadata"
+    else:
+        Path(store_path, "steps", "pixels").write_bytes(b"not a directory")
+        match = r"steps/pixels/zarr.json is missing or unreadable"
+    with pytest.raises(CorruptStoreError, match=match):
+        EpisodeStore.open(store_path)
+
+
 @pytest.mark.parametrize("durability", ["flush", "fsync"])
 def test_a_create_writes_each_zarr_json_once_the_roots_first(store_path, durability):
     """Every group's and array's metadata is put in place once, by an atomic replace, the root's first (so a create
