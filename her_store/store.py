@@ -1006,9 +1006,9 @@ def _write_nodes(loc: Location, files: Mapping[str, bytes], fsync: bool) -> None
         taken = [k for k in files if loc.key_path(k) in found]
     if taken:
         raise StoreExistsError(
-            f"{loc} already holds {', '.join(taken[:3])}{', ...' if len(taken) > 3 else ''}, where a new store's Zarr "
-            "metadata goes (a Zarr node her_store did not create), and left it as it was: create the store somewhere "
-            "empty"
+            f"{loc} already holds {', '.join(taken[:3])}{', ...' if len(taken) > 3 else ''} where a new store's Zarr "
+            "metadata goes (a Zarr node her_store did not create); the create was refused and left it as it was: "
+            "create the store somewhere empty"
         )
     if loc.is_local:  # every directory before any file, so fsync'ing a file's directory makes the tree durable
         for key in files:
