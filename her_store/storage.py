@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import errno
 import functools
+import glob
 import io
 import json
 import math
@@ -266,19 +267,24 @@ class Location:
             self.fs.rm(doomed)
         self.fs.rm_file(root_meta)
 
-    def remove_temp_files(self) -> int:
+    def remove_temp_files(self, keys: Sequence[str] | None = None) -> int:
         """Remove the temp files that atomic writes of a writer killed mid-write left (``<key>.<pid>.tmp``, local disk
-        only: on object storage a write is one PUT). Call it holding the writer lock. Returns how many."""
+        only: on object storage a write is one PUT), under the whole location or, given ``keys``, of those keys only
+        (a create's, in a directory that may hold other files). Call it holding the writer lock. Returns how many."""
         if not self.is_local:
             return 0
+        if keys is None:
+            found = [os.path.join(d, name) for d, _, files in os.walk(self.root) for name in files]
+        else:
+            found = [p for k in keys for p in glob.glob(glob.escape(self.key_path(k)) + ".*.tmp")]
         removed = 0
-        for d, _, files in os.walk(self.root):
-            for name in files:
-                stem, _, pid = name[: -len(".tmp")].rpartition(".") if name.endswith(".tmp") else ("", "", "")
-                if stem and pid.isdigit():
-                    with contextlib.suppress(FileNotFoundError):
-                        os.unlink(os.path.join(d, name))
-                        removed += 1
+        for path in found:
+            name = os.path.basename(path)
+            stem, _, pid = name[: -len(".tmp")].rpartition(".") if name.endswith(".tmp") else ("", "", "")
+            if stem and pid.isdigit():
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(path)
+                    removed += 1
         return removed
 
     def exists(self, key: str) -> bool:

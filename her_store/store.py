@@ -8,7 +8,6 @@ A commit is the only moment the store changes for a reader: data rows, then inde
 from __future__ import annotations
 
 import asyncio
-import glob
 import json
 import math
 import os
@@ -1013,9 +1012,7 @@ def _write_nodes(loc: Location, files: Mapping[str, bytes], fsync: bool) -> None
     if loc.is_local:  # every directory before any file, so fsync'ing a file's directory makes the tree durable
         for key in files:
             os.makedirs(os.path.dirname(loc.key_path(key)), exist_ok=True)
-            for stale in glob.glob(glob.escape(loc.key_path(key)) + ".*.tmp"):  # a create killed mid-write left it
-                if stale.rsplit(".", 2)[1].isdigit():
-                    os.unlink(stale)
+    loc.remove_temp_files(list(files))  # what a create killed mid-write left
     for key in sorted(files, key=lambda k: (k != "zarr.json", k)):
         loc.write_atomic(key, files[key], fsync=fsync)
 
