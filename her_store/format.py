@@ -19,6 +19,7 @@ from zarr.core.metadata import ArrayV3Metadata
 
 from her_store.errors import CorruptStoreError, FormatVersionError, NotAStoreError, SchemaMismatchError, short_repr
 from her_store.schema import Field, Schema
+from her_store.storage import chunk_key
 from her_store.values import is_int, is_number
 
 __all__ = [
@@ -36,10 +37,12 @@ __all__ = [
     "check_array",
 ]
 
-FORMAT_VERSION = 2
-# Version 2 stores compressed fields (images) as sharded arrays, one row per inner chunk; version 1 stores (compressed
-# chunks of several rows) are still read and appended to in their own layout.
+FORMAT_VERSION = 3
+# Version 2 stores compressed fields (images) as sharded arrays, one row per inner chunk; version 3 names their shards
+# c.<i>.0.0... (one file each, not a file under a directory per axis). Stores of versions 1 (compressed chunks of
+# several rows) and 2 are still read and appended to in their own layout.
 SHARDED_SINCE = 2
+FLAT_SHARD_KEYS_SINCE = 3
 ATTRS_KEY = "her_store"
 COMMIT_KEY = "commit.json"
 LOCK_KEY = "writer.lock"
@@ -72,7 +75,8 @@ class ArraySpec:
     so that every low-dimensional value of a row lies in one place on disk (one read per row when cold).
     A field array (``steps/<field>``) is ``(rows, *field.shape)``, used for compressed fields such as images; from
     format version 2 it is sharded: ``chunk_rows`` rows per shard (one file or object), each row its own inner chunk,
-    so a sampled row decodes one row.
+    so a sampled row decodes one row. ``separator`` is that of its chunk keys: ``"."`` for a sharded array from format
+    version 3, else ``"/"`` (implied by the version, so not in the layout's JSON).
     """
 
     path: str
@@ -82,6 +86,7 @@ class ArraySpec:
     columns: tuple[tuple[str, int, int], ...]
     compressed: bool
     sharded: bool = False
+    separator: str = "/"
 
     @property
     def row_nbytes(self) -> int:
@@ -90,6 +95,10 @@ class ArraySpec:
     @property
     def is_pack(self) -> bool:
         return self.path.startswith("packs/")
+
+    def chunk_key(self, chunk: int) -> str:
+        """The key of chunk (or shard) ``chunk``: ``<path>/c/<i>/0...`` or, for ``"."``, ``<path>/c.<i>.0...``."""
+        return chunk_key(self.path, chunk, 1 + len(self.row_shape), self.separator)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -141,10 +150,10 @@ class Layout:
         for f in schema.fields:
             if f.name in compressed:
                 rows = _image_chunk_rows(f, chunk_rows, version)
-                spec = ArraySpec(
-                    f"steps/{f.name}", f.dtype, f.shape, rows, ((f.name, 0, f.width),), True, version >= SHARDED_SINCE
-                )
-                own.append(spec)
+                sharded = version >= SHARDED_SINCE
+                separator = "." if version >= FLAT_SHARD_KEYS_SINCE else "/"
+                columns = ((f.name, 0, f.width),)
+                own.append(ArraySpec(f"steps/{f.name}", f.dtype, f.shape, rows, columns, True, sharded, separator))
             else:
                 packs.setdefault(f.dtype, []).append(f)
         arrays = []
@@ -287,12 +296,13 @@ def check_array(
     raw: bool,
     where: str,
     sharded: bool = False,
+    separator: str = "/",
 ) -> None:
     """Check a Zarr array's own metadata against what the layout says it is, before any row is read or written.
 
     Row access trusts ``dtype``, the row shape and ``chunk_rows`` (``None``: any positive number of rows, as
-    for index columns), and finds chunks by the default ``/`` key encoding; a ``raw`` array is read and written
-    as bare little-endian chunk files, so it must have no codec but ``bytes``. A ``sharded`` array has shards of
+    for index columns), and finds chunks by the default key encoding with ``separator``; a ``raw`` array is read and
+    written as bare little-endian chunk files, so it must have no codec but ``bytes``. A ``sharded`` array has shards of
     ``chunk_rows`` rows, one row per inner chunk, and its shard index (little-endian, crc32c) at the end.
     """
     if not isinstance(array, zarr.Array):
@@ -323,8 +333,8 @@ def check_array(
             f"{short_repr(meta.storage_transformers)}, expected 0 and none (a row never written reads as zeros)"
         )
     encoding = meta.chunk_key_encoding
-    if not isinstance(encoding, DefaultChunkKeyEncoding) or encoding.separator != "/":
-        raise CorruptStoreError(f"{where}: chunk key encoding {encoding!r}, expected the default with '/'")
+    if not isinstance(encoding, DefaultChunkKeyEncoding) or encoding.separator != separator:
+        raise CorruptStoreError(f"{where}: chunk key encoding {encoding!r}, expected the default with {separator!r}")
     codecs = tuple(meta.codecs)
     if raw and not (
         len(codecs) == 1

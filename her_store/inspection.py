@@ -23,6 +23,7 @@ import numpy as np
 from her_store.card import CARD_FIELDS, card_problems, json_object, parse_assignment
 from her_store.format import INDEX_COLUMNS, ArraySpec
 from her_store.selection import parse_selection
+from her_store.storage import chunk_of
 from her_store.store import EpisodeStore
 
 __all__ = ["add_arguments", "array_bytes", "episode_page", "print_summary", "print_table", "run", "summary"]
@@ -63,14 +64,15 @@ def array_bytes(store: EpisodeStore) -> dict[str, dict[int, int]] | None:
     25165824
     """
     loc = store._loc
-    paths = [spec.path for spec in store.layout.arrays] + [f"{INDEX_DIR}/{name}" for name in INDEX_COLUMNS]
-    out: dict[str, dict[int, int]] = {p: {} for p in paths}
+    separators = {spec.path: spec.separator for spec in store.layout.arrays}
+    separators.update({f"{INDEX_DIR}/{name}": "/" for name in INDEX_COLUMNS})
+    out: dict[str, dict[int, int]] = {p: {} for p in separators}
     if loc.archive is not None:  # a packed store: its members' sizes
-        _add_keys(((key, size) for key, (_, size) in loc.archive.members.items()), out)
+        _add_keys(((key, size) for key, (_, size) in loc.archive.members.items()), separators, out)
         return out
     if loc.is_local:
-        for path in paths:
-            _scan_chunks(os.path.join(loc.root, path, "c"), out[path])
+        for path, separator in separators.items():
+            _scan_chunks(os.path.join(loc.root, path), separator, out[path])
         return out
     protocols = (loc.fs.protocol,) if isinstance(loc.fs.protocol, str) else tuple(loc.fs.protocol)
     if {"http", "https"} & set(protocols):
@@ -80,30 +82,35 @@ def array_bytes(store: EpisodeStore) -> dict[str, dict[int, int]] | None:
     except (NotImplementedError, OSError, ValueError):
         return None
     root = loc.root.rstrip("/") + "/"
-    _add_keys(((key[len(root) :], size) for key, size in listing.items() if key.startswith(root)), out)
+    _add_keys(((key[len(root) :], size) for key, size in listing.items() if key.startswith(root)), separators, out)
     return out
 
 
-def _add_keys(keys: Iterable[tuple[str, int]], out: dict[str, dict[int, int]]) -> None:
-    """Add the sizes of store keys ``<array>/c/<i>/...`` to ``out[array][i]``."""
+def _add_keys(keys: Iterable[tuple[str, int]], separators: Mapping[str, str], out: dict[str, dict[int, int]]) -> None:
+    """Add the sizes of store keys ``<array>/c/<i>/...`` (or ``<array>/c.<i>.0...``, by the array's separator) to
+    ``out[array][i]``."""
+    prefixes = [(f"{a}/c/" if sep == "/" else f"{a}/", a, sep) for a, sep in separators.items()]
     for key, size in keys:
-        array, sep, rest = key.partition("/c/")
-        if sep and array in out:
-            chunk = rest.split("/", 1)[0]
-            if chunk.isdigit():
-                out[array][int(chunk)] = out[array].get(int(chunk), 0) + int(size)
+        for prefix, array, sep in prefixes:
+            if key.startswith(prefix):
+                rest = key[len(prefix) :]
+                chunk = chunk_of(rest.split("/", 1)[0], "/") if sep == "/" else chunk_of(rest, ".")
+                if chunk is not None:
+                    out[array][chunk] = out[array].get(chunk, 0) + int(size)
+                    break
 
 
-def _scan_chunks(directory: str, sizes: dict[int, int]) -> None:
-    """Add the sizes of the files under ``<array>/c/<i>/...`` to ``sizes[i]`` (symbolic links are not followed)."""
+def _scan_chunks(directory: str, separator: str, sizes: dict[int, int]) -> None:
+    """Add the sizes of the chunk files of the array in ``directory`` to ``sizes[i]``: the files under ``c/<i>/``, or
+    for the ``"."`` separator the files ``c.<i>.0...`` (symbolic links are not followed)."""
     try:
-        entries = list(os.scandir(directory))
+        entries = list(os.scandir(os.path.join(directory, "c") if separator == "/" else directory))
     except (FileNotFoundError, NotADirectoryError):
         return
     for entry in entries:
-        if not entry.name.isdigit():
+        i = chunk_of(entry.name, separator)
+        if i is None:
             continue
-        i = int(entry.name)
         if entry.is_file(follow_symlinks=False):
             sizes[i] = sizes.get(i, 0) + entry.stat(follow_symlinks=False).st_size
         elif entry.is_dir(follow_symlinks=False):

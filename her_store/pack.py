@@ -42,7 +42,16 @@ from zarr.core.buffer import Buffer, BufferPrototype
 from her_store.errors import CorruptStoreError, short_repr
 from her_store.format import COMMIT_KEY, Commit
 from her_store.progress import progress as progress_bar
-from her_store.storage import METADATA_LIMIT, Location, data_runs, open_regular, staged_output, write_all, write_sparse
+from her_store.storage import (
+    METADATA_LIMIT,
+    Location,
+    data_runs,
+    is_chunk_key,
+    open_regular,
+    staged_output,
+    write_all,
+    write_sparse,
+)
 
 __all__ = [
     "ALIGNMENT",
@@ -407,15 +416,15 @@ class ArchiveStore(Store):
 
 
 def _store_files(root: str) -> list[tuple[str, int]]:
-    """(key, size) of every file a packed store holds: metadata (``zarr.json``) and chunks (``.../c/...``), neither the
-    writer lock nor the temp files of writes in progress, nor anything else. Each is opened as a regular file when
+    """(key, size) of every file a packed store holds: metadata (``zarr.json``) and chunks (:func:`is_chunk_key`),
+    neither the writer lock nor the temp files of writes in progress, nor anything else. Each is opened as a regular file when
     it is copied (:func:`open_regular`), so a link or a FIFO there stops the pack."""
     found = []
     for d, dirs, files in os.walk(root):
         dirs.sort()
         for name in sorted(files):
             key = os.path.relpath(os.path.join(d, name), root).replace(os.sep, "/")
-            if (name == "zarr.json" or "/c/" in f"/{key}") and not _TEMP.search(name):
+            if (name == "zarr.json" or is_chunk_key(key)) and not _TEMP.search(name):
                 with contextlib.suppress(FileNotFoundError):  # a temp file renamed into place since it was listed
                     found.append((key, os.lstat(os.path.join(d, name)).st_size))
     return found

@@ -43,7 +43,7 @@ from her_store.errors import CorruptStoreError
 from her_store.format import ArraySpec
 from her_store.index import IndexView
 from her_store.shard import FrameCodec, index_nbytes, parse_index, shard_limit
-from her_store.storage import Location, ObjectReplaced, chunk_key, drop_page_cache
+from her_store.storage import Location, ObjectReplaced, drop_page_cache
 
 if TYPE_CHECKING:
     from her_store.store import EpisodeStore
@@ -68,7 +68,7 @@ class MappedArray:
         self._lock = threading.Lock()
 
     def _file(self, chunk: int) -> str:
-        return os.path.join(self.root, chunk_key(self.spec.path, chunk, 1 + len(self.spec.row_shape)))
+        return os.path.join(self.root, self.spec.chunk_key(chunk))
 
     def _map(self, chunk: int) -> np.ndarray:
         view = self._maps.get(chunk)
@@ -77,7 +77,7 @@ class MappedArray:
         with self._lock:
             view = self._maps.get(chunk)
             if view is None:
-                key = chunk_key(self.spec.path, chunk, 1 + len(self.spec.row_shape))
+                key = self.spec.chunk_key(chunk)
                 f, base, size = self.location.open_range(key)
                 need = self.chunk_rows * self.spec.row_nbytes
                 with f:
@@ -190,7 +190,7 @@ class CachedArray:
             self._end = max(self._end, end)
 
     def _load(self, chunk: int) -> np.ndarray:
-        key = chunk_key(self.spec.path, chunk, 1 + len(self.spec.row_shape))
+        key = self.spec.chunk_key(chunk)
         try:
             if self._decode is not None and self._fetch is not None:
                 raw = self._fetch(key)
@@ -257,7 +257,7 @@ class CachedArray:
             self._cache.clear()
             self._bytes = 0
         if self.root is not None:
-            for d, _, files in os.walk(os.path.join(self.root, self.spec.path, "c")):
+            for d, _, files in os.walk(os.path.join(self.root, self.spec.path)):  # its chunk files, whatever their keys
                 for f in files:
                     drop_page_cache(os.path.join(d, f))
 
@@ -290,8 +290,7 @@ class RangedArray(CachedArray):
     def _blocks(self, blocks: list[int]) -> list[np.ndarray]:
         """Blocks ``blocks`` read at once (a block of a chunk never written reads as zeros, the fill value)."""
         per_chunk, nb = self.spec.chunk_rows // self.chunk_rows, self.chunk_nbytes
-        ndim = 1 + len(self.spec.row_shape)
-        keys = [chunk_key(self.spec.path, b // per_chunk, ndim) for b in blocks]
+        keys = [self.spec.chunk_key(b // per_chunk) for b in blocks]
         starts = [(b % per_chunk) * nb for b in blocks]
         got = self.location.read_ranges(keys, starts, [a + nb for a in starts])
         shape = (self.chunk_rows, *self.spec.row_shape)
@@ -388,7 +387,6 @@ class ShardedArray(CachedArray):
         super().__init__(array, spec, cache_bytes, root=location.root if location.is_local else None)
         self.location = location
         self.codec = FrameCodec(array, f"{location}/{spec.path}/zarr.json")
-        self._ndim = 1 + len(spec.row_shape)
         self._balance = Balance()  # the decoding threads' share of a local LZ4 gather
         if location.is_local:
             self.max_entries = self.MAX_OPEN
@@ -413,7 +411,7 @@ class ShardedArray(CachedArray):
         return len(item.buf) if item.buf is not None else item.offsets.nbytes + item.nbytes.nbytes
 
     def _key(self, chunk: int) -> str:
-        return chunk_key(self.spec.path, chunk, self._ndim)
+        return self.spec.chunk_key(chunk)
 
     def _load(self, chunk: int) -> _Shard:
         """A local shard: its file, open, and its index (object storage: :meth:`_remote_frames`)."""
@@ -824,19 +822,19 @@ class ShardedArray(CachedArray):
         if self.root is None:
             super().evict_page_cache()
             return
-        for d, _, files in os.walk(os.path.join(self.root, self.spec.path, "c")):
+        for d, _, files in os.walk(os.path.join(self.root, self.spec.path)):  # its chunk files, whatever their keys
             for f in files:
                 drop_page_cache(os.path.join(d, f))
 
     def _never_written(self, row: int) -> None:
         """A gather asks only for committed rows, so a row its shard's index marks never written is damage."""
         c = row // self.chunk_rows
-        where = f"{self.location}/{chunk_key(self.spec.path, c, self._ndim)}"
+        where = f"{self.location}/{self.spec.chunk_key(c)}"
         raise CorruptStoreError(f"{where}: committed row {row - c * self.chunk_rows} is missing from its shard")
 
     def _undecodable(self, row: int, err: int) -> None:
         c = row // self.chunk_rows
-        where = f"{self.location}/{chunk_key(self.spec.path, c, self._ndim)}"
+        where = f"{self.location}/{self.spec.chunk_key(c)}"
         if err:
             raise OSError(err, f"{where}: reading row {row - c * self.chunk_rows} failed: {os.strerror(err)}")
         raise CorruptStoreError(f"{where}: row {row - c * self.chunk_rows} is not one row's LZ4 block")

@@ -40,7 +40,7 @@ from her_store.balance import Balance
 from her_store.errors import CorruptStoreError, StoreError, short_repr
 from her_store.lossy import check_frames, frame_codec, is_lossy
 from her_store.schema import Field
-from her_store.storage import Location, chunk_key
+from her_store.storage import Location, chunk_key, key_separator
 
 __all__ = ["EMPTY", "Encoded", "FrameCodec", "ShardWriter", "build_shard", "frame_codecs", "index_nbytes", "lz4_codec", "parse_index"]
 
@@ -356,6 +356,7 @@ class ShardWriter:
         self.chunk_rows = int((array.shards or array.chunks)[0])
         self.codec = FrameCodec(array, f"{location}/{array.path}/zarr.json")
         self._ndim = array.ndim
+        self._separator = key_separator(array)
         self._shards: dict[int, list[bytes | None]] = {}
         self._dirty: set[int] = set()
         self._made: set[int] = set()  # shards whose directory exists
@@ -364,7 +365,7 @@ class ShardWriter:
         self._balance = Balance()  # their share of an episode's rows
 
     def _key(self, shard: int) -> str:
-        return chunk_key(self.array.path, shard, self._ndim)
+        return chunk_key(self.array.path, shard, self._ndim, self._separator)
 
     def _load(self, shard: int) -> list[bytes | None]:
         """The encoded rows of a shard as published: those on disk, or all empty."""

@@ -244,12 +244,15 @@ class Location:
             return None
 
     def holds_chunks(self) -> bool:
-        """Whether any chunk of data exists under the location (a key ``.../c/...``, the v3 chunk encoding)."""
+        """Whether any chunk of data exists under the location (a key :func:`is_chunk_key` recognises)."""
         if self.archive is not None:
-            return any("/c/" in f"/{k}" for k in self.archive.members)
+            return any(map(is_chunk_key, self.archive.members))
         if self.is_local:
-            return any(os.path.basename(d) == "c" and (files or dirs) for d, dirs, files in os.walk(self.root))
-        return any("/c/" in k for k in self.fs.find(self.root))
+            return any(
+                (os.path.basename(d) == "c" and (files or dirs)) or any(chunk_of(f, ".") is not None for f in files)
+                for d, dirs, files in os.walk(self.root)
+            )
+        return any(map(is_chunk_key, self.fs.find(self.root)))
 
     def clear(self, keep: str) -> None:
         """Remove everything under the location but ``keep`` (an unfinished create being started again)."""
@@ -964,9 +967,30 @@ def _after_fork_in_child() -> None:
 os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
-def chunk_key(path: str, chunk: int, ndim: int) -> str:
-    """Key of chunk ``chunk`` along rows of a row-chunked array (v3 default encoding, '/' separator)."""
-    return "/".join([path, "c", str(chunk)] + ["0"] * (ndim - 1))
+def chunk_key(path: str, chunk: int, ndim: int, separator: str) -> str:
+    """Key of chunk ``chunk`` along rows of a row-chunked array (v3 default encoding with ``separator``, ``"/"`` or
+    ``"."``: ``<path>/c/<i>/0...`` or ``<path>/c.<i>.0...``)."""
+    return f"{path}/" + separator.join(["c", str(chunk)] + ["0"] * (ndim - 1))
+
+
+def is_chunk_key(key: str) -> bool:
+    """Whether a store key is a chunk's: ``.../c/...`` or ``.../c.<i>.0...`` (the v3 default chunk key encodings)."""
+    return "/c/" in f"/{key}" or chunk_of(key.rpartition("/")[2], ".") is not None
+
+
+def key_separator(array: zarr.Array) -> str:
+    """The separator of an array's chunk keys, from its metadata (checked against the layout when it was opened)."""
+    return str(array.metadata.chunk_key_encoding.separator)
+
+
+def chunk_of(name: str, separator: str) -> int | None:
+    """The chunk index of a file name in an array's directory or ``c/`` subdirectory (``"/"``: the directory name
+    ``<i>``; ``"."``: the file name ``c.<i>.0...``), or None for any other name (metadata, a temp file)."""
+    if separator == ".":
+        parts = name.split(".")
+        ok = len(parts) >= 2 and parts[0] == "c" and parts[1].isdigit() and all(p == "0" for p in parts[2:])
+        return int(parts[1]) if ok else None
+    return int(name) if name.isdigit() else None
 
 
 def _pread_into(name: str, buf: np.ndarray, offset: int) -> int:
@@ -992,12 +1016,13 @@ class RawChunkFile:
     """Rows of an uncompressed local array written in place with ``pwrite`` (see the module docstring)."""
 
     def __init__(
-        self, root: str, path: str, dtype: np.dtype, row_shape: tuple[int, ...], chunk_rows: int,
+        self, root: str, path: str, dtype: np.dtype, row_shape: tuple[int, ...], chunk_rows: int, separator: str,
         archive: PackedArchive | None = None,
     ) -> None:
         self.root = root
         self.archive = archive  # a packed store's: rows are read from its members (it is never written)
         self.path = path
+        self.separator = separator
         self.dtype = dtype
         self.row_shape = row_shape
         self.row_nbytes = int(np.prod(row_shape, dtype=np.int64)) * dtype.itemsize
@@ -1006,7 +1031,7 @@ class RawChunkFile:
         self._dirty: set[int] = set()
 
     def _file(self, chunk: int) -> str:
-        return os.path.join(self.root, chunk_key(self.path, chunk, 1 + len(self.row_shape)))
+        return os.path.join(self.root, chunk_key(self.path, chunk, 1 + len(self.row_shape), self.separator))
 
     def _fd(self, chunk: int) -> int:
         fd = self._fds.get(chunk)
@@ -1054,7 +1079,7 @@ class RawChunkFile:
             take = min(row1 - at, self.chunk_rows - r)
             o, n = (at - row0) * self.row_nbytes, take * self.row_nbytes
             if self.archive is not None:
-                key = chunk_key(self.path, chunk, 1 + len(self.row_shape))
+                key = chunk_key(self.path, chunk, 1 + len(self.row_shape), self.separator)
                 buf = self.archive.pread(key, n, r * self.row_nbytes)
                 got = len(buf)
                 flat[o : o + got] = np.frombuffer(buf, np.uint8)
@@ -1081,6 +1106,9 @@ class ZarrChunks:
         self._cache: dict[int, np.ndarray] = {}
         self._dirty: set[int] = set()
 
+    def _key(self, chunk: int) -> str:
+        return chunk_key(self.array.path, chunk, self.array.ndim, key_separator(self.array))
+
     def _chunk(self, chunk: int) -> np.ndarray:
         buf = self._cache.get(chunk)
         if buf is None:
@@ -1104,9 +1132,9 @@ class ZarrChunks:
             r0 = chunk * self.chunk_rows
             self.array[r0 : r0 + self.chunk_rows] = self._cache[chunk]
             if fsync and self.location.is_local:
-                fsync_file(self.location.key_path(chunk_key(self.array.path, chunk, self.array.ndim)))
+                fsync_file(self.location.key_path(self._key(chunk)))
         if fsync and self.location.is_local and self._dirty:
-            fsync_file(os.path.dirname(self.location.key_path(chunk_key(self.array.path, max(self._dirty), self.array.ndim))))
+            fsync_file(os.path.dirname(self.location.key_path(self._key(max(self._dirty)))))
         # keep only the newest chunk: the next commit most likely appends to it
         if self._dirty:
             keep = max(self._dirty)
@@ -1130,7 +1158,7 @@ class ZarrChunks:
         row_nbytes = int(np.prod(row_shape, dtype=np.int64)) * dtype.itemsize
         first = np.arange(row0 - row0 % self.chunk_rows, row1, self.chunk_rows)
         lo, hi = np.maximum(first, row0), np.minimum(first + self.chunk_rows, row1)
-        keys = [chunk_key(self.array.path, c, self.array.ndim) for c in (first // self.chunk_rows).tolist()]
+        keys = [self._key(c) for c in (first // self.chunk_rows).tolist()]
         got = self.location.read_ranges(keys, ((lo - first) * row_nbytes).tolist(), ((hi - first) * row_nbytes).tolist())
         out = np.zeros((row1 - row0, *row_shape), dtype)
         flat = out.reshape(-1).view(np.uint8)
@@ -1148,6 +1176,7 @@ def chunk_io(location: Location, array: zarr.Array, compressed: bool) -> RawChun
     raw files for uncompressed local arrays, whole chunks through zarr otherwise."""
     if location.is_local and not compressed:
         return RawChunkFile(
-            location.root, array.path, array.dtype, tuple(array.shape[1:]), int(array.chunks[0]), location.archive
+            location.root, array.path, array.dtype, tuple(array.shape[1:]), int(array.chunks[0]), key_separator(array),
+            location.archive,
         )
     return ZarrChunks(array.with_config(ZARR_CONFIG), location, raw=not compressed)

@@ -325,6 +325,7 @@ class EpisodeStore:
                     dtype=spec.dtype,
                     compressors=codecs.get(spec.columns[0][0]) if spec.compressed else None,
                     fill_value=0,
+                    chunk_key_encoding={"name": "default", "separator": spec.separator},
                     config=ZARR_CONFIG,
                 )
             for name, dt in INDEX_COLUMNS.items():
@@ -427,8 +428,11 @@ class EpisodeStore:
         writer has grown the arrays."""
         for w in (*self._arrays.values(), *self._index_io.values()):
             w.close()
-        wanted = [(s.path, s.dtype, s.row_shape, s.chunk_rows, not s.compressed, s.sharded) for s in self.layout.arrays]
-        wanted += [(f"episodes/{name}", np.dtype(dt), (), None, True, False) for name, dt in INDEX_COLUMNS.items()]
+        wanted = [
+            (s.path, s.dtype, s.row_shape, s.chunk_rows, not s.compressed, s.sharded, s.separator)
+            for s in self.layout.arrays
+        ]
+        wanted += [(f"episodes/{name}", np.dtype(dt), (), None, True, False, "/") for name, dt in INDEX_COLUMNS.items()]
         arrays = self._checked_arrays(wanted)
         for spec, array in zip(self.layout.arrays, arrays):
             self._arrays[spec.path] = (
@@ -440,16 +444,16 @@ class EpisodeStore:
         self._index_rows = min(a.shape[0] for a in arrays[len(self.layout.arrays) :])
 
     def _checked_arrays(
-        self, wanted: Sequence[tuple[str, np.dtype, tuple[int, ...], int | None, bool, bool]]
+        self, wanted: Sequence[tuple[str, np.dtype, tuple[int, ...], int | None, bool, bool, str]]
     ) -> list[zarr.Array]:
-        """The arrays at ``(path, dtype, row_shape, chunk_rows, raw, sharded)``, each checked against what the layout
-        says it is. Their metadata is read concurrently: on object storage an open waits one request, not one per
+        """The arrays at ``(path, dtype, row_shape, chunk_rows, raw, sharded, separator)``, each checked against what the
+        layout says it is. Their metadata is read concurrently: on object storage an open waits one request, not one per
         array."""
         for path, *_ in wanted:
             self._loc.check_file(f"{path}/zarr.json")  # zarr reads it whole: a regular file of bounded size
         opened = _open_arrays(self._root, [path for path, *_ in wanted])
         arrays = []
-        for (path, dtype, row_shape, chunk_rows, raw, sharded), array in zip(wanted, opened):
+        for (path, dtype, row_shape, chunk_rows, raw, sharded, separator), array in zip(wanted, opened):
             where = f"{self._loc}/{path}/zarr.json"
             if isinstance(array, zarr.errors.NodeTypeValidationError):
                 raise CorruptStoreError(f"{where} is not an array's metadata: {str(array)[:200]}") from array
@@ -461,7 +465,7 @@ class EpisodeStore:
                 ) from array
             if isinstance(array, BaseException):
                 raise array
-            check_array(array, dtype, row_shape, chunk_rows, raw, where, sharded)
+            check_array(array, dtype, row_shape, chunk_rows, raw, where, sharded, separator)
             arrays.append(array)
         return arrays
 

@@ -225,14 +225,13 @@ def _plan(store: EpisodeStore) -> tuple[list[str], list[tuple[ArraySpec | None, 
         cr = spec.chunk_rows
         span = (ends - 1) // cr - starts // cr + 1
         used = np.unique(np.repeat(starts // cr, span) + np.arange(int(span.sum())) - np.repeat(np.cumsum(span) - span, span))
-        ndim = 1 + len(spec.row_shape)
-        chunks += [(spec, chunk_key(spec.path, int(c), ndim), int(c)) for c in used.tolist()]
+        chunks += [(spec, spec.chunk_key(int(c)), int(c)) for c in used.tolist()]
     slots = store.index.slots
     ids = table["episode_id"]
     positions = ids % slots if slots else ids
     index_chunk = int(store._root["episodes/episode_id"].chunks[0])
     for c in np.unique(positions // index_chunk).tolist():
-        chunks += [(None, chunk_key(f"episodes/{name}", int(c), 1), int(c)) for name in INDEX_COLUMNS]
+        chunks += [(None, chunk_key(f"episodes/{name}", int(c), 1, "/"), int(c)) for name in INDEX_COLUMNS]
     return list(dict.fromkeys(meta)), chunks
 
 

@@ -37,7 +37,7 @@ from her_store.format import LOCK_KEY, ArraySpec
 from her_store.index import EpisodeIndex
 from her_store.progress import progress as progress_bar
 from her_store.shard import parse_index, shard_limit
-from her_store.storage import Location, active_writer, chunk_key
+from her_store.storage import Location, active_writer, chunk_of
 from her_store.store import EpisodeStore
 
 __all__ = ["Problem", "Report", "add_arguments", "repair", "run", "verify"]
@@ -253,14 +253,11 @@ class _Check:
         np.add.at(marks, c1 + 1, -1)
         return np.flatnonzero(np.cumsum(marks) > 0).tolist()
 
-    def _key(self, spec: ArraySpec, c: int) -> str:
-        return chunk_key(spec.path, c, 1 + len(spec.row_shape))
-
     def _size(self, spec: ArraySpec, c: int) -> int:
         if self.loc.archive is not None:  # a packed store: the member's size
-            return (self.loc.archive.member(self._key(spec, c)) or (0, 0))[1]
+            return (self.loc.archive.member(spec.chunk_key(c)) or (0, 0))[1]
         try:
-            return os.stat(self.loc.key_path(self._key(spec, c))).st_size
+            return os.stat(self.loc.key_path(spec.chunk_key(c))).st_size
         except OSError:
             return 0
 
@@ -278,7 +275,7 @@ class _Check:
     def _read(self, spec: ArraySpec, c: int, whole: bool = True, skip: int = 0) -> tuple[bytes | None, int, str | None]:
         """(the file's bytes from byte ``skip``: a shard's all, a raw chunk's up to its last committed row, or none of
         them unless ``whole``; its size; or why it cannot be read). A file that does not exist gives (None, 0, None)."""
-        key, limit = self._key(spec, c), self._limit(spec, c, skip == 0) if whole else 0
+        key, limit = spec.chunk_key(c), self._limit(spec, c, skip == 0) if whole else 0
         path = self.loc.key_path(key)
         try:
             if self.loc.is_local:  # a file of its own, or a member of a packed store
@@ -329,7 +326,7 @@ class _Check:
         cr, rb = spec.chunk_rows, spec.row_nbytes
         r0, r1 = c * cr, (c + 1) * cr
         k = self._episodes_in(r0, r1)
-        where = f"{self.loc}/{self._key(spec, c)}"
+        where = f"{self.loc}/{spec.chunk_key(c)}"
         if spec.sharded:
             return self._check_shard(spec, c, read, k, where)
         if spec.compressed:  # a version 1 compressed chunk: decoded through zarr
@@ -337,7 +334,7 @@ class _Check:
         data, size, error = read
         if error is not None:
             self.report.problems.append(Problem("file", f"{where} cannot be read: {error}", self._affected(k, r0, r1)))
-            self.report.damaged_files.append(self._key(spec, c))
+            self.report.damaged_files.append(spec.chunk_key(c))
             self.bad[k.start : k.stop] |= (self.starts[k.start : k.stop] < r1) & (self.ends[k.start : k.stop] > r0)
             return 0
         want = cr * rb
@@ -346,7 +343,7 @@ class _Check:
             have_rows = min(size, want) // rb
             what = "is missing" if data is None else f"holds {size:,} bytes, expected {want:,} ({cr:,} rows of {rb} bytes)"
             self.report.problems.append(Problem("file", f"{where} {what}", self._affected(k, r0 + have_rows, r1)))
-            self.report.short_files.append((self._key(spec, c), want))
+            self.report.short_files.append((spec.chunk_key(c), want))
         if not self.checksums:
             return 0
         need = (min(self.ends_list[k.stop - 1], r1) - r0) * rb  # what was read: up to the last committed row
@@ -376,7 +373,7 @@ class _Check:
             what = f"{where} is missing" if error is None else f"{where} cannot be read: {error}"
             self.report.problems.append(Problem("file", what, self._affected(k, r0, r1)))
             if error is not None:
-                self.report.damaged_files.append(self._key(spec, c))
+                self.report.damaged_files.append(spec.chunk_key(c))
             self.bad[k.start : k.stop] |= (self.starts[k.start : k.stop] < r1) & (self.ends[k.start : k.stop] > r0)
             return len(data or b"")
         view = memoryview(data)
@@ -401,7 +398,7 @@ class _Check:
     def _check_v1_chunk(self, spec: ArraySpec, c: int, k: range, where: str) -> int:
         cr, rb = spec.chunk_rows, spec.row_nbytes
         r0, r1 = c * cr, (c + 1) * cr
-        if not self.loc.exists(self._key(spec, c)):
+        if not self.loc.exists(spec.chunk_key(c)):
             self.report.problems.append(Problem("file", f"{where} is missing", self._affected(k, r0, r1)))
         if not self.checksums:
             return 0
@@ -449,16 +446,20 @@ class _Check:
 
     def _existing(self, spec: ArraySpec, first: int) -> list[int]:
         """The chunks (shards) from ``first`` on that have a file, in order."""
-        where = self.loc.key_path(f"{spec.path}/c")
+        # chunk keys <path>/c/<i>/0... name a directory <i> under <path>/c; keys <path>/c.<i>.0... a file under <path>
+        directory = f"{spec.path}/c" if spec.separator == "/" else spec.path
         if self.loc.archive is not None:  # a packed store: its members under the array
-            prefix = f"{spec.path}/c/"
+            prefix = f"{directory}/"
             names = {k[len(prefix) :].split("/", 1)[0] for k in self.loc.archive.members if k.startswith(prefix)}
-            return sorted(c for c in (int(n) for n in names if n.isdigit()) if c >= first)
-        try:
-            names = os.listdir(where) if self.loc.is_local else [n.rsplit("/", 1)[-1] for n in self.loc.fs.ls(where, detail=False)]
-        except FileNotFoundError:
-            return []
-        return sorted(c for c in (int(n) for n in names if n.isdigit()) if c >= first)
+        else:
+            where = self.loc.key_path(directory)
+            try:
+                listed = os.listdir(where) if self.loc.is_local else self.loc.fs.ls(where, detail=False)
+                names = {n.rsplit("/", 1)[-1] for n in listed}
+            except FileNotFoundError:
+                return []
+        found = (chunk_of(n, spec.separator) for n in names)
+        return sorted(c for c in found if c is not None and c >= first)
 
     def _data_tail(self) -> None:
         """Rows past ``write_row`` of an unbounded store: never committed, so they hold nothing (zeros, or rows a shard
@@ -472,11 +473,11 @@ class _Check:
             for c in self._existing(spec, w // cr):
                 skip = max(w - c * cr, 0)
                 data, size, error = self._read(spec, c, skip=0 if spec.sharded else skip * rb)
-                if data is None or error is not None or self._key(spec, c) in r.damaged_files:
+                if data is None or error is not None or spec.chunk_key(c) in r.damaged_files:
                     continue
                 if spec.sharded:
                     try:
-                        offsets, _ = parse_index(data, cr, self._key(spec, c))
+                        offsets, _ = parse_index(data, cr, spec.chunk_key(c))
                     except CorruptStoreError:
                         continue  # reported above if it holds committed rows; nothing committed lies in it otherwise
                     if (offsets[skip:] >= 0).any():
@@ -485,7 +486,7 @@ class _Check:
                     held.append(c)
             if held:
                 r.tail_chunks[spec.path] = held
-                keys = ", ".join(self._key(spec, c) for c in held)
+                keys = ", ".join(spec.chunk_key(c) for c in held)
                 r.problems.append(
                     Problem("uncommitted", f"{spec.path}: rows past write_row {w:,} hold data that was never committed ({keys})")
                 )

@@ -20,7 +20,6 @@ import pytest
 
 from her_store import EpisodeStore, HerSampler, StoreError, open_store
 from her_store.errors import CorruptStoreError, NotAStoreError
-from her_store.storage import chunk_key
 from her_store.transfer import copy_store
 from her_store.verify import verify
 from tests.conftest import assert_episode_equal
@@ -417,7 +416,7 @@ def _damaged(path: str, n: int, bad: int) -> None:
     with EpisodeStore.open(path) as store:
         spec = store.layout.arrays[0]
         row = int(store.episodes["start_row"][bad - store.first_episode])
-    with open(os.path.join(path, *chunk_key(spec.path, row // spec.chunk_rows, 2).split("/")), "r+b") as f:
+    with open(os.path.join(path, *spec.chunk_key(row // spec.chunk_rows).split("/")), "r+b") as f:
         f.seek(row % spec.chunk_rows * spec.row_nbytes)
         byte = f.read(1)[0]
         f.seek(-1, os.SEEK_CUR)

@@ -10,7 +10,15 @@ import pytest
 from gymnasium import spaces
 
 from her_store.errors import CorruptStoreError, FormatVersionError, NotAStoreError
-from her_store.format import FORMAT_VERSION, SHARDED_SINCE, Commit, Layout, check_attrs, parse_attrs
+from her_store.format import (
+    FLAT_SHARD_KEYS_SINCE,
+    FORMAT_VERSION,
+    SHARDED_SINCE,
+    Commit,
+    Layout,
+    check_attrs,
+    parse_attrs,
+)
 from her_store.schema import Schema
 
 GOAL = spaces.Box(-1, 1, (3,), np.float32)
@@ -106,9 +114,22 @@ def test_layout_packs_uncompressed_fields_by_dtype_and_isolates_compressed_ones(
     pixels = layout.arrays[-1]
     # a shard of ~8 MiB of 21,168-byte rows, a power of two, each row its own inner chunk
     assert pixels.compressed and pixels.sharded and pixels.chunk_rows == 256
-    assert layout.version == FORMAT_VERSION == SHARDED_SINCE == 2 and layout.to_json()[-1]["sharded"] is True
+    assert layout.version == FORMAT_VERSION == FLAT_SHARD_KEYS_SINCE == 3 and layout.to_json()[-1]["sharded"] is True
     assert not any(a.sharded for a in layout.arrays[:-1])
     assert Layout.from_json(json.loads(json.dumps(layout.to_json())), SCHEMA, "s").to_json() == layout.to_json()
+    # a shard is one file named by its index, the other arrays' chunks a file under a directory per axis
+    assert [a.separator for a in layout.arrays] == ["/", "/", "/", "."]
+    assert pixels.chunk_key(5) == "steps/pixels/c.5.0.0.0" and f32.chunk_key(5) == "packs/float32/c/5/0"
+
+
+def test_a_version_2_layout_keeps_its_shard_keys():
+    v2 = Layout.build(SCHEMA, {"pixels"}, chunk_rows=4096, version=SHARDED_SINCE)
+    pixels = v2.arrays[-1]
+    assert pixels.sharded and pixels.chunk_rows == 256 and pixels.chunk_key(5) == "steps/pixels/c/5/0/0/0"
+    # the separator is the version's: the layouts' JSON is the same, and each parses to its version's keys
+    assert v2.to_json() == Layout.build(SCHEMA, {"pixels"}, chunk_rows=4096).to_json()
+    assert Layout.from_json(v2.to_json(), SCHEMA, "s", version=2).arrays[-1].separator == "/"
+    assert Layout.from_json(v2.to_json(), SCHEMA, "s", version=3).arrays[-1].separator == "."
 
 
 def test_a_version_1_layout_keeps_its_unsharded_chunks():
@@ -205,8 +226,8 @@ def _attrs(**changes) -> dict:
         ({"schema": {"observation_space": None}}, "her_store.schema is invalid"),
         ({"schema": {**SCHEMA.to_json(), "fields": []}}, r"her_store.schema is invalid: schema fields \[\] are not"),
         ({"format_version": 1}, r"layout\[3\]\.chunk_rows is 256, expected 8"),  # a version 2 layout is not version 1's
-        ({"format_version": FORMAT_VERSION + 1}, rf"format_version is {FORMAT_VERSION + 1}, expected 1\.\.2"),
-        ({"format_version": 0}, r"format_version is 0, expected 1\.\.2"),
+        ({"format_version": FORMAT_VERSION + 1}, rf"format_version is {FORMAT_VERSION + 1}, expected 1\.\.{FORMAT_VERSION}"),
+        ({"format_version": 0}, rf"format_version is 0, expected 1\.\.{FORMAT_VERSION}"),
     ],
 )
 def test_every_root_attribute_is_checked(changes, msg):

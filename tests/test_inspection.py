@@ -17,6 +17,7 @@ from gymnasium import spaces
 
 from her_store import EpisodeStore
 from her_store.cli import main
+from her_store.format import FORMAT_VERSION
 from tests.conftest import fetch_spaces, make_episode
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -65,7 +66,7 @@ def test_inspect_json_matches_the_store(tmp_path, capsys):
     lengths = [5, 17, 1, 40, 9, 23]
     eps = _image_store(path, lengths)
     s = _json(capsys, "inspect", path, "--json")
-    assert s["format_version"] == 2 and s["location"] == os.path.abspath(path)
+    assert s["format_version"] == FORMAT_VERSION and s["location"] == os.path.abspath(path)
     assert (s["episodes"], s["transitions"], s["first_episode"], s["end_episode"]) == (6, sum(lengths), 0, 6)
     assert s["capacity"] is None and s["evicted"] == 0 and s["fill"] is None
     assert s["spaces"]["info_keys"] == ["is_success"] and "uint8" in s["spaces"]["observation"]["observation"]
@@ -82,7 +83,8 @@ def test_inspect_json_matches_the_store(tmp_path, capsys):
     image = fields["observation"]
     assert (image["dtype"], image["shape"], image["array"]) == ("uint8", [48, 48, 3], "steps/observation")
     # bytes on disk are the files' sizes; the ratio is the rows' raw bytes over them (the pattern compresses)
-    assert image["bytes_on_disk"] == _files_under(os.path.join(path, "steps", "observation", "c")) > 0
+    shards = os.path.join(path, "steps", "observation")
+    assert image["bytes_on_disk"] == sum(os.path.getsize(os.path.join(shards, n)) for n in os.listdir(shards) if n.startswith("c.")) > 0
     rows = sum(lengths) + len(lengths)
     assert image["compression_ratio"] == pytest.approx(rows * 48 * 48 * 3 / image["bytes_on_disk"])
     assert image["compression_ratio"] > 3
@@ -198,7 +200,7 @@ def test_plain_text_when_piped(tmp_path):
     assert r.returncode == 0, r.stderr
     assert "\x1b" not in r.stdout and "─" not in r.stdout and "│" not in r.stdout  # no rich boxes or colours
     lines = [line.split() for line in r.stdout.splitlines()]
-    for words in (["format", "version", "2"], ["episodes", "2", "(ids", "0..1)"], ["env_id", "FetchReach-v4"]):
+    for words in (["format", "version", str(FORMAT_VERSION)], ["episodes", "2", "(ids", "0..1)"], ["env_id", "FetchReach-v4"]):
         assert words in lines
     r = _cli("inspect", path, "--json")
     assert json.loads(r.stdout)["transitions"] == 10
@@ -378,3 +380,22 @@ def test_inspect_and_card_on_s3(s3_url, capsys):
     root = url[len("s3://"):]
     listed = {k: v for k, v in fs.du(root, total=False).items() if "/c/" in k}
     assert s["bytes_on_disk"] == sum(listed.values()) > 0
+
+
+def test_image_shards_are_counted_alike_on_disk_on_s3_and_in_a_pack(tmp_path, s3_url, capsys):
+    """Shard files are named c.<i>.0.0.0 beside the array's metadata: each listing (a directory scan, an S3 listing,
+    a pack's members) counts them, and the same bytes."""
+    from her_store.pack import pack_store
+    from her_store.transfer import copy_store
+
+    path = str(tmp_path / "s")
+    _image_store(path, [5, 17, 1, 40])
+    url, opts = s3_url
+    copy_store(path, url, dest_storage_options=opts)
+    pack_store(path, path + ".zip")
+    shards = os.path.join(path, "steps", "observation")
+    on_disk = sum(os.path.getsize(os.path.join(shards, n)) for n in os.listdir(shards) if n.startswith("c."))
+    for where, extra in ((path, []), (url, ["--storage-options", json.dumps(opts)]), (path + ".zip", [])):
+        s = _json(capsys, "inspect", where, "--json", *extra)
+        fields = {f["name"]: f for f in s["fields"]}
+        assert fields["observation"]["bytes_on_disk"] == on_disk > 0, where

@@ -208,7 +208,7 @@ def test_a_crafted_frame_in_a_store_gives_corrupt_store_error_from_episode_and_t
     from her_store import HerSampler
 
     make_store(store_path, episodes=1)
-    key = os.path.join(store_path, chunk_key("steps/observation", 0, 4))
+    key = os.path.join(store_path, chunk_key("steps/observation", 0, 4, "."))
     with open(key, "rb") as f:
         raw = f.read()
     offsets, nbytes = parse_index(raw, 16, key)

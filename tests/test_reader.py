@@ -16,7 +16,7 @@ from tests.test_differential import ACT, OBS, episode, rows, wrong_rows
 from tests.test_sampler import sparse_reward
 
 CHUNK_ROWS = 16
-V1_STORE = Path(__file__).parent / "data" / "v1_store"  # made by the version 1 code: tests/data/make_v1_store.py
+V1_STORE = Path(__file__).parent / "data" / "v1_store"  # made by the version 1 code: tests/data/make_old_store.py
 
 
 def _create(path, capacity: int | None = None) -> EpisodeStore:
@@ -94,7 +94,7 @@ def _drop_row_from_its_shard(store_path, path: str, row: int, shard_rows: int) -
     """Rewrite the shard holding ``row`` with a valid index that marks the row never written."""
     from her_store.shard import build_shard, parse_index
 
-    f = store_path / path / "c" / str(row // shard_rows) / "0" / "0" / "0"
+    f = store_path / path / f"c.{row // shard_rows}.0.0.0"
     raw = f.read_bytes()
     offsets, nbytes = parse_index(raw, shard_rows, str(f))
     frames = [None if o < 0 else raw[o : o + n] for o, n in zip(offsets.tolist(), nbytes.tolist())]

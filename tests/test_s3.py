@@ -506,7 +506,7 @@ def test_a_crafted_shard_on_s3_is_a_corrupt_store(s3_url):
         for e in range(3):
             w.append_episode(_pixel_episode(e))
     fs = s3fs.S3FileSystem(**opts)
-    key = f"{url[5:]}/steps/observation/c/0/0/0/0"
+    key = f"{url[5:]}/steps/observation/c.0.0.0.0"
     good, n = fs.cat_file(key), index_nbytes(16)
     index = np.frombuffer(good[-n:-4], "<u8").reshape(16, 2).copy()
     index[5] = [len(good) - n - 10, 20]  # ten bytes past the shard's data

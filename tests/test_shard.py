@@ -50,7 +50,7 @@ def _array(root, codec, rows: int = 4 * SHARD_ROWS) -> zarr.Array:
     group = zarr.open_group(str(root), mode="a")
     return group.create_array(
         PATH, shape=(rows, *ROW), chunks=(1, *ROW), shards=(SHARD_ROWS, *ROW), dtype="u1", compressors=codec,
-        fill_value=0,
+        fill_value=0, chunk_key_encoding={"name": "default", "separator": "."},
     )
 
 
@@ -61,7 +61,7 @@ def _frames_of(n: int, seed: int = 0) -> np.ndarray:
 
 
 def _shard_file(root, shard: int) -> str:
-    return os.path.join(str(root), chunk_key(PATH, shard, 1 + len(ROW)))
+    return os.path.join(str(root), chunk_key(PATH, shard, 1 + len(ROW), "."))
 
 
 # -- FrameCodec --------------------------------------------------------------------------------------------------------
@@ -244,7 +244,7 @@ def test_rows_written_across_shard_boundaries_are_read_back_by_the_writer_and_by
     np.testing.assert_array_equal(w.read(5, 18), rows)  # before flush: the rows being written
     assert not os.path.exists(_shard_file(tmp_path, 0))
     w.flush(fsync=True)
-    assert sorted(os.listdir(tmp_path / PATH / "c")) == ["0", "1", "2"]  # shard 3 was never written
+    assert sorted(os.listdir(tmp_path / PATH)) == ["c.0.0.0.0", "c.1.0.0.0", "c.2.0.0.0", "zarr.json"]  # no shard 3
     want = np.zeros((4 * SHARD_ROWS, *ROW), np.uint8)
     want[5:18] = rows
     np.testing.assert_array_equal(w.read(0, 4 * SHARD_ROWS), want)
@@ -378,7 +378,7 @@ def test_flush_replaces_a_shard_whole_and_a_reader_holding_the_old_file_reads_th
     want = old.copy()
     want[2:4] = new
     np.testing.assert_array_equal(_zarr_rows(tmp_path)[:SHARD_ROWS], want)
-    assert [f for f in os.listdir(os.path.dirname(path)) if f != "0"] == []  # no temp file left
+    assert sorted(os.listdir(os.path.dirname(path))) == ["c.0.0.0.0", "zarr.json"]  # no temp file left
     w.close()
 
 
@@ -392,7 +392,7 @@ def test_a_damaged_shard_on_disk_is_a_corrupt_store_for_the_writer(tmp_path):
     raw[0] ^= 0xFF  # the first row's LZ4 header: the index still checks
     path.write_bytes(bytes(raw))
     w = _reopen(tmp_path)
-    with pytest.raises(CorruptStoreError, match=r"c/0/0/0/0: row 0 cannot be decoded"):
+    with pytest.raises(CorruptStoreError, match=r"c\.0\.0\.0\.0: row 0 cannot be decoded"):
         w.read(0, 4)
     path.write_bytes(bytes(raw[:-3]))
     with pytest.raises(CorruptStoreError, match="crc32c"):

@@ -8,6 +8,7 @@ import os
 import shutil
 import subprocess
 import sys
+import zlib
 from pathlib import Path
 
 import numcodecs
@@ -32,8 +33,9 @@ from her_store import (
     open_store,
 )
 from her_store.reader import CachedArray, ShardedArray
+from her_store.verify import verify
 from tests.conftest import GOAL_KEYS, assert_episode_equal, fetch_spaces, make_episode
-from tests.data import make_v1_store as v1
+from tests.data import make_old_store as old
 
 
 def _goal_obs(extra: dict | None = None, goal: spaces.Space | None = None) -> spaces.Dict:
@@ -614,6 +616,36 @@ def test_an_array_whose_metadata_is_a_group_or_under_a_file_is_a_corrupt_store(s
         EpisodeStore.open(store_path)
 
 
+@pytest.mark.parametrize("claim", ["version_2_attrs", "slash_keys"])
+def test_a_shard_key_encoding_its_format_version_does_not_give_is_a_corrupt_store(store_path, fetch, claim):
+    """A reader finds shards by the keys the store's version gives: a store whose attributes say version 2 while its
+    shards are version 3's (or the reverse) would read committed frames as never written, so it is refused."""
+    obs, act = fetch
+    obs = type(obs)({**obs.spaces, "pixels": spaces.Box(0, 255, (3, 8, 8), np.uint8)})
+    with EpisodeStore.create(store_path, obs, act) as store:
+        store.append_episode(make_episode(obs, act, 5, seed=0))
+    assert "c.0.0.0.0" in os.listdir(os.path.join(store_path, "steps", "pixels"))
+    if claim == "version_2_attrs":
+        for key in ("zarr.json", "commit.json"):
+            doc = json.loads(Path(store_path, key).read_text())
+            if key == "zarr.json":
+                doc["attributes"]["her_store"]["format_version"] = 2
+            else:
+                body = {k: v for k, v in doc.items() if k != "crc32"} | {"format_version": 2}
+                doc = body | {"crc32": zlib.crc32(json.dumps(body, sort_keys=True).encode())}
+            Path(store_path, key).write_text(json.dumps(doc))
+        match = r"steps/pixels/zarr.json: chunk key encoding .*separator='\.'.*expected the default with '/'"
+    else:
+        meta = Path(store_path, "steps", "pixels", "zarr.json")
+        doc = json.loads(meta.read_text())
+        doc["chunk_key_encoding"]["configuration"]["separator"] = "/"
+        meta.write_text(json.dumps(doc))
+        match = r"steps/pixels/zarr.json: chunk key encoding .*separator='/'.*expected the default with '\.'"
+    for mode in ("r", "a"):
+        with pytest.raises(CorruptStoreError, match=match):
+            EpisodeStore.open(store_path, mode)
+
+
 @pytest.mark.parametrize("durability", ["flush", "fsync"])
 def test_a_create_writes_each_zarr_json_once_the_roots_first(store_path, durability):
     """Every group's and array's metadata is put in place once, by an atomic replace, the root's first (so a create
@@ -731,15 +763,15 @@ def test_a_restart_of_an_unfinished_create_cut_short_anywhere_still_restarts(sto
         real_rmtree(store_path)
 
 
-# -- format version 1 stores ------------------------------------------------------------------------------------------
-V1_STORE = Path(__file__).parent / "data" / "v1_store"  # made by the version 1 code: tests/data/make_v1_store.py
+# -- stores of earlier format versions --------------------------------------------------------------------------------
+OLD_STORES = Path(__file__).parent / "data"  # v<N>_store, made by the version N code: tests/data/make_old_store.py
 
 
-def _v1_reward(achieved, desired, infos):
+def _old_reward(achieved, desired, infos):
     return -(np.linalg.norm(np.asarray(achieved) - np.asarray(desired), axis=-1) > 0.05).astype(np.float32)
 
 
-def _v1_files(path: Path) -> dict[str, bytes]:
+def _layout_files(path: Path) -> dict[str, bytes]:
     """What fixes a store's layout: the root attributes and each data array's metadata."""
     docs = {"zarr.json": json.loads((path / "zarr.json").read_text())["attributes"]["her_store"]["layout"]}
     for a in ("packs/float32", "packs/bool", "steps/pixels"):
@@ -748,55 +780,70 @@ def _v1_files(path: Path) -> dict[str, bytes]:
     return docs
 
 
-def _check_v1_store(path: Path, lengths: dict[int, int]) -> None:
-    """The store holds exactly the episodes ``lengths`` names, with make_v1_store's content, read whole and sampled,
-    through the unsharded (version 1) path."""
+def _pixel_files(path: Path) -> list[str]:
+    """The files of the pixels array but its metadata, relative to it."""
+    root = path / "steps" / "pixels"
+    return sorted(str(p.relative_to(root)) for p in root.rglob("*") if p.is_file() and p.name != "zarr.json")
+
+
+def _check_old_store(path: Path, version: int, lengths: dict[int, int]) -> None:
+    """The store holds exactly the episodes ``lengths`` names, with make_old_store's content, read whole, sampled and
+    verified, through its version's path: chunks of several rows (1), shards under ``c/<i>/0/0/0`` (2)."""
     ids = sorted(lengths)
     with EpisodeStore.open(path) as store:
-        assert store.layout.version == 1 and not any(a.sharded for a in store.layout.arrays)
+        assert store.layout.version == version
+        assert [a.sharded for a in store.layout.arrays] == [False, False, version >= 2]
+        assert all(a.separator == "/" for a in store.layout.arrays)
         assert list(store.episodes["episode_id"]) == ids
         for i in ids:
-            assert_episode_equal(store.episode(i), v1.episode(i, lengths[i]))
-        with HerSampler(store, 128, reward_fn=_v1_reward, seed=0) as sampler:
+            assert_episode_equal(store.episode(i), old.episode(i, lengths[i]))
+        with HerSampler(store, 128, reward_fn=_old_reward, seed=0) as sampler:
             pixels = sampler.reader.arrays["steps/pixels"]
-            assert type(pixels) is CachedArray and not isinstance(pixels, ShardedArray)
+            assert type(pixels) is (ShardedArray if version >= 2 else CachedArray)
             b = sampler.sample()
             e, t = b.episode_ids.numpy(), b.steps.numpy()
             assert set(e) == set(ids)
             for k, (ei, ti) in enumerate(zip(e.tolist(), t.tolist())):
-                ep = v1.episode(ei, lengths[ei])
+                ep = old.episode(ei, lengths[ei])
                 np.testing.assert_array_equal(b.observations["pixels"].numpy()[k], ep["pixels"][ti])
                 np.testing.assert_array_equal(b.next_observations["pixels"].numpy()[k], ep["pixels"][ti + 1])
                 np.testing.assert_array_equal(b.observations["observation"].numpy()[k], ep["observation"][ti])
                 np.testing.assert_array_equal(b.actions.numpy()[k], ep["action"][ti])
+    report = verify(str(path))
+    assert report.clean and report.episodes == len(ids), report.summary()
+    files = _pixel_files(path)
+    assert files and all(f.startswith("c/") and f.endswith("/0/0/0") for f in files), files
 
 
-def test_a_version_1_store_is_read_in_its_own_layout(tmp_path):
-    path = tmp_path / "v1_store"
-    shutil.copytree(V1_STORE, path)
-    assert json.loads((path / "commit.json").read_text())["format_version"] == 1
+@pytest.mark.parametrize("version", [1, 2])
+def test_a_store_of_an_earlier_version_is_read_in_its_own_layout(tmp_path, version):
+    path = tmp_path / f"v{version}_store"
+    shutil.copytree(OLD_STORES / f"v{version}_store", path)
+    assert json.loads((path / "commit.json").read_text())["format_version"] == version
     with EpisodeStore.open(path) as store:
-        assert (store.first_episode, store.end_episode) == (4, 9) and store.capacity == v1.CAPACITY
+        assert (store.first_episode, store.end_episode) == (4, 9) and store.capacity == old.CAPACITY
         assert (np.diff(store.episodes["start_row"]) < 0).any(), "the ring has wrapped"
         spec = store.layout.arrays[-1]
-        assert (spec.path, spec.chunk_rows, spec.compressed, spec.sharded) == ("steps/pixels", 16, True, False)
-    _check_v1_store(path, {i: v1.LENGTHS[i] for i in range(4, 9)})
+        assert (spec.path, spec.chunk_rows, spec.compressed, spec.sharded) == ("steps/pixels", 16, True, version >= 2)
+    _check_old_store(path, version, {i: old.LENGTHS[i] for i in range(4, 9)})
 
 
-def test_appending_to_a_version_1_store_keeps_it_version_1(tmp_path):
-    path = tmp_path / "v1_store"
-    shutil.copytree(V1_STORE, path)
-    before = _v1_files(path)
-    lengths = dict(enumerate(v1.LENGTHS))
+@pytest.mark.parametrize("version", [1, 2])
+def test_appending_to_a_store_of_an_earlier_version_keeps_its_version(tmp_path, version):
+    path = tmp_path / f"v{version}_store"
+    shutil.copytree(OLD_STORES / f"v{version}_store", path)
+    before, files = _layout_files(path), _pixel_files(path)
+    lengths = dict(enumerate(old.LENGTHS))
     with EpisodeStore.open(path, "a") as store:
-        for i, T in ((9, 5), (10, 9)):  # the ring evicts the oldest episodes
-            assert store.append_episode(v1.episode(i, T)) == i
+        for i, T in ((9, 5), (10, 9), (11, 12)):  # the ring evicts the oldest episodes
+            assert store.append_episode(old.episode(i, T)) == i
             lengths[i] = T
         first = store.first_episode
-    assert first > 4 and json.loads((path / "commit.json").read_text())["format_version"] == 1
-    assert _v1_files(path) == before  # layout and array metadata untouched: still version 1, unsharded
-    assert json.loads((path / "zarr.json").read_text())["attributes"]["her_store"]["format_version"] == 1
-    _check_v1_store(path, {i: T for i, T in lengths.items() if i >= first})  # a later open: old and appended
+    assert first > 4 and json.loads((path / "commit.json").read_text())["format_version"] == version
+    assert _layout_files(path) == before  # layout and array metadata untouched: still its version's layout
+    assert json.loads((path / "zarr.json").read_text())["attributes"]["her_store"]["format_version"] == version
+    assert set(_pixel_files(path)) >= set(files)  # rewritten in place, under the same keys
+    _check_old_store(path, version, {i: T for i, T in lengths.items() if i >= first})  # a later open: old and appended
 
 
 def test_opening_for_append_removes_the_temp_files_of_a_killed_writer(store_path, fetch):

@@ -162,7 +162,7 @@ def test_a_flipped_byte_in_a_sharded_image_array_fails_that_episodes_crc(tmp_pat
     path = str(tmp_path / "s")
     eps = _build(path, "image")
     start, _ = _rows_of(path, 7)
-    shard = os.path.join(path, "steps/observation/c", str(start // 64), "0", "0", "0")
+    shard = os.path.join(path, "steps", "observation", f"c.{start // 64}.0.0.0")
     raw = open(shard, "rb").read()
     from her_store.shard import parse_index
 
@@ -234,7 +234,7 @@ def test_a_directory_in_place_of_a_chunk_file_drops_its_episodes_and_repair_remo
 def test_a_shard_with_a_damaged_index_drops_its_episodes_and_is_removed(tmp_path):
     path = str(tmp_path / "s")
     eps = _build(path, "image")
-    shard = os.path.join(path, "steps/observation/c/1/0/0/0")
+    shard = os.path.join(path, "steps/observation/c.1.0.0.0")
     _flip(shard, os.path.getsize(shard) - 10)
     report = verify(path)
     files = [p for p in report.problems if p.kind == "file"]
@@ -268,8 +268,13 @@ def test_index_and_rows_past_the_commit_are_reported_and_cleared(tmp_path):
         holder.communicate()
     report = verify(path)
     assert {p.kind for p in report.problems} == {"uncommitted"} and not report.notes
-    assert report.tail_positions == [N, N + 1, N + 2] and report.tail_chunks
+    assert report.tail_positions == [N, N + 1, N + 2]
+    assert set(report.tail_chunks) == {"packs/float32", "packs/bool", "steps/observation"}
     assert f"episodes {N}..{N + 2}" in report.summary()
+    from her_store.pack import pack_store
+
+    pack_store(path, path + ".zip")  # the shards listed as the archive's members, not as files
+    assert verify(path + ".zip").tail_chunks == report.tail_chunks
     assert _cli(path).returncode == 1
     done = _cli(path, "--repair")
     assert done.returncode == 0 and "cleared past the commit" in done.stdout, done

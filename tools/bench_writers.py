@@ -112,11 +112,13 @@ def _commit_bytes(shard: str, options: dict[str, Any]) -> int:
     (data and index columns; an object cannot be appended to), so this is one chunk object of each array."""
     import s3fs
 
+    from her_store.storage import is_chunk_key
+
     fs = s3fs.S3FileSystem(**options)
     largest: dict[str, int] = {}
     for path, info in fs.find(shard, detail=True).items():
-        array, sep, _ = path.partition("/c/")
-        if sep:
+        if is_chunk_key(path):  # <array>/c/<i>/... or <array>/c.<i>.0...
+            array = path.partition("/c/")[0] if "/c/" in path else path.rpartition("/")[0]
             largest[array] = max(largest.get(array, 0), int(info["size"]))
     return sum(largest.values()) + len(fs.cat_file(f"{shard}/commit.json"))
 

@@ -1,8 +1,11 @@
-"""Makes tests/data/v1_store: a format version 1 store (compressed images in Blosc chunks of several rows, unsharded),
-a ring that has wrapped. It was made once by the version 1 code (git commit 26ff8c2, on PYTHONPATH) and committed;
-tests/test_store.py checks that today's code reads it and appends to it, with the content :func:`episode` gives.
+"""Makes tests/data/v<N>_store: a store of an earlier format version N, a ring that has wrapped, with the content
+:func:`episode` gives. Each was made once by the code of its version (on PYTHONPATH) and committed; tests/test_store.py
+checks that today's code reads it and appends to it in its own layout.
 
-    PYTHONPATH=<a checkout of 26ff8c2> python tests/data/make_v1_store.py tests/data/v1_store
+- ``v1_store``: compressed images in Blosc chunks of several rows, unsharded (git commit 26ff8c2).
+- ``v2_store``: compressed images sharded, one row per inner chunk, shard keys ``c/<i>/0/0/0`` (git commit 5276be0).
+
+    PYTHONPATH=<a checkout of that commit> python tests/data/make_old_store.py tests/data/v2_store
 """
 
 from __future__ import annotations
@@ -49,7 +52,8 @@ def episode(i: int, T: int) -> dict[str, np.ndarray]:
 if __name__ == "__main__":
     import her_store
 
-    assert her_store.FORMAT_VERSION == 1, "run with the version 1 code on PYTHONPATH"
+    version = int(sys.argv[1].rstrip("/").rsplit("/v", 1)[1].split("_")[0])
+    assert her_store.FORMAT_VERSION == version, f"run with the version {version} code on PYTHONPATH"
     with her_store.EpisodeStore.create(
         sys.argv[1], OBS, ACT, capacity=CAPACITY, chunk_rows=CHUNK_ROWS, info_keys=["is_success"], commit_interval=0
     ) as store:
