@@ -35,6 +35,7 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <errno.h>
+#include <pthread.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -43,6 +44,7 @@
 #include <zlib.h>
 
 #include "crc32.h"
+#define LZ4_STATIC_LINKING_ONLY /* LZ4_compress_fast_extState_fastReset */
 #include "lz4.h"
 
 typedef struct {
@@ -247,6 +249,49 @@ not_rows:
     return -1;
 }
 
+/* Per thread, the buffer encode_lz4 packs encoded rows into, kept for its next call (up to SCRATCH_KEEP bytes; freed
+   when the thread ends): a buffer allocated afresh each call faults in new pages, which the kernel zeroes, about as
+   many bytes again as the rows encoded. */
+#define SCRATCH_KEEP ((size_t)8 << 20)
+typedef struct {
+    char *buf;
+    size_t cap;
+} Scratch;
+static pthread_key_t scratch_key;
+static pthread_once_t scratch_once = PTHREAD_ONCE_INIT;
+static int scratch_ok;
+
+static void scratch_free(void *p) {
+    Scratch *s = p;
+    free(s->buf);
+    free(s);
+}
+
+static void scratch_init(void) { scratch_ok = pthread_key_create(&scratch_key, scratch_free) == 0; }
+
+/* the calling thread's kept buffer, or NULL (then the caller allocates one of its own) */
+static Scratch *scratch_of_thread(void) {
+    pthread_once(&scratch_once, scratch_init);
+    if (!scratch_ok) return NULL;
+    Scratch *s = pthread_getspecific(scratch_key);
+    if (!s && (s = calloc(1, sizeof *s)) != NULL && pthread_setspecific(scratch_key, s) != 0) {
+        free(s);
+        s = NULL;
+    }
+    return s;
+}
+
+/* room for `need` bytes in *buf (of *cap bytes), growing it; 0, or -1 when out of memory (*buf unchanged) */
+static int ensure(char **buf, size_t *cap, size_t need) {
+    if (need <= *cap) return 0;
+    size_t grown = *cap ? *cap : need;
+    while (grown < need) grown *= 2;
+    char *p = realloc(*buf, grown);
+    if (!p) return -1;
+    *buf = p, *cap = grown;
+    return 0;
+}
+
 static PyObject *encode_lz4(PyObject *self, PyObject *args) {
     Py_buffer rows;
     PyObject *obj;
@@ -259,41 +304,62 @@ static PyObject *encode_lz4(PyObject *self, PyObject *args) {
         PyBuffer_Release(&rows);
         return NULL;
     }
-    Py_ssize_t bound = 4 + LZ4_compressBound((int)row_nbytes);
-    /* every row is encoded into one scratch buffer without the GIL, then copied into its own bytes object */
-    char *scratch = n ? malloc((size_t)(n * bound)) : NULL;
-    int64_t *size = n ? malloc((size_t)n * sizeof *size) : NULL;
-    if (n && (!scratch || !size)) {
-        free(scratch);
-        free(size);
+    size_t bound = 4 + (size_t)LZ4_compressBound((int)row_nbytes);
+    /* every row is encoded without the GIL, packed one after the other into the thread's scratch buffer (or one of
+       this call's), then copied into its own bytes object; one LZ4 state serves every row (a full reset per row would
+       clear 16 KiB each time) */
+    Scratch *kept = scratch_of_thread();
+    char *buf = kept ? kept->buf : NULL;
+    size_t cap = kept ? kept->cap : 0;
+    int64_t *at = n ? malloc((size_t)(n + 1) * sizeof *at) : NULL;
+    LZ4_stream_t *state = n ? malloc(sizeof *state) : NULL;
+    if (n && (!at || !state)) {
+        free(at);
+        free(state);
         PyBuffer_Release(&rows);
         return PyErr_NoMemory();
     }
     const char *src = rows.buf;
-    int failed = 0;
+    int failed = 0; /* 1: out of memory, 2: LZ4 failed */
     Py_BEGIN_ALLOW_THREADS
+    if (n) LZ4_initStream(state, sizeof *state);
+    size_t used = 0;
     for (Py_ssize_t i = 0; i < n; i++) {
-        uint32_t declared = (uint32_t)row_nbytes;
-        unsigned char *h = (unsigned char *)scratch + i * bound;
-        h[0] = declared & 0xff, h[1] = (declared >> 8) & 0xff, h[2] = (declared >> 16) & 0xff, h[3] = (declared >> 24) & 0xff;
-        int got = LZ4_compress_fast(src + i * stride, (char *)h + 4, (int)row_nbytes, (int)(bound - 4), acceleration);
-        if (got <= 0) {
+        if (ensure(&buf, &cap, used + bound) < 0) {
             failed = 1;
             break;
         }
-        size[i] = 4 + got;
+        unsigned char *h = (unsigned char *)buf + used;
+        uint32_t declared = (uint32_t)row_nbytes;
+        h[0] = declared & 0xff, h[1] = (declared >> 8) & 0xff, h[2] = (declared >> 16) & 0xff, h[3] = (declared >> 24) & 0xff;
+        int got = LZ4_compress_fast_extState_fastReset(state, src + i * stride, (char *)h + 4, (int)row_nbytes,
+                                                       (int)(bound - 4), acceleration);
+        if (got <= 0) {
+            failed = 2;
+            break;
+        }
+        at[i] = (int64_t)used;
+        used += 4 + (size_t)got;
     }
+    if (n) at[n] = (int64_t)used;
     Py_END_ALLOW_THREADS
     PyBuffer_Release(&rows);
     PyObject *out = failed ? NULL : PyList_New(n);
     for (Py_ssize_t i = 0; out && i < n; i++) {
-        PyObject *row = PyBytes_FromStringAndSize(scratch + i * bound, (Py_ssize_t)size[i]);
+        PyObject *row = PyBytes_FromStringAndSize(buf + at[i], (Py_ssize_t)(at[i + 1] - at[i]));
         if (!row) Py_CLEAR(out);
         else PyList_SET_ITEM(out, i, row);
     }
-    free(scratch);
-    free(size);
-    if (failed) PyErr_SetString(PyExc_RuntimeError, "LZ4 compression failed");
+    if (kept && cap <= SCRATCH_KEEP) {
+        kept->buf = buf, kept->cap = cap;
+    } else {
+        free(buf);
+        if (kept) kept->buf = NULL, kept->cap = 0;
+    }
+    free(at);
+    free(state);
+    if (failed == 1) PyErr_NoMemory();
+    if (failed == 2) PyErr_SetString(PyExc_RuntimeError, "LZ4 compression failed");
     return out;
 }
 

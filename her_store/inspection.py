@@ -64,15 +64,15 @@ def array_bytes(store: EpisodeStore) -> dict[str, dict[int, int]] | None:
     25165824
     """
     loc = store._loc
-    separators = {spec.path: spec.separator for spec in store.layout.arrays}
-    separators.update({f"{INDEX_DIR}/{name}": "/" for name in INDEX_COLUMNS})
-    out: dict[str, dict[int, int]] = {p: {} for p in separators}
+    keys = {spec.path: (spec.separator, 1 + len(spec.row_shape)) for spec in store.layout.arrays}
+    keys.update({f"{INDEX_DIR}/{name}": ("/", 1) for name in INDEX_COLUMNS})
+    out: dict[str, dict[int, int]] = {p: {} for p in keys}
     if loc.archive is not None:  # a packed store: its members' sizes
-        _add_keys(((key, size) for key, (_, size) in loc.archive.members.items()), separators, out)
+        _add_keys(((key, size) for key, (_, size) in loc.archive.members.items()), keys, out)
         return out
     if loc.is_local:
-        for path, separator in separators.items():
-            _scan_chunks(os.path.join(loc.root, path), separator, out[path])
+        for path, (separator, ndim) in keys.items():
+            _scan_chunks(os.path.join(loc.root, path), separator, ndim, out[path])
         return out
     protocols = (loc.fs.protocol,) if isinstance(loc.fs.protocol, str) else tuple(loc.fs.protocol)
     if {"http", "https"} & set(protocols):
@@ -82,33 +82,35 @@ def array_bytes(store: EpisodeStore) -> dict[str, dict[int, int]] | None:
     except (NotImplementedError, OSError, ValueError):
         return None
     root = loc.root.rstrip("/") + "/"
-    _add_keys(((key[len(root) :], size) for key, size in listing.items() if key.startswith(root)), separators, out)
+    _add_keys(((key[len(root) :], size) for key, size in listing.items() if key.startswith(root)), keys, out)
     return out
 
 
-def _add_keys(keys: Iterable[tuple[str, int]], separators: Mapping[str, str], out: dict[str, dict[int, int]]) -> None:
-    """Add the sizes of store keys ``<array>/c/<i>/...`` (or ``<array>/c.<i>.0...``, by the array's separator) to
-    ``out[array][i]``."""
-    prefixes = [(f"{a}/c/" if sep == "/" else f"{a}/", a, sep) for a, sep in separators.items()]
-    for key, size in keys:
-        for prefix, array, sep in prefixes:
+def _add_keys(
+    listed: Iterable[tuple[str, int]], keys: Mapping[str, tuple[str, int]], out: dict[str, dict[int, int]]
+) -> None:
+    """Add the sizes of store keys ``<array>/c/<i>/...`` (or ``<array>/c.<i>.0...``, by the array's separator and
+    number of axes ``keys[array]``) to ``out[array][i]``."""
+    prefixes = [(f"{a}/c/" if sep == "/" else f"{a}/", a, sep, ndim) for a, (sep, ndim) in keys.items()]
+    for key, size in listed:
+        for prefix, array, sep, ndim in prefixes:
             if key.startswith(prefix):
                 rest = key[len(prefix) :]
-                chunk = chunk_of(rest.split("/", 1)[0], "/") if sep == "/" else chunk_of(rest, ".")
+                chunk = chunk_of(rest.split("/", 1)[0], "/") if sep == "/" else chunk_of(rest, ".", ndim)
                 if chunk is not None:
                     out[array][chunk] = out[array].get(chunk, 0) + int(size)
                     break
 
 
-def _scan_chunks(directory: str, separator: str, sizes: dict[int, int]) -> None:
-    """Add the sizes of the chunk files of the array in ``directory`` to ``sizes[i]``: the files under ``c/<i>/``, or
-    for the ``"."`` separator the files ``c.<i>.0...`` (symbolic links are not followed)."""
+def _scan_chunks(directory: str, separator: str, ndim: int, sizes: dict[int, int]) -> None:
+    """Add the sizes of the chunk files of the ``ndim``-axis array in ``directory`` to ``sizes[i]``: the files under
+    ``c/<i>/``, or for the ``"."`` separator the files ``c.<i>.0...`` (symbolic links are not followed)."""
     try:
         entries = list(os.scandir(os.path.join(directory, "c") if separator == "/" else directory))
     except (FileNotFoundError, NotADirectoryError):
         return
     for entry in entries:
-        i = chunk_of(entry.name, separator)
+        i = chunk_of(entry.name, separator, ndim)
         if i is None:
             continue
         if entry.is_file(follow_symlinks=False):

@@ -249,10 +249,12 @@ class Location:
             return any(map(is_chunk_key, self.archive.members))
         if self.is_local:
             return any(
-                (os.path.basename(d) == "c" and (files or dirs)) or any(chunk_of(f, ".") is not None for f in files)
-                for d, dirs, files in os.walk(self.root)
+                is_chunk_key(os.path.relpath(os.path.join(d, f), self.root).replace(os.sep, "/"))
+                for d, _, files in os.walk(self.root)
+                for f in files
             )
-        return any(map(is_chunk_key, self.fs.find(self.root)))
+        root = self.root.rstrip("/") + "/"
+        return any(is_chunk_key(k[len(root) :]) for k in self.fs.find(self.root) if k.startswith(root))
 
     def clear(self, keep: str) -> None:
         """Remove everything under the location but ``keep`` (an unfinished create being started again)."""
@@ -974,8 +976,14 @@ def chunk_key(path: str, chunk: int, ndim: int, separator: str) -> str:
 
 
 def is_chunk_key(key: str) -> bool:
-    """Whether a store key is a chunk's: ``.../c/...`` or ``.../c.<i>.0...`` (the v3 default chunk key encodings)."""
-    return "/c/" in f"/{key}" or chunk_of(key.rpartition("/")[2], ".") is not None
+    """Whether a key relative to a store is a chunk's: ``<group>/<array>/c/<i>/...`` or ``<group>/<array>/c.<i>.0...``
+    (the v3 default chunk key encodings) of an array under ``packs``, ``steps`` or ``episodes``."""
+    parts = key.split("/")
+    if len(parts) < 3 or parts[0] not in ("packs", "steps", "episodes"):
+        return False
+    if len(parts) == 3:
+        return chunk_of(parts[2], ".") is not None
+    return parts[2] == "c" and chunk_of(parts[3], "/") is not None
 
 
 def key_separator(array: zarr.Array) -> str:
@@ -983,14 +991,21 @@ def key_separator(array: zarr.Array) -> str:
     return str(array.metadata.chunk_key_encoding.separator)
 
 
-def chunk_of(name: str, separator: str) -> int | None:
-    """The chunk index of a file name in an array's directory or ``c/`` subdirectory (``"/"``: the directory name
-    ``<i>``; ``"."``: the file name ``c.<i>.0...``), or None for any other name (metadata, a temp file)."""
+def chunk_of(name: str, separator: str, ndim: int | None = None) -> int | None:
+    """The chunk index of a name in an array's directory or its ``c/`` subdirectory, or None for any other name
+    (metadata, a temp file, a number written otherwise): for ``"/"``, the directory name ``<i>``; for ``"."``, the file
+    name ``c.<i>.0...``, with one ``.0`` per axis after the first (``ndim``; any number when None). ``<i>`` is ASCII
+    digits without a leading zero, as zarr writes it."""
     if separator == ".":
         parts = name.split(".")
-        ok = len(parts) >= 2 and parts[0] == "c" and parts[1].isdigit() and all(p == "0" for p in parts[2:])
-        return int(parts[1]) if ok else None
-    return int(name) if name.isdigit() else None
+        if len(parts) < 2 or parts[0] != "c" or any(p != "0" for p in parts[2:]):
+            return None
+        if ndim is not None and len(parts) != ndim + 1:
+            return None
+        name = parts[1]
+    if not (name.isascii() and name.isdigit()) or (name[0] == "0" and name != "0"):
+        return None
+    return int(name)
 
 
 def _pread_into(name: str, buf: np.ndarray, offset: int) -> int:

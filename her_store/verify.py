@@ -458,7 +458,7 @@ class _Check:
                 names = {n.rsplit("/", 1)[-1] for n in listed}
             except FileNotFoundError:
                 return []
-        found = (chunk_of(n, spec.separator) for n in names)
+        found = (chunk_of(n, spec.separator, 1 + len(spec.row_shape)) for n in names)
         return sorted(c for c in found if c is not None and c >= first)
 
     def _data_tail(self) -> None:

@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -84,7 +85,8 @@ def test_inspect_json_matches_the_store(tmp_path, capsys):
     assert (image["dtype"], image["shape"], image["array"]) == ("uint8", [48, 48, 3], "steps/observation")
     # bytes on disk are the files' sizes; the ratio is the rows' raw bytes over them (the pattern compresses)
     shards = os.path.join(path, "steps", "observation")
-    assert image["bytes_on_disk"] == sum(os.path.getsize(os.path.join(shards, n)) for n in os.listdir(shards) if n.startswith("c.")) > 0
+    shard_bytes = sum(os.path.getsize(os.path.join(shards, n)) for n in os.listdir(shards) if n.startswith("c."))
+    assert image["bytes_on_disk"] == shard_bytes > 0
     rows = sum(lengths) + len(lengths)
     assert image["compression_ratio"] == pytest.approx(rows * 48 * 48 * 3 / image["bytes_on_disk"])
     assert image["compression_ratio"] > 3
@@ -200,7 +202,8 @@ def test_plain_text_when_piped(tmp_path):
     assert r.returncode == 0, r.stderr
     assert "\x1b" not in r.stdout and "─" not in r.stdout and "│" not in r.stdout  # no rich boxes or colours
     lines = [line.split() for line in r.stdout.splitlines()]
-    for words in (["format", "version", str(FORMAT_VERSION)], ["episodes", "2", "(ids", "0..1)"], ["env_id", "FetchReach-v4"]):
+    version = ["format", "version", str(FORMAT_VERSION)]
+    for words in (version, ["episodes", "2", "(ids", "0..1)"], ["env_id", "FetchReach-v4"]):
         assert words in lines
     r = _cli("inspect", path, "--json")
     assert json.loads(r.stdout)["transitions"] == 10
@@ -385,17 +388,28 @@ def test_inspect_and_card_on_s3(s3_url, capsys):
 def test_image_shards_are_counted_alike_on_disk_on_s3_and_in_a_pack(tmp_path, s3_url, capsys):
     """Shard files are named c.<i>.0.0.0 beside the array's metadata: each listing (a directory scan, an S3 listing,
     a pack's members) counts them, and the same bytes."""
+    import s3fs
+
     from her_store.pack import pack_store
     from her_store.transfer import copy_store
+    from her_store.verify import verify
 
     path = str(tmp_path / "s")
     _image_store(path, [5, 17, 1, 40])
-    url, opts = s3_url
-    copy_store(path, url, dest_storage_options=opts)
-    pack_store(path, path + ".zip")
     shards = os.path.join(path, "steps", "observation")
     on_disk = sum(os.path.getsize(os.path.join(shards, n)) for n in os.listdir(shards) if n.startswith("c."))
+    # files named almost like shards are no shards: a number written otherwise, too few axes, a temp file
+    for name in ("c.05.0.0.0", "c.9.0.0", "c.9", "c.\u00b2.0.0.0", "c.9.0.0.0.17.tmp"):
+        Path(shards, name).write_bytes(b"x" * 1000)
+    url, opts = s3_url
+    copy_store(path, url, dest_storage_options=opts)
+    fs = s3fs.S3FileSystem(**opts)
+    for name in ("c.05.0.0.0", "c.\u00b2.0.0.0"):
+        fs.pipe_file(f"{url[len('s3://'):]}/steps/observation/{name}", b"x" * 1000)
+    pack_store(path, path + ".zip")
     for where, extra in ((path, []), (url, ["--storage-options", json.dumps(opts)]), (path + ".zip", [])):
         s = _json(capsys, "inspect", where, "--json", *extra)
         fields = {f["name"]: f for f in s["fields"]}
         assert fields["observation"]["bytes_on_disk"] == on_disk > 0, where
+        report = verify(where, storage_options=opts if extra else None)
+        assert report.clean and report.episodes == 4, report.summary()

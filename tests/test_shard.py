@@ -460,6 +460,31 @@ def test_encode_lz4_reads_rows_taken_at_a_stride_in_place(take):
     assert [np.frombuffer(numcodecs.lz4.decompress(f), np.uint8).reshape(ROW).tolist() for f in encoded] == rows.tolist()
 
 
+def test_encode_lz4_packs_rows_of_any_compressibility_in_threads_at_once():
+    """Rows are packed one after the other into a buffer each thread keeps between calls (grown past what it keeps for
+    a large call): threads encoding at once, incompressible rows past that size, and a kept buffer reused all give
+    each row's own bytes."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    rng = np.random.default_rng(0)
+    calls = [
+        rng.integers(0, 256, (150, 64, 1024), np.uint8),  # 9.6 MB that LZ4 cannot shrink: past the 8 MiB kept
+        rng.integers(0, 3, (40, 64, 1024), np.uint8),  # rows that shrink, into a buffer a larger call grew
+        np.zeros((1, 64, 1024), np.uint8),
+        rng.integers(0, 256, (3, 64, 1024), np.uint8)[::-1],
+    ]
+
+    def encode(rows: np.ndarray) -> list[bytes]:
+        return _frames.encode_lz4(rows, rows[0].nbytes, 1)
+
+    want = [encode(rows) for rows in calls]  # one thread, one call after another
+    for rows, frames in zip(calls, want):
+        assert [numcodecs.lz4.decompress(f) for f in frames] == [r.tobytes() for r in rows]
+    with ThreadPoolExecutor(4) as pool:
+        for _ in range(3):
+            assert list(pool.map(encode, calls * 4)) == want * 4
+
+
 def test_decode_lz4_refuses_bad_arguments():
     blob, offsets, nbytes, _ = _lz4_rows(3)
     out = np.empty((3, *ROW), np.uint8)

@@ -210,3 +210,24 @@ def test_staged_output_removes_what_a_killed_run_left_beside_it(tmp_path):
     assert sorted(os.listdir(tmp_path)) == sorted(
         [".other.npz.1.0.partial", f".out.npz.{os.getppid()}.00000000.partial", "out.npz"]
     )
+
+
+def test_chunk_names_are_exactly_what_zarr_writes():
+    """A chunk's index is read from a name only when it is the key zarr writes: ASCII digits without a leading zero,
+    and for "." keys one ".0" per axis after the first; other names (temp files, look-alikes) are no chunk."""
+    from her_store.storage import chunk_key, chunk_of, is_chunk_key
+
+    for i in (0, 7, 1234):
+        assert chunk_of(chunk_key("steps/x", i, 4, ".").rpartition("/")[2], ".", 4) == i
+        assert chunk_of(chunk_key("packs/f", i, 2, "/").split("/")[3], "/") == i
+    for name in ("c.05.0.0.0", "c.\u00b2.0.0.0", "c.\u0665.0.0.0", "c.-1.0.0.0", "c.5.0.0", "c.5.0.0.0.0", "c.5.0.1.0",
+                 "c.5.0.0.0.17.tmp", "c..0.0.0", "d.5.0.0.0", "c"):
+        assert chunk_of(name, ".", 4) is None, name
+    assert chunk_of("c.5", ".") == 5 and chunk_of("c.5.0.0.0", ".") == 5  # any number of axes when not given
+    for name in ("05", "\u00b2", "-1", "", "5.17.tmp", "+5"):
+        assert chunk_of(name, "/") is None, name
+    for key in ("packs/float32/c/3/0", "episodes/length/c/0", "steps/pixels/c/12/0/0/0", "steps/pixels/c.12.0.0.0"):
+        assert is_chunk_key(key), key
+    for key in ("c.5.0.0.0", "notes/c/5", "notes/x/c.5", "steps/pixels/zarr.json", "steps/pixels/c/05/0/0/0",
+                "steps/pixels/c.05.0.0.0", "packs/float32/c", "steps/pixels/c.5.0.0.0.17.tmp"):
+        assert not is_chunk_key(key), key

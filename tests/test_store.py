@@ -550,6 +550,27 @@ def test_a_create_killed_before_its_commit_record_is_started_again(store_path, f
         open_store(other, obs, act)
     assert zarr.open_group(other, mode="r").attrs["mine"] == 1
 
+def test_an_unfinished_create_is_told_from_damage_by_its_arrays_chunk_keys_alone(store_path, fetch):
+    """Only a chunk key of a store's array (``<group>/<array>/c/<i>/...``, ``steps/<field>/c.<i>.0...``) makes a store
+    without a commit record damage: files of other names beside it do not, whatever digits they hold."""
+    obs, act = fetch
+    obs = type(obs)({**obs.spaces, "pixels": spaces.Box(0, 255, (3, 8, 8), np.uint8)})
+    EpisodeStore.create(store_path, obs, act).close()
+    os.unlink(os.path.join(store_path, "commit.json"))
+    os.makedirs(os.path.join(store_path, "notes", "c"))
+    strays = ("c.05", "c.5.0.0.0", "notes/c.\u00b2", "notes/c/7", "steps/pixels/c.\u00b2.0.0.0", "steps/pixels/c.05.0.0.0")
+    for name in strays:
+        Path(store_path, name).write_bytes(b"x")
+    with pytest.raises(NotAStoreError, match="unfinished create"):
+        EpisodeStore.open(store_path)
+    Path(store_path, "steps", "pixels", "c.0.0.0.0").write_bytes(b"x")  # a shard: rows were written
+    with pytest.raises(CorruptStoreError, match="rows but no commit record"):
+        open_store(store_path, obs, act)
+    os.unlink(os.path.join(store_path, "steps", "pixels", "c.0.0.0.0"))
+    with open_store(store_path, obs, act) as store:
+        assert store.append_episode(make_episode(obs, act, 3, seed=0)) == 0
+
+
 @pytest.mark.parametrize("node", ["episodes/length", "steps", "episodes"])
 def test_a_create_over_someone_elses_zarr_node_changes_nothing(store_path, fetch, node):
     """No root zarr.json, but another Zarr array or group where the store's metadata goes: the create is refused

@@ -116,9 +116,11 @@ def _commit_bytes(shard: str, options: dict[str, Any]) -> int:
 
     fs = s3fs.S3FileSystem(**options)
     largest: dict[str, int] = {}
+    prefix = shard.split("://", 1)[-1].rstrip("/") + "/"  # fsspec lists keys without the protocol
     for path, info in fs.find(shard, detail=True).items():
-        if is_chunk_key(path):  # <array>/c/<i>/... or <array>/c.<i>.0...
-            array = path.partition("/c/")[0] if "/c/" in path else path.rpartition("/")[0]
+        key = path[len(prefix) :]
+        if path.startswith(prefix) and is_chunk_key(key):  # <array>/c/<i>/... or <array>/c.<i>.0...
+            array = key.partition("/c/")[0] if "/c/" in key else key.rpartition("/")[0]
             largest[array] = max(largest.get(array, 0), int(info["size"]))
     return sum(largest.values()) + len(fs.cat_file(f"{shard}/commit.json"))
 
