@@ -404,7 +404,9 @@ class Committer:
                 r0, r1 = max(w, c * spec.chunk_rows), (c + 1) * spec.chunk_rows
                 if r0 >= r1:
                     continue
-                if isinstance(io, ShardWriter):
+                if isinstance(io, ShardWriter) and r0 == c * spec.chunk_rows:
+                    io.discard(c)  # no committed row in it: removed, whatever is there (it may not be readable)
+                elif isinstance(io, ShardWriter):
                     io.put(r0, [None] * (r1 - r0))  # type: ignore[list-item]
                 else:
                     io.write(r0, np.zeros((r1 - r0, *spec.row_shape), spec.dtype))

@@ -55,7 +55,14 @@ MIN_FRAMES_PER_THREAD = 4  # a compressed frame costs a decode: worth a thread f
 
 
 class MappedArray:
-    """An uncompressed local array whose chunk files (members, in a packed store) are memory-mapped on first use."""
+    """An uncompressed local array whose chunk files (members, in a packed store) are memory-mapped on first use.
+
+    Each map holds a file descriptor (Python's mmap keeps a duplicate of the file's), so at most ``MAX_MAPS`` chunks
+    stay mapped: past that the oldest half are let go (unmapped once no gather reads them) and mapped again when next
+    used. A store of small chunks that a writer keeps growing would otherwise run the process out of descriptors.
+    """
+
+    MAX_MAPS = max(16, min(4096, resource.getrlimit(resource.RLIMIT_NOFILE)[0] // 16))
 
     def __init__(self, location: Location, spec: ArraySpec, random_access: bool = True) -> None:
         self.spec = spec
@@ -89,6 +96,9 @@ class MappedArray:
                     m.madvise(mmap.MADV_RANDOM)
                 view = np.frombuffer(m, self.spec.dtype, need // self.spec.dtype.itemsize, skip)
                 view = view.reshape(-1, *self.spec.row_shape)
+                if len(self._maps) >= self.MAX_MAPS:
+                    for old in list(self._maps)[: len(self._maps) - self.MAX_MAPS // 2 + 1]:
+                        del self._maps[old], self._mmaps[old]
                 self._mmaps[chunk] = m
                 self._maps[chunk] = view
         return view

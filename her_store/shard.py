@@ -434,6 +434,13 @@ class ShardWriter:
             self._shards = {keep: self._shards[keep]}
         self._dirty.clear()
 
+    def discard(self, shard: int) -> None:
+        """Remove a shard that holds no committed row (past the commit record of an unbounded store), whatever is
+        there, and forget any of its rows held here."""
+        self._shards.pop(shard, None)
+        self._dirty.discard(shard)
+        self.location.remove(self._key(shard))
+
     def read_encoded(self, row0: int, row1: int) -> list[bytes | None]:
         """The stored bytes of rows ``row0 .. row1`` (None for a row never written), as published or being written
         here: what an episode's crc32 covers."""

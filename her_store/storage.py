@@ -292,6 +292,20 @@ class Location:
                     removed += 1
         return removed
 
+    def remove(self, key: str) -> None:
+        """Remove whatever is at ``key`` (a file, or locally a directory or link in a file's place); nothing there is
+        no error. Only for keys no commit refers to, or whose data a commit has dropped."""
+        path = self.key_path(key)
+        if not self.is_local:
+            with contextlib.suppress(FileNotFoundError):
+                self.fs.rm(path, recursive=True)
+            return
+        with contextlib.suppress(FileNotFoundError):
+            if os.path.isdir(path) and not os.path.islink(path):
+                shutil.rmtree(path)
+            else:
+                os.unlink(path)
+
     def exists(self, key: str) -> bool:
         if self.archive is not None:
             return self.archive.member(key) is not None

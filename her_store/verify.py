@@ -473,13 +473,20 @@ class _Check:
             for c in self._existing(spec, w // cr):
                 skip = max(w - c * cr, 0)
                 data, size, error = self._read(spec, c, skip=0 if spec.sharded else skip * rb)
-                if data is None or error is not None or spec.chunk_key(c) in r.damaged_files:
+                # a shard with no committed row that cannot be read (a file cut short, a directory or a link in its
+                # place) holds nothing to keep, but the next writer would fail to read it: it is cleared too
+                damaged = error is not None or spec.chunk_key(c) in r.damaged_files
+                if spec.sharded and c * cr >= w and damaged:
+                    held.append(c)
+                if data is None or damaged:
                     continue
                 if spec.sharded:
                     try:
                         offsets, _ = parse_index(data, cr, spec.chunk_key(c))
                     except CorruptStoreError:
-                        continue  # reported above if it holds committed rows; nothing committed lies in it otherwise
+                        if c * cr >= w:
+                            held.append(c)
+                        continue  # reported above if it holds committed rows
                     if (offsets[skip:] >= 0).any():
                         held.append(c)
                 elif np.frombuffer(data, np.uint8).any():
@@ -612,11 +619,7 @@ def _drop(store: EpisodeStore, found: Report, progress: bool, log: Callable[[str
     for i in bad.tolist():
         log(f"dropped episode {i}")
     for key in found.damaged_files:  # every episode with rows in them was dropped
-        path = store._loc.key_path(key)
-        if os.path.isdir(path) and not os.path.islink(path):
-            shutil.rmtree(path)
-        else:
-            os.unlink(path)
+        store._loc.remove(key)
         log(f"removed {key} (unreadable; no kept episode has rows in it)")
     if spill is not None:
         log(f"episodes {id_ranges(keep)} follow a dropped one: appending them again ({spill} holds them meanwhile)")

@@ -159,3 +159,36 @@ def test_a_samplers_first_gather_opens_every_shard_with_committed_rows_at_once(t
     assert arr.misses == shards  # and none again
     reader.close()
     store.close()
+
+
+def test_a_store_of_more_chunks_than_it_may_map_keeps_its_descriptors_bounded(tmp_path, monkeypatch):
+    """Each mapped chunk holds a descriptor: a sampler of a store a writer keeps growing, in chunks of 16 rows, maps at
+    most MAX_MAPS of them at once and maps the others again when it samples them, reading the same rows."""
+    import contextlib
+    import os
+
+    from her_store.reader import MappedArray
+
+    monkeypatch.setattr(MappedArray, "MAX_MAPS", 8)
+    path = tmp_path / "s"
+
+    def open_chunks() -> int:
+        """Read-only descriptors of pack chunk files (the writer's, in this process too, are read-write)."""
+        found = 0
+        for fd in os.listdir("/proc/self/fd"):
+            with contextlib.suppress(FileNotFoundError):  # the listing's own descriptor, closed since
+                name = os.readlink(f"/proc/self/fd/{fd}")
+                flags = int(Path(f"/proc/self/fdinfo/{fd}").read_text().split("flags:")[1].split()[0], 8)
+                found += name.startswith(str(path / "packs")) and flags & os.O_ACCMODE == os.O_RDONLY
+        return found
+
+    with _create(path) as store, HerSampler(store, 64, reward_fn=sparse_reward, seed=0, refresh_interval=0) as sampler:
+        packs = [a for p, a in sampler.reader.arrays.items() if p.startswith("packs/")]
+        assert packs and all(isinstance(a, MappedArray) for a in packs)
+        for e in range(40):  # about 30 chunks of 16 rows per pack
+            store.append_episode(episode(e))
+            for _ in range(3):
+                assert wrong_rows(sampler.sample(), 0, e + 1) is None
+            assert all(len(a._maps) <= 8 for a in packs)
+            assert open_chunks() <= 8 * len(packs)
+        assert max(len(a._maps) for a in packs) > 4  # it did map chunks

@@ -7,6 +7,7 @@ import io
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -281,6 +282,39 @@ def test_index_and_rows_past_the_commit_are_reported_and_cleared(tmp_path):
     _assert_repaired(path, eps, set())
     with EpisodeStore.open(path) as store:
         assert store.end_episode == N
+
+
+@pytest.mark.parametrize("what", ["garbage", "directory", "symlink", "fifo"])
+def test_an_unreadable_shard_past_the_commit_is_reported_and_removed_so_the_store_can_be_appended_to(tmp_path, what):
+    """What a crash can leave at the next shard's key (a file cut short after its rename) holds no committed row, but
+    a writer reads the shard it appends to: verify reports it past the commit, and repair removes it."""
+    path = str(tmp_path / "s")
+    eps = _build(path, "image", n=N)
+    with EpisodeStore.open(path) as store:
+        spec, w = store.layout.arrays[-1], store.commit_record.write_row
+    key = spec.chunk_key(w // spec.chunk_rows + 1)  # the shard after the one the next append writes into
+    target = os.path.join(path, key)
+    if what == "garbage":
+        Path(target).write_bytes(b"\x07" * 100)
+    elif what == "directory":
+        os.makedirs(os.path.join(target, "x"))
+    elif what == "symlink":
+        os.symlink(os.path.join(path, "commit.json"), target)
+    else:
+        os.mkfifo(target)
+    report = verify(path)
+    assert [p.kind for p in report.problems] == ["uncommitted"] and key in report.summary(), report.summary()
+    assert report.tail_chunks == {spec.path: [w // spec.chunk_rows + 1]}
+    done = _cli(path, "--repair")
+    assert done.returncode == 0 and "cleared past the commit" in done.stdout, done
+    assert not os.path.lexists(target)
+    _assert_repaired(path, eps, set())
+    with EpisodeStore.open(path, mode="a") as store:  # appends reach the shard's rows
+        for i in range(N, N + 12):
+            eps[i] = _tagged(store.observation_space, store.action_space, i)
+            store.append_episode(eps[i])
+        assert store.commit_record.write_row > (w // spec.chunk_rows + 1) * spec.chunk_rows
+    _assert_repaired(path, eps, set())
 
 
 def test_a_torn_commit_record_is_reported_and_not_repaired(tmp_path):
