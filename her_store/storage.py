@@ -990,14 +990,16 @@ def chunk_key(path: str, chunk: int, ndim: int, separator: str) -> str:
 
 
 def is_chunk_key(key: str) -> bool:
-    """Whether a key relative to a store is a chunk's: ``<group>/<array>/c/<i>/...`` or ``<group>/<array>/c.<i>.0...``
-    (the v3 default chunk key encodings) of an array under ``packs``, ``steps`` or ``episodes``."""
+    """Whether a key relative to a store has the form of one of its chunks' (FORMAT.md, chunk keys): ``packs/<dtype>/c/
+    <i>/0``, ``episodes/<column>/c/<i>``, ``steps/<field>/c/<i>/0...`` (versions 1 and 2) or ``steps/<field>/c.<i>.0...``
+    (version 3, at least one ``.0``)."""
     parts = key.split("/")
-    if len(parts) < 3 or parts[0] not in ("packs", "steps", "episodes"):
+    if len(parts) == 3 and parts[0] == "steps":
+        return len(parts[2].split(".")) >= 3 and chunk_of(parts[2], ".") is not None
+    if len(parts) < 4 or parts[2] != "c" or chunk_of(parts[3], "/") is None or any(p != "0" for p in parts[4:]):
         return False
-    if len(parts) == 3:
-        return chunk_of(parts[2], ".") is not None
-    return parts[2] == "c" and chunk_of(parts[3], "/") is not None
+    axes = len(parts) - 3
+    return (parts[0], axes) in (("packs", 2), ("episodes", 1)) or (parts[0] == "steps" and axes >= 2)
 
 
 def key_separator(array: zarr.Array) -> str:

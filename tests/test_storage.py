@@ -229,5 +229,7 @@ def test_chunk_names_are_exactly_what_zarr_writes():
     for key in ("packs/float32/c/3/0", "episodes/length/c/0", "steps/pixels/c/12/0/0/0", "steps/pixels/c.12.0.0.0"):
         assert is_chunk_key(key), key
     for key in ("c.5.0.0.0", "notes/c/5", "notes/x/c.5", "steps/pixels/zarr.json", "steps/pixels/c/05/0/0/0",
-                "steps/pixels/c.05.0.0.0", "packs/float32/c", "steps/pixels/c.5.0.0.0.17.tmp"):
+                "steps/pixels/c.05.0.0.0", "packs/float32/c", "steps/pixels/c.5.0.0.0.17.tmp", "steps/pixels/c.5",
+                "packs/float32/c.0.0", "packs/notes/c/1", "packs/float32/c/1/0/0", "episodes/length/c/1/0",
+                "steps/pixels/c/1", "steps/pixels/c/1/0/1", "packs/float32/c/1/0.17.tmp"):
         assert not is_chunk_key(key), key
