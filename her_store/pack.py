@@ -417,8 +417,8 @@ class ArchiveStore(Store):
 
 def _store_files(root: str) -> list[tuple[str, int]]:
     """(key, size) of every file a packed store holds: metadata (``zarr.json``) and chunks (:func:`is_chunk_key`),
-    neither the writer lock nor the temp files of writes in progress, nor anything else. Each is opened as a regular file when
-    it is copied (:func:`open_regular`), so a link or a FIFO there stops the pack."""
+    neither the writer lock nor the temp files of writes in progress, nor anything else. Each is opened as a regular
+    file when it is copied (:func:`open_regular`), so a link or a FIFO there stops the pack."""
     found = []
     for d, dirs, files in os.walk(root):
         dirs.sort()

@@ -262,9 +262,7 @@ class Location:
         if self.is_local:
             for name in sorted(os.listdir(self.root), key=lambda n: n == "zarr.json"):
                 if name != keep:
-                    full = os.path.join(self.root, name)
-                    with contextlib.suppress(FileNotFoundError):  # a zarr temp file its own cleanup removed first
-                        shutil.rmtree(full) if os.path.isdir(full) and not os.path.islink(full) else os.unlink(full)
+                    self.remove(name)  # (a zarr temp file may be gone already: its own cleanup removed it first)
             return
         root_meta = self.key_path("zarr.json")
         doomed = [k for k in self.fs.find(self.root) if k not in (self.key_path(keep), root_meta)]
@@ -990,9 +988,9 @@ def chunk_key(path: str, chunk: int, ndim: int, separator: str) -> str:
 
 
 def is_chunk_key(key: str) -> bool:
-    """Whether a key relative to a store has the form of one of its chunks' (FORMAT.md, chunk keys): ``packs/<dtype>/c/
-    <i>/0``, ``episodes/<column>/c/<i>``, ``steps/<field>/c/<i>/0...`` (versions 1 and 2) or ``steps/<field>/c.<i>.0...``
-    (version 3, at least one ``.0``)."""
+    """Whether a key relative to a store has the form of one of its chunks' (FORMAT.md, chunk keys):
+    ``packs/<dtype>/c/<i>/0``, ``episodes/<column>/c/<i>``, ``steps/<field>/c/<i>/0...`` (versions 1 and 2) or
+    ``steps/<field>/c.<i>.0...`` (version 3, at least one ``.0``)."""
     parts = key.split("/")
     if len(parts) == 3 and parts[0] == "steps":
         return len(parts[2].split(".")) >= 3 and chunk_of(parts[2], ".") is not None

@@ -446,9 +446,9 @@ class EpisodeStore:
     def _checked_arrays(
         self, wanted: Sequence[tuple[str, np.dtype, tuple[int, ...], int | None, bool, bool, str]]
     ) -> list[zarr.Array]:
-        """The arrays at ``(path, dtype, row_shape, chunk_rows, raw, sharded, separator)``, each checked against what the
-        layout says it is. Their metadata is read concurrently: on object storage an open waits one request, not one per
-        array."""
+        """The arrays at ``(path, dtype, row_shape, chunk_rows, raw, sharded, separator)``, each checked against what
+        the layout says it is. Their metadata is read concurrently: on object storage an open waits one request, not
+        one per array."""
         for path, *_ in wanted:
             self._loc.check_file(f"{path}/zarr.json")  # zarr reads it whole: a regular file of bounded size
         opened = _open_arrays(self._root, [path for path, *_ in wanted])
