@@ -705,7 +705,20 @@ class ShardedArray(CachedArray):
 
     def gather_split(self, rows: np.ndarray, out: np.ndarray, pool: ThreadPoolExecutor | None, parts: int) -> None:
         """Rows ``rows`` into ``out``, their byte ranges found once, then read and decoded in ``parts`` pieces on the
-        threads of ``pool`` (the calling thread takes one): LZ4 in C without the GIL, other codecs row by row."""
+        threads of ``pool`` (the calling thread takes one): LZ4 in C without the GIL, other codecs row by row.
+        Locally, a gather over more shards than half of those that may be open at once (``MAX_OPEN``: tiny shards, a
+        low descriptor limit) takes them a group at a time, each group's files let go before the next is opened."""
+        half = self.max_entries // 2
+        if self.root is not None and len(rows) > half:
+            uniq, group = np.unique(rows // self.chunk_rows, return_inverse=True)
+            if len(uniq) > half:
+                group //= half
+                for g in range(int(group.max()) + 1):
+                    sel = np.flatnonzero(group == g)
+                    part = np.empty((len(sel), *out.shape[1:]), out.dtype)
+                    self.gather_split(rows[sel], part, pool, parts)
+                    out[sel] = part
+                return
         if self.codec.is_lz4:
             self._gather_lz4(rows, out, pool, parts)
             return

@@ -192,3 +192,40 @@ def test_a_store_of_more_chunks_than_it_may_map_keeps_its_descriptors_bounded(tm
             assert all(len(a._maps) <= 8 for a in packs)
             assert open_chunks() <= 8 * len(packs)
         assert max(len(a._maps) for a in packs) > 4  # it did map chunks
+
+
+@pytest.mark.parametrize("codec", ["lz4", "zstd"])
+def test_a_gather_over_more_shards_than_may_be_open_takes_them_a_group_at_a_time(tmp_path, monkeypatch, codec):
+    """Every shard a gather touches was opened before the cap on open shards applied: a batch of 1,024 over 2-row
+    shards raised OSError (too many open files) at the usual limit of 1,024 descriptors. A gather now opens at most
+    half the cap at once (a group of shards at a time), and reads the same rows, within a descriptor limit the
+    ungrouped gather overran."""
+    import os
+    import resource
+
+    monkeypatch.setattr(ShardedArray, "MAX_OPEN", 16)
+    path = tmp_path / "s"
+    compressors = None if codec == "lz4" else {"pixels": zarr.codecs.ZstdCodec()}
+    with EpisodeStore.create(path, OBS, ACT, chunk_rows=2, compressors=compressors) as store:
+        for e in range(30):
+            store.append_episode(episode(e))
+    store = EpisodeStore.open(path)
+    table = store.episodes
+    e = np.repeat(table["episode_id"], table["length"] + 1)
+    s = np.concatenate([np.arange(n + 1) for n in table["length"]])
+    at = np.repeat(table["start_row"], table["length"] + 1) + s
+    reader = ChunkReader(store, io_threads=2)
+    reader.observe(store.snapshot())
+    arr = reader.arrays["steps/pixels"]
+    assert isinstance(arr, ShardedArray) and len(np.unique(at // arr.chunk_rows)) > 64
+    order = np.random.default_rng(0).permutation(len(at))
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (len(os.listdir("/proc/self/fd")) + 24, hard))
+    try:
+        got = reader.gather("steps/pixels", at[order])
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    np.testing.assert_array_equal(got, rows(e[order], s[order])["pixels"])
+    assert len(arr._files) <= 16
+    reader.close()
+    store.close()
