@@ -384,11 +384,17 @@ class Committer:
         self.head = self._stage_row0 = head
         return record
 
-    def clear_uncommitted(self, index_positions: Sequence[int], chunks: Mapping[str, Sequence[int]]) -> None:
+    def clear_uncommitted(
+        self,
+        index_positions: Sequence[int],
+        chunks: Mapping[str, Sequence[int]],
+        unreadable: Mapping[str, Sequence[int]] | None = None,
+    ) -> None:
         """Repair: empty what a commit that never completed left past the commit record. The index rows at
         ``index_positions`` become zeros; in each array's listed chunks (shards) every row from ``write_row`` on
-        becomes zeros (a row never written). Only for rows that no committed episode owns: an unbounded store's rows
-        past ``write_row``, index positions of ids never committed.
+        becomes zeros (a row never written; a chunk wholly past it is removed). Only for rows that no committed
+        episode owns: an unbounded store's rows past ``write_row``, index positions of ids never committed. The
+        ``unreadable`` chunks (shards), which hold no committed row, are removed whatever is in their place.
 
         Examples
         --------
@@ -398,14 +404,19 @@ class Committer:
             raise StoreError(f"{self.location}: commit the staged episodes before clearing past the commit")
         self.lock.ensure_held()
         w = self.commit_record.write_row
+        for path, listed in (unreadable or {}).items():
+            io = self.arrays[path]
+            for c in listed:
+                io.discard(c)
+            io.flush(self.fsync)
         for path, listed in chunks.items():
             io, spec = self.arrays[path], next(a for a in self.layout.arrays if a.path == path)
             for c in listed:
                 r0, r1 = max(w, c * spec.chunk_rows), (c + 1) * spec.chunk_rows
                 if r0 >= r1:
                     continue
-                if isinstance(io, ShardWriter) and r0 == c * spec.chunk_rows:
-                    io.discard(c)  # no committed row in it: removed, whatever is there (it may not be readable)
+                if r0 == c * spec.chunk_rows:
+                    io.discard(c)  # no committed row in it: removed (a chunk never written reads as zeros)
                 elif isinstance(io, ShardWriter):
                     io.put(r0, [None] * (r1 - r0))  # type: ignore[list-item]
                 else:

@@ -19,7 +19,7 @@ from zarr.core.metadata import ArrayV3Metadata
 
 from her_store.errors import CorruptStoreError, FormatVersionError, NotAStoreError, SchemaMismatchError, short_repr
 from her_store.schema import Field, Schema
-from her_store.storage import chunk_key
+from her_store.storage import chunk_entry, chunk_key
 from her_store.values import is_int, is_number
 
 __all__ = [
@@ -99,6 +99,11 @@ class ArraySpec:
     def chunk_key(self, chunk: int) -> str:
         """The key of chunk (or shard) ``chunk``: ``<path>/c/<i>/0...`` or, for ``"."``, ``<path>/c.<i>.0...``."""
         return chunk_key(self.path, chunk, 1 + len(self.row_shape), self.separator)
+
+    def chunk_entry(self, chunk: int) -> str:
+        """The entry that holds chunk (or shard) ``chunk`` and nothing else (:func:`~her_store.storage.chunk_entry`):
+        what removing the chunk removes."""
+        return chunk_entry(self.path, chunk, 1 + len(self.row_shape), self.separator)
 
     def to_json(self) -> dict[str, Any]:
         return {

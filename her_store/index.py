@@ -12,7 +12,7 @@ import numpy as np
 
 from her_store.format import INDEX_COLUMNS
 
-__all__ = ["EpisodeIndex", "IndexView", "ColumnIO"]
+__all__ = ["EpisodeIndex", "IndexView", "ColumnIO", "chunks_holding"]
 
 
 class ColumnIO(Protocol):
@@ -242,3 +242,21 @@ class EpisodeIndex:
             parts = [io[name].read(pos, pos + (b - a)) for pos, a, b in segments]
             out[name] = parts[0] if len(parts) == 1 else np.concatenate(parts) if parts else np.zeros(0, dt)
         return out
+
+
+def chunks_holding(starts: np.ndarray, ends: np.ndarray, chunk_rows: int) -> list[int]:
+    """The chunks (shards) of ``chunk_rows`` rows that hold any row of the runs ``starts[i] .. ends[i] - 1`` (each
+    non-empty: an episode's rows), in order.
+
+    Examples
+    --------
+    >>> chunks_holding(np.array([0, 40]), np.array([5, 70]), 16)
+    [0, 2, 3, 4]
+    """
+    if not len(starts):
+        return []
+    c0, c1 = starts // chunk_rows, (ends - 1) // chunk_rows
+    marks = np.zeros(int(c1.max()) + 2, np.int64)
+    np.add.at(marks, c0, 1)
+    np.add.at(marks, c1 + 1, -1)
+    return np.flatnonzero(np.cumsum(marks) > 0).tolist()

@@ -41,6 +41,7 @@ from zarr.core.buffer import Buffer, BufferPrototype
 
 from her_store.errors import CorruptStoreError, short_repr
 from her_store.format import COMMIT_KEY, Commit
+from her_store.index import chunks_holding
 from her_store.progress import progress as progress_bar
 from her_store.storage import (
     METADATA_LIMIT,
@@ -492,7 +493,13 @@ def pack_store(
     with EpisodeStore.open(source.root, mode="r") as store:
         commit = store.commit_record
         version = store.layout.version
-        files = _store_files(source.root)
+        # a data array's chunks (shards) holding rows of the live episodes; any other (what a crash left past the
+        # commit, a key of another encoding) is never read, and inside a zip could not be repaired: left out
+        table = store.episodes
+        starts = table["start_row"].astype(np.int64)
+        ends = starts + table["length"] + 1
+        live = {spec.chunk_key(c) for spec in store.layout.arrays for c in chunks_holding(starts, ends, spec.chunk_rows)}
+        files = [(k, n) for k, n in _store_files(source.root) if k in live or not is_chunk_key(k) or k.startswith("episodes/")]
         total = sum(size for _, size in files)
         zeros = bytes(COPY_BLOCK)  # a hole's bytes, for the members' CRC-32
         with staged_output(archive) as tmp, progress_bar(total, "packing", progress, unit="B", unit_scale=True) as bar:

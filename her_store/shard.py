@@ -40,7 +40,7 @@ from her_store.balance import Balance
 from her_store.errors import CorruptStoreError, StoreError, short_repr
 from her_store.lossy import check_frames, frame_codec, is_lossy
 from her_store.schema import Field
-from her_store.storage import Location, chunk_key, key_separator
+from her_store.storage import Location, chunk_entry, chunk_key, key_separator
 
 __all__ = ["EMPTY", "Encoded", "FrameCodec", "ShardWriter", "build_shard", "frame_codecs", "index_nbytes", "lz4_codec", "parse_index"]
 
@@ -359,7 +359,6 @@ class ShardWriter:
         self._separator = key_separator(array)
         self._shards: dict[int, list[bytes | None]] = {}
         self._dirty: set[int] = set()
-        self._made: set[int] = set()  # shards whose directory exists
         self._pool: ThreadPoolExecutor | None = None
         self._threads = (os.cpu_count() or 1) - 1  # encoder threads beside the calling one
         self._balance = Balance()  # their share of an episode's rows
@@ -425,9 +424,6 @@ class ShardWriter:
     def flush(self, fsync: bool) -> None:
         """Replace every shard written since the last flush, whole and atomically."""
         for shard in sorted(self._dirty):
-            if self.location.is_local and shard not in self._made:  # its directory, once per shard and handle
-                os.makedirs(os.path.dirname(self.location.key_path(self._key(shard))), exist_ok=True)
-                self._made.add(shard)
             self.location.write_atomic(self._key(shard), build_shard(self._shards[shard]), fsync)
         if self._dirty:
             keep = max(self._dirty)
@@ -439,7 +435,7 @@ class ShardWriter:
         there, and forget any of its rows held here."""
         self._shards.pop(shard, None)
         self._dirty.discard(shard)
-        self.location.remove(self._key(shard))
+        self.location.remove(chunk_entry(self.array.path, shard, self._ndim, self._separator))
 
     def read_encoded(self, row0: int, row1: int) -> list[bytes | None]:
         """The stored bytes of rows ``row0 .. row1`` (None for a row never written), as published or being written

@@ -27,7 +27,7 @@ import time
 import uuid
 import warnings
 import weakref
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import fsspec
@@ -121,7 +121,7 @@ class Location:
         path = self.key_path(key)
         try:
             if self.is_local:
-                fd, size = _open_bounded(path, limit)
+                fd, size = _open_bounded(self.root, key, limit)
                 try:
                     return os.pread(fd, size, 0)
                 finally:
@@ -151,9 +151,9 @@ class Location:
         paths = [self.key_path(k) for k in keys]
         got: list[Any] = []
         if self.is_local:
-            for path, a, b in zip(paths, starts, ends):
+            for key, a, b in zip(keys, starts, ends):
                 try:
-                    fd = open_regular(path)
+                    fd = open_beneath(self.root, key)
                 except FileNotFoundError:
                     got.append(None)
                     continue
@@ -192,24 +192,25 @@ class Location:
         if not self.is_local:
             return
         try:
-            os.close(_open_bounded(self.key_path(key), limit)[0])
-        except (FileNotFoundError, NotADirectoryError):  # missing: what zarr then says of it is reported
+            os.close(_open_bounded(self.root, key, limit)[0])
+        except FileNotFoundError:  # missing: what zarr then says of it is reported
             return
 
     def write_atomic(self, key: str, data: bytes, fsync: bool, if_match: str | None = None) -> str | None:
         """Replace ``key`` so that a reader sees the old or the new bytes, never a mix.
 
         Local: temp file + ``os.replace`` (atomic on POSIX), with fsync of file and directory for power loss. A
-        temp file that could not be written whole (a full disk) is removed and never renamed into place.
+        temp file that could not be written whole (a full disk) is removed and never renamed into place. The key's
+        directories are made if missing; one that is a link or a file raises CorruptStoreError (no write leaves the
+        store).
         Object storage: a single PUT replaces an object whole; with ``if_match`` only if the object still has that
         ETag (the PUT fails otherwise). Returns the new object's ETag where the store reports one.
         """
         path = self.key_path(key)
         if not self.is_local:
             return _etag_of(self.fs.pipe_file(path, data, **({"IfMatch": if_match} if if_match else {})))
-        tmp = f"{path}.{os.getpid()}.tmp"
+        tmp, fd = self.create_temp(key)
         try:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
             try:
                 write_all(fd, data)
                 if fsync:
@@ -231,6 +232,21 @@ class Location:
                     stacklevel=2,
                 )
         return None
+
+    def create_temp(self, key: str) -> tuple[str, int]:
+        """(path, descriptor open for writing) of a new local temp file ``<key>.<pid>.tmp`` that the caller renames
+        onto ``key`` once written: the key's directories are made if missing, none of them a link (no write leaves the
+        store), and the file is made anew, never through a link nor into one a killed process of the same pid left.
+
+        Raises
+        ------
+        CorruptStoreError
+            One of the key's directories is a link or a file.
+        """
+        *parts, _ = key.split("/")
+        os.close(_dir_beneath(self.root, parts, create=True))
+        tmp = f"{self.key_path(key)}.{os.getpid()}.tmp"
+        return tmp, _create_new(tmp)
 
     def etag(self, key: str) -> str | None:
         """The ETag of an object on object storage (None locally, or when the store reports none)."""
@@ -291,18 +307,14 @@ class Location:
         return removed
 
     def remove(self, key: str) -> None:
-        """Remove whatever is at ``key`` (a file, or locally a directory or link in a file's place); nothing there is
-        no error. Only for keys no commit refers to, or whose data a commit has dropped."""
-        path = self.key_path(key)
-        if not self.is_local:
-            with contextlib.suppress(FileNotFoundError):
-                self.fs.rm(path, recursive=True)
+        """Remove whatever is at ``key`` (a file, or locally a directory or link in a file's place, never what a link
+        names: :func:`remove_beneath`); nothing there is no error. Only for keys no commit refers to, or whose data a
+        commit has dropped."""
+        if self.is_local:
+            remove_beneath(self.root, key)
             return
         with contextlib.suppress(FileNotFoundError):
-            if os.path.isdir(path) and not os.path.islink(path):
-                shutil.rmtree(path)
-            else:
-                os.unlink(path)
+            self.fs.rm(self.key_path(key), recursive=True)
 
     def exists(self, key: str) -> bool:
         if self.archive is not None:
@@ -318,11 +330,11 @@ class Location:
         FileNotFoundError
             No such key.
         CorruptStoreError
-            In a directory, something other than a regular file (:func:`open_regular`).
+            In a directory, something other than a regular file, or a link on the way (:func:`open_beneath`).
         """
         if self.archive is not None:
             return self.archive.open_range(key)
-        f = io.FileIO(open_regular(self.key_path(key)), "rb")
+        f = io.FileIO(open_beneath(self.root, key), "rb")
         return f, 0, os.fstat(f.fileno()).st_size
 
 
@@ -514,8 +526,13 @@ def open_regular(path: str) -> int:
     CorruptStoreError
         Something other than a regular file is.
     """
+    return _regular(path, lambda: os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC))
+
+
+def _regular(path: str, opener: Callable[[], int]) -> int:
+    """The descriptor ``opener`` opens (without following a final symbolic link), which must be of a regular file."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
+        fd = opener()
     except OSError as e:
         if e.errno == errno.ELOOP:
             raise CorruptStoreError(f"{path} is a symbolic link; a store's files are regular files") from e
@@ -528,13 +545,119 @@ def open_regular(path: str) -> int:
     return fd
 
 
-def _open_bounded(path: str, limit: int) -> tuple[int, int]:
-    """(descriptor, size) of ``path``, a regular file (:func:`open_regular`) of at most ``limit`` bytes."""
-    fd = open_regular(path)
+def _dir_beneath(root: str, parts: Sequence[str], create: bool) -> int:
+    """A descriptor of the directory ``root/parts[0]/parts[1]/...``, each part opened without following a symbolic
+    link (and made first when ``create``): a store's directories are its own, so no write or removal leaves it.
+
+    Raises
+    ------
+    FileNotFoundError
+        A part is missing (and ``create`` is false), or ``root`` is.
+    CorruptStoreError
+        A part is a symbolic link, a file or anything else but a directory, or no plain name ("", ".", "..").
+    """
+    fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        for i, part in enumerate(parts):
+            where = "/".join([root, *parts[: i + 1]])
+            if part in ("", ".", ".."):
+                raise CorruptStoreError(f"{where}: {part!r} names no entry of a store")
+            if create:
+                with contextlib.suppress(FileExistsError):
+                    os.mkdir(part, dir_fd=fd)
+            try:
+                inner = os.open(part, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
+            except OSError as e:
+                if e.errno in (errno.ELOOP, errno.ENOTDIR):
+                    raise CorruptStoreError(
+                        f"{where} is not a directory (a symbolic link or a file in its place); a store's directories "
+                        "are its own"
+                    ) from e
+                raise
+            os.close(fd)
+            fd = inner
+        return fd
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def open_beneath(root: str, key: str, create: bool = False) -> int:
+    """A descriptor of the regular file at ``key`` under the local directory ``root``, no symbolic link followed at
+    any level below ``root``: read-only, or with ``create`` read-write and made (with its directories) if missing.
+
+    Raises
+    ------
+    FileNotFoundError
+        Nothing is there (and ``create`` is false).
+    CorruptStoreError
+        A link, a directory, a FIFO or a device is at ``key`` or in place of one of its directories.
+
+    Examples
+    --------
+    >>> import tempfile
+    >>> root = tempfile.mkdtemp()
+    >>> os.close(open_beneath(root, "packs/float32/c/0/0", create=True))
+    >>> os.path.isfile(f"{root}/packs/float32/c/0/0")
+    True
+    """
+    *parts, name = key.split("/")
+    if name in ("", ".", ".."):
+        raise CorruptStoreError(f"{root}/{key}: {name!r} names no file of a store")
+    parent = _dir_beneath(root, parts, create)
+    flags = os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC | (os.O_RDWR | os.O_CREAT if create else os.O_RDONLY)
+    try:
+        return _regular(f"{root}/{key}", lambda: os.open(name, flags, 0o644, dir_fd=parent))
+    finally:
+        os.close(parent)
+
+
+def remove_beneath(root: str, key: str) -> None:
+    """Remove whatever is at ``key`` under the local directory ``root`` (a file, a directory and all it holds, a link
+    itself and not what it names), no link followed on the way there; nothing there is no error."""
+    *parts, name = key.split("/")
+    try:
+        parent = _dir_beneath(root, parts, create=False)
+    except FileNotFoundError:
+        return
+    try:
+        _remove_in(parent, name)
+    finally:
+        os.close(parent)
+
+
+def _remove_in(parent: int, name: str) -> None:
+    """Remove whatever is at ``name`` in the directory ``parent`` (a directory with all it holds; a link itself)."""
+    with contextlib.suppress(FileNotFoundError):
+        if stat.S_ISDIR(os.stat(name, dir_fd=parent, follow_symlinks=False).st_mode):
+            shutil.rmtree(name, dir_fd=parent)
+        else:
+            os.unlink(name, dir_fd=parent)
+
+
+def _create_new(path: str) -> int:
+    """A new file at ``path``, for writing: whatever a process of the same pid left there (killed mid-write, or junk
+    in a store from elsewhere) is removed first, and a link there is never followed."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+    try:
+        return os.open(path, flags, 0o644)
+    except FileExistsError:
+        parent = os.open(os.path.dirname(path), os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            _remove_in(parent, os.path.basename(path))
+        finally:
+            os.close(parent)
+        return os.open(path, flags, 0o644)
+
+
+def _open_bounded(root: str, key: str, limit: int) -> tuple[int, int]:
+    """(descriptor, size) of ``key`` under ``root``, a regular file (:func:`open_beneath`) of at most ``limit``
+    bytes."""
+    fd = open_beneath(root, key)
     size = os.fstat(fd).st_size
     if size > limit:
         os.close(fd)
-        raise CorruptStoreError(f"{path} holds {size:,} bytes, more than the {limit:,} it may")
+        raise CorruptStoreError(f"{root}/{key} holds {size:,} bytes, more than the {limit:,} it may")
     return fd, size
 
 
@@ -668,8 +791,8 @@ def _holder_text(raw: bytes | None) -> str:
 
 def active_writer(location: Location, key: str) -> str | None:
     """Who is writing the store now, read without taking or touching the lock: the holder named in ``key`` when it is
-    a live process on this host (local disk: the kernel's flock dies with it) or a lease not yet expired (object
-    storage); None when nobody is.
+    a live process on this host that holds the lock's flock (local disk: the kernel's flock is let go when the store
+    is closed, and dies with the process) or a lease not yet expired (object storage); None when nobody is.
 
     Examples
     --------
@@ -682,11 +805,29 @@ def active_writer(location: Location, key: str) -> str | None:
         h = json.loads(raw or b"")
         if location.is_local:
             alive = h["host"] == socket.gethostname() and _pid_alive(int(h["pid"])) and int(h["pid"]) != os.getpid()
+            alive = alive and _flocked(location.root, key) is not False  # a writer that closed the store is gone
         else:
             alive = float(h["expires"]) >= time.time()
     except (ValueError, KeyError, TypeError, OverflowError, CorruptStoreError, OSError):
         return None
     return _holder_text(raw) if alive else None
+
+
+def _flocked(root: str, key: str) -> bool | None:
+    """Whether a process holds the exclusive flock on the local file ``key`` (as a writer of the store does while it is
+    open), seen in the kernel's table of locks without taking or touching the lock; None where that table cannot be
+    read."""
+    fd = open_beneath(root, key)
+    try:
+        st = os.fstat(fd)
+    finally:
+        os.close(fd)
+    where = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
+    try:
+        with open("/proc/locks") as f:  # "1: FLOCK  ADVISORY  WRITE <pid> <major>:<minor>:<inode> 0 EOF"
+            return any(p[1:3] == ["FLOCK", "ADVISORY"] and p[3] == "WRITE" and p[5] == where for p in map(str.split, f))
+    except OSError:
+        return None
 
 
 def _token_of(raw: bytes | None) -> str | None:
@@ -785,8 +926,8 @@ class WriterLock:
     def _acquire_flock(self) -> None:
         import fcntl
 
-        path = self.location.key_path(self.key)
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        # never through a link: the record below truncates the file it opens
+        fd = open_beneath(self.location.root, self.key, create=True)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -1000,6 +1141,13 @@ def is_chunk_key(key: str) -> bool:
     return (parts[0], axes) in (("packs", 2), ("episodes", 1)) or (parts[0] == "steps" and axes >= 2)
 
 
+def chunk_entry(path: str, chunk: int, ndim: int, separator: str) -> str:
+    """The entry of an array's directory tree that holds chunk ``chunk`` and nothing else: the file ``<path>/c.<i>.0...``
+    for ``"."``; for ``"/"``, ``<path>/c/<i>``, the chunk's own directory (or, for a 1-D array, its file). Removing it
+    removes the chunk, whatever is there, and never reaches past a link in its place."""
+    return chunk_key(path, chunk, ndim, separator) if separator == "." else f"{path}/c/{chunk}"
+
+
 def key_separator(array: zarr.Array) -> str:
     """The separator of an array's chunk keys, from its metadata (checked against the layout when it was opened)."""
     return str(array.metadata.chunk_key_encoding.separator)
@@ -1022,11 +1170,11 @@ def chunk_of(name: str, separator: str, ndim: int | None = None) -> int | None:
     return int(name)
 
 
-def _pread_into(name: str, buf: np.ndarray, offset: int) -> int:
-    """Read ``name`` from ``offset`` straight into ``buf`` (no intermediate bytes); the count read, 0 when the file
-    does not exist, short at its end."""
+def _pread_into(root: str, key: str, buf: np.ndarray, offset: int) -> int:
+    """Read ``key`` under ``root`` (:func:`open_beneath`) from ``offset`` straight into ``buf`` (no intermediate
+    bytes); the count read, 0 when the file does not exist, short at its end."""
     try:
-        fd = os.open(name, os.O_RDONLY | os.O_CLOEXEC)
+        fd = open_beneath(root, key)
     except FileNotFoundError:
         return 0
     try:
@@ -1059,15 +1207,16 @@ class RawChunkFile:
         self._fds: dict[int, int] = {}
         self._dirty: set[int] = set()
 
+    def _key(self, chunk: int) -> str:
+        return chunk_key(self.path, chunk, 1 + len(self.row_shape), self.separator)
+
     def _file(self, chunk: int) -> str:
-        return os.path.join(self.root, chunk_key(self.path, chunk, 1 + len(self.row_shape), self.separator))
+        return os.path.join(self.root, self._key(chunk))
 
     def _fd(self, chunk: int) -> int:
         fd = self._fds.get(chunk)
         if fd is None:
-            name = self._file(chunk)
-            os.makedirs(os.path.dirname(name), exist_ok=True)
-            fd = os.open(name, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            fd = open_beneath(self.root, self._key(chunk), create=True)  # a link or a directory there: refused
             size = self.chunk_rows * self.row_nbytes
             if os.fstat(fd).st_size < size:
                 os.ftruncate(fd, size)  # zarr expects a full chunk; the unwritten tail stays sparse
@@ -1108,15 +1257,23 @@ class RawChunkFile:
             take = min(row1 - at, self.chunk_rows - r)
             o, n = (at - row0) * self.row_nbytes, take * self.row_nbytes
             if self.archive is not None:
-                key = chunk_key(self.path, chunk, 1 + len(self.row_shape), self.separator)
-                buf = self.archive.pread(key, n, r * self.row_nbytes)
+                buf = self.archive.pread(self._key(chunk), n, r * self.row_nbytes)
                 got = len(buf)
                 flat[o : o + got] = np.frombuffer(buf, np.uint8)
             else:
-                got = _pread_into(self._file(chunk), flat[o : o + n], r * self.row_nbytes)
+                got = _pread_into(self.root, self._key(chunk), flat[o : o + n], r * self.row_nbytes)
             flat[o + got : o + n] = 0
             at += take
         return out
+
+    def discard(self, chunk: int) -> None:
+        """Remove a chunk that holds no committed row, whatever is there (:func:`chunk_entry`; a link itself, never
+        what it names)."""
+        fd = self._fds.pop(chunk, None)
+        if fd is not None:
+            os.close(fd)
+        self._dirty.discard(chunk)
+        remove_beneath(self.root, chunk_entry(self.path, chunk, 1 + len(self.row_shape), self.separator))
 
     def close(self) -> None:
         for fd in self._fds.values():
@@ -1195,6 +1352,12 @@ class ZarrChunks:
             if raw is not None:
                 flat[a : a + len(raw)] = np.frombuffer(raw, np.uint8)
         return out
+
+    def discard(self, chunk: int) -> None:
+        """Remove a chunk that holds no committed row, whatever is there (:func:`chunk_entry`)."""
+        self._cache.pop(chunk, None)
+        self._dirty.discard(chunk)
+        self.location.remove(chunk_entry(self.array.path, chunk, self.array.ndim, key_separator(self.array)))
 
     def close(self) -> None:
         self._cache.clear()

@@ -130,17 +130,15 @@ class _Dest:
         of the files in pages of zeros)."""
         written = zeros = 0
         if self.loc.is_local:
+            os.makedirs(self.loc.root, exist_ok=True)  # this copy's own partial directory
             for key, data in items.items():
-                path = self.loc.key_path(key)
-                os.makedirs(os.path.dirname(path), exist_ok=True)
-                tmp = f"{path}.{os.getpid()}.tmp"
-                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+                tmp, fd = self.loc.create_temp(key)
                 try:
                     n = write_sparse(fd, data, 0)
                     os.ftruncate(fd, len(data))
                 finally:
                     os.close(fd)
-                os.replace(tmp, path)
+                os.replace(tmp, self.loc.key_path(key))
                 written, zeros = written + n, zeros + len(data) - n
         elif items:
             self.loc.fs.pipe({self.loc.key_path(k): v for k, v in items.items()})
@@ -394,7 +392,7 @@ def copy_store(
             if not bad.any():
                 out.finish(commit.to_bytes(store.layout.version))
                 tail = verify(out.final.url, checksums=False, storage_options=out.final.storage_options)
-                if tail.tail_positions or tail.tail_chunks:  # rows the writer added past this commit meanwhile
+                if tail.tail_positions or tail.tail_chunks or tail.junk_chunks:  # rows the writer added past this commit meanwhile
                     with EpisodeStore.open(out.final.url, "a", out.final.storage_options) as copied:
                         clear_tail(copied, log=lambda line: None)
                 return CopyResult(

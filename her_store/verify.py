@@ -34,10 +34,10 @@ import numpy as np
 from her_store import _frames
 from her_store.errors import CorruptStoreError, StoreError
 from her_store.format import LOCK_KEY, ArraySpec
-from her_store.index import EpisodeIndex
+from her_store.index import EpisodeIndex, chunks_holding
 from her_store.progress import progress as progress_bar
 from her_store.shard import parse_index, shard_limit
-from her_store.storage import Location, active_writer, chunk_of
+from her_store.storage import Location, active_writer, chunk_of, open_beneath
 from her_store.store import EpisodeStore
 
 __all__ = ["Problem", "Report", "add_arguments", "repair", "run", "verify"]
@@ -89,10 +89,11 @@ class Report:
     bytes_read: int = 0
     seconds: float = 0.0
     bad_episodes: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
-    damaged_files: list[str] = field(default_factory=list)  # keys of shards whose rows cannot be read at all
+    damaged_files: list[str] = field(default_factory=list)  # entries (ArraySpec.chunk_entry) of unreadable chunks
     short_files: list[tuple[str, int]] = field(default_factory=list)  # raw chunk keys not of their size, and the size
     tail_positions: list[int] = field(default_factory=list)  # index positions holding ids never committed
     tail_chunks: dict[str, list[int]] = field(default_factory=dict)  # per array, chunks holding rows past write_row
+    junk_chunks: dict[str, list[int]] = field(default_factory=dict)  # per array, unreadable chunks with no committed row
     notes: list[str] = field(default_factory=list)  # what is not wrong but worth saying (a live writer's tail)
 
     @property
@@ -188,7 +189,7 @@ def verify(
         if writer is not None:  # rows past the commit are a live writer's work in progress, not a crash's leftovers
             report.notes += [f"{p} (being written by {writer})" for p in report.problems if p.kind == "uncommitted"]
             report.problems = [p for p in report.problems if p.kind != "uncommitted"]
-            report.tail_positions, report.tail_chunks = [], {}
+            report.tail_positions, report.tail_chunks, report.junk_chunks = [], {}, {}
         plan = _plan_of(store.url) if store._loc.is_local else None
         if plan is not None and store.commit_record.generation != plan["generation"]:  # the cut was committed
             waiting = plan["count"] - max(0, store.end_episode - plan["cut"])
@@ -236,22 +237,14 @@ class _Check:
             self.bad |= failed
         r.bad_episodes = np.sort(self.ids[self.bad])
         self._index_tail()
-        if self.store.capacity is None:
-            self._data_tail()
+        self._data_tail()
         r.seconds = time.perf_counter() - t0
         return r
 
     # -- which files -----------------------------------------------------------------------------------------
     def _chunks(self, spec: ArraySpec) -> list[int]:
         """The chunks (shards) of an array holding committed rows, in order."""
-        if not len(self.starts):
-            return []
-        cr = spec.chunk_rows
-        c0, c1 = self.starts // cr, (self.ends - 1) // cr
-        marks = np.zeros(int(c1.max()) + 2, np.int64)
-        np.add.at(marks, c0, 1)
-        np.add.at(marks, c1 + 1, -1)
-        return np.flatnonzero(np.cumsum(marks) > 0).tolist()
+        return chunks_holding(self.starts, self.ends, spec.chunk_rows)
 
     def _size(self, spec: ArraySpec, c: int) -> int:
         if self.loc.archive is not None:  # a packed store: the member's size
@@ -334,7 +327,7 @@ class _Check:
         data, size, error = read
         if error is not None:
             self.report.problems.append(Problem("file", f"{where} cannot be read: {error}", self._affected(k, r0, r1)))
-            self.report.damaged_files.append(spec.chunk_key(c))
+            self.report.damaged_files.append(spec.chunk_entry(c))
             self.bad[k.start : k.stop] |= (self.starts[k.start : k.stop] < r1) & (self.ends[k.start : k.stop] > r0)
             return 0
         want = cr * rb
@@ -373,7 +366,7 @@ class _Check:
             what = f"{where} is missing" if error is None else f"{where} cannot be read: {error}"
             self.report.problems.append(Problem("file", what, self._affected(k, r0, r1)))
             if error is not None:
-                self.report.damaged_files.append(spec.chunk_key(c))
+                self.report.damaged_files.append(spec.chunk_entry(c))
             self.bad[k.start : k.stop] |= (self.starts[k.start : k.stop] < r1) & (self.ends[k.start : k.stop] > r0)
             return len(data or b"")
         view = memoryview(data)
@@ -462,40 +455,52 @@ class _Check:
         return sorted(c for c in found if c is not None and c >= first)
 
     def _data_tail(self) -> None:
-        """Rows past ``write_row`` of an unbounded store: never committed, so they hold nothing (zeros, or rows a shard
-        never wrote) unless a commit stopped before its record."""
+        """What lies in chunks (shards) that hold no committed row, or past ``write_row`` of an unbounded store: rows
+        there hold nothing (zeros, or rows a shard never wrote) unless a commit stopped before its record; and a chunk
+        there that cannot be read (a file cut short, a directory, a link or a file in its place) would fail the next
+        writer, which reads or writes it, so it is reported too, in any store."""
         w, r = self.commit.write_row, self.report
+        ring = self.store.capacity is not None
         for spec in self.store.layout.arrays:
             if spec.compressed and not spec.sharded:
                 continue  # version 1 chunks: decoding past the commit is not worth it; the next writer overwrites them
             cr, rb = spec.chunk_rows, spec.row_nbytes
-            held = []
-            for c in self._existing(spec, w // cr):
-                skip = max(w - c * cr, 0)
-                data, size, error = self._read(spec, c, skip=0 if spec.sharded else skip * rb)
-                # a shard with no committed row that cannot be read (a file cut short, a directory or a link in its
-                # place) holds nothing to keep, but the next writer would fail to read it: it is cleared too
-                damaged = error is not None or spec.chunk_key(c) in r.damaged_files
-                if spec.sharded and c * cr >= w and damaged:
-                    held.append(c)
-                if data is None or damaged:
-                    continue
-                if spec.sharded:
+            live = set(self._chunks(spec))
+            held, junk = [], []
+            for c in self._existing(spec, 0 if ring else w // cr):
+                if ring and c in live:
+                    continue  # checked with the committed rows; a ring's other rows are its evicted episodes'
+                skip = 0 if ring else max(w - c * cr, 0)
+                # a ring's raw chunk is only opened: whether it can be is all there is to know of it
+                data, size, error = self._read(spec, c, spec.sharded or not ring, 0 if spec.sharded else skip * rb)
+                if spec.sharded and error is None and data is not None:
                     try:
                         offsets, _ = parse_index(data, cr, spec.chunk_key(c))
-                    except CorruptStoreError:
-                        if c * cr >= w:
-                            held.append(c)
-                        continue  # reported above if it holds committed rows
-                    if (offsets[skip:] >= 0).any():
-                        held.append(c)
-                elif np.frombuffer(data, np.uint8).any():
+                    except CorruptStoreError as e:
+                        error = str(e)
+                if error is not None or spec.chunk_entry(c) in r.damaged_files:
+                    if c not in live and (ring or c * cr >= w):
+                        junk.append(c)
+                    continue  # one holding committed rows is reported with them
+                if ring or data is None:
+                    continue
+                if (offsets[skip:] >= 0).any() if spec.sharded else np.frombuffer(data, np.uint8).any():
                     held.append(c)
             if held:
                 r.tail_chunks[spec.path] = held
                 keys = ", ".join(spec.chunk_key(c) for c in held)
                 r.problems.append(
                     Problem("uncommitted", f"{spec.path}: rows past write_row {w:,} hold data that was never committed ({keys})")
+                )
+            if junk:
+                r.junk_chunks[spec.path] = junk
+                keys = ", ".join(spec.chunk_key(c) for c in junk)
+                r.problems.append(
+                    Problem(
+                        "uncommitted",
+                        f"{spec.path}: {keys} hold no committed row and cannot be read (something else is in their "
+                        "place); the next writer would fail on them, and a repair removes them",
+                    )
                 )
 
 
@@ -551,10 +556,11 @@ def repair(path: str | os.PathLike[str], *, progress: bool = False, log: Callabl
         committer = store._committer
         assert committer is not None
         for key, size in found.short_files:  # what is missing reads as zeros: now on disk too, as FORMAT.md says
-            name = loc.key_path(key)
-            os.makedirs(os.path.dirname(name), exist_ok=True)
-            with open(name, "r+b" if os.path.exists(name) else "wb") as f:
-                f.truncate(size)
+            fd = open_beneath(loc.root, key, create=True)
+            try:
+                os.ftruncate(fd, size)
+            finally:
+                os.close(fd)
             log(f"{key}: filled out to {size:,} bytes")
         clear_tail(store, log)
         final = verify(store, progress=progress)
@@ -576,11 +582,11 @@ def clear_tail(store: EpisodeStore, log: Callable[[str], None] = print) -> None:
     if committer is None:
         raise StoreError(f"{store.url}: open the store with mode='a' to clear past its commit record")
     left = verify(store, checksums=False)
-    if left.tail_positions or left.tail_chunks:
-        committer.clear_uncommitted(left.tail_positions, left.tail_chunks)
+    if left.tail_positions or left.tail_chunks or left.junk_chunks:
+        committer.clear_uncommitted(left.tail_positions, left.tail_chunks, left.junk_chunks)
         log(
             f"cleared past the commit: {len(left.tail_positions)} index rows, chunks "
-            f"{ {p: c for p, c in left.tail_chunks.items()} }"
+            f"{ {p: c for p, c in left.tail_chunks.items()} }, removed unreadable chunks {left.junk_chunks}"
         )
 
 

@@ -561,6 +561,35 @@ def test_a_file_that_is_a_fifo_a_directory_or_a_link_to_dev_zero(store, kind, wh
         _use(store, mode)
 
 
+LINKED = ["writer.lock", "commit.json", "steps", "steps/pixels", str(SHARD), "packs/float32", "packs/float32/c/0",
+          "episodes/length/c"]
+
+
+@pytest.mark.parametrize("where", LINKED)
+@pytest.mark.parametrize("mode", ["r", "a"])
+def test_a_link_out_of_the_store_is_never_followed(store, where, mode):
+    """A store from elsewhere whose file or directory is a symbolic link out of it, to a copy of what it replaced (so
+    that what is read through it would pass for the store's own): opening it for writing truncated the file the lock's
+    link named, and appends wrote rows through a linked directory. Each is now a CorruptStoreError naming the link,
+    and nothing outside the store changes."""
+    target, outside = store / where, store.parent / "outside" / where.replace("/", "_")
+    outside.parent.mkdir()
+    if target.is_dir():
+        shutil.copytree(target, outside)
+        shutil.rmtree(target)
+    else:  # the lock's record names a pid, as any file of the user's could hold
+        shutil.copy2(target, outside)
+        target.unlink()
+    target.symlink_to(outside, target_is_directory=outside.is_dir())
+    before = _tree_state(store.parent, skip=store)
+    if mode == "r" and where == "writer.lock":  # a reader never opens the lock
+        _use(store, mode)
+    else:
+        with pytest.raises(CorruptStoreError, match="symbolic link"):
+            _use(store, mode)
+    assert _tree_state(store.parent, skip=store) == before
+
+
 def test_a_commit_record_of_another_format_version_than_the_store(store):
     body = json.loads((store / "commit.json").read_text())
     _write_commit(store, {**body, "format_version": 1})  # the store's attributes say 3

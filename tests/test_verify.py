@@ -15,6 +15,7 @@ from gymnasium import spaces
 
 from her_store import EpisodeStore
 from her_store.cli import main
+from her_store.errors import CorruptStoreError
 from her_store.sampler import HerSampler
 from her_store.verify import repair, verify
 from tests.conftest import assert_episode_equal, fetch_spaces, make_episode
@@ -227,7 +228,7 @@ def test_a_directory_in_place_of_a_chunk_file_drops_its_episodes_and_repair_remo
     assert len(files) == 1 and "packs/float32/c/1/0" in str(files[0]), report.summary()
     assert report.bad_episodes.tolist() == list(files[0].episodes) and len(files[0].episodes) >= 3
     done = _cli(path, "--repair")
-    assert done.returncode == 0 and "removed packs/float32/c/1/0" in done.stdout, done
+    assert done.returncode == 0 and "removed packs/float32/c/1 (" in done.stdout, done
     assert os.path.isfile(name)  # the episodes moved after the cut were written again into a chunk file of its own
     _assert_repaired(path, eps, set(files[0].episodes))
 
@@ -267,6 +268,19 @@ def test_index_and_rows_past_the_commit_are_reported_and_cleared(tmp_path):
     finally:
         holder.kill()
         holder.communicate()
+    closed = subprocess.Popen(  # a process that closed its writer (the record still names it) is writing nothing
+        [sys.executable, "-c", ("import sys, time; from her_store import EpisodeStore\n"
+         "EpisodeStore.open(sys.argv[1], mode='a').close(); print('closed', flush=True); time.sleep(60)"), path],
+        stdout=subprocess.PIPE, text=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT},
+    )
+    try:
+        assert closed.stdout.readline().strip() == "closed"
+        assert f'"pid": {closed.pid}' in Path(path, "writer.lock").read_text()
+        report = verify(path)
+        assert {p.kind for p in report.problems} == {"uncommitted"} and not report.notes, report.summary()
+    finally:
+        closed.kill()
+        closed.communicate()
     report = verify(path)
     assert {p.kind for p in report.problems} == {"uncommitted"} and not report.notes
     assert report.tail_positions == [N, N + 1, N + 2]
@@ -284,37 +298,69 @@ def test_index_and_rows_past_the_commit_are_reported_and_cleared(tmp_path):
         assert store.end_episode == N
 
 
-@pytest.mark.parametrize("what", ["garbage", "directory", "symlink", "fifo"])
-def test_an_unreadable_shard_past_the_commit_is_reported_and_removed_so_the_store_can_be_appended_to(tmp_path, what):
-    """What a crash can leave at the next shard's key (a file cut short after its rename) holds no committed row, but
-    a writer reads the shard it appends to: verify reports it past the commit, and repair removes it."""
+JUNK = {  # what may be found at a chunk key past the commit, per kind of array
+    "image": ["garbage", "directory", "file link", "outside file link", "fifo"],
+    "lowdim": ["directory", "file link", "outside file link", "outside directory link", "file for its directory", "fifo"],
+}
+
+
+@pytest.mark.parametrize("capacity", [None, 4096], ids=["unbounded", "ring"])
+@pytest.mark.parametrize("kind, what", [(k, w) for k, ws in JUNK.items() for w in ws])
+def test_an_unreadable_chunk_past_the_commit_is_reported_and_removed_so_the_store_can_be_appended_to(tmp_path, kind, what, capacity):
+    """What a crash, or whoever made the store, can leave at the key of a chunk (a shard, a raw pack chunk) that holds
+    no committed row: a writer reads or writes the chunk it appends to, so each would fail it, or write through a link
+    to outside the store. verify reports it, repair removes it (a link itself, never what it names), and appends
+    reach the chunk's rows; nothing outside the store is touched. A ring not yet full has such chunks too."""
     path = str(tmp_path / "s")
-    eps = _build(path, "image", n=N)
+    eps = _build(path, kind, capacity=capacity, n=N)
     with EpisodeStore.open(path) as store:
-        spec, w = store.layout.arrays[-1], store.commit_record.write_row
-    key = spec.chunk_key(w // spec.chunk_rows + 1)  # the shard after the one the next append writes into
+        spec = next(a for a in store.layout.arrays if a.sharded == (kind == "image") and a.path != "packs/bool")
+        w = store.commit_record.write_row
+    c = w // spec.chunk_rows + 1  # the chunk after the one the next append writes into
+    key, entry = spec.chunk_key(c), spec.chunk_entry(c)
     target = os.path.join(path, key)
+    outside = tmp_path / "outside"
+    (outside / "dir").mkdir(parents=True)
+    (outside / "dir" / "0").write_bytes(b"\x05" * 100)
+    (outside / "file").write_bytes(b"\x06" * 100)
+    before = {p: p.read_bytes() for p in outside.rglob("*") if p.is_file()}
+    os.makedirs(os.path.dirname(os.path.join(path, entry)), exist_ok=True)
+    if entry != key:
+        os.makedirs(os.path.dirname(target), exist_ok=True)
     if what == "garbage":
         Path(target).write_bytes(b"\x07" * 100)
     elif what == "directory":
         os.makedirs(os.path.join(target, "x"))
-    elif what == "symlink":
+    elif what == "file link":
         os.symlink(os.path.join(path, "commit.json"), target)
+    elif what == "outside file link":
+        os.symlink(outside / "file", target)
+    elif what == "outside directory link":
+        os.rmdir(os.path.join(path, entry))
+        os.symlink(outside / "dir", os.path.join(path, entry))
+    elif what == "file for its directory":
+        os.rmdir(os.path.join(path, entry))
+        Path(path, entry).write_bytes(b"\x08" * 100)
     else:
         os.mkfifo(target)
     report = verify(path)
     assert [p.kind for p in report.problems] == ["uncommitted"] and key in report.summary(), report.summary()
-    assert report.tail_chunks == {spec.path: [w // spec.chunk_rows + 1]}
+    assert report.junk_chunks == {spec.path: [c]} and not report.tail_chunks
+    with pytest.raises(CorruptStoreError), EpisodeStore.open(path, mode="a") as store:  # refused, not written through
+        for i in range(N, N + 12):
+            store.append_episode(_tagged(store.observation_space, store.action_space, i))
+    assert {p: p.read_bytes() for p in outside.rglob("*") if p.is_file()} == before
     done = _cli(path, "--repair")
     assert done.returncode == 0 and "cleared past the commit" in done.stdout, done
-    assert not os.path.lexists(target)
+    assert not os.path.lexists(os.path.join(path, entry))
     _assert_repaired(path, eps, set())
-    with EpisodeStore.open(path, mode="a") as store:  # appends reach the shard's rows
+    with EpisodeStore.open(path, mode="a") as store:  # appends reach the chunk's rows
         for i in range(N, N + 12):
             eps[i] = _tagged(store.observation_space, store.action_space, i)
             store.append_episode(eps[i])
-        assert store.commit_record.write_row > (w // spec.chunk_rows + 1) * spec.chunk_rows
+        assert store.commit_record.write_row > (c + 1) * spec.chunk_rows
     _assert_repaired(path, eps, set())
+    assert {p: p.read_bytes() for p in outside.rglob("*") if p.is_file()} == before
 
 
 def test_a_torn_commit_record_is_reported_and_not_repaired(tmp_path):
