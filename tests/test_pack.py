@@ -272,6 +272,31 @@ def test_pack_while_a_writer_appends_gives_a_committed_prefix(tmp_path, capacity
                 )
 
 
+@pytest.mark.parametrize("capacity", [None, 4096], ids=["unbounded", "ring"])
+def test_what_lies_in_chunks_holding_no_live_row_is_not_packed(tmp_path, capacity):
+    """A crash's leftovers past the commit (a shard cut short, a raw chunk of rows never committed) were copied into
+    the zip, where verify then found them and no repair could remove them. Only chunks holding live rows are packed:
+    the archive verifies clean and holds every episode as the directory does."""
+    from her_store.verify import verify
+
+    src = _build(tmp_path / "store", capacity=capacity)
+    with EpisodeStore.open(src) as store:
+        w, layout = store.commit_record.write_row, store.layout
+        episodes = [store.episode(i) for i in range(store.first_episode, store.end_episode)]
+    past = {spec.path: spec.chunk_key(w // spec.chunk_rows + 2) for spec in layout.arrays}
+    for key in past.values():
+        Path(src, key).parent.mkdir(parents=True, exist_ok=True)
+        Path(src, key).write_bytes(b"\x07" * 100)
+    assert {p.kind for p in verify(src).problems} == {"uncommitted"}
+    pack_store(src, tmp_path / "store.zip")
+    assert not set(past.values()) & set(zipfile.ZipFile(tmp_path / "store.zip").namelist())
+    packed = verify(tmp_path / "store.zip")
+    assert packed.clean, packed.summary()
+    with EpisodeStore.open(tmp_path / "store.zip") as store:
+        for i, ep in enumerate(episodes):
+            assert_episode_equal(store.episode(store.first_episode + i), ep)
+
+
 def test_a_failed_pack_leaves_nothing(packed, tmp_path):
     src, zpath = packed
     before = zpath.read_bytes()
