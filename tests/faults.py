@@ -4,7 +4,8 @@ Counted are the calls that put bytes of the store somewhere: ``os.write``/``os.p
 under the store's directory, the raw writes of files opened with ``open`` under it (``zipfile``, ``numpy`` and
 Python's buffered files write through them), zarr's local ``_put`` (array metadata, compressed chunks) under it, and
 s3fs PUTs (``_pipe_file``) under the store's URL; with ``renames``, also the ``os.replace``/``os.rename`` that puts a
-written temp file or directory in place (a whole-object write). ``under`` narrows all of these to one part of the
+written temp file or directory in place (a whole-object write); with ``removals``, also each ``os.unlink``/``os.remove``
+/``os.rmdir`` of an entry under the store (``shutil.rmtree`` removes through them), named by its ``dir_fd`` when given. ``under`` narrows all of these to one part of the
 store, such as one sharded array's shards. Modes:
 
 - ``short``: that call writes half of its bytes and returns the short count (a whole-object write raises ENOSPC
@@ -50,12 +51,16 @@ class WriteFaults:
     """Count (``at=None``) or fail (``at=n``) the writes into one store (or the part ``under`` it) while the context
     is active."""
 
-    def __init__(self, root: str, at: int | None = None, mode: str = "enospc", under: str = "", renames: bool = False) -> None:
+    def __init__(
+        self, root: str, at: int | None = None, mode: str = "enospc", under: str = "", renames: bool = False,
+        removals: bool = False,
+    ) -> None:
         if mode not in MODES:
             raise ValueError(mode)
         self.root = root.rstrip("/")
         self.prefix = f"{self.root}/{under}"  # a counted write's path starts with this
         self.renames = renames
+        self.removals = removals
         self.at = at
         self.mode = mode
         self.calls = 0
@@ -97,6 +102,7 @@ class WriteFaults:
         import zarr.storage._local as zlocal
 
         write, pwrite, fsync, replace, rename, real_open = os.write, os.pwrite, os.fsync, os.replace, os.rename, io.open
+        real_removals = {name: getattr(os, name) for name in ("unlink", "remove", "rmdir")}
         put, pipe = zlocal._put, s3fs.S3FileSystem._pipe_file
 
         def p_write(fd: int, data: Any) -> int:
@@ -123,6 +129,15 @@ class WriteFaults:
             if self.renames and os.path.abspath(dst).startswith(self.prefix):
                 self._fault(True, os.path.abspath(dst))
             return rename(src, dst, *args, **kwargs)
+
+        def removal(real: Callable[..., None]) -> Callable[..., None]:
+            def p_remove(path: Any, *, dir_fd: int | None = None) -> None:
+                where = os.path.join(os.readlink(f"/proc/self/fd/{dir_fd}"), path) if dir_fd is not None else path
+                if os.path.abspath(os.fsdecode(where)).startswith(self.prefix):
+                    self._fault(True, os.path.abspath(os.fsdecode(where)))
+                return real(path, dir_fd=dir_fd)
+
+            return p_remove
 
         faults = self
 
@@ -159,6 +174,9 @@ class WriteFaults:
         self._patch(os, "fsync", p_fsync)
         self._patch(os, "replace", p_replace)
         self._patch(os, "rename", p_rename)
+        if self.removals:
+            for name, real in real_removals.items():
+                self._patch(os, name, removal(real))
         self._patch(io, "open", p_open)
         self._patch(builtins, "open", p_open)
         self._patch(zlocal, "_put", p_put)

@@ -330,9 +330,10 @@ def _assert_store(path: str, ids: list[int], card: dict | None = None, opts: dic
             assert store.metadata == card
 
 
-def _faulted(root: str, at: int, mode: str, *args: str) -> subprocess.CompletedProcess:
-    """``her-store ARGS`` with write ``at`` under ``root`` failing (``mode``); a failure must be one clear line."""
-    with warnings.catch_warnings(record=True), WriteFaults(root, at, mode, renames=True):
+def _faulted(root: str, at: int, mode: str, *args: str, removals: bool = False) -> subprocess.CompletedProcess:
+    """``her-store ARGS`` with write ``at`` under ``root`` failing (``mode``; counting removals too with ``removals``);
+    a failure must be one clear line."""
+    with warnings.catch_warnings(record=True), WriteFaults(root, at, mode, renames=True, removals=removals):
         warnings.simplefilter("always")
         proc = run_cli(*args)
     if proc.returncode:
@@ -465,6 +466,47 @@ def test_repair_failing_at_writes_is_finished_by_the_next_repair(tmp_path):
         assert verify(path).clean and _kept_originals(path, n) == good
         assert os.listdir(os.path.dirname(path)) == ["store"]  # the episodes moved aside are gone
         shutil.rmtree(os.path.dirname(path))
+
+
+def test_repair_failing_at_removals_is_finished_by_the_next_repair(tmp_path):
+    """Repair removes what holds no committed row and cannot be read (here a file where a raw chunk's directory goes, a
+    directory of files where the next chunk's file goes, a link out of the store): each removal failing (EIO) leaves a
+    store that opens with every committed episode and nothing outside touched, and the next --repair finishes."""
+    n = 8
+    base = str(tmp_path / "base" / "store")
+    workload("raw", base, 0, n)
+    with EpisodeStore.open(base) as store:
+        spec, w = store.layout.arrays[0], store.commit_record.write_row
+    c = w // spec.chunk_rows + 1
+    with open(os.path.join(base, spec.chunk_entry(c)), "wb") as f:  # a file where chunk c's directory goes
+        f.write(b"junk")
+    os.makedirs(os.path.join(base, spec.chunk_key(c + 1), "a", "b"))  # a directory where chunk c + 1's file goes
+    for name in ("x", "a/y", "a/b/z"):
+        with open(os.path.join(base, spec.chunk_key(c + 1), name), "wb") as f:
+            f.write(b"junk")
+    outside = tmp_path / "base" / "outside"
+    os.makedirs(outside / "0")
+    (outside / "0" / "keep").write_bytes(b"the user's")
+    os.symlink(outside, os.path.join(base, spec.chunk_entry(c + 2)))  # a link out of the store where chunk c + 2 goes
+    probe = str(tmp_path / "probe" / "store")
+    shutil.copytree(base, probe, symlinks=True)
+    with WriteFaults(os.path.dirname(probe), renames=True, removals=True) as counter:
+        assert run_cli("verify", "--quiet", "--repair", probe).returncode == 0
+    removals = [at for at, p in enumerate(counter.paths, 1) if "/packs/" in p and counter.kinds[at - 1] == "object"]
+    assert len(removals) >= 6, counter.paths  # the file, four entries of the directory tree, the link
+    assert verify(probe).clean and _kept_originals(probe, n) == list(range(n))
+    for at in removals:
+        path = str(tmp_path / f"{at}" / "store")
+        shutil.copytree(base, path, symlinks=True)
+        proc = _faulted(os.path.dirname(path), at, "eio", "verify", "--quiet", "--repair", path, removals=True)
+        assert proc.returncode == 2, proc  # one line saying why not
+        assert _kept_originals(path, n) == list(range(n))
+        assert not verify(path).clean  # what was left is still reported
+        again = run_cli("verify", "--quiet", "--repair", path)
+        assert again.returncode == 0, again
+        assert verify(path).clean and _kept_originals(path, n) == list(range(n))
+        shutil.rmtree(os.path.dirname(path))
+    assert (outside / "0" / "keep").read_bytes() == b"the user's" and os.listdir(outside) == ["0"]
 
 
 def _assert_beside(parent: str, names: list[str]) -> None:
