@@ -24,10 +24,8 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import errno
 import io
 import os
-import re
 import stat
 import struct
 import weakref
@@ -46,8 +44,8 @@ from her_store.progress import progress as progress_bar
 from her_store.storage import (
     METADATA_LIMIT,
     Location,
+    chunk_key,
     data_runs,
-    is_chunk_key,
     open_regular,
     staged_output,
     write_all,
@@ -73,7 +71,6 @@ _EOCD64 = struct.Struct("<4sQ2H2L4Q")  # zip64 end of central directory record
 _LOCATOR = struct.Struct("<4sLQL")  # zip64 end of central directory locator
 _CENTRAL = struct.Struct("<4s6H3L5H2L")  # central directory file header
 _LOCAL = struct.Struct("<4s5H3L2H")  # local file header
-_TEMP = re.compile(r"\.\d+\.tmp$")  # what an atomic write in progress leaves (storage.Location.write_atomic)
 
 
 def is_archive(path: str) -> bool:
@@ -416,19 +413,37 @@ class ArchiveStore(Store):
 # -- writing ----------------------------------------------------------------------------------------------------------
 
 
-def _store_files(root: str) -> list[tuple[str, int]]:
-    """(key, size) of every file a packed store holds: metadata (``zarr.json``) and chunks (:func:`is_chunk_key`),
-    neither the writer lock nor the temp files of writes in progress, nor anything else. Each is opened as a regular
-    file when it is copied (:func:`open_regular`), so a link or a FIFO there stops the pack."""
+def _store_files(root: str, keep: set[str]) -> list[tuple[str, int]]:
+    """(key, size) of the files under ``root`` whose keys are in ``keep`` (:func:`_packed_keys`), in key order. Each
+    is opened as a regular file when it is copied (:func:`open_regular`), so a link or a FIFO there stops the pack."""
     found = []
     for d, dirs, files in os.walk(root):
         dirs.sort()
         for name in sorted(files):
             key = os.path.relpath(os.path.join(d, name), root).replace(os.sep, "/")
-            if (name == "zarr.json" or is_chunk_key(key)) and not _TEMP.search(name):
+            if key in keep:
                 with contextlib.suppress(FileNotFoundError):  # a temp file renamed into place since it was listed
                     found.append((key, os.lstat(os.path.join(d, name)).st_size))
     return found
+
+
+def _packed_keys(store: Any) -> set[str]:
+    """The keys a packed store holds: the Zarr metadata of the root, its groups and the layout's arrays and index
+    columns; the chunks (shards) of the data arrays that hold rows of live episodes, and the index chunks holding their
+    positions (ids, or a ring's slots). Nothing else (the writer lock, temp files, what a crash left past the commit,
+    files of anyone else) is ever read from a store, and inside a zip it could not be repaired."""
+    keep = {"zarr.json", "packs/zarr.json", "steps/zarr.json", "episodes/zarr.json"}
+    keep |= {f"{spec.path}/zarr.json" for spec in store.layout.arrays}
+    table = store.episodes
+    starts = table["start_row"].astype(np.int64)
+    ends = starts + table["length"] + 1
+    for spec in store.layout.arrays:
+        keep |= {spec.chunk_key(c) for c in chunks_holding(starts, ends, spec.chunk_rows)}
+    positions = store.index.slots if store.index.slots is not None else store.commit_record.end_episode
+    for name, column in store._index_io.items():
+        keep.add(f"episodes/{name}/zarr.json")
+        keep |= {chunk_key(f"episodes/{name}", c, 1, "/") for c in range(-(-positions // column.chunk_rows))}
+    return keep
 
 
 def _zip_info(key: str, at: int) -> zipfile.ZipInfo:
@@ -493,13 +508,7 @@ def pack_store(
     with EpisodeStore.open(source.root, mode="r") as store:
         commit = store.commit_record
         version = store.layout.version
-        # a data array's chunks (shards) holding rows of the live episodes; any other (what a crash left past the
-        # commit, a key of another encoding) is never read, and inside a zip could not be repaired: left out
-        table = store.episodes
-        starts = table["start_row"].astype(np.int64)
-        ends = starts + table["length"] + 1
-        live = {spec.chunk_key(c) for spec in store.layout.arrays for c in chunks_holding(starts, ends, spec.chunk_rows)}
-        files = [(k, n) for k, n in _store_files(source.root) if k in live or not is_chunk_key(k) or k.startswith("episodes/")]
+        files = _store_files(source.root, _packed_keys(store))
         total = sum(size for _, size in files)
         zeros = bytes(COPY_BLOCK)  # a hole's bytes, for the members' CRC-32
         with staged_output(archive) as tmp, progress_bar(total, "packing", progress, unit="B", unit_scale=True) as bar:

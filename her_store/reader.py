@@ -388,18 +388,19 @@ class ShardedArray(CachedArray):
     assumed: S3 through s3fs can).
     """
 
-    # open shard files per array: a store of 1,000,000 frames has about 4,000 shards of 3x84x84 frames
+    # open shard files per sampler, shared by its image arrays: a store of 1,000,000 frames has about 4,000 shards of
+    # 3x84x84 frames
     MAX_OPEN = max(64, min(8192, resource.getrlimit(resource.RLIMIT_NOFILE)[0] // 4))
     WHOLE_RUNS = 2  # a gather needing this many separate runs of rows of a shard fetches it whole (README, measured)
     REREADS = 2  # a shard replaced under this many successive reads of its index is then fetched whole
 
-    def __init__(self, array: Any, spec: ArraySpec, cache_bytes: int, location: Location) -> None:
+    def __init__(self, array: Any, spec: ArraySpec, cache_bytes: int, location: Location, share: int = 1) -> None:
         super().__init__(array, spec, cache_bytes, root=location.root if location.is_local else None)
         self.location = location
         self.codec = FrameCodec(array, f"{location}/{spec.path}/zarr.json")
         self._balance = Balance()  # the decoding threads' share of a local LZ4 gather
-        if location.is_local:
-            self.max_entries = self.MAX_OPEN
+        if location.is_local:  # its part of the sampler's open shard files (``share``: its image arrays)
+            self.max_entries = max(16, self.MAX_OPEN // share)
         # local shards (see _local_rows): open files, and per shard its descriptor, the committed end when it was
         # opened (-1: not open) and the gather that last used it; per row its (offset, nbytes)
         self._files: dict[int, Any] = {}
@@ -706,8 +707,8 @@ class ShardedArray(CachedArray):
     def gather_split(self, rows: np.ndarray, out: np.ndarray, pool: ThreadPoolExecutor | None, parts: int) -> None:
         """Rows ``rows`` into ``out``, their byte ranges found once, then read and decoded in ``parts`` pieces on the
         threads of ``pool`` (the calling thread takes one): LZ4 in C without the GIL, other codecs row by row.
-        Locally, a gather over more shards than half of those that may be open at once (``MAX_OPEN``: tiny shards, a
-        low descriptor limit) takes them a group at a time, each group's files let go before the next is opened."""
+        Locally, a gather over more shards than half of those it may keep open (its part of ``MAX_OPEN``: tiny shards,
+        a low descriptor limit) takes them a group at a time, each group's files let go before the next is opened."""
         half = self.max_entries // 2
         if self.root is not None and len(rows) > half:
             uniq, group = np.unique(rows // self.chunk_rows, return_inverse=True)
@@ -913,9 +914,10 @@ class ChunkReader:
     def __init__(self, store: EpisodeStore, io_threads: int | None = None, cache_bytes: int = 32 << 20) -> None:
         self.arrays: dict[str, MappedArray | CachedArray] = {}
         loc = store._loc
+        images = sum(spec.sharded for spec in store.layout.arrays)
         for spec in store.layout.arrays:
             if spec.sharded:
-                self.arrays[spec.path] = ShardedArray(store._root[spec.path], spec, cache_bytes, loc)
+                self.arrays[spec.path] = ShardedArray(store._root[spec.path], spec, cache_bytes, loc, images)
             elif loc.is_local and not spec.compressed:
                 self.arrays[spec.path] = MappedArray(loc, spec)
             elif not spec.compressed:

@@ -13,7 +13,6 @@ import asyncio
 import contextlib
 import errno
 import functools
-import glob
 import io
 import json
 import math
@@ -243,10 +242,24 @@ class Location:
         CorruptStoreError
             One of the key's directories is a link or a file.
         """
-        *parts, _ = key.split("/")
-        os.close(_dir_beneath(self.root, parts, create=True))
+        self.make_parents(key)
         tmp = f"{self.key_path(key)}.{os.getpid()}.tmp"
         return tmp, _create_new(tmp)
+
+    def make_parents(self, key: str, create: bool = True) -> None:
+        """Make the local directories of ``key`` that are missing, none of them through a link; with ``create`` false,
+        only check the ones that exist.
+
+        Raises
+        ------
+        CorruptStoreError
+            One of them is a link, or a file.
+        """
+        try:
+            os.close(_dir_beneath(self.root, key.split("/")[:-1], create))
+        except FileNotFoundError:
+            if create:
+                raise
 
     def etag(self, key: str) -> str | None:
         """The ETag of an object on object storage (None locally, or when the store reports none)."""
@@ -289,21 +302,23 @@ class Location:
     def remove_temp_files(self, keys: Sequence[str] | None = None) -> int:
         """Remove the temp files that atomic writes of a writer killed mid-write left (``<key>.<pid>.tmp``, local disk
         only: on object storage a write is one PUT), under the whole location or, given ``keys``, of those keys only
-        (a create's, in a directory that may hold other files). Call it holding the writer lock. Returns how many."""
+        (a create's, in a directory that may hold other files; no link is followed to them). Call it holding the
+        writer lock. Returns how many."""
         if not self.is_local:
             return 0
         if keys is None:
-            found = [os.path.join(d, name) for d, _, files in os.walk(self.root) for name in files]
-        else:
-            found = [p for k in keys for p in glob.glob(glob.escape(self.key_path(k)) + ".*.tmp")]
+            return sum(_remove_temps(d, files) for d, _, files in os.walk(self.root))
         removed = 0
-        for path in found:
-            name = os.path.basename(path)
-            stem, _, pid = name[: -len(".tmp")].rpartition(".") if name.endswith(".tmp") else ("", "", "")
-            if stem and pid.isdigit():
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(path)
-                    removed += 1
+        for key in keys:
+            *parts, stem = key.split("/")
+            try:
+                fd = _dir_beneath(self.root, parts, create=False)
+            except FileNotFoundError:
+                continue
+            try:
+                removed += _remove_temps(fd, [n for n in os.listdir(fd) if n.startswith(f"{stem}.")])
+            finally:
+                os.close(fd)
         return removed
 
     def remove(self, key: str) -> None:
@@ -591,7 +606,8 @@ def open_beneath(root: str, key: str, create: bool = False) -> int:
     FileNotFoundError
         Nothing is there (and ``create`` is false).
     CorruptStoreError
-        A link, a directory, a FIFO or a device is at ``key`` or in place of one of its directories.
+        A link, a directory, a FIFO or a device is at ``key`` or in place of one of its directories; or, to be
+        written, the file has another name (a hard link).
 
     Examples
     --------
@@ -607,9 +623,17 @@ def open_beneath(root: str, key: str, create: bool = False) -> int:
     parent = _dir_beneath(root, parts, create)
     flags = os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC | (os.O_RDWR | os.O_CREAT if create else os.O_RDONLY)
     try:
-        return _regular(f"{root}/{key}", lambda: os.open(name, flags, 0o644, dir_fd=parent))
+        fd = _regular(f"{root}/{key}", lambda: os.open(name, flags, 0o644, dir_fd=parent))
     finally:
         os.close(parent)
+    links = os.fstat(fd).st_nlink
+    if create and links > 1:  # written in place: another name of the file would see (or be) the writes
+        os.close(fd)
+        raise CorruptStoreError(
+            f"{root}/{key} has {links} names (hard links); a file written in place must be the store's alone (copy a "
+            "store rather than linking its files)"
+        )
+    return fd
 
 
 def remove_beneath(root: str, key: str) -> None:
@@ -633,6 +657,22 @@ def _remove_in(parent: int, name: str) -> None:
             shutil.rmtree(name, dir_fd=parent)
         else:
             os.unlink(name, dir_fd=parent)
+
+
+def _remove_temps(directory: str | int, names: Sequence[str]) -> int:
+    """Remove the temp files ``<key>.<pid>.tmp`` among ``names`` in ``directory`` (a path, or a descriptor); returns
+    how many."""
+    removed = 0
+    for name in names:
+        stem, _, pid = name[: -len(".tmp")].rpartition(".") if name.endswith(".tmp") else ("", "", "")
+        if stem and pid.isdigit():
+            with contextlib.suppress(FileNotFoundError):
+                if isinstance(directory, int):
+                    os.unlink(name, dir_fd=directory)
+                else:
+                    os.unlink(os.path.join(directory, name))
+                removed += 1
+    return removed
 
 
 def _create_new(path: str) -> int:
@@ -1295,9 +1335,19 @@ class ZarrChunks:
     def _key(self, chunk: int) -> str:
         return chunk_key(self.array.path, chunk, self.array.ndim, key_separator(self.array))
 
+    def _check(self, first: int, last: int) -> None:
+        """Locally, before zarr reads or replaces chunks ``first .. last`` (it would follow a link, and block on a
+        FIFO): each a regular file of at most twice a chunk's bytes, or missing, with no link on its way
+        (:meth:`Location.check_file`)."""
+        if self.location.is_local:
+            limit = 2 * self.chunk_rows * self.array.nbytes // max(1, self.array.shape[0]) + (1 << 16)
+            for chunk in range(first, last + 1):
+                self.location.check_file(self._key(chunk), limit)
+
     def _chunk(self, chunk: int) -> np.ndarray:
         buf = self._cache.get(chunk)
         if buf is None:
+            self._check(chunk, chunk)
             r0 = chunk * self.chunk_rows
             buf = np.array(self.array[r0 : r0 + self.chunk_rows])  # fill values where the chunk does not exist yet
             self._cache[chunk] = buf
@@ -1315,6 +1365,7 @@ class ZarrChunks:
 
     def flush(self, fsync: bool) -> None:
         for chunk in sorted(self._dirty):
+            self._check(chunk, chunk)
             r0 = chunk * self.chunk_rows
             self.array[r0 : r0 + self.chunk_rows] = self._cache[chunk]
             if fsync and self.location.is_local:
@@ -1332,6 +1383,8 @@ class ZarrChunks:
             raise IndexError(f"rows {row0}..{row1} of {self.array.path} past its {self.array.shape[0]} rows")
         if self.raw:
             return self._read_ranges(row0, row1)
+        if row1 > row0:
+            self._check(row0 // self.chunk_rows, (row1 - 1) // self.chunk_rows)
         try:
             return np.asarray(self.array[row0:row1])
         except (ValueError, RuntimeError, TypeError) as e:  # what numcodecs and zarr raise for undecodable bytes

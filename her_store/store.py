@@ -1003,6 +1003,8 @@ def _write_nodes(loc: Location, files: Mapping[str, bytes], fsync: bool) -> None
         Something is already where a document goes (another Zarr node there, say): nothing is written.
     """
     if loc.is_local:
+        for key in files:  # a link on the way is refused before anything is made, or removed
+            loc.make_parents(key, create=False)
         taken = [k for k in files if os.path.lexists(loc.key_path(k))]
     else:
         found = set(loc.fs.find(loc.root, withdirs=True))
@@ -1015,7 +1017,7 @@ def _write_nodes(loc: Location, files: Mapping[str, bytes], fsync: bool) -> None
         )
     if loc.is_local:  # every directory before any file, so fsync'ing a file's directory makes the tree durable
         for key in files:
-            os.makedirs(os.path.dirname(loc.key_path(key)), exist_ok=True)
+            loc.make_parents(key)
     loc.remove_temp_files(list(files))  # what a create killed mid-write left
     for key in sorted(files, key=lambda k: (k != "zarr.json", k)):
         loc.write_atomic(key, files[key], fsync=fsync)

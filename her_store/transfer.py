@@ -81,7 +81,13 @@ class _Dest:
             parent, name = os.path.split(self.final.root)
             if os.path.lexists(self.final.root):
                 raise StoreExistsError(f"{self.final.root} exists; copy to a new destination (nothing was overwritten)")
-            self.loc = Location(os.path.join(parent, f".{name}.copy-partial"))  # made by the first file written
+            partial = os.path.join(parent, f".{name}.copy-partial")  # made by the first file written
+            if os.path.islink(partial) or (os.path.lexists(partial) and not os.path.isdir(partial)):
+                raise StoreExistsError(
+                    f"{partial} is a link or a file where the copy builds {dest} (a directory of its own); nothing was "
+                    "copied: move it away, or copy to another destination"
+                )
+            self.loc = Location(partial)
         else:
             self.loc = self.final
             if self.loc.exists(COMMIT_KEY):

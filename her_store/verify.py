@@ -391,6 +391,13 @@ class _Check:
     def _check_v1_chunk(self, spec: ArraySpec, c: int, k: range, where: str) -> int:
         cr, rb = spec.chunk_rows, spec.row_nbytes
         r0, r1 = c * cr, (c + 1) * cr
+        try:  # before zarr reads it: no link on its way, not a FIFO (zarr would follow the one, block on the other)
+            self.loc.check_file(spec.chunk_key(c), 2 * cr * rb + (1 << 16))
+        except CorruptStoreError as e:
+            self.report.problems.append(Problem("file", f"{where} cannot be read: {e}", self._affected(k, r0, r1)))
+            self.report.damaged_files.append(spec.chunk_entry(c))
+            self.bad[k.start : k.stop] |= (self.starts[k.start : k.stop] < r1) & (self.ends[k.start : k.stop] > r0)
+            return 0
         if not self.loc.exists(spec.chunk_key(c)):
             self.report.problems.append(Problem("file", f"{where} is missing", self._affected(k, r0, r1)))
         if not self.checksums:
@@ -462,14 +469,20 @@ class _Check:
         w, r = self.commit.write_row, self.report
         ring = self.store.capacity is not None
         for spec in self.store.layout.arrays:
-            if spec.compressed and not spec.sharded:
-                continue  # version 1 chunks: decoding past the commit is not worth it; the next writer overwrites them
             cr, rb = spec.chunk_rows, spec.row_nbytes
             live = set(self._chunks(spec))
             held, junk = [], []
             for c in self._existing(spec, 0 if ring else w // cr):
                 if ring and c in live:
                     continue  # checked with the committed rows; a ring's other rows are its evicted episodes'
+                if spec.compressed and not spec.sharded:
+                    # version 1 chunks are not decoded past the commit (the next writer overwrites them), only opened
+                    try:
+                        self.loc.check_file(spec.chunk_key(c), 2 * cr * rb + (1 << 16))
+                    except CorruptStoreError:
+                        if c not in live and (ring or c * cr >= w):
+                            junk.append(c)
+                    continue
                 skip = 0 if ring else max(w - c * cr, 0)
                 # a ring's raw chunk is only opened: whether it can be is all there is to know of it
                 data, size, error = self._read(spec, c, spec.sharded or not ring, 0 if spec.sharded else skip * rb)
@@ -636,8 +649,20 @@ PLAN_KEY = "plan.json"
 
 
 def _spill_dir(url: str) -> str:
-    """Where a repair keeps the good episodes it moves: beside the store, one per store."""
-    return os.path.join(os.path.dirname(url), f".{os.path.basename(url)}.repair")
+    """Where a repair keeps the good episodes it moves: beside the store, one per store, a directory of its own.
+
+    Raises
+    ------
+    CorruptStoreError
+        A link or a file is there: never followed, removed or written through.
+    """
+    path = os.path.join(os.path.dirname(url), f".{os.path.basename(url)}.repair")
+    if os.path.islink(path) or (os.path.lexists(path) and not os.path.isdir(path)):
+        raise CorruptStoreError(
+            f"{path} is a link or a file where a repair keeps the episodes it moves (a directory of its own); nothing "
+            "was changed: move it away, then repair again"
+        )
+    return path
 
 
 def _plan_of(url: str) -> dict[str, Any] | None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import resource
 import shutil
 import struct
@@ -620,3 +621,121 @@ def test_a_fill_value_or_storage_transformer_the_format_does_not_have(store, key
     _edit_json(store / "steps" / "pixels" / "zarr.json", lambda d: d.update({key: value}))
     with pytest.raises(CorruptStoreError):
         EpisodeStore.open(store)
+
+
+@contextlib.contextmanager
+def _no_hang(seconds: int = 30) -> Iterator[None]:
+    """A call that blocks (on a FIFO) fails the test rather than hanging the suite."""
+    import signal
+
+    def stop(*_: Any) -> None:
+        raise TimeoutError(f"blocked for {seconds} s")
+
+    old = signal.signal(signal.SIGALRM, stop)
+    signal.alarm(seconds)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, old)
+
+
+@pytest.mark.parametrize("kind", ["link", "fifo"])
+def test_a_version_1_store_with_a_link_or_a_fifo_at_an_image_chunk(tmp_path, kind):
+    """Version 1 image chunks are read and written through zarr, which follows links and blocks on a FIFO: a
+    linked chunk directory was read, verified clean and appended through (a file outside the store rewritten), and a
+    FIFO hung reads and verify. Each is now a CorruptStoreError, a damaged chunk to verify, and nothing outside
+    changes."""
+    from her_store.verify import verify
+
+    store = tmp_path / "case" / "store"
+    shutil.copytree(Path(__file__).parent / "data" / "v1_store", store)
+    chunk = store / "steps" / "pixels" / "c" / "0"
+    outside = tmp_path / "case" / "outside"
+    if kind == "link":
+        shutil.copytree(chunk, outside)  # the chunk's own bytes: read through the link, they would pass for it
+        shutil.rmtree(chunk)
+        chunk.symlink_to(outside, target_is_directory=True)
+    else:
+        outside.mkdir()
+        (chunk / "0" / "0" / "0").unlink()
+        os.mkfifo(chunk / "0" / "0" / "0")
+    before = _tree_state(store.parent, skip=store)
+    with _no_hang():
+        with pytest.raises(CorruptStoreError, match="symbolic link|not a directory|regular file"):
+            _use(store, "r")
+        with pytest.raises(CorruptStoreError, match="symbolic link|not a directory|regular file"):
+            _use(store, "a")
+        report = verify(store)
+    assert any(p.kind == "file" and "steps/pixels/c/0" in p.what for p in report.problems), report.summary()
+    assert _tree_state(store.parent, skip=store) == before
+
+
+@pytest.mark.parametrize("where", ["writer.lock", "past the commit"])
+def test_a_file_of_the_store_with_another_name_is_not_written_in_place(store, where):
+    """A hard link shares its file: the lock's record and a raw chunk's rows, written in place, changed a file
+    outside the store. A file the writer would write in place with another name is a CorruptStoreError."""
+    with EpisodeStore.open(store) as s:
+        spec, w = s.layout.arrays[0], s.commit_record.write_row
+    key = "writer.lock" if where == "writer.lock" else spec.chunk_key(w // spec.chunk_rows + 1)
+    outside = store.parent / "outside"
+    outside.mkdir()
+    (outside / "file").write_bytes(b"a file of the user's")
+    (store / key).parent.mkdir(parents=True, exist_ok=True)
+    (store / key).unlink(missing_ok=True)
+    os.link(outside / "file", store / key)
+    before = _tree_state(store.parent, skip=store)
+    with pytest.raises(CorruptStoreError, match="hard link"), EpisodeStore.open(store, "a") as s:
+        for i in range(40):
+            s.append_episode(make_episode(OBS, ACT, 5, seed=i, info_keys=("is_success",)))
+    assert _tree_state(store.parent, skip=store) == before
+
+
+def test_a_create_where_a_link_leads_out_changes_nothing(tmp_path):
+    """A directory to create a store in, holding a link where one of the store's directories goes: the create made
+    directories and removed temp-file look-alikes in the link's target. Now it is refused before anything of the
+    store is made, or anything removed."""
+    outside = tmp_path / "outside"
+    (outside / "float32").mkdir(parents=True)
+    (outside / "float32" / "zarr.json.1234.tmp").write_bytes(b"the user's")
+    path = tmp_path / "store"
+    path.mkdir()
+    (path / "packs").symlink_to(outside, target_is_directory=True)
+    before = _tree_state(outside, skip=outside / "nothing")
+    with pytest.raises(CorruptStoreError, match="packs is not a directory"):
+        EpisodeStore.create(path, OBS, ACT)
+    assert _tree_state(outside, skip=outside / "nothing") == before
+    assert sorted(os.listdir(path)) == ["packs", "writer.lock"]  # the lock the create took, and nothing of a store
+
+
+@pytest.mark.parametrize("tool", ["copy", "repair"])
+def test_a_link_where_a_tool_keeps_its_work_beside_a_store_is_refused(bases, tmp_path, tool):
+    """A copy builds its destination in ``.DEST.copy-partial``, a repair keeps the episodes it moves in
+    ``.NAME.repair``: a link planted there had a copy write the whole store into (and over) its target, and a repair
+    fail with an error naming no path. Both are refused naming the path, and nothing outside changes."""
+    from her_store import StoreExistsError
+    from her_store.transfer import copy_store
+    from her_store.verify import repair
+
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "zarr.json").write_bytes(b"the user's")
+    store = tmp_path / "store"
+    shutil.copytree(bases["unbounded"], store)
+    name = ".copy.copy-partial" if tool == "copy" else ".store.repair"
+    (tmp_path / name).symlink_to(outside, target_is_directory=True)
+    before = _tree_state(outside, skip=outside / "nothing")
+    if tool == "copy":
+        with pytest.raises(StoreExistsError, match=re.escape(name)):
+            copy_store(store, tmp_path / "copy")
+    else:
+        with EpisodeStore.open(store, "a") as s:  # an episode's bytes flipped: a repair must move the ones after it
+            row = int(s.episodes["start_row"][1])
+            spec = s.layout.arrays[0]
+        data = store / spec.chunk_key(row // spec.chunk_rows)
+        raw = bytearray(data.read_bytes())
+        raw[(row % spec.chunk_rows) * spec.row_nbytes] ^= 0xFF
+        data.write_bytes(bytes(raw))
+        with pytest.raises(CorruptStoreError, match=re.escape(name)):
+            repair(store, log=lambda line: None)
+    assert _tree_state(outside, skip=outside / "nothing") == before

@@ -275,8 +275,9 @@ def test_pack_while_a_writer_appends_gives_a_committed_prefix(tmp_path, capacity
 @pytest.mark.parametrize("capacity", [None, 4096], ids=["unbounded", "ring"])
 def test_what_lies_in_chunks_holding_no_live_row_is_not_packed(tmp_path, capacity):
     """A crash's leftovers past the commit (a shard cut short, a raw chunk of rows never committed) were copied into
-    the zip, where verify then found them and no repair could remove them. Only chunks holding live rows are packed:
-    the archive verifies clean and holds every episode as the directory does."""
+    the zip, where verify then found them and no repair could remove them; files no store has were packed too, or
+    stopped the pack (a link). Only the store's metadata and the chunks holding live rows (and index positions) are
+    packed: the archive verifies clean and holds every episode as the directory does."""
     from her_store.verify import verify
 
     src = _build(tmp_path / "store", capacity=capacity)
@@ -287,9 +288,16 @@ def test_what_lies_in_chunks_holding_no_live_row_is_not_packed(tmp_path, capacit
     for key in past.values():
         Path(src, key).parent.mkdir(parents=True, exist_ok=True)
         Path(src, key).write_bytes(b"\x07" * 100)
+    # and files no store has: someone's notes, metadata where no Zarr node is, a link past the index's positions
+    for key in ("notes/zarr.json", "packs/float32/c/0/zarr.json", "steps/zarr.json.4242.tmp"):
+        Path(src, key).parent.mkdir(parents=True, exist_ok=True)
+        Path(src, key).write_bytes(b"{}")
+    os.symlink(Path(src, "commit.json"), Path(src, "episodes/length/c/7"))
     assert {p.kind for p in verify(src).problems} == {"uncommitted"}
     pack_store(src, tmp_path / "store.zip")
-    assert not set(past.values()) & set(zipfile.ZipFile(tmp_path / "store.zip").namelist())
+    members = set(zipfile.ZipFile(tmp_path / "store.zip").namelist())
+    assert not {*past.values(), "notes/zarr.json", "packs/float32/c/0/zarr.json", "episodes/length/c/7"} & members
+    assert not any(m.endswith(".tmp") for m in members)
     packed = verify(tmp_path / "store.zip")
     assert packed.clean, packed.summary()
     with EpisodeStore.open(tmp_path / "store.zip") as store:

@@ -229,3 +229,45 @@ def test_a_gather_over_more_shards_than_may_be_open_takes_them_a_group_at_a_time
     assert len(arr._files) <= 16
     reader.close()
     store.close()
+
+
+def test_a_samplers_image_arrays_share_its_open_shard_files(tmp_path, monkeypatch):
+    """Each image array kept up to MAX_OPEN shard files open, so a store of four image fields in tiny shards ran a
+    sampler out of descriptors (a raw OSError) at a limit one array alone kept within. The arrays now share the
+    bound: batches of 1,024 sample within it, every frame its (episode, step)'s."""
+    import os
+    import resource
+
+    from gymnasium import spaces
+
+    from her_store.reader import MappedArray
+
+    monkeypatch.setattr(ShardedArray, "MAX_OPEN", 64)
+    monkeypatch.setattr(MappedArray, "MAX_MAPS", 8)  # the packs' 2-row chunks: mapped, each holding a descriptor
+    names = [f"pix{k}" for k in range(4)]
+    obs = spaces.Dict({**{k: v for k, v in OBS.spaces.items() if k != "pixels"},
+                       **{k: spaces.Box(0, 255, (3, 8, 8), np.uint8) for k in names}})
+    path = tmp_path / "s"
+    with EpisodeStore.create(path, obs, ACT, chunk_rows=2) as store:
+        for e in range(30):
+            ep = episode(e)
+            pixels = ep.pop("pixels")
+            store.append_episode({**ep, **{k: pixels + np.uint8(j) for j, k in enumerate(names)}})
+    store = EpisodeStore.open(path)
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    with HerSampler(store, 1024, reward_fn=sparse_reward, seed=0, io_threads=2) as sampler:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (len(os.listdir("/proc/self/fd")) + 64 + 40, hard))
+        try:
+            batches = [sampler.sample() for _ in range(3)]
+        finally:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+        assert sum(len(a._files) for a in sampler.reader.arrays.values() if isinstance(a, ShardedArray)) <= 64
+    for b in batches:
+        for frames in (b.observations, b.next_observations):
+            first = frames["pix0"].numpy()
+            e = first[:, 0, 0, 0].astype(np.int64) + 256 * first[:, 0, 0, 1].astype(np.int64)
+            s = first[:, 0, 0, 2].astype(np.int64)
+            want = rows(e, s)["pixels"]
+            for j, k in enumerate(names):
+                np.testing.assert_array_equal(frames[k].numpy(), want + np.uint8(j))
+    store.close()
