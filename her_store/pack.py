@@ -415,10 +415,15 @@ class ArchiveStore(Store):
 
 def _store_files(root: str, keep: set[str]) -> list[tuple[str, int]]:
     """(key, size) of the files under ``root`` whose keys are in ``keep`` (:func:`_packed_keys`), in key order. Each
-    is opened as a regular file when it is copied (:func:`open_regular`), so a link or a FIFO there stops the pack."""
+    is opened as a regular file when it is copied (:func:`open_regular`), so a link or a FIFO there stops the pack, as
+    does a linked directory on the way to one."""
     found = []
     for d, dirs, files in os.walk(root):
         dirs.sort()
+        for name in dirs:  # os.walk does not enter a linked directory: what the store needs behind one would be lost
+            rel = os.path.relpath(os.path.join(d, name), root).replace(os.sep, "/")
+            if os.path.islink(os.path.join(d, name)) and any(k.startswith(f"{rel}/") for k in keep):
+                raise CorruptStoreError(f"{os.path.join(d, name)} is a symbolic link; a store's directories are its own")
         for name in sorted(files):
             key = os.path.relpath(os.path.join(d, name), root).replace(os.sep, "/")
             if key in keep:

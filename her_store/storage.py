@@ -638,12 +638,18 @@ def open_beneath(root: str, key: str, create: bool = False) -> int:
 
 def remove_beneath(root: str, key: str) -> None:
     """Remove whatever is at ``key`` under the local directory ``root`` (a file, a directory and all it holds, a link
-    itself and not what it names), no link followed on the way there; nothing there is no error."""
+    itself and not what it names), no link followed on the way there; nothing there is no error. A link or a file in
+    place of one of its directories is removed instead: nothing reached through it is the store's."""
     *parts, name = key.split("/")
-    try:
-        parent = _dir_beneath(root, parts, create=False)
-    except FileNotFoundError:
-        return
+    for i in range(len(parts)):
+        try:
+            os.close(_dir_beneath(root, parts[: i + 1], create=False))
+        except FileNotFoundError:
+            return
+        except CorruptStoreError:  # parts[i] is a link or a file: it goes, and with it what was to be removed
+            parts, name = parts[:i], parts[i]
+            break
+    parent = _dir_beneath(root, parts, create=False)
     try:
         _remove_in(parent, name)
     finally:
@@ -800,8 +806,12 @@ def fsync_file(path: str) -> None:
 
 
 def drop_page_cache(path: str) -> None:
-    """Write a file's dirty pages back, then drop its pages from the OS page cache (a cold start)."""
-    fd = os.open(path, os.O_RDONLY)
+    """Write a file's dirty pages back, then drop its pages from the OS page cache (a cold start). Anything but a
+    regular file (a link, a FIFO someone left in a store) is left alone."""
+    try:
+        fd = open_regular(path)
+    except (OSError, CorruptStoreError):
+        return
     try:
         os.fdatasync(fd)
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)

@@ -31,6 +31,7 @@ import dataclasses
 import json
 import os
 import shutil
+import stat
 import time
 import zlib
 from collections.abc import Mapping
@@ -120,12 +121,14 @@ class _Dest:
 
     def sizes(self) -> dict[str, int]:
         """The size of every file under the destination, by key."""
-        if self.loc.is_local:
-            return {
-                os.path.relpath(os.path.join(d, f), self.loc.root): os.path.getsize(os.path.join(d, f))
-                for d, _, names in os.walk(self.loc.root)
-                for f in names
-            }
+        if self.loc.is_local:  # regular files only: anything else here (a link, a FIFO) is written over
+            found = {}
+            for d, _, names in os.walk(self.loc.root):
+                for f in names:
+                    st = os.lstat(os.path.join(d, f))
+                    if stat.S_ISREG(st.st_mode):
+                        found[os.path.relpath(os.path.join(d, f), self.loc.root)] = st.st_size
+            return found
         self.loc.fs.invalidate_cache(self.loc.root)
         found = self.loc.fs.find(self.loc.root, detail=True)
         return {path[len(self.loc.root) + 1 :]: int(info["size"]) for path, info in found.items()}
@@ -144,6 +147,8 @@ class _Dest:
                     os.ftruncate(fd, len(data))
                 finally:
                     os.close(fd)
+                if os.path.isdir(self.loc.key_path(key)) and not os.path.islink(self.loc.key_path(key)):
+                    self.loc.remove(key)  # junk in this copy's own partial directory, where a file goes
                 os.replace(tmp, self.loc.key_path(key))
                 written, zeros = written + n, zeros + len(data) - n
         elif items:
@@ -153,10 +158,13 @@ class _Dest:
         self.loc.write_atomic(MANIFEST_KEY, json.dumps({"source": identity, "files": files}).encode(), fsync=False)
         return written, zeros
 
-    def finish(self, commit: bytes) -> None:
-        """Write the commit record last (DEST becomes a store), the manifest gone first; locally, rename into place."""
+    def finish(self, commit: bytes, copied: set[str]) -> None:
+        """Write the commit record last (DEST becomes a store), the manifest gone first; locally, the partial
+        directory holding nothing but the ``copied`` keys (whatever else a killed copy or anyone left there is
+        removed), renamed into place."""
         if self.loc.is_local:
             os.unlink(self.loc.key_path(MANIFEST_KEY))
+            _prune(self.loc, copied)
             self.loc.write_atomic(COMMIT_KEY, commit, fsync=False)
             with staged_output(self.final.root) as tmp:
                 os.rename(self.loc.root, tmp)
@@ -165,6 +173,21 @@ class _Dest:
         # point (a failed PUT of the record too) resumes; a manifest left beside a record is inert
         self.loc.write_atomic(COMMIT_KEY, commit, fsync=False)
         self.loc.fs.rm_file(self.loc.key_path(MANIFEST_KEY))
+
+
+def _prune(loc: Location, keep: set[str]) -> None:
+    """Remove from a local directory every entry that is neither one of the ``keep`` keys (a regular file) nor a
+    directory on the way to one: links (never followed), FIFOs, other files and directories."""
+    leads = {"/".join(k.split("/")[:i]) for k in keep for i in range(1, k.count("/") + 1)}
+    for d, dirs, names in os.walk(loc.root):
+        here = os.path.relpath(d, loc.root).replace(os.sep, "/")
+        for name in [*names, *dirs]:
+            key = name if here == "." else f"{here}/{name}"
+            st = os.lstat(os.path.join(d, name))
+            wanted = key in keep and stat.S_ISREG(st.st_mode) or key in leads and stat.S_ISDIR(st.st_mode)
+            if not wanted:
+                loc.remove(key)
+        dirs[:] = [n for n in dirs if (n if here == "." else f"{here}/{n}") in leads and os.path.isdir(os.path.join(d, n))]
 
 
 def _fingerprints(loc: Location, keys: list[str]) -> dict[str, tuple[str, int]]:
@@ -396,7 +419,7 @@ def copy_store(
                 )
                 bad[:] = False
             if not bad.any():
-                out.finish(commit.to_bytes(store.layout.version))
+                out.finish(commit.to_bytes(store.layout.version), set(files))
                 tail = verify(out.final.url, checksums=False, storage_options=out.final.storage_options)
                 if tail.tail_positions or tail.tail_chunks or tail.junk_chunks:  # rows the writer added past this commit meanwhile
                     with EpisodeStore.open(out.final.url, "a", out.final.storage_options) as copied:

@@ -91,6 +91,7 @@ class Report:
     bad_episodes: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
     damaged_files: list[str] = field(default_factory=list)  # entries (ArraySpec.chunk_entry) of unreadable chunks
     short_files: list[tuple[str, int]] = field(default_factory=list)  # raw chunk keys not of their size, and the size
+    linked_files: list[str] = field(default_factory=list)  # raw chunk keys of committed rows with other (hard) links
     tail_positions: list[int] = field(default_factory=list)  # index positions holding ids never committed
     tail_chunks: dict[str, list[int]] = field(default_factory=dict)  # per array, chunks holding rows past write_row
     junk_chunks: dict[str, list[int]] = field(default_factory=dict)  # per array, unreadable chunks with no committed row
@@ -282,6 +283,16 @@ class _Check:
         except (CorruptStoreError, OSError) as e:
             return None, 0, str(e)
 
+    def _links(self, spec: ArraySpec, c: int) -> int:
+        """How many names a raw chunk's file has (1 on object storage and in a packed store, where nothing is written
+        in place)."""
+        if not self.loc.is_local or self.loc.archive is not None:
+            return 1
+        try:
+            return os.lstat(self.loc.key_path(spec.chunk_key(c))).st_nlink
+        except OSError:
+            return 1
+
     def _prefetched(self, pool: ThreadPoolExecutor, jobs: list[tuple[ArraySpec, int]]) -> Iterator[tuple[ArraySpec, int, Any]]:
         """The jobs with their files read (one large read each), up to READ_AHEAD bytes of files read ahead on the
         pool's threads while the current one is checked: the disk stays busy, with several reads queued."""
@@ -330,6 +341,11 @@ class _Check:
             self.report.damaged_files.append(spec.chunk_entry(c))
             self.bad[k.start : k.stop] |= (self.starts[k.start : k.stop] < r1) & (self.ends[k.start : k.stop] > r0)
             return 0
+        if data is not None and self._links(spec, c) > 1:
+            self.report.problems.append(Problem(
+                "file", f"{where} has {self._links(spec, c)} names (hard links): a writer, which writes its rows in "
+                "place, refuses it; a repair gives the store a copy of its own"))
+            self.report.linked_files.append(spec.chunk_key(c))
         want = cr * rb
         if size != want:
             # FORMAT.md: raw chunks are always full-size; what is missing reads as zeros (as the readers read it)
@@ -456,7 +472,7 @@ class _Check:
             try:
                 listed = os.listdir(where) if self.loc.is_local else self.loc.fs.ls(where, detail=False)
                 names = {n.rsplit("/", 1)[-1] for n in listed}
-            except FileNotFoundError:
+            except (FileNotFoundError, NotADirectoryError):  # (a file in its place: its committed chunks are reported)
                 return []
         found = (chunk_of(n, spec.separator, 1 + len(spec.row_shape)) for n in names)
         return sorted(c for c in found if c is not None and c >= first)
@@ -491,7 +507,8 @@ class _Check:
                         offsets, _ = parse_index(data, cr, spec.chunk_key(c))
                     except CorruptStoreError as e:
                         error = str(e)
-                if error is not None or spec.chunk_entry(c) in r.damaged_files:
+                raw_linked = not spec.sharded and data is not None and self._links(spec, c) > 1
+                if error is not None or spec.chunk_entry(c) in r.damaged_files or raw_linked:
                     if c not in live and (ring or c * cr >= w):
                         junk.append(c)
                     continue  # one holding committed rows is reported with them
@@ -511,8 +528,9 @@ class _Check:
                 r.problems.append(
                     Problem(
                         "uncommitted",
-                        f"{spec.path}: {keys} hold no committed row and cannot be read (something else is in their "
-                        "place); the next writer would fail on them, and a repair removes them",
+                        f"{spec.path}: {keys} hold no committed row and cannot be read or written in place (something "
+                        "else is in their place, or a file with other names); the next writer would fail on them, and "
+                        "a repair removes them",
                     )
                 )
 
@@ -575,6 +593,14 @@ def repair(path: str | os.PathLike[str], *, progress: bool = False, log: Callabl
             finally:
                 os.close(fd)
             log(f"{key}: filled out to {size:,} bytes")
+        for key in found.linked_files:  # the same bytes under a name of the store's alone, replacing the shared one
+            fd = open_beneath(loc.root, key)
+            try:
+                data = os.pread(fd, os.fstat(fd).st_size, 0)
+            finally:
+                os.close(fd)
+            loc.write_atomic(key, data, fsync=True)
+            log(f"{key}: copied, its other names left as they were")
         clear_tail(store, log)
         final = verify(store, progress=progress)
         log(final.summary())

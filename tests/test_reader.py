@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 from pathlib import Path
 
@@ -270,4 +271,35 @@ def test_a_samplers_image_arrays_share_its_open_shard_files(tmp_path, monkeypatc
             want = rows(e, s)["pixels"]
             for j, k in enumerate(names):
                 np.testing.assert_array_equal(frames[k].numpy(), want + np.uint8(j))
+    store.close()
+
+
+@pytest.mark.parametrize("where", ["raw", "shard"])
+def test_evicting_the_page_cache_passes_over_what_is_no_file_of_the_store(tmp_path, where):
+    """evict_page_cache walked every file of an array and opened each to drop its pages: a FIFO left past the commit
+    blocked it forever, and a link had it open a file outside the store. It now leaves them alone."""
+    import signal
+
+    path = tmp_path / "s"
+    with EpisodeStore.create(path, OBS, ACT, chunk_rows=CHUNK_ROWS) as store:
+        for e in range(3):
+            store.append_episode(episode(e))
+    store = EpisodeStore.open(path)
+    c = store.commit_record.write_row // CHUNK_ROWS + 1  # the chunk after the last: every walk over them reaches it
+    key = f"packs/float32/c/{c}/0" if where == "raw" else f"steps/pixels/c.{c}.0.0.0"
+    (path / key).parent.mkdir(parents=True, exist_ok=True)
+    os.mkfifo(path / key)
+    with HerSampler(store, 16, reward_fn=sparse_reward, seed=0) as sampler:
+        sampler.sample()
+        def stop(*_):
+            raise TimeoutError("evict_page_cache blocked")
+
+        old = signal.signal(signal.SIGALRM, stop)
+        signal.alarm(10)  # a blocked open fails the test rather than hanging the suite
+        try:
+            sampler.reader.evict_page_cache()
+        finally:
+            signal.alarm(0)
+            signal.signal(signal.SIGALRM, old)
+        sampler.sample()
     store.close()

@@ -195,6 +195,31 @@ def test_a_local_copy_killed_half_way_resumes_from_its_partial_directory(tmp_pat
     assert not os.path.exists(os.path.join(str(tmp_path), ".dest.copy-partial"))
 
 
+def test_a_resumed_copy_writes_over_junk_in_its_partial_directory(tmp_path):
+    """What lies in a killed copy's partial directory is the copy's own to replace: a dangling link made the resumed
+    copy fail with a raw FileNotFoundError, a directory where a file goes with a raw IsADirectoryError. Both are now
+    written over, and the copy completes."""
+    src, dest = str(tmp_path / "src"), str(tmp_path / "dest")
+    _make(src, 60)
+    proc = _slow_copy(f"{src!r}, {dest!r}")
+    partial = Path(tmp_path, ".dest.copy-partial")
+    _wait_for_manifest((partial / MANIFEST_KEY).read_bytes)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    (partial / "junk").symlink_to(tmp_path / "nowhere")
+    planted = 0
+    for d, _, names in os.walk(src):
+        for name in names:
+            key = os.path.relpath(os.path.join(d, name), src)
+            if name != "writer.lock" and not (partial / key).exists() and not (partial / key).is_symlink():
+                (partial / key / "inside").mkdir(parents=True)
+                planted += 1
+    assert planted > 0
+    copy_store(src, dest)
+    _check(dest, end=60)
+    assert not partial.exists()
+
+
 def test_a_destination_holding_another_store_or_files_is_refused(tmp_path, s3_url):
     url, opts = s3_url
     a, b = str(tmp_path / "a"), str(tmp_path / "b")

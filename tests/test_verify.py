@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import io
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -435,3 +436,69 @@ def test_a_repair_stopped_half_way_loses_nothing_and_the_next_repair_finishes_it
     for i, t in zip(range(len(tags)), tags):
         with EpisodeStore.open(path) as s:
             assert_episode_equal(s.episode(i), eps[t])
+
+
+@pytest.mark.parametrize("kind", ["file", "fifo", "link"])
+def test_a_chunk_directory_replaced_is_reported_and_repaired_without_reaching_through_it(tmp_path, kind):
+    """``packs/float32/c`` (every chunk of the array) replaced by a file, a FIFO, or a link to a copy outside the store:
+    verify raised a raw NotADirectoryError, and a repair dropped every episode, then failed removing the chunks
+    through the link, leaving a store no append could write to. Now every episode with rows there is reported, a
+    repair drops them and removes what is in the directory's place (a link itself), and appends work again."""
+    path = str(tmp_path / "s")
+    eps = _build(path)
+    c = os.path.join(path, "packs", "float32", "c")
+    outside = tmp_path / "outside"
+    shutil.copytree(c, outside)
+    shutil.rmtree(c)
+    if kind == "file":
+        Path(c).write_bytes(b"junk")
+    elif kind == "fifo":
+        os.mkfifo(c)
+    else:
+        os.symlink(outside, c)
+    before = {p: p.read_bytes() for p in outside.rglob("*") if p.is_file()}
+    report = verify(path)
+    assert set(report.bad_episodes.tolist()) == set(range(N)), report.summary()
+    done = _cli(path, "--repair")
+    assert done.returncode == 0, done
+    assert not os.path.lexists(c) or os.path.isdir(c) and not os.path.islink(c)
+    with EpisodeStore.open(path, mode="a") as store:
+        assert store.num_episodes == 0
+        for i in range(N, N + 6):
+            eps[i] = _tagged(store.observation_space, store.action_space, i)
+            store.append_episode(eps[i])
+    _assert_repaired(path, eps, set(range(N)))
+    assert {p: p.read_bytes() for p in outside.rglob("*") if p.is_file()} == before
+
+
+@pytest.mark.parametrize("where", ["past the commit", "committed"])
+def test_a_raw_chunk_with_another_name_is_reported_and_given_a_copy_of_its_own(tmp_path, where):
+    """A raw chunk file with another (hard) link: the writer, which writes rows in place, refuses it. Past the commit
+    (all zeros, so neither unreadable nor a tail) verify called the store clean and it could never be appended to
+    again; committed, the same. verify reports it; repair removes it (past the commit) or gives the store its own copy
+    (committed, its rows kept); appends work and the other name's file is unchanged."""
+    path = str(tmp_path / "s")
+    eps = _build(path)
+    with EpisodeStore.open(path) as store:
+        spec, w = store.layout.arrays[0], store.commit_record.write_row
+    c = w // spec.chunk_rows + (1 if where == "past the commit" else 0)
+    name = os.path.join(path, spec.chunk_key(c))
+    os.makedirs(os.path.dirname(name), exist_ok=True)
+    if where == "past the commit":
+        Path(name).write_bytes(bytes(spec.chunk_rows * spec.row_nbytes))
+    other = tmp_path / "other"
+    os.link(name, other)
+    before = other.read_bytes()
+    report = verify(path)
+    assert not report.clean and spec.chunk_key(c) in report.summary(), report.summary()
+    assert (report.junk_chunks == {spec.path: [c]}) if where == "past the commit" else report.linked_files == [spec.chunk_key(c)]
+    done = _cli(path, "--repair")
+    assert done.returncode == 0, done
+    _assert_repaired(path, eps, set())
+    with EpisodeStore.open(path, mode="a") as store:
+        for i in range(N, N + 12):
+            eps[i] = _tagged(store.observation_space, store.action_space, i)
+            store.append_episode(eps[i])
+        assert store.commit_record.write_row > (c + 1) * spec.chunk_rows
+    _assert_repaired(path, eps, set())
+    assert other.read_bytes() == before and other.stat().st_nlink == 1
