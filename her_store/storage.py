@@ -1347,10 +1347,13 @@ class ZarrChunks:
 
     def _check(self, first: int, last: int) -> None:
         """Locally, before zarr reads or replaces chunks ``first .. last`` (it would follow a link, and block on a
-        FIFO): each a regular file of at most twice a chunk's bytes, or missing, with no link on its way
-        (:meth:`Location.check_file`)."""
+        FIFO): each a regular file of at most what a compressed chunk may hold (:func:`~her_store.shard.shard_limit`,
+        as copies and verify bound it), or missing, with no link on its way (:meth:`Location.check_file`)."""
         if self.location.is_local:
-            limit = 2 * self.chunk_rows * self.array.nbytes // max(1, self.array.shape[0]) + (1 << 16)
+            from her_store.shard import shard_limit  # (shard builds on this module)
+
+            row_nbytes = int(np.prod(self.array.shape[1:], dtype=np.int64)) * np.dtype(self.array.dtype).itemsize
+            limit = shard_limit(self.chunk_rows, row_nbytes)
             for chunk in range(first, last + 1):
                 self.location.check_file(self._key(chunk), limit)
 

@@ -7,10 +7,11 @@ what opening does not read: every chunk file and shard holding committed rows (p
 parsing and holding every committed row), every live episode's crc32 (the rule of FORMAT.md, Checksums, computed
 from whole chunk files read in order, one large read each, the next read while the current one is checksummed), and
 what a commit that never completed left past the record (index rows of ids never committed; an unbounded store's
-rows past ``write_row``).
+rows past ``write_row``), and in any store the chunks holding no committed row that a writer could not read or write
+in place (something else in their place, a file with another hard link).
 
-:func:`repair` drops, with a new commit, the episodes that fail their crc32 or whose rows are missing, and clears
-an uncommitted tail. Episode ids are consecutive, so episodes are dropped as the ring drops them: bad episodes at the
+:func:`repair` drops, with a new commit, the episodes that fail their crc32 or whose rows are missing, clears an
+uncommitted tail, removes such chunks and gives a committed chunk with another hard link a copy of its own. Episode ids are consecutive, so episodes are dropped as the ring drops them: bad episodes at the
 start of the live range are evicted; from the first bad episode after them the live range is cut, and the good
 episodes that followed it are appended again (new ids, each printed beside its old one).
 """
@@ -341,10 +342,11 @@ class _Check:
             self.report.damaged_files.append(spec.chunk_entry(c))
             self.bad[k.start : k.stop] |= (self.starts[k.start : k.stop] < r1) & (self.ends[k.start : k.stop] > r0)
             return 0
-        if data is not None and self._links(spec, c) > 1:
+        links = self._links(spec, c) if data is not None else 1
+        if links > 1:
             self.report.problems.append(Problem(
-                "file", f"{where} has {self._links(spec, c)} names (hard links): a writer, which writes its rows in "
-                "place, refuses it; a repair gives the store a copy of its own"))
+                "file", f"{where} has {links} names (hard links): a writer, which writes its rows in place, refuses "
+                "it; a repair gives the store a copy of its own"))
             self.report.linked_files.append(spec.chunk_key(c))
         want = cr * rb
         if size != want:
@@ -408,7 +410,7 @@ class _Check:
         cr, rb = spec.chunk_rows, spec.row_nbytes
         r0, r1 = c * cr, (c + 1) * cr
         try:  # before zarr reads it: no link on its way, not a FIFO (zarr would follow the one, block on the other)
-            self.loc.check_file(spec.chunk_key(c), 2 * cr * rb + (1 << 16))
+            self.loc.check_file(spec.chunk_key(c), shard_limit(cr, rb))
         except CorruptStoreError as e:
             self.report.problems.append(Problem("file", f"{where} cannot be read: {e}", self._affected(k, r0, r1)))
             self.report.damaged_files.append(spec.chunk_entry(c))
@@ -494,7 +496,7 @@ class _Check:
                 if spec.compressed and not spec.sharded:
                     # version 1 chunks are not decoded past the commit (the next writer overwrites them), only opened
                     try:
-                        self.loc.check_file(spec.chunk_key(c), 2 * cr * rb + (1 << 16))
+                        self.loc.check_file(spec.chunk_key(c), shard_limit(cr, rb))
                     except CorruptStoreError:
                         if c not in live and (ring or c * cr >= w):
                             junk.append(c)
