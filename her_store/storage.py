@@ -795,6 +795,12 @@ def write_sparse(fd: int, data: Any, offset: int) -> int:
     return sum(b - a for a, b in runs)
 
 
+def blocks_directory(path: str) -> bool:
+    """Whether something other than a directory is at ``path``: a link (to anything) or a file, where a scratch
+    directory of its own (a repair's, a copy's) goes. Nothing there, or a directory, is False."""
+    return os.path.islink(path) or (os.path.lexists(path) and not os.path.isdir(path))
+
+
 def fsync_file(path: str) -> None:
     """fsync a file or directory by path (a directory's fsync makes renames and new entries durable)."""
     fd = os.open(path, os.O_RDONLY)

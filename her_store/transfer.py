@@ -44,7 +44,15 @@ from her_store.errors import CorruptStoreError, ReadOnlyStoreError, StoreExistsE
 from her_store.format import COMMIT_KEY, INDEX_COLUMNS, ArraySpec
 from her_store.progress import progress as progress_bar
 from her_store.shard import parse_index, shard_limit
-from her_store.storage import METADATA_LIMIT, Location, chunk_key, nonzero_runs, staged_output, write_sparse
+from her_store.storage import (
+    METADATA_LIMIT,
+    Location,
+    blocks_directory,
+    chunk_key,
+    nonzero_runs,
+    staged_output,
+    write_sparse,
+)
 from her_store.store import EpisodeStore
 from her_store.verify import clear_tail, verify
 
@@ -83,7 +91,7 @@ class _Dest:
             if os.path.lexists(self.final.root):
                 raise StoreExistsError(f"{self.final.root} exists; copy to a new destination (nothing was overwritten)")
             partial = os.path.join(parent, f".{name}.copy-partial")  # made by the first file written
-            if os.path.islink(partial) or (os.path.lexists(partial) and not os.path.isdir(partial)):
+            if blocks_directory(partial):
                 raise StoreExistsError(
                     f"{partial} is a link or a file where the copy builds {dest} (a directory of its own); nothing was "
                     "copied: move it away, or copy to another destination"
@@ -198,7 +206,7 @@ def _fingerprints(loc: Location, keys: list[str]) -> dict[str, tuple[str, int]]:
     if loc.is_local:
         for key in keys:
             with contextlib.suppress(FileNotFoundError):
-                st = os.stat(loc.key_path(key))
+                st = os.lstat(loc.key_path(key))  # a link is found, and refused when read (naming it)
                 out[key] = (f"{st.st_size}:{st.st_mtime_ns}", st.st_size)
         return out
     if loc.is_http:

@@ -38,7 +38,7 @@ from her_store.format import LOCK_KEY, ArraySpec
 from her_store.index import EpisodeIndex, chunks_holding
 from her_store.progress import progress as progress_bar
 from her_store.shard import parse_index, shard_limit
-from her_store.storage import Location, active_writer, chunk_of, open_beneath
+from her_store.storage import Location, active_writer, blocks_directory, chunk_of, open_beneath
 from her_store.store import EpisodeStore
 
 __all__ = ["Problem", "Report", "add_arguments", "repair", "run", "verify"]
@@ -685,7 +685,7 @@ def _spill_dir(url: str) -> str:
         A link or a file is there: never followed, removed or written through.
     """
     path = os.path.join(os.path.dirname(url), f".{os.path.basename(url)}.repair")
-    if os.path.islink(path) or (os.path.lexists(path) and not os.path.isdir(path)):
+    if blocks_directory(path):
         raise CorruptStoreError(
             f"{path} is a link or a file where a repair keeps the episodes it moves (a directory of its own); nothing "
             "was changed: move it away, then repair again"

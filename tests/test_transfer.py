@@ -220,6 +220,22 @@ def test_a_resumed_copy_writes_over_junk_in_its_partial_directory(tmp_path):
     assert not partial.exists()
 
 
+@pytest.mark.parametrize("target", ["nowhere", "another chunk"])
+def test_a_link_at_a_committed_chunk_of_the_source_is_named(tmp_path, target):
+    """A committed chunk that is a link, dangling or to another of the store's chunks, is refused by name. A dangling
+    one was taken for a missing file, and the copy failed saying only that episodes did not match their crc32."""
+    src, dest = tmp_path / "src", str(tmp_path / "dest")
+    _make(str(src), 10)
+    chunk = src / "steps" / "pixels" / "c.0.0.0.0"
+    other = src / "steps" / "pixels" / "c.1.0.0.0"
+    assert chunk.is_file() and other.is_file()
+    chunk.unlink()
+    chunk.symlink_to(tmp_path / "nowhere" if target == "nowhere" else other)
+    with pytest.raises(CorruptStoreError, match=f"{chunk}.*symbolic link"):
+        copy_store(str(src), dest)
+    assert not os.path.exists(dest)
+
+
 def test_a_destination_holding_another_store_or_files_is_refused(tmp_path, s3_url):
     url, opts = s3_url
     a, b = str(tmp_path / "a"), str(tmp_path / "b")
