@@ -88,35 +88,13 @@ def store_path(tmp_path):
 
 @pytest.fixture(scope="session")
 def s3_endpoint():
-    """moto's S3 server on loopback, in its own process (as zarr and s3fs test themselves; a server thread inside
-    the test process would share its interpreter with the code under test)."""
+    """moto's S3 server on loopback, in its own process (tests/s3_server.py), for the whole session."""
     pytest.importorskip("s3fs", reason="pip install her_store[s3]")
     pytest.importorskip("moto.server", reason="pip install moto[server]")
-    import socket
-    import subprocess
-    import sys
-    import time
+    from tests.s3_server import moto_server
 
-    for k, v in {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}.items():
-        os.environ.setdefault(k, v)
-    with socket.socket() as sock:  # a free port
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    server = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        deadline = time.monotonic() + 60
-        while True:
-            with socket.socket() as sock:
-                if sock.connect_ex(("127.0.0.1", port)) == 0:
-                    break
-            if server.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"moto's S3 server did not start (exit status {server.poll()})")
-            time.sleep(0.05)
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.terminate()
-        server.wait()
+    with moto_server() as endpoint:
+        yield endpoint
 
 
 @pytest.fixture

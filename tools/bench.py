@@ -977,29 +977,16 @@ def _serve_http(directory: str, port: Any) -> None:
 
 @contextlib.contextmanager
 def moto_s3() -> Iterator[dict[str, Any]]:
-    """moto's S3 server on loopback in its own process, with a bucket ``bench``: the storage options to reach it."""
-    import socket
-    import subprocess
+    """moto's S3 server on loopback in its own process (tests/s3_server.py), with a bucket ``bench``: the storage
+    options to reach it."""
+    import s3fs
 
-    with socket.socket() as sock:  # a free port for moto's S3 server
-        sock.bind(("127.0.0.1", 0))
-        s3_port = sock.getsockname()[1]
-    s3_server = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(s3_port)],
-                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        for _ in range(200):
-            with socket.socket() as sock:
-                if sock.connect_ex(("127.0.0.1", s3_port)) == 0:
-                    break
-            time.sleep(0.05)
-        opts = {"client_kwargs": {"endpoint_url": f"http://127.0.0.1:{s3_port}"}, "key": "testing", "secret": "testing"}
-        import s3fs
+    from tests.s3_server import moto_server
 
+    with moto_server() as endpoint:
+        opts = {"client_kwargs": {"endpoint_url": endpoint}, "key": "testing", "secret": "testing"}
         s3fs.S3FileSystem(**opts).mkdir("bench")
         yield opts
-    finally:
-        s3_server.terminate()
-        s3_server.wait()
 
 
 def bench_remote(workdir: str, quick: bool) -> dict[str, Any]:
@@ -1296,10 +1283,11 @@ def pin_allocator() -> str:
     so no figure depends on the allocator's history. Returns what was done, for the report."""
     try:
         libc = ctypes.CDLL("libc.so.6")
-        pinned = libc.mallopt(-3, 64 << 20) == 1 and libc.mallopt(-1, 1 << 30) == 1  # M_MMAP_THRESHOLD, M_TRIM_THRESHOLD
+        # M_MMAP_THRESHOLD (-3) and M_TRIM_THRESHOLD (-1)
+        pinned = libc.mallopt(-3, 64 << 20) == 1 and libc.mallopt(-1, 1 << 30) == 1
     except (OSError, AttributeError):
         pinned = False
-    return "glibc malloc: mmap threshold 64 MiB, trim threshold 1 GiB" if pinned else "not glibc: allocator left as it is"
+    return "glibc malloc: mmap threshold 64 MiB, trim threshold 1 GiB" if pinned else "not glibc: allocator as it is"
 
 
 def main(argv: list[str] | None = None) -> int:
