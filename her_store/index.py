@@ -11,6 +11,7 @@ from typing import Protocol
 import numpy as np
 
 from her_store.format import INDEX_COLUMNS
+from her_store.storage import read_rows
 
 __all__ = ["EpisodeIndex", "IndexView", "ColumnIO", "chunks_holding"]
 
@@ -236,10 +237,13 @@ class EpisodeIndex:
 
     @staticmethod
     def read(io: Mapping[str, ColumnIO], segments: list[tuple[int, int, int]]) -> dict[str, np.ndarray]:
-        """Read the index rows at the given segments (from :meth:`positions`), concatenated per column."""
-        out = {}
-        for name, dt in INDEX_COLUMNS.items():
-            parts = [io[name].read(pos, pos + (b - a)) for pos, a, b in segments]
+        """Read the index rows at the given segments (from :meth:`positions`), concatenated per column: every column's
+        rows at once (:func:`~her_store.storage.read_rows`: one round of requests on object storage)."""
+        reads = [(io[name], pos, pos + (b - a)) for name in INDEX_COLUMNS for pos, a, b in segments]
+        got = read_rows(reads)  # type: ignore[arg-type]
+        out, n = {}, len(segments)
+        for k, (name, dt) in enumerate(INDEX_COLUMNS.items()):
+            parts = got[k * n : (k + 1) * n]
             out[name] = parts[0] if len(parts) == 1 else np.concatenate(parts) if parts else np.zeros(0, dt)
         return out
 

@@ -1412,18 +1412,29 @@ class ZarrChunks:
     def _read_ranges(self, row0: int, row1: int) -> np.ndarray:
         """Rows of an uncompressed array, one byte range of each chunk they lie in (read at once; a chunk never
         written reads as zeros): a row of a 1,048,576-row chunk costs its bytes, not the chunk's."""
+        keys, starts, ends, rows = self._ranges(row0, row1)
+        return rows(self.location.read_ranges(keys, starts, ends))
+
+    def _ranges(
+        self, row0: int, row1: int
+    ) -> tuple[list[str], list[int], list[int], Callable[[Sequence[bytes | None]], np.ndarray]]:
+        """The byte ranges (keys, starts, ends) that hold rows ``row0 .. row1`` of an uncompressed array, and what
+        makes the rows of their bytes (None for a chunk never written: zeros)."""
         dtype, row_shape = np.dtype(self.array.dtype).newbyteorder("<"), tuple(self.array.shape[1:])
         row_nbytes = int(np.prod(row_shape, dtype=np.int64)) * dtype.itemsize
         first = np.arange(row0 - row0 % self.chunk_rows, row1, self.chunk_rows)
         lo, hi = np.maximum(first, row0), np.minimum(first + self.chunk_rows, row1)
         keys = [self._key(c) for c in (first // self.chunk_rows).tolist()]
-        got = self.location.read_ranges(keys, ((lo - first) * row_nbytes).tolist(), ((hi - first) * row_nbytes).tolist())
-        out = np.zeros((row1 - row0, *row_shape), dtype)
-        flat = out.reshape(-1).view(np.uint8)
-        for a, raw in zip((lo - row0) * row_nbytes, got):
-            if raw is not None:
-                flat[a : a + len(raw)] = np.frombuffer(raw, np.uint8)
-        return out
+
+        def rows(got: Sequence[bytes | None]) -> np.ndarray:
+            out = np.zeros((row1 - row0, *row_shape), dtype)
+            flat = out.reshape(-1).view(np.uint8)
+            for a, raw in zip((lo - row0) * row_nbytes, got):
+                if raw is not None:
+                    flat[a : a + len(raw)] = np.frombuffer(raw, np.uint8)
+            return out
+
+        return keys, ((lo - first) * row_nbytes).tolist(), ((hi - first) * row_nbytes).tolist(), rows
 
     def discard(self, chunk: int) -> None:
         """Remove a chunk that holds no committed row, whatever is there (:func:`chunk_entry`)."""
@@ -1433,6 +1444,36 @@ class ZarrChunks:
 
     def close(self) -> None:
         self._cache.clear()
+
+
+def read_rows(reads: Sequence[tuple[RawChunkFile | ZarrChunks, int, int]]) -> list[np.ndarray]:
+    """``io.read(row0, row1)`` for each ``(io, row0, row1)``; the byte ranges of uncompressed arrays on object storage
+    or HTTP, all on one location, are fetched together (one round of concurrent GETs for the ten index columns of an
+    episode table, rather than ten rounds one after the other).
+
+    Examples
+    --------
+    >>> cols = read_rows([(col, 0, 5) for col in store._index_io.values()])  # doctest: +SKIP
+    """
+    remote = [
+        (i, col) for i, (col, _, row1) in enumerate(reads)
+        if isinstance(col, ZarrChunks) and col.raw and not col.location.is_local and row1 <= col.array.shape[0]
+    ]
+    plans = {i: col._ranges(reads[i][1], reads[i][2]) for i, col in remote if col.location is remote[0][1].location}
+    if len(plans) < 2:
+        return [col.read(row0, row1) for col, row0, row1 in reads]
+    keys, starts, ends = ([x for plan in plans.values() for x in plan[j]] for j in range(3))
+    got = remote[0][1].location.read_ranges(keys, starts, ends)  # type: ignore[arg-type]
+    out: list[np.ndarray] = []
+    at = 0
+    for i, (col, row0, row1) in enumerate(reads):
+        if i in plans:
+            n, rows = len(plans[i][0]), plans[i][3]
+            out.append(rows(got[at : at + n]))
+            at += n
+        else:
+            out.append(col.read(row0, row1))
+    return out
 
 
 def chunk_io(location: Location, array: zarr.Array, compressed: bool) -> RawChunkFile | ZarrChunks:

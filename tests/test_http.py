@@ -9,6 +9,7 @@ import os
 import re
 import shutil
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -165,6 +166,45 @@ def test_a_store_served_over_http_created_again_under_a_reader_is_refused(tmp_pa
         _fill(str(path / "s"), obs, act, 6)
         with pytest.raises(CorruptStoreError, match="created again since this handle opened it"):
             reader.refresh()
+
+
+class SlowIndexHandler(RangeHandler):
+    """Answers each GET of an index column's chunk after 0.2 s (a distant server), counting how many are in flight."""
+
+    lock = threading.Lock()
+    in_flight = most = 0
+
+    def do_GET(self, body: bool = True) -> None:
+        if "/episodes/" not in self.path or self.path.endswith("zarr.json"):
+            super().do_GET(body)
+            return
+        cls = type(self)
+        with cls.lock:
+            cls.in_flight += 1
+            cls.most = max(cls.most, cls.in_flight)
+        try:
+            time.sleep(0.2)
+            super().do_GET(body)
+        finally:
+            with cls.lock:
+                cls.in_flight -= 1
+
+
+def test_a_refresh_over_http_reads_the_index_columns_at_once(tmp_path, serve):
+    """A reader's refresh reads the new rows of all ten index columns in one round of requests, not ten rounds one
+    after the other: each round is a round trip to the server, every second for a sampler on object storage."""
+    obs, act = fetch_spaces()
+    _fill(str(tmp_path / "s"), obs, act, 4)
+    base = serve(str(tmp_path), SlowIndexHandler)
+    with EpisodeStore.open(f"{base}/s") as reader, EpisodeStore.open(str(tmp_path / "s"), mode="a") as writer:
+        for i in range(3):
+            writer.append_episode(make_episode(obs, act, 7, 100 + i, ("is_success",)))
+        writer.flush()
+        SlowIndexHandler.most = 0
+        assert reader.refresh() == 3
+        assert reader.num_episodes == 7
+        assert_episode_equal(reader.episode(6), make_episode(obs, act, 7, 102, ("is_success",)))
+    assert SlowIndexHandler.most >= 5, f"at most {SlowIndexHandler.most} index requests were in flight at once"
 
 
 class OutageHandler(RangeHandler):
