@@ -26,7 +26,6 @@ import asyncio
 import itertools
 import mmap
 import os
-import resource
 import threading
 from collections import OrderedDict
 from collections.abc import Callable
@@ -43,7 +42,7 @@ from her_store.errors import CorruptStoreError
 from her_store.format import ArraySpec
 from her_store.index import IndexView
 from her_store.shard import FrameCodec, index_nbytes, parse_index, shard_limit
-from her_store.storage import Location, ObjectReplaced, drop_page_cache
+from her_store.storage import FileShares, Location, ObjectReplaced, drop_page_cache
 
 if TYPE_CHECKING:
     from her_store.store import EpisodeStore
@@ -57,12 +56,13 @@ MIN_FRAMES_PER_THREAD = 4  # a compressed frame costs a decode: worth a thread f
 class MappedArray:
     """An uncompressed local array whose chunk files (members, in a packed store) are memory-mapped on first use.
 
-    Each map holds a file descriptor (Python's mmap keeps a duplicate of the file's), so at most ``MAX_MAPS`` chunks
-    stay mapped: past that the oldest half are let go (unmapped once no gather reads them) and mapped again when next
-    used. A store of small chunks that a writer keeps growing would otherwise run the process out of descriptors.
+    Each map holds a file descriptor (Python's mmap keeps a duplicate of the file's), so at most its share of ``MAPS``
+    (every mapped array's in the process) stay mapped: past that the oldest half are let go (unmapped once no gather
+    reads them) and mapped again when next used. A store of small chunks that a writer keeps growing would otherwise
+    run the process out of descriptors.
     """
 
-    MAX_MAPS = max(16, min(4096, resource.getrlimit(resource.RLIMIT_NOFILE)[0] // 16))
+    MAPS = FileShares(divisor=16, least=2, most=4096)
 
     def __init__(self, location: Location, spec: ArraySpec, random_access: bool = True) -> None:
         self.spec = spec
@@ -73,6 +73,7 @@ class MappedArray:
         self._maps: dict[int, np.ndarray] = {}
         self._mmaps: dict[int, mmap.mmap] = {}
         self._lock = threading.Lock()
+        self.MAPS.join(self)
 
     def _file(self, chunk: int) -> str:
         return os.path.join(self.root, self.spec.chunk_key(chunk))
@@ -96,8 +97,9 @@ class MappedArray:
                     m.madvise(mmap.MADV_RANDOM)
                 view = np.frombuffer(m, self.spec.dtype, need // self.spec.dtype.itemsize, skip)
                 view = view.reshape(-1, *self.spec.row_shape)
-                if len(self._maps) >= self.MAX_MAPS:
-                    for old in list(self._maps)[: len(self._maps) - self.MAX_MAPS // 2 + 1]:
+                bound = self.MAPS.share()
+                if len(self._maps) >= bound:
+                    for old in list(self._maps)[: len(self._maps) - bound // 2 + 1]:
                         del self._maps[old], self._mmaps[old]
                 self._mmaps[chunk] = m
                 self._maps[chunk] = view
@@ -129,6 +131,7 @@ class MappedArray:
     def close(self) -> None:
         self._maps.clear()  # each mmap closes when its last view is gone
         self._mmaps.clear()
+        self.MAPS.leave(self)
 
 
 def _chunk_decoder(array: Any, spec: ArraySpec, where: str) -> Callable[[bytes], np.ndarray] | None:
@@ -388,19 +391,19 @@ class ShardedArray(CachedArray):
     assumed: S3 through s3fs can).
     """
 
-    # open shard files per sampler, shared by its image arrays: a store of 1,000,000 frames has about 4,000 shards of
-    # 3x84x84 frames
-    MAX_OPEN = max(64, min(8192, resource.getrlimit(resource.RLIMIT_NOFILE)[0] // 4))
+    # open shard files, shared by every local image array of the process (all samplers': a mixture over many stores):
+    # a store of 1,000,000 frames has about 4,000 shards of 3x84x84 frames
+    OPEN = FileShares(divisor=4, least=4, most=8192)
     WHOLE_RUNS = 2  # a gather needing this many separate runs of rows of a shard fetches it whole (README, measured)
     REREADS = 2  # a shard replaced under this many successive reads of its index is then fetched whole
 
-    def __init__(self, array: Any, spec: ArraySpec, cache_bytes: int, location: Location, share: int = 1) -> None:
+    def __init__(self, array: Any, spec: ArraySpec, cache_bytes: int, location: Location) -> None:
         super().__init__(array, spec, cache_bytes, root=location.root if location.is_local else None)
         self.location = location
         self.codec = FrameCodec(array, f"{location}/{spec.path}/zarr.json")
         self._balance = Balance()  # the decoding threads' share of a local LZ4 gather
-        if location.is_local:  # its part of the sampler's open shard files (``share``: its image arrays)
-            self.max_entries = max(16, self.MAX_OPEN // share)
+        if location.is_local:
+            self.OPEN.join(self)
         # local shards (see _local_rows): open files, and per shard its descriptor, the committed end when it was
         # opened (-1: not open) and the gather that last used it; per row its (offset, nbytes)
         self._files: dict[int, Any] = {}
@@ -415,6 +418,16 @@ class ShardedArray(CachedArray):
         self._ranged: bool | None = None if self._conditional else False
         self.gets = 0  # requests sent to object storage
         self.replaced = 0  # conditional GETs that found their shard replaced since its index was read
+
+    @property
+    def max_entries(self) -> int:
+        """Shards it keeps: locally, open shard files, its share of ``OPEN``; on object storage, cached shards (the
+        cache is bounded by bytes)."""
+        return self.OPEN.share() if self.root is not None else self._max_entries
+
+    @max_entries.setter
+    def max_entries(self, n: int) -> None:
+        self._max_entries = n
 
     def _cost(self, item: Any) -> int:
         if self.root is not None:
@@ -707,7 +720,7 @@ class ShardedArray(CachedArray):
     def gather_split(self, rows: np.ndarray, out: np.ndarray, pool: ThreadPoolExecutor | None, parts: int) -> None:
         """Rows ``rows`` into ``out``, their byte ranges found once, then read and decoded in ``parts`` pieces on the
         threads of ``pool`` (the calling thread takes one): LZ4 in C without the GIL, other codecs row by row.
-        Locally, a gather over more shards than half of those it may keep open (its part of ``MAX_OPEN``: tiny shards,
+        Locally, a gather over more shards than half of those it may keep open (its share of ``OPEN``: tiny shards,
         a low descriptor limit) takes them a group at a time, each group's files let go before the next is opened."""
         half = self.max_entries // 2
         if self.root is not None and len(rows) > half:
@@ -832,6 +845,7 @@ class ShardedArray(CachedArray):
             self._files.clear()
             self._tags[:] = -1
             self._fds[:] = -1
+        self.OPEN.leave(self)
 
     def _close_oldest(self, k: int) -> None:
         """Forget the ``k`` least recently used open shards (under the lock); gathers holding them finish first."""
@@ -914,10 +928,9 @@ class ChunkReader:
     def __init__(self, store: EpisodeStore, io_threads: int | None = None, cache_bytes: int = 32 << 20) -> None:
         self.arrays: dict[str, MappedArray | CachedArray] = {}
         loc = store._loc
-        images = sum(spec.sharded for spec in store.layout.arrays)
         for spec in store.layout.arrays:
             if spec.sharded:
-                self.arrays[spec.path] = ShardedArray(store._root[spec.path], spec, cache_bytes, loc, images)
+                self.arrays[spec.path] = ShardedArray(store._root[spec.path], spec, cache_bytes, loc)
             elif loc.is_local and not spec.compressed:
                 self.arrays[spec.path] = MappedArray(loc, spec)
             elif not spec.compressed:

@@ -18,6 +18,7 @@ import json
 import math
 import os
 import re
+import resource
 import shutil
 import socket
 import stat
@@ -42,7 +43,10 @@ from her_store.values import is_number
 if TYPE_CHECKING:
     from her_store.pack import PackedArchive
 
-__all__ = ["Location", "ObjectReplaced", "WriterLock", "RawChunkFile", "ZarrChunks", "chunk_io", "staged_output", "ZARR_CONFIG"]
+__all__ = [
+    "ZARR_CONFIG", "FileShares", "Location", "ObjectReplaced", "RawChunkFile", "WriterLock", "ZarrChunks", "chunk_io",
+    "staged_output",
+]
 
 DEFAULT_LEASE_TTL = 300.0  # seconds an object-storage writer lease lasts unless renewed
 HOLE_PAGE = 4096  # the unit of a hole: a page of zeros written nowhere
@@ -1245,8 +1249,49 @@ def _pread_into(root: str, key: str, buf: np.ndarray, offset: int) -> int:
         os.close(fd)
 
 
+class FileShares:
+    """A bound on the files one kind of holder keeps open across calls, shared by every such holder alive in the
+    process: in all, the process's soft limit on descriptors over ``divisor`` (read when asked: a process may change
+    it), at most ``most``; each holder may keep that over the number of them, at least ``least``, and lets go of its
+    least recently used files past it. Samplers of many stores in one process (a mixture over a sharded dataset's
+    stores) then stay within the descriptor limit one sampler stays within.
+
+    Examples
+    --------
+    >>> shares = FileShares(divisor=4, least=16, most=64)
+    >>> holder = type("Holder", (), {})()
+    >>> shares.join(holder)
+    >>> shares.share() <= 64
+    True
+    """
+
+    def __init__(self, divisor: int, least: int, most: int) -> None:
+        self.divisor, self.least, self.most = divisor, least, most
+        self._live: weakref.WeakSet[Any] = weakref.WeakSet()
+        self._lock = threading.Lock()
+
+    def join(self, holder: Any) -> None:
+        with self._lock:
+            self._live.add(holder)
+
+    def leave(self, holder: Any) -> None:
+        with self._lock:
+            self._live.discard(holder)
+
+    def share(self) -> int:
+        """The files each holder alive may keep open now."""
+        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+        total = min(self.most, (1 << 20 if soft == resource.RLIM_INFINITY else soft) // self.divisor)
+        return max(self.least, total // max(1, len(self._live)))
+
+
 class RawChunkFile:
-    """Rows of an uncompressed local array written in place with ``pwrite`` (see the module docstring)."""
+    """Rows of an uncompressed local array written in place with ``pwrite`` (see the module docstring).
+
+    Its chunk files stay open between writes, at most its share of ``OPEN`` (every writer's arrays in the process).
+    """
+
+    OPEN = FileShares(divisor=16, least=2, most=4096)
 
     def __init__(
         self, root: str, path: str, dtype: np.dtype, row_shape: tuple[int, ...], chunk_rows: int, separator: str,
@@ -1262,6 +1307,7 @@ class RawChunkFile:
         self.chunk_rows = chunk_rows
         self._fds: dict[int, int] = {}
         self._dirty: set[int] = set()
+        self.OPEN.join(self)
 
     def _key(self, chunk: int) -> str:
         return chunk_key(self.path, chunk, 1 + len(self.row_shape), self.separator)
@@ -1276,9 +1322,8 @@ class RawChunkFile:
             size = self.chunk_rows * self.row_nbytes
             if os.fstat(fd).st_size < size:
                 os.ftruncate(fd, size)  # zarr expects a full chunk; the unwritten tail stays sparse
-            if len(self._fds) >= 64:
-                old = next(iter(self._fds))
-                os.close(self._fds.pop(old))
+            while self._fds and len(self._fds) >= self.OPEN.share():
+                os.close(self._fds.pop(next(iter(self._fds))))
             self._fds[chunk] = fd
         return fd
 
@@ -1335,6 +1380,7 @@ class RawChunkFile:
         for fd in self._fds.values():
             os.close(fd)
         self._fds.clear()
+        self.OPEN.leave(self)
 
 
 class ZarrChunks:
