@@ -21,7 +21,7 @@ import pytest
 
 from her_store import EpisodeStore, HerSampler, StoreError, open_store
 from her_store.errors import CorruptStoreError, NotAStoreError
-from her_store.transfer import copy_store
+from her_store.transfer import MANIFEST_KEY, copy_store
 from her_store.verify import verify
 from tests.conftest import assert_episode_equal
 from tests.faults import (
@@ -547,6 +547,49 @@ def test_local_copy_failing_at_writes_leaves_no_destination_and_resumes(tmp_path
         _assert_beside(parent, ["copy"])
         shutil.rmtree(parent)
     _assert_store(src, list(range(TOOL_EPISODES)), ORIGINAL_CARD)
+
+
+def test_a_resumed_copy_failing_at_its_removals_of_junk_is_finished_by_the_next_run(tmp_path):
+    """A resumed copy removes what is not its own from its partial directory (a dangling link, a directory of files
+    where a file goes, a stray file) before it takes its place: each of those removals failing (EIO) is one line, the
+    source is untouched, nothing is at the destination, and the next run finishes the copy."""
+    src, digest = _tool_source(tmp_path)
+    os.makedirs(tmp_path / "probe")
+    with WriteFaults(str(tmp_path / "probe"), renames=True, removals=True) as counter:
+        assert run_cli("copy", "--quiet", src, str(tmp_path / "probe" / "copy")).returncode == 0
+    # the removal of the manifest as the copy finishes, failing: every file copied, and the manifest a run resumes from
+    at = max(at for at, p in enumerate(counter.paths, 1) if os.path.basename(p) == MANIFEST_KEY)
+    base = str(tmp_path / "base")
+    os.makedirs(base)
+    assert _faulted(base, at, "eio", "copy", "--quiet", src, os.path.join(base, "copy"), removals=True).returncode == 2
+    partial = Path(base, ".copy.copy-partial")
+    assert (partial / MANIFEST_KEY).exists()
+    (partial / "junk").symlink_to(tmp_path / "nowhere")
+    (partial / "stray").write_bytes(b"junk")
+    key = next(os.path.relpath(os.path.join(d, f), partial) for d, _, names in os.walk(partial) for f in names
+               if f"{os.sep}c{os.sep}" in os.path.join(d, f))
+    (partial / key).unlink()
+    (partial / key / "a").mkdir(parents=True)  # a directory of files where one of the source's files goes
+    (partial / key / "a" / "x").write_bytes(b"junk")
+    probe = str(tmp_path / "probe2")
+    shutil.copytree(base, probe, symlinks=True)
+    with WriteFaults(probe, renames=True, removals=True) as counter:
+        assert run_cli("copy", "--quiet", src, os.path.join(probe, "copy")).returncode == 0
+    planted = tuple(str(Path(probe, ".copy.copy-partial", name)) for name in ("junk", "stray", f"{key}/a"))
+    removals = [at for at, p in enumerate(counter.paths, 1) if p.startswith(planted)]
+    assert len(removals) >= 4, counter.paths  # the link, the stray file, and the directory's two entries
+    for at in removals:
+        parent = str(tmp_path / f"r{at}")
+        shutil.copytree(base, parent, symlinks=True)
+        dest = os.path.join(parent, "copy")
+        proc = _faulted(parent, at, "eio", "copy", "--quiet", src, dest, removals=True)
+        assert proc.returncode == 2, proc
+        assert not os.path.exists(dest)
+        assert run_cli("copy", "--quiet", src, dest).returncode == 0
+        _assert_store(dest, list(range(TOOL_EPISODES)), ORIGINAL_CARD)
+        _assert_beside(parent, ["copy"])
+        shutil.rmtree(parent)
+    assert tree_digest(src) == digest
 
 
 def test_copy_to_s3_failing_at_puts_is_not_a_store_until_a_rerun_finishes(tmp_path, s3_url):
