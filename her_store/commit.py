@@ -179,6 +179,12 @@ class Committer:
         if self.capacity is None:
             self._ensure_rows(w + rows)
             return w
+        if self._stage_n and self._stage_n + rows > max(1, self.capacity // 2):
+            # staged rows stay within half the ring: the eviction record of their commit, which a crash can leave in
+            # place of its commit record, then keeps the other half's committed episodes (past the whole ring, it
+            # kept none: a store killed there reopened empty)
+            self.commit()
+            w = self.head
         if w + rows > self.array_rows:
             if self._stage_n:
                 self.commit()  # staged rows form one contiguous run; the wrap starts another

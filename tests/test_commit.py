@@ -59,6 +59,43 @@ def test_an_append_whose_commit_fails_leaves_no_trace(store_path, fetch, monkeyp
             assert store.num_transitions <= capacity and store.first_episode > 0
 
 
+def test_a_ring_commit_never_leaves_an_empty_store_for_a_crash_to_keep(tmp_path, fetch, monkeypatch):
+    """A ring store's staged rows used to grow past its capacity between group commits, evicting every committed
+    episode: the commit then published an eviction record with no live episode, and a writer killed before its
+    commit record reopened empty (and readers meanwhile saw an empty store). Staged rows now stay within half the
+    ring: the store as a crash at each eviction record leaves it opens clean with at least a third of its capacity
+    in committed episodes, each bit-exact."""
+    import shutil
+
+    from her_store.commit import Committer
+
+    obs, act = fetch
+    capacity, T = 600, 49
+    eps = [make_episode(obs, act, T, seed=i) for i in range(60)]
+    path = tmp_path / "ring"
+    crashes: list[str] = []
+    real = Committer._publish
+
+    def publish(self, record):
+        real(self, record)
+        if record.first_episode > self.commit_record.first_episode or record.end_episode == self.commit_record.end_episode:
+            if len(crashes) < 8 and record.end_episode > 0:  # an eviction record in place: what kill -9 here leaves
+                crashes.append(str(tmp_path / f"crash{len(crashes)}"))
+                shutil.copytree(path, crashes[-1])
+
+    monkeypatch.setattr(Committer, "_publish", publish)
+    with EpisodeStore.create(path, obs, act, capacity=capacity, commit_interval=3600) as store:
+        for e in eps:  # no commit falls due by time: only the stage's bound commits
+            store.append_episode(e)
+    assert len(crashes) >= 3
+    for crashed in crashes:
+        assert verify(crashed).clean
+        with EpisodeStore.open(crashed) as store:
+            assert store.num_transitions >= capacity // 3, (crashed, store.num_episodes)
+            for i in range(store.first_episode, store.end_episode):
+                assert_episode_equal(store.episode(i), eps[i])
+
+
 def test_an_episode_longer_than_the_capacity_changes_nothing(store_path, fetch):
     obs, act = fetch
     with EpisodeStore.create(store_path, obs, act, capacity=30, commit_interval=0) as store:
