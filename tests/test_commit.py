@@ -77,11 +77,12 @@ def test_a_ring_commit_never_leaves_an_empty_store_for_a_crash_to_keep(tmp_path,
     real = Committer._publish
 
     def publish(self, record):
+        old = self.commit_record
         real(self, record)
-        if record.first_episode > self.commit_record.first_episode or record.end_episode == self.commit_record.end_episode:
-            if len(crashes) < 8 and record.end_episode > 0:  # an eviction record in place: what kill -9 here leaves
-                crashes.append(str(tmp_path / f"crash{len(crashes)}"))
-                shutil.copytree(path, crashes[-1])
+        evicting = record.first_episode > old.first_episode and record.end_episode == old.end_episode
+        if evicting and len(crashes) < 8:  # an eviction record in place: what kill -9 here leaves
+            crashes.append(str(tmp_path / f"crash{len(crashes)}"))
+            shutil.copytree(path, crashes[-1])
 
     monkeypatch.setattr(Committer, "_publish", publish)
     with EpisodeStore.create(path, obs, act, capacity=capacity, commit_interval=3600) as store:

@@ -153,6 +153,63 @@ def test_several_envs_keep_their_episodes_apart(tmp_path, cls):
         venv.close()
 
 
+class Counting(gym.Env):
+    """A goal env whose observation is (env, episode, step): every stored transition tells where it came from."""
+
+    observation_space = spaces.Dict(
+        {
+            "observation": spaces.Box(-np.inf, np.inf, (3,), np.float32),
+            "achieved_goal": spaces.Box(-np.inf, np.inf, (1,), np.float32),
+            "desired_goal": spaces.Box(-np.inf, np.inf, (1,), np.float32),
+        }
+    )
+    action_space = spaces.Box(-1, 1, (1,), np.float32)
+
+    def __init__(self, wid: int, T: int = 12) -> None:
+        self.wid, self.T, self.ep, self.t = wid, T, -1, 0
+
+    def _obs(self):
+        return {"observation": np.array([self.wid, self.ep, self.t], np.float32),
+                "achieved_goal": np.array([self.t], np.float32), "desired_goal": np.array([self.T], np.float32)}
+
+    def reset(self, *, seed=None, options=None):
+        self.ep, self.t = self.ep + 1, 0
+        return self._obs(), {}
+
+    def step(self, action):
+        self.t += 1
+        return self._obs(), -1.0, False, self.t == self.T, {}
+
+    def compute_reward(self, achieved_goal, desired_goal, info):
+        return -(np.abs(achieved_goal - desired_goal).sum(-1) > 0).astype(np.float32)
+
+
+def test_learn_called_again_ends_the_episodes_its_reset_cut(tmp_path):
+    """SB3 resets its VecEnv at the start of every learn() (reset_num_timesteps=True, the default), cutting the
+    episodes under way. The store keeps a step's next observation as the following row, so the cut episode ran on
+    into the reset observation: stored transitions jumped from step 3 of one episode to step 0 of the next. The
+    reset now ends them, truncated at their last step, whose next observation the env did give."""
+    venv = DummyVecEnv([lambda w=w: Counting(w) for w in range(2)])
+    model = SAC(
+        "MultiInputPolicy", venv, replay_buffer_class=ZarrHerReplayBuffer, learning_starts=1000, buffer_size=5000,
+        policy_kwargs={"net_arch": [8]}, seed=0, replay_buffer_kwargs={"path": tmp_path / "rb"},
+    )
+    for _ in range(3):
+        model.learn(30)  # 15 steps of each env: one whole episode of 12, then 3 steps cut by the next learn's reset
+    rb = model.replay_buffer
+    with pytest.warns(UserWarning, match="will be truncated"):
+        rb.truncate_last_trajectory()  # the last learn's cut episodes
+    store = rb.store
+    assert store.num_episodes == 12
+    for eid in range(store.first_episode, store.end_episode):
+        frames = store.episode(eid)["observation"]
+        w, ep = frames[0, 0], frames[0, 1]
+        np.testing.assert_array_equal(frames, [[w, ep, t] for t in range(len(frames))], err_msg=f"episode {eid}")
+    lengths = sorted(store.episodes["length"].tolist())
+    assert lengths == [3] * 6 + [12] * 6 and store.episodes["truncated"].all()
+    rb.close()
+
+
 class Float64Goal(gym.Env):
     """A goal env whose spaces are all float64 (SB3 casts the actions it stores to float32, not the observations)."""
 
@@ -475,12 +532,12 @@ def test_a_handle_whose_store_moved_on_drops_its_pending_steps(tmp_path):
     rb = _buffer(venv, path=tmp_path / "rb")
     _collect([rb], venv, 7)
     blob = pickle.dumps(rb)  # 2 steps pending
-    _collect([rb], venv, 5, seed=1)  # the run continues: that episode ends
+    _collect([rb], venv, 5, seed=1)  # the run goes on: its reset ends that episode, then one more is stored
     rb.close()
     back = pickle.loads(blob)
     with pytest.warns(UserWarning, match="unfinished episodes the saved buffer held are dropped"):
         back.truncate_last_trajectory()
-    assert back.store.num_episodes == 2
+    assert back.store.num_episodes == 3 and back.store.episodes["length"].tolist() == [5, 2, 5]
 
 
 def test_a_handle_whose_store_was_replaced_by_a_shorter_one_says_so(tmp_path):
@@ -606,7 +663,7 @@ def test_bad_steps_are_refused_and_change_nothing(tmp_path):
     with pytest.raises(RuntimeError, match="Unable to sample before the end of the first episode"):
         rb.sample(4)
     _collect([rb], venv, 7)
-    obs = venv.reset()
+    obs = {k: v[None] for k, v in venv.observation_space.sample().items()}  # (a reset would end the pending episode)
     action = np.zeros((1, 2), np.float32)
     reward, done, infos = np.zeros(1, np.float32), np.zeros(1, bool), [{}]
     with pytest.raises(EpisodeValidationError, match="observation"):

@@ -267,6 +267,7 @@ class ZarrHerReplayBuffer(_her.HerReplayBuffer):
             io_threads, None if info_keys is None else tuple(info_keys),
         )
         self.env = env
+        _watch_resets(env, self)
         self._keys_given = info_keys is not None
         # SB3 seeds numpy's global generator (set_random_seed); the sampler's seed is drawn from it, so a seeded
         # model samples the same batches
@@ -613,11 +614,21 @@ class ZarrHerReplayBuffer(_her.HerReplayBuffer):
         if self.env is not None:
             raise ValueError("Trying to set env of already initialized environment.")
         self.env = env
+        _watch_resets(env, self)
         sampler = self._res.sampler
         if sampler is not None:  # made without an env: made again, to prefetch only if this env allows it
             self._sampler_state = sampler.state_dict()
             sampler.close()
             self._res.sampler = None
+
+    def _env_reset(self) -> None:
+        """The VecEnv is being reset (SB3 does so at the start of each ``learn()``, by default): every unfinished
+        episode ends here, truncated at its last step. The next step's observation is a reset one, and the store,
+        which keeps a step's next observation as the following row, would otherwise join the two episodes."""
+        if self._writer is not None and self._res.store is not None and self._writer.pending_steps.any():
+            self._writer.flush_partial()
+            self._layout = None
+            self._ended = True
 
     def truncate_last_trajectory(self) -> None:
         """End every unfinished episode as truncated at its last step and append it, warning as SB3 does.
@@ -777,6 +788,26 @@ class ZarrHerReplayBuffer(_her.HerReplayBuffer):
         new.__setstate__(state)
         new._res.tmpdir = tmpdir
         return new
+
+
+def _watch_resets(env: Any, buffer: ZarrHerReplayBuffer) -> None:
+    """Have ``env.reset()`` first end the unfinished episodes of ``buffer`` (and of any other buffer watching the same
+    env; each held weakly), see :meth:`ZarrHerReplayBuffer._env_reset`."""
+    if env is None:
+        return
+    buffers = env.__dict__.get("_her_store_buffers")
+    if buffers is None:
+        buffers = weakref.WeakSet()
+        reset = env.reset
+
+        def reset_ending_episodes(*args: Any, **kwargs: Any) -> Any:
+            for watching in list(buffers):
+                watching._env_reset()
+            return reset(*args, **kwargs)
+
+        env.reset = reset_ending_episodes
+        env._her_store_buffers = buffers
+    buffers.add(buffer)
 
 
 def _in_process(env: Any) -> bool:
