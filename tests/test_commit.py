@@ -88,13 +88,13 @@ def test_a_ring_commit_never_leaves_an_empty_store_for_a_crash_to_keep(tmp_path,
     with EpisodeStore.create(path, obs, act, capacity=capacity, commit_interval=3600) as store:
         for e in eps:  # no commit falls due by time: only the stage's bound commits
             store.append_episode(e)
-    assert len(crashes) >= 3
     for crashed in crashes:
         assert verify(crashed).clean
         with EpisodeStore.open(crashed) as store:
             assert store.num_transitions >= capacity // 3, (crashed, store.num_episodes)
             for i in range(store.first_episode, store.end_episode):
                 assert_episode_equal(store.episode(i), eps[i])
+    assert len(crashes) >= 3
 
 
 def test_an_episode_longer_than_the_capacity_changes_nothing(store_path, fetch):
