@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
+import fcntl
 import functools
 import io
 import json
@@ -486,7 +487,11 @@ def staged_output(dest: str | os.PathLike[str]) -> Iterator[str]:
         raise FileNotFoundError(f"the directory of {dest} does not exist")
     _remove_dead_partials(parent, name)
     tmp = os.path.join(parent, f".{name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.partial")
+    # held (flock) while the block runs: another job tells this partial is alive whatever its process id means there
+    # (another PID namespace, a container sharing the volume)
+    lock = os.open(tmp + _ALIVE, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
     try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         yield tmp
         if os.path.lexists(dest):
             raise FileExistsError(f"{dest} appeared while it was being written; it was not overwritten")
@@ -497,15 +502,27 @@ def staged_output(dest: str | os.PathLike[str]) -> Iterator[str]:
         elif os.path.lexists(tmp):
             os.unlink(tmp)
         raise
+    finally:
+        with contextlib.suppress(OSError):  # one left behind, held by nobody, is removed by the next job
+            os.unlink(tmp + _ALIVE)
+        os.close(lock)
+
+
+_ALIVE = ".alive"  # beside a staged_output's partial: flocked while its job runs
 
 
 def _remove_dead_partials(parent: str, name: str) -> None:
-    """Remove what a :func:`staged_output` of ``name`` killed before it ended left beside it (``.<name>.<pid>.*.partial``
-    and what its writer kept beside that), when that process is dead."""
-    prefix = f".{name}."
+    """Remove what a :func:`staged_output` of ``name`` killed before it ended left beside it
+    (``.<name>.<pid>.<8 hex>.partial``, what its writer kept beside that, and its ``.alive`` lock file), when its job
+    is gone: its lock file is not held (flock), or, for a partial without one, no process has its id. The name must
+    match exactly: ``.st.300.<pid>...`` is a partial of ``st.300``, not of ``st``."""
+    pattern = re.compile(re.escape(f".{name}.") + r"(\d+)\.[0-9a-f]{8}\.partial")
     for entry in os.listdir(parent):
-        pid = entry[len(prefix) :].split(".", 1)[0] if entry.startswith(prefix) and ".partial" in entry else ""
-        if not pid.isdigit() or int(pid) == os.getpid() or _pid_alive(int(pid)):
+        m = pattern.match(entry)
+        if m is None:
+            continue
+        base = os.path.join(parent, m[0])
+        if not _partial_dead(base, int(m[1])):
             continue
         path = os.path.join(parent, entry)
         if os.path.isdir(path) and not os.path.islink(path):
@@ -513,6 +530,24 @@ def _remove_dead_partials(parent: str, name: str) -> None:
         else:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)
+
+
+def _partial_dead(base: str, pid: int) -> bool:
+    """Whether the job of the partial ``base`` has ended: its lock file is there and nobody holds it, or (a partial of
+    an older version, with no lock file) no process of this namespace has its id."""
+    try:
+        fd = os.open(base + _ALIVE, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return pid != os.getpid() and not _pid_alive(pid)
+    except OSError:
+        return False  # a link or something else we cannot take for a lock: left alone
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        return False  # held: its job runs
+    finally:
+        os.close(fd)
+    return True
 
 
 def _range_answers(asked: str | None, first: int, last: int, size: int) -> bool:
@@ -984,8 +1019,6 @@ class WriterLock:
         self._thread.start()
 
     def _acquire_flock(self) -> None:
-        import fcntl
-
         # never through a link: the record below truncates the file it opens
         fd = open_beneath(self.location.root, self.key, create=True)
         try:

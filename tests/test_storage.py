@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 import uuid
+from pathlib import Path
 
 import pytest
 
@@ -210,6 +211,42 @@ def test_staged_output_removes_what_a_killed_run_left_beside_it(tmp_path):
     assert sorted(os.listdir(tmp_path)) == sorted(
         [".other.npz.1.0.partial", f".out.npz.{os.getppid()}.00000000.partial", "out.npz"]
     )
+
+
+def test_staged_output_removes_only_its_own_names_partials_and_never_a_running_jobs(tmp_path):
+    """``.st.300.<pid>.<hex>.partial`` is the partial of ``st.300``: a job writing ``st`` took "300" for a dead
+    process's id and removed another job's staged store. A job's partial is also alive while its lock file is held,
+    whatever its process id says here (another PID namespace sharing the volume); one whose lock nobody holds is
+    a killed job's, and goes."""
+    import fcntl
+
+    from her_store.storage import staged_output
+
+    dead = int(subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True).stdout)
+    clash = tmp_path / f".st.300.{dead}.1a2b3c4d.partial"  # a partial of "st.300" (its job's lock held below)
+    clash.mkdir()
+    foreign = tmp_path / f".st.{dead}.0badc0de.partial"  # "st"'s, of a job whose pid means nothing here, running
+    foreign.mkdir()
+    killed = tmp_path / f".st.{dead}.deadbeef.partial"  # "st"'s, of a killed job: its lock file held by nobody
+    killed.write_bytes(b"half")
+    Path(f"{killed}.alive").touch()
+    held = []
+    for partial in (clash, foreign):
+        Path(f"{partial}.alive").touch()
+        fd = os.open(f"{partial}.alive", os.O_RDONLY)
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        held.append(fd)
+    try:
+        with staged_output(tmp_path / "st") as tmp:
+            open(tmp, "wb").write(b"whole")
+        left = sorted(os.listdir(tmp_path))
+        assert left == sorted(["st", clash.name, f"{clash.name}.alive", foreign.name, f"{foreign.name}.alive"]), left
+    finally:
+        for fd in held:
+            os.close(fd)
+    with staged_output(tmp_path / "st.300") as tmp:  # its job gone now (lock released): removed
+        open(tmp, "wb").write(b"whole")
+    assert not clash.exists() and not Path(f"{clash}.alive").exists()
 
 
 def test_chunk_names_are_exactly_what_zarr_writes():
