@@ -20,6 +20,7 @@ Import reads ``metadata.json`` itself and checks it before Minari opens anything
 from __future__ import annotations
 
 import contextlib
+import io
 import itertools
 import json
 import os
@@ -129,12 +130,15 @@ def export_minari(
     info_keys = store.info_keys
 
     counts = [0, 0]  # episodes, transitions written (a ring's writer may evict some while they are read)
+    writes: _KeptWriteError | None = None
 
     def buffers(batches: Iterable[Batch]) -> Iterator[Any]:
         for batch in batches:
             counts[0] += len(batch.ids)
             counts[1] += int(batch.lengths.sum())
             for _, ep in batch.episodes():
+                if writes is not None:
+                    writes.raise_kept()  # a write failed: HDF5 gets no more episodes
                 infos = {k: np.concatenate([np.zeros((1, *ep[k].shape[1:]), ep[k].dtype), ep[k]]) for k in info_keys}
                 yield EpisodeBuffer(
                     observations={k: ep[k] for k in store.schema.observation_keys},
@@ -163,8 +167,108 @@ def export_minari(
             written = json.load(f)
         with open(path, "w") as f:
             json.dump({**written, **metadata}, f)
-        storage.update_episodes(buffers(itertools.chain([first], batches)))
+        # HDF5 crashes the process (a segmentation fault) when a write fails under it (a full disk, a file size
+        # limit) and its file is closed after: Minari's file is written through a Python file whose failed write
+        # is kept, not told to HDF5, and raised once Minari is done (the partial dataset is then removed)
+        file_path = storage._file_path
+        with open(file_path, "r+b", buffering=0) as f:  # unbuffered: a failed write fails at write, not at a seek
+            writes = _KeptWriteError(f)
+            storage._file_path = writes
+            try:
+                storage.update_episodes(buffers(itertools.chain([first], batches)))
+            except Exception:
+                writes.raise_kept()
+                raise
+            finally:
+                storage._file_path = file_path
+            writes.raise_kept()
     return counts[0], counts[1]
+
+
+class _KeptWriteError(io.RawIOBase):
+    """A file for h5py whose first failed write (or flush) is kept rather than raised: from then on what HDF5 writes
+    is held in memory (read back from there, so HDF5 sees a consistent file until it closes it), and
+    :meth:`raise_kept` raises the error once HDF5 is done. The caller stops feeding HDF5 at the next episode, so what
+    is held is one episode's rows and the file's closing metadata at most."""
+
+    def __init__(self, f: io.FileIO) -> None:
+        super().__init__()
+        self._f = f
+        self.error: OSError | None = None
+        self._held: list[tuple[int, bytes]] = []  # (offset, bytes) written after the error, in order
+        self._end = 0  # the file's end as HDF5 sees it, once writes are held
+
+    def readable(self) -> bool:
+        return True
+
+    def writable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def seek(self, offset: int, whence: int = os.SEEK_SET) -> int:
+        if whence == os.SEEK_END and self.error is not None:
+            return self._f.seek(self._end + offset)
+        return self._f.seek(offset, whence)
+
+    def tell(self) -> int:
+        return self._f.tell()
+
+    def readinto(self, b: Any) -> int:
+        at, out = self._f.tell(), memoryview(b).cast("B")
+        got = self._f.readinto(out) or 0
+        if self.error is None:
+            return got
+        n = max(got, min(len(out), self._end - at))
+        out[got:n] = bytes(n - got)  # past the file's end on disk: only what is held
+        for offset, data in self._held:  # later writes over earlier ones, as on disk
+            lo, hi = max(offset, at), min(offset + len(data), at + n)
+            if lo < hi:
+                out[lo - at : hi - at] = data[lo - offset : hi - offset]
+        self._f.seek(at + n)
+        return n
+
+    def write(self, b: Any) -> int:
+        data = bytes(memoryview(b).cast("B"))
+        at = self._f.tell()
+        if self.error is None:
+            try:
+                done = 0
+                while done < len(data):  # a raw write may be short (the last bytes below a limit)
+                    done += self._f.write(data[done:]) or 0
+                return len(data)
+            except OSError as e:
+                self.error = e
+                self._f.seek(0, os.SEEK_END)
+                self._end = max(self._f.tell(), at)
+        self._held.append((at, data))
+        self._end = max(self._end, at + len(data))
+        self._f.seek(at + len(data))
+        return len(data)
+
+    def truncate(self, size: int | None = None) -> int:
+        size = self.tell() if size is None else size
+        if self.error is None:
+            try:
+                return self._f.truncate(size)
+            except OSError as e:
+                self.error = e
+        self._end = size
+        return size
+
+    def flush(self) -> None:
+        if self.error is None:
+            try:
+                self._f.flush()
+            except OSError as e:
+                self.error = e
+                self._f.seek(0, os.SEEK_END)
+                self._end = self._f.tell()
+
+    def raise_kept(self) -> None:
+        if self.error is not None:
+            raise self.error
 
 
 def _minari_metadata(
