@@ -337,6 +337,12 @@ def _copy_pass(store: EpisodeStore, out: _Dest, files: dict[str, list[Any]], tal
         renew = {key for _, key in fresh}
         old = [key for _, key, _ in batch if key in found and key not in renew]  # copied whole by an earlier run
         got = dict(zip(old, _read(out.loc, old, [files[k][0] for k in old])))
+        # one whose bytes are no longer those the earlier run wrote (a power loss before they reached the disk, anyone
+        # else) is copied again
+        changed = {k for k in old if got[k] is None or zlib.crc32(got[k]) != files[k][1]}
+        if changed:
+            fresh += [(spec, key) for spec, key, _ in batch if key in changed]
+            old = [k for k in old if k not in changed]
         read = _read(store._loc, [k for _, k in fresh], [_limit(spec, k, index_chunk) for spec, k in fresh])
         for (_, key), raw in zip(fresh, read):
             files[key] = [len(raw), zlib.crc32(raw), found[key][0]]

@@ -195,6 +195,30 @@ def test_a_local_copy_killed_half_way_resumes_from_its_partial_directory(tmp_pat
     assert not os.path.exists(os.path.join(str(tmp_path), ".dest.copy-partial"))
 
 
+def test_a_resumed_copy_copies_again_what_changed_in_its_partial_directory(tmp_path):
+    """A resumed copy took the files an earlier run wrote for copied if their sizes matched: a shard whose bytes were
+    lost (zeroed, as a power loss leaves a file written without fsync) then failed every rerun naming the source, and
+    metadata changed in place gave a destination that did not open, reported as copied. Each file is now checked
+    against the crc32 its manifest recorded, and copied again if it differs."""
+    src, dest = str(tmp_path / "src"), str(tmp_path / "dest")
+    _make(src, 60)
+    proc = _slow_copy(f"{src!r}, {dest!r}")
+    partial = Path(tmp_path, ".dest.copy-partial")
+    _wait_for_manifest((partial / MANIFEST_KEY).read_bytes)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    listed = json.loads((partial / MANIFEST_KEY).read_bytes())["files"]
+    shard = next(k for k in listed if k.startswith(("steps/", "packs/")) and not k.endswith("zarr.json"))
+    meta = next(k for k in listed if k.endswith("zarr.json"))
+    for key in (shard, meta):
+        size = (partial / key).stat().st_size
+        (partial / key).write_bytes(bytes(size))  # same size, other bytes
+    r = copy_store(src, dest)
+    assert r.files_skipped >= 20
+    _check(dest, end=60)
+    assert verify(dest).clean
+
+
 def test_a_resumed_copy_writes_over_junk_in_its_partial_directory(tmp_path):
     """What lies in a killed copy's partial directory is the copy's own to replace: a dangling link made the resumed
     copy fail with a raw FileNotFoundError, a directory where a file goes with a raw IsADirectoryError. Both are now
