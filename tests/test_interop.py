@@ -17,7 +17,7 @@ import pytest
 from gymnasium import spaces
 
 from her_store import EpisodeStore
-from her_store.errors import CorruptStoreError, EpisodeNotFoundError
+from her_store.errors import CorruptStoreError, EpisodeNotFoundError, StoreError
 from her_store.cli import main
 from her_store.interop import export_store, guess_format, import_source, read_batches
 from tests.conftest import GOAL_KEYS, assert_episode_equal, fetch_spaces, make_episode
@@ -751,3 +751,85 @@ def _same(got: dict[str, np.ndarray], want: dict[str, np.ndarray]) -> bool:
     return len(got["action"]) == len(want["action"]) and all(
         np.array_equal(np.asarray(got[k]), want[k]) for k in ("observation", "achieved_goal", "desired_goal", "action")
     )
+
+
+# -- inputs made elsewhere ------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("fmt", [None, "npz", "ogbench", "sb3"])
+def test_an_input_that_is_a_fifo_is_refused_at_once(tmp_path, fmt):
+    """Opening a FIFO blocks until someone writes to it: the import hung forever. Refused by name now."""
+    fifo = tmp_path / ("in.pkl" if fmt == "sb3" else "in.npz")
+    os.mkfifo(fifo)
+    args = [sys.executable, "-m", "her_store.cli", "import", "--quiet", str(fifo), str(tmp_path / "s")]
+    proc = subprocess.run(args + (["--from", fmt] if fmt else []), capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and f"{fifo} is a FIFO, not a regular file" in proc.stderr, proc.stderr
+    assert not os.path.exists(tmp_path / "s")
+
+
+def test_an_npz_member_flagged_encrypted_is_refused_naming_the_file(ring_store, tmp_path):
+    src = str(tmp_path / "e.npz")
+    export_store(ring_store, "npz", src)
+    raw = bytearray(Path(src).read_bytes())
+    for magic, flag in ((b"PK\x03\x04", 6), (b"PK\x01\x02", 8)):  # bit 0 of each entry's flags: encrypted
+        i = 0
+        while (i := raw.find(magic, i)) >= 0:
+            raw[i + flag] |= 1
+            i += 4
+    Path(src).write_bytes(raw)
+    with pytest.raises(ValueError, match=rf"^{re.escape(src)} cannot be read as an npz file \(.*encrypted"):
+        import_source(src, str(tmp_path / "s"))
+
+
+def test_an_npz_episode_claiming_more_than_a_read_may_hold_is_refused_unread(ring_store, tmp_path, monkeypatch):
+    """A file of deflated zeros can claim any episode length: each field of an episode is one read, refused past
+    MEMBER_LIMIT bytes before anything is allocated (as HDF5 datasets are)."""
+    import her_store.interop as interop
+
+    src = str(tmp_path / "e.npz")
+    export_store(ring_store, "npz", src)
+    monkeypatch.setattr(interop, "MEMBER_LIMIT", 64)
+    with pytest.raises(ValueError, match=r"rows of array '.*' are [\d,]+ bytes; at most 64 are read at once"):
+        import_source(src, str(tmp_path / "s"))
+    assert not os.path.exists(tmp_path / "s")
+
+
+@pytest.mark.parametrize(
+    "arrays,words",
+    [
+        ({"terminals": np.array([0, 0, np.nan, 1, 0, 0, 1], np.float32)}, r"terminals holds nan at row 2; expected 1"),
+        ({"terminals": np.array([0, 0, 0, 1, 0, -1, 1])}, r"terminals holds -1 at row 5; expected 1"),
+        ({"masks": np.array([1, 0.5, 1, 0, 1, 1, 0], np.float32)}, r"masks holds 0\.5 at row 1 of trajectory 0"),
+        ({"observation": np.zeros((7, 2), np.float32)}, r"array 'observation' would be stored as the observation key"),
+        ({"achieved_goal": np.zeros((7, 2), np.float32)}, r"has achieved_goal but not desired_goal"),
+        ({"qpos": np.zeros((7, 2), np.complex64)}, r"array 'qpos' is of dtype complex64; expected numbers"),
+    ],
+    ids=["NaN terminal", "-1 terminal", "0.5 mask", "a second observation", "half the goals", "complex"],
+)
+def test_an_ogbench_file_whose_flags_or_names_mean_nothing_clear_is_refused(tmp_path, arrays, words):
+    """Flags other than 0 and 1 counted as ends (NaN, 0.5, -1) or were silently not terminal; an extra array named
+    'observation' replaced the observations; a lone achieved_goal was dropped. Each is refused naming the file."""
+    src = str(tmp_path / "cube-v0.npz")
+    rng = np.random.default_rng(1)
+    base = {"observations": rng.standard_normal((7, 2)).astype(np.float32),
+            "actions": rng.uniform(-1, 1, (7, 2)).astype(np.float32), "terminals": np.array([0, 0, 0, 1, 0, 0, 1], bool)}
+    np.savez(src, **{**base, **arrays})
+    with pytest.raises(ValueError, match=rf"^{re.escape(src)}:? .*{words}"):
+        import_source(src, str(tmp_path / "s"), "ogbench")
+    assert not os.path.exists(tmp_path / "s")
+
+
+def test_hdf5_and_npz_headers_from_elsewhere_are_refused_naming_the_file(ring_store, tmp_path):
+    """An episode's crc32 attribute that is an array gave numpy's 'truth value of an array is ambiguous'; a header
+    whose schema is missing gave a message naming neither the file nor its header."""
+    h5py = pytest.importorskip("h5py")
+    src = str(tmp_path / "e.hdf5")
+    export_store(ring_store, "hdf5", src)
+    with h5py.File(src, "r+") as f:
+        first = sorted(k for k in f if k.startswith("episode_"))[0]
+        f[first].attrs["crc32"] = np.array([1, 2])
+    with pytest.raises(ValueError, match=rf"^{re.escape(src)}: {first} does not match the crc32 its export recorded"):
+        import_source(src, str(tmp_path / "s"))
+    npz = str(tmp_path / "e.npz")
+    header = json.dumps({"format": "her_store.npz", "version": 1, "schema": None})
+    np.savez(npz, her_store_header=np.frombuffer(header.encode(), np.uint8), episode_lengths=np.array([1]))
+    with pytest.raises(StoreError, match=rf"^{re.escape(npz)}: the spaces of its her_store_header: schema None"):
+        import_source(npz, str(tmp_path / "t"), "npz")

@@ -393,3 +393,30 @@ def test_export_of_a_ring_store_its_writer_overwrites_meanwhile(tmp_path):
         np.testing.assert_array_equal(got.terminations, ep["terminated"])
         np.testing.assert_array_equal(got.truncations, ep["truncated"])
         np.testing.assert_array_equal(got.infos["is_success"][1:], ep["is_success"])
+
+
+@pytest.mark.parametrize("what", ["a link out of the dataset", "a FIFO"])
+def test_a_data_file_that_is_no_regular_file_of_the_dataset_is_refused_at_once(tmp_path, what):
+    """Minari's reader opened data/main_data.hdf5 by path: a FIFO there blocked the import forever, and a link to a
+    file outside the directory was read (while a linked metadata.json was refused). Every entry below the dataset's
+    directory must now be a directory or a regular file, refused by name before anything is read."""
+    import subprocess
+    import sys
+
+    src = str(tmp_path / "s")
+    _store(src, n=2)
+    out = str(tmp_path / "d-v0")
+    with EpisodeStore.open(src) as store:
+        export_minari(store, store.episodes["episode_id"], out)
+    data = os.path.join(out, "data", "main_data.hdf5")
+    if what == "a FIFO":
+        os.remove(data)
+        os.mkfifo(data)
+    else:
+        os.replace(data, tmp_path / "elsewhere.hdf5")
+        os.symlink(tmp_path / "elsewhere.hdf5", data)
+    code = "import sys; from her_store.interop.minari import import_minari; import_minari(sys.argv[1], sys.argv[2])"
+    proc = subprocess.run([sys.executable, "-c", code, out, str(tmp_path / "back")], capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == 1 and f"ValueError: the Minari dataset at {os.path.dirname(data)}: {data} is " in proc.stderr
+    assert not os.path.exists(tmp_path / "back")

@@ -27,18 +27,19 @@ import math
 import os
 import re
 import shutil
+import stat
 import tokenize
 import warnings
 import zipfile
 import zlib
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from typing import Any, NamedTuple
+from typing import Any, BinaryIO, NamedTuple
 
 import numpy as np
 
 from her_store import _frames
 from her_store.card import check_card
-from her_store.errors import CorruptStoreError, EpisodeNotFoundError, short_repr
+from her_store.errors import CorruptStoreError, EpisodeNotFoundError, SchemaMismatchError, short_repr
 from her_store.progress import progress as progress_bar
 from her_store.reader import ChunkReader, MappedArray
 from her_store.schema import Field, Schema
@@ -134,7 +135,10 @@ def parse_header(raw: bytes | str, kind: str, where: str) -> tuple[Schema, dict[
     version = head.get("version")
     if not is_int(version) or not 1 <= version <= HEADER_VERSION:
         raise ValueError(f"{where}: header version {short_repr(version)}; this her_store reads 1..{HEADER_VERSION}")
-    schema = Schema.from_json(head.get("schema"))
+    try:
+        schema = Schema.from_json(head.get("schema"))
+    except SchemaMismatchError as e:
+        raise SchemaMismatchError(f"{where}: the spaces of its {HEADER_KEY}: {e}") from None
     return schema, check_card(head.get("metadata", {}), f"{where}: the dataset card")
 
 
@@ -514,6 +518,32 @@ def _npy_header(dtype: np.dtype, shape: tuple[int, ...], size: int | None = None
     return b"\x93NUMPY\x02\x00" + len(body).to_bytes(4, "little") + body
 
 
+def open_input(path: str, what: str) -> BinaryIO:
+    """``path`` opened for reading, which must be a regular file: a FIFO would block the open (and every read)
+    forever, a device never ends.
+
+    Raises
+    ------
+    ValueError
+        ``path`` is something other than a regular file.
+
+    Examples
+    --------
+    >>> open_input("/dev/null", "an npz file")  # doctest: +SKIP
+    Traceback (most recent call last):
+    ValueError: /dev/null is a character device, not a regular file; expected an npz file
+    """
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)  # a FIFO opens at once, then is refused
+    kind = stat.S_IFMT(os.fstat(fd).st_mode)
+    if kind != stat.S_IFREG:
+        os.close(fd)
+        name = {stat.S_IFIFO: "FIFO", stat.S_IFCHR: "character device", stat.S_IFBLK: "block device",
+                stat.S_IFSOCK: "socket", stat.S_IFDIR: "directory"}.get(kind, "special file")
+        raise ValueError(f"{path} is a {name}, not a regular file; expected {what}")
+    os.set_blocking(fd, True)
+    return os.fdopen(fd, "rb")
+
+
 class NpzReader:
     """Reads the members of an npz file as streams: each member's rows in order, a piece at a time (bounded memory),
     never unpickling (object arrays are refused). A damaged file (cut short, bad CRC, not a zip) raises ValueError
@@ -527,8 +557,13 @@ class NpzReader:
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = os.fspath(path)
+        self._file = open_input(self.path, "an npz file")
         with self.reading():
-            self._zip = zipfile.ZipFile(self.path)
+            try:
+                self._zip = zipfile.ZipFile(self._file)
+            except BaseException:
+                self._file.close()
+                raise
         self.keys = [n[:-4] for n in self._zip.namelist() if n.endswith(".npy")]
         self._open: dict[str, tuple[Any, np.dtype, tuple[int, ...]]] = {}
 
@@ -539,6 +574,8 @@ class NpzReader:
             yield
         except (zipfile.BadZipFile, zlib.error, EOFError, NotImplementedError, zipfile.LargeZipFile) as e:
             raise ValueError(f"{self.path} is not a complete npz file ({type(e).__name__}: {e})") from None
+        except RuntimeError as e:  # what zipfile raises for an encrypted member
+            raise ValueError(f"{self.path} cannot be read as an npz file ({e})") from None
 
     def header(self, name: str) -> tuple[np.dtype, tuple[int, ...]]:
         """A member's dtype and shape (its stream is opened and positioned at its first row)."""
@@ -575,10 +612,16 @@ class NpzReader:
         return dtype, shape
 
     def read(self, name: str, n: int) -> np.ndarray:
-        """The next ``n`` rows of a member."""
+        """The next ``n`` rows of a member, at most ``MEMBER_LIMIT`` bytes (an episode claiming more is refused
+        unread: a file of deflated zeros can claim any length)."""
         dtype, shape = self.header(name)
         f = self._open[name][0]
         nbytes = n * int(np.prod(shape[1:], dtype=np.int64)) * dtype.itemsize
+        if nbytes > MEMBER_LIMIT:
+            raise ValueError(
+                f"{self.path}: {n:,} rows of array {name!r} are {nbytes:,} bytes; at most {MEMBER_LIMIT:,} are read "
+                "at once (one episode's rows of a field)"
+            )
         with self.reading():
             raw = f.read(nbytes)
         if len(raw) != nbytes:
@@ -609,6 +652,7 @@ class NpzReader:
             f.close()
         self._open.clear()
         self._zip.close()
+        self._file.close()  # (a ZipFile closes only a file it opened itself)
 
     def __enter__(self) -> NpzReader:
         return self

@@ -37,6 +37,7 @@ from her_store.interop import (
 from her_store.progress import progress as progress_bar
 from her_store.schema import Field
 from her_store.store import EpisodeStore
+from her_store.values import is_int
 
 __all__ = ["export_hdf5", "import_hdf5"]
 
@@ -125,7 +126,8 @@ def import_hdf5(source: str | os.PathLike[str], store_path: str | os.PathLike[st
         with staged_store(store_path, schema, card) as store, bar:
             for _, name in groups:
                 ep = {fl.name: _dataset(f, f"{name}/{minari_name(fl)}", fl.dtype, source) for fl in schema.fields}
-                if f[name].attrs.get("crc32") != _crc32(ep, schema.fields):
+                recorded = f[name].attrs.get("crc32")
+                if not is_int(recorded) or int(recorded) != _crc32(ep, schema.fields):
                     raise ValueError(f"{source}: {name} does not match the crc32 its export recorded (damaged?)")
                 store.append_episode(ep)
                 bar.update(1)

@@ -24,6 +24,7 @@ import io
 import itertools
 import json
 import os
+import stat
 import warnings
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
@@ -334,6 +335,7 @@ def import_minari(source: str | os.PathLike[str], store_path: str | os.PathLike[
 
     data_dir = _data_dir(os.fspath(source))
     where = f"the Minari dataset at {data_dir}"
+    _regular_files_only(data_dir, where)
     raw = Location(data_dir).read_bytes("metadata.json")
     if raw is None:
         raise FileNotFoundError(f"{where} has no metadata.json")
@@ -442,6 +444,19 @@ def _data_dir(source: str) -> str:
             "and no directory of that name"
         )
     return path
+
+
+def _regular_files_only(data_dir: str, where: str) -> None:
+    """Refuse a dataset directory holding anything but directories and regular files below it (its own place may be
+    reached through links, as a store's): a link there is followed by Minari's reader (out of the directory handed
+    over), a FIFO blocks it forever."""
+    for d, dirs, names in os.walk(data_dir):
+        for name in [*dirs, *names]:
+            path = os.path.join(d, name)
+            mode = os.lstat(path).st_mode
+            if stat.S_ISLNK(mode) or not (stat.S_ISDIR(mode) or stat.S_ISREG(mode)):
+                kind = "a symbolic link" if stat.S_ISLNK(mode) else "neither a file nor a directory (a FIFO, a device)"
+                raise ValueError(f"{where}: {path} is {kind}; a dataset is read from the regular files in its directory")
 
 
 def _env_id(env_spec: str, where: str) -> str:

@@ -36,6 +36,7 @@ from typing import Any
 import numpy as np
 from gymnasium import spaces
 
+from her_store.errors import SchemaMismatchError
 from her_store.interop import (
     HEADER_KEY,
     NpzReader,
@@ -120,7 +121,7 @@ def export_ogbench(
     return written[0], written[1]
 
 
-def _box(dtype: np.dtype, shape: tuple[int, ...]) -> spaces.Space:
+def _box(dtype: np.dtype, shape: tuple[int, ...], path: str, name: str) -> spaces.Space:
     """The space of an array of a file with no header: unbounded in its dtype (uint8: [0, 255]; bool: 0/1 int8)."""
     if dtype == np.bool_:
         return spaces.Box(0, 1, shape, np.int8)
@@ -131,7 +132,16 @@ def _box(dtype: np.dtype, shape: tuple[int, ...]) -> spaces.Space:
         return spaces.Box(max(info.min, -(2**53)), min(info.max, 2**53), shape, dtype)
     if dtype.kind == "f":
         return spaces.Box(-np.inf, np.inf, shape, dtype)
-    raise ValueError(f"an array of dtype {dtype}; expected numbers")
+    raise ValueError(f"{path}: array {name!r} is of dtype {dtype}; expected numbers (bool, integers or floats)")
+
+
+def _flags(values: np.ndarray, path: str, name: str, expected: str, trajectory: int | None = None) -> np.ndarray:
+    """``values`` if every one is 0 or 1, else ValueError naming the first other (NaN, 0.5, -1, 2)."""
+    bad = np.flatnonzero((values != 0) & (values != 1))
+    if bad.size:
+        where = f"row {int(bad[0])}" + ("" if trajectory is None else f" of trajectory {trajectory}")
+        raise ValueError(f"{path}: {name} holds {values[bad[0]].item()!r} at {where}; expected {expected}")
+    return values
 
 
 def _foreign_schema(z: NpzReader, rows: int) -> tuple[Schema, dict[str, str], dict[str, Any]]:
@@ -139,13 +149,19 @@ def _foreign_schema(z: NpzReader, rows: int) -> tuple[Schema, dict[str, str], di
     known = {"observations", "actions", "terminals", "rewards", "masks", "truncations", "achieved_goal", "desired_goal",
              "next_observations", "valids"}  # the last two are OGBench's own, derived from the others: not stored
     obs_dtype, obs_shape = z.header("observations")
-    obs: dict[str, spaces.Space] = {"observation": _box(obs_dtype, obs_shape[1:])}
+    obs: dict[str, spaces.Space] = {"observation": _box(obs_dtype, obs_shape[1:], z.path, "observations")}
     names = {"observation": "observations", "action": "actions"}
     goals = {"achieved_goal", "desired_goal"} <= set(z.keys)
+    half = {"achieved_goal", "desired_goal"} & set(z.keys)
+    if half and not goals:
+        (have,), (lack,) = half, {"achieved_goal", "desired_goal"} - half
+        raise ValueError(
+            f"{z.path} has {have} but not {lack}; goals come from both arrays or, without either, from the observations"
+        )
     if goals:
         for k in ("achieved_goal", "desired_goal"):
             dtype, shape = z.header(k)
-            obs[k], names[k] = _box(dtype, shape[1:]), k
+            obs[k], names[k] = _box(dtype, shape[1:], z.path, k), k
     else:
         obs["achieved_goal"] = obs["desired_goal"] = obs["observation"]
     for k in sorted(set(z.keys) - known - {HEADER_KEY}):
@@ -154,9 +170,17 @@ def _foreign_schema(z: NpzReader, rows: int) -> tuple[Schema, dict[str, str], di
             continue  # a scalar setting of the dataset (e.g. observation_interval), not a per-state array
         if shape[0] != rows:
             raise ValueError(f"{z.path}: array {k!r} has {shape[0]:,} rows; observations and terminals have {rows:,}")
-        obs[k], names[k] = _box(dtype, shape[1:]), k
+        if k in obs:
+            raise ValueError(
+                f"{z.path}: array {k!r} would be stored as the observation key {k!r}, which "
+                f"{names.get(k, 'observations')!r} gives; rename one of them"
+            )
+        obs[k], names[k] = _box(dtype, shape[1:], z.path, k), k
     act_dtype, act_shape = z.header("actions")
-    schema = Schema(spaces.Dict(obs), _box(act_dtype, act_shape[1:]))
+    try:
+        schema = Schema(spaces.Dict(obs), _box(act_dtype, act_shape[1:], z.path, "actions"))
+    except SchemaMismatchError as e:
+        raise ValueError(f"{z.path}: its arrays give no store's spaces: {e}") from None
     for k in ("rewards", "masks", "truncations"):
         if k in z.keys:
             names[{"rewards": "reward", "masks": "terminated", "truncations": "truncated"}[k]] = k
@@ -202,6 +226,7 @@ def import_ogbench(
         terminals = z.read_all("terminals")
         if terminals.ndim != 1 or not len(terminals) or terminals.dtype.kind not in "biuf":
             raise ValueError(f"{source}: terminals is {terminals.dtype}{terminals.shape}; expected one flag per row")
+        _flags(terminals, source, "terminals", "1 (a trajectory's last state) or 0")
         ends = np.flatnonzero(terminals)
         if not len(ends) or ends[-1] != len(terminals) - 1:
             raise ValueError(
@@ -252,7 +277,10 @@ def _episode(
         ep["desired_goal"] = np.broadcast_to(ep["observation"][-1], ep["observation"].shape)
     if "reward" not in read:
         ep["reward"] = np.where(np.arange(T) == T - 1, 0.0, -1.0).astype(np.float32)
-    ep["terminated"] = read["terminated"][:T] == 0 if "terminated" in read else np.zeros(T, bool)
+    if "terminated" in read:
+        ep["terminated"] = _flags(read["terminated"][:T], z.path, names["terminated"], "1 (goes on) or 0 (ended)", k) == 0
+    else:
+        ep["terminated"] = np.zeros(T, bool)
     if "truncated" not in read:
         ep["truncated"] = (np.arange(T) == T - 1) & ~ep["terminated"][-1]
     return ep

@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 
 from her_store.extras import require
-from her_store.interop import staged_store
+from her_store.interop import open_input, staged_store
 from her_store.progress import progress as progress_bar
 from her_store.schema import Schema
 
@@ -64,7 +64,7 @@ def import_sb3(source: str | os.PathLike[str], store_path: str | os.PathLike[str
     from stable_baselines3.her.her_replay_buffer import HerReplayBuffer
 
     source = os.fspath(source)
-    with open(source, "rb") as f:
+    with open_input(source, "an SB3 replay buffer pickle") as f:
         try:
             rb = pickle.load(f)  # the explicit import of a pickle the user trusts (module docstring)
         except Exception as e:  # noqa: BLE001 - a broken pickle can raise anything
