@@ -1263,7 +1263,7 @@ def report(results: dict[str, dict[str, Any]]) -> None:
         for name, r in results.items():
             print(name, "  ".join(f"{k}={_fmt(v)}" for k, v in r.items()))
         return
-    table = Table(title="her_store bench (medians)")
+    table = Table(title="her_store bench (medians over rounds)")
     table.add_column("figure")
     table.add_column("what")
     table.add_column("measured")
