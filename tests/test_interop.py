@@ -760,7 +760,8 @@ def test_an_input_that_is_a_fifo_is_refused_at_once(tmp_path, fmt):
     fifo = tmp_path / ("in.pkl" if fmt == "sb3" else "in.npz")
     os.mkfifo(fifo)
     args = [sys.executable, "-m", "her_store.cli", "import", "--quiet", str(fifo), str(tmp_path / "s")]
-    proc = subprocess.run(args + (["--from", fmt] if fmt else []), capture_output=True, text=True, timeout=60)
+    args += ["--from", fmt] if fmt else []
+    proc = subprocess.run(args, capture_output=True, text=True, timeout=60, check=False)
     assert proc.returncode == 2 and f"{fifo} is a FIFO, not a regular file" in proc.stderr, proc.stderr
     assert not os.path.exists(tmp_path / "s")
 
@@ -782,7 +783,7 @@ def test_an_npz_member_flagged_encrypted_is_refused_naming_the_file(ring_store, 
 def test_an_npz_episode_claiming_more_than_a_read_may_hold_is_refused_unread(ring_store, tmp_path, monkeypatch):
     """A file of deflated zeros can claim any episode length: each field of an episode is one read, refused past
     MEMBER_LIMIT bytes before anything is allocated (as HDF5 datasets are)."""
-    import her_store.interop as interop
+    from her_store import interop
 
     src = str(tmp_path / "e.npz")
     export_store(ring_store, "npz", src)
@@ -809,8 +810,11 @@ def test_an_ogbench_file_whose_flags_or_names_mean_nothing_clear_is_refused(tmp_
     'observation' replaced the observations; a lone achieved_goal was dropped. Each is refused naming the file."""
     src = str(tmp_path / "cube-v0.npz")
     rng = np.random.default_rng(1)
-    base = {"observations": rng.standard_normal((7, 2)).astype(np.float32),
-            "actions": rng.uniform(-1, 1, (7, 2)).astype(np.float32), "terminals": np.array([0, 0, 0, 1, 0, 0, 1], bool)}
+    base = {
+        "observations": rng.standard_normal((7, 2)).astype(np.float32),
+        "actions": rng.uniform(-1, 1, (7, 2)).astype(np.float32),
+        "terminals": np.array([0, 0, 0, 1, 0, 0, 1], bool),
+    }
     np.savez(src, **{**base, **arrays})
     with pytest.raises(ValueError, match=rf"^{re.escape(src)}:? .*{words}"):
         import_source(src, str(tmp_path / "s"), "ogbench")
@@ -824,7 +828,7 @@ def test_hdf5_and_npz_headers_from_elsewhere_are_refused_naming_the_file(ring_st
     src = str(tmp_path / "e.hdf5")
     export_store(ring_store, "hdf5", src)
     with h5py.File(src, "r+") as f:
-        first = sorted(k for k in f if k.startswith("episode_"))[0]
+        first = min(k for k in f if k.startswith("episode_"))
         f[first].attrs["crc32"] = np.array([1, 2])
     with pytest.raises(ValueError, match=rf"^{re.escape(src)}: {first} does not match the crc32 its export recorded"):
         import_source(src, str(tmp_path / "s"))

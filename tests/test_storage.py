@@ -222,7 +222,8 @@ def test_staged_output_removes_only_its_own_names_partials_and_never_a_running_j
 
     from her_store.storage import staged_output
 
-    dead = int(subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True).stdout)
+    code = "import os; print(os.getpid())"
+    dead = int(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout)
     clash = tmp_path / f".st.300.{dead}.1a2b3c4d.partial"  # a partial of "st.300" (its job's lock held below)
     clash.mkdir()
     foreign = tmp_path / f".st.{dead}.0badc0de.partial"  # "st"'s, of a job whose pid means nothing here, running
@@ -238,14 +239,14 @@ def test_staged_output_removes_only_its_own_names_partials_and_never_a_running_j
         held.append(fd)
     try:
         with staged_output(tmp_path / "st") as tmp:
-            open(tmp, "wb").write(b"whole")
+            Path(tmp).write_bytes(b"whole")
         left = sorted(os.listdir(tmp_path))
         assert left == sorted(["st", clash.name, f"{clash.name}.alive", foreign.name, f"{foreign.name}.alive"]), left
     finally:
         for fd in held:
             os.close(fd)
     with staged_output(tmp_path / "st.300") as tmp:  # its job gone now (lock released): removed
-        open(tmp, "wb").write(b"whole")
+        Path(tmp).write_bytes(b"whole")
     assert not clash.exists() and not Path(f"{clash}.alive").exists()
 
 

@@ -195,18 +195,24 @@ def test_a_local_copy_killed_half_way_resumes_from_its_partial_directory(tmp_pat
     assert not os.path.exists(os.path.join(str(tmp_path), ".dest.copy-partial"))
 
 
+def _killed_copy(src: str, dest: str) -> Path:
+    """A store of 60 episodes at ``src``, and a local copy of it to ``dest`` killed half-way: its partial directory."""
+    _make(src, 60)
+    proc = _slow_copy(f"{src!r}, {dest!r}")
+    partial = Path(os.path.dirname(dest), f".{os.path.basename(dest)}.copy-partial")
+    _wait_for_manifest((partial / MANIFEST_KEY).read_bytes)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    return partial
+
+
 def test_a_resumed_copy_copies_again_what_changed_in_its_partial_directory(tmp_path):
     """A resumed copy took the files an earlier run wrote for copied if their sizes matched: a shard whose bytes were
     lost (zeroed, as a power loss leaves a file written without fsync) then failed every rerun naming the source, and
     metadata changed in place gave a destination that did not open, reported as copied. Each file is now checked
     against the crc32 its manifest recorded, and copied again if it differs."""
     src, dest = str(tmp_path / "src"), str(tmp_path / "dest")
-    _make(src, 60)
-    proc = _slow_copy(f"{src!r}, {dest!r}")
-    partial = Path(tmp_path, ".dest.copy-partial")
-    _wait_for_manifest((partial / MANIFEST_KEY).read_bytes)
-    os.kill(proc.pid, signal.SIGKILL)
-    proc.wait()
+    partial = _killed_copy(src, dest)
     listed = json.loads((partial / MANIFEST_KEY).read_bytes())["files"]
     shard = next(k for k in listed if k.startswith(("steps/", "packs/")) and not k.endswith("zarr.json"))
     meta = next(k for k in listed if k.endswith("zarr.json"))
@@ -224,12 +230,7 @@ def test_a_resumed_copy_writes_over_junk_in_its_partial_directory(tmp_path):
     copy fail with a raw FileNotFoundError, a directory where a file goes with a raw IsADirectoryError. Both are now
     written over, and the copy completes."""
     src, dest = str(tmp_path / "src"), str(tmp_path / "dest")
-    _make(src, 60)
-    proc = _slow_copy(f"{src!r}, {dest!r}")
-    partial = Path(tmp_path, ".dest.copy-partial")
-    _wait_for_manifest((partial / MANIFEST_KEY).read_bytes)
-    os.kill(proc.pid, signal.SIGKILL)
-    proc.wait()
+    partial = _killed_copy(src, dest)
     (partial / "junk").symlink_to(tmp_path / "nowhere")
     planted = 0
     for d, _, names in os.walk(src):
