@@ -793,7 +793,7 @@ class ZarrHerReplayBuffer(_her.HerReplayBuffer):
 def _watch_resets(env: Any, buffer: ZarrHerReplayBuffer) -> None:
     """Have ``env.reset()`` first end the unfinished episodes of ``buffer`` (and of any other buffer watching the same
     env; each held weakly), see :meth:`ZarrHerReplayBuffer._env_reset`."""
-    if env is None:
+    if env is None or not hasattr(env, "__dict__"):
         return
     buffers = env.__dict__.get("_her_store_buffers")
     if buffers is None:
