@@ -23,9 +23,11 @@ committed end under which it was read, and each array records the newest episode
 from __future__ import annotations
 
 import asyncio
+import errno
 import itertools
 import mmap
 import os
+import resource
 import threading
 from collections import OrderedDict
 from collections.abc import Callable
@@ -38,7 +40,7 @@ import zarr
 
 from her_store import _frames
 from her_store.balance import Balance
-from her_store.errors import CorruptStoreError
+from her_store.errors import CorruptStoreError, StoreError
 from her_store.format import ArraySpec
 from her_store.index import IndexView
 from her_store.shard import FrameCodec, index_nbytes, parse_index, shard_limit
@@ -62,7 +64,7 @@ class MappedArray:
     run the process out of descriptors.
     """
 
-    MAPS = FileShares(divisor=16, least=2, most=4096)
+    MAPS = FileShares(divisor=16, least=1, most=4096)
 
     def __init__(self, location: Location, spec: ArraySpec, random_access: bool = True) -> None:
         self.spec = spec
@@ -393,7 +395,7 @@ class ShardedArray(CachedArray):
 
     # open shard files, shared by every local image array of the process (all samplers': a mixture over many stores):
     # a store of 1,000,000 frames has about 4,000 shards of 3x84x84 frames
-    OPEN = FileShares(divisor=4, least=4, most=8192)
+    OPEN = FileShares(divisor=4, least=2, most=8192)
     WHOLE_RUNS = 2  # a gather needing this many separate runs of rows of a shard fetches it whole (README, measured)
     REREADS = 2  # a shard replaced under this many successive reads of its index is then fetched whole
 
@@ -957,6 +959,19 @@ class ChunkReader:
             out = np.empty((len(rows), *arr.spec.row_shape), arr.spec.dtype)
         if len(rows) == 0:
             return out
+        try:
+            return self._gather(arr, rows, out)
+        except OSError as e:
+            if e.errno != errno.EMFILE:
+                raise
+            soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+            raise StoreError(
+                f"{path}: out of file descriptors (the process may have {soft:,} open): every sampler and writer of "
+                "the process shares a bound on the files it keeps open, but each keeps a few at least; raise the "
+                "limit (ulimit -n, resource.setrlimit) or close the samplers no longer used"
+            ) from e
+
+    def _gather(self, arr: MappedArray | CachedArray, rows: np.ndarray, out: np.ndarray) -> np.ndarray:
         n = len(rows)
         per_thread = MIN_FRAMES_PER_THREAD if isinstance(arr, ShardedArray) else MIN_ROWS_PER_THREAD
         threads = self.decode_threads if isinstance(arr, ShardedArray) else self.io_threads

@@ -1324,7 +1324,7 @@ class RawChunkFile:
     Its chunk files stay open between writes, at most its share of ``OPEN`` (every writer's arrays in the process).
     """
 
-    OPEN = FileShares(divisor=16, least=2, most=4096)
+    OPEN = FileShares(divisor=16, least=1, most=4096)
 
     def __init__(
         self, root: str, path: str, dtype: np.dtype, row_shape: tuple[int, ...], chunk_rows: int, separator: str,

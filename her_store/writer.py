@@ -316,6 +316,31 @@ class StepWriter:
             return []
         return self._finish_all([0] if self.n_envs == 1 else np.flatnonzero(terminated | truncated).tolist())
 
+    def cut_envs(self, obs: Mapping[str, Any]) -> list[int]:
+        """The envs with steps pending whose ``obs`` is not, byte for byte, the ``next_obs`` of the last add: their
+        env was reset in between, so their episode ended there (pass them to :meth:`flush_partial`). An ``obs`` not in
+        the stored shapes and dtypes tells nothing (the add refuses it).
+
+        Examples
+        --------
+        >>> w.flush_partial(w.cut_envs(obs))  # doctest: +SKIP
+        """
+        pending = self._t > self._start
+        last = self._last_next
+        if not pending.any() or last is None:
+            return []
+        cut = np.zeros(self.n_envs, bool)
+        for name, _, shape, _ in self._obs_slots:
+            a = obs.get(name) if isinstance(obs, Mapping) else None
+            b = last.get(name) if isinstance(last, Mapping) else None
+            if not (isinstance(a, np.ndarray) and isinstance(b, np.ndarray)):
+                return []
+            if a.shape != shape or b.shape != shape or a.dtype != b.dtype:
+                return []
+            differ = a.reshape(self.n_envs, -1).view(np.uint8) != b.reshape(self.n_envs, -1).view(np.uint8)
+            cut |= differ.any(axis=1)
+        return np.flatnonzero(cut & pending).tolist()
+
     def _skip_mask(self, skip: Any, t: int) -> np.ndarray:
         """``skip`` as a bool mask of the envs, refused if it is no such mask or names an env with pending steps."""
         mask = np.asarray(skip)

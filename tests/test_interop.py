@@ -837,3 +837,16 @@ def test_hdf5_and_npz_headers_from_elsewhere_are_refused_naming_the_file(ring_st
     np.savez(npz, her_store_header=np.frombuffer(header.encode(), np.uint8), episode_lengths=np.array([1]))
     with pytest.raises(StoreError, match=rf"^{re.escape(npz)}: the spaces of its her_store_header: schema None"):
         import_source(npz, str(tmp_path / "t"), "npz")
+
+
+@pytest.mark.parametrize("lengths", [np.array([2**64 - 1], np.uint64), np.array([2**62] * 4, np.int64)])
+def test_npz_episode_lengths_past_any_episode_are_refused_before_they_wrap(ring_store, tmp_path, lengths):
+    """uint64 lengths near 2**64 turned negative in the cast to int64, and huge int64 lengths wrapped their sum,
+    after the check that each is at least 1."""
+    src, bad = str(tmp_path / "e.npz"), str(tmp_path / "b.npz")
+    export_store(ring_store, "npz", src)
+    with np.load(src) as z:
+        arrays = {k: z[k] for k in z.files}
+    np.savez(bad, **{**arrays, "episode_lengths": lengths})
+    with pytest.raises(ValueError, match=rf"^{re.escape(bad)}: episode_lengths holds [\d,]+; an episode has fewer"):
+        import_source(bad, str(tmp_path / "s"))

@@ -11,7 +11,7 @@ import pytest
 import zarr.codecs
 
 from her_store import EpisodeStore, HerSampler
-from her_store.errors import CorruptStoreError
+from her_store.errors import CorruptStoreError, StoreError
 from her_store.reader import CachedArray, ChunkReader, ShardedArray
 from tests.test_differential import ACT, OBS, episode, rows, wrong_rows
 from tests.test_sampler import sparse_reward
@@ -342,3 +342,23 @@ def test_the_samplers_of_many_stores_in_one_process_share_its_open_files(tmp_pat
         assert wrong_rows(b, 0, 30) is None
     for store in stores:
         store.close()
+
+
+def test_a_sampler_out_of_descriptors_says_so(tmp_path):
+    """Below the few files each array keeps, a gather cannot open its shards: a StoreError naming the array, the
+    limit and what to do, not a raw OSError naming 'steps'."""
+    import resource
+
+    with EpisodeStore.create(tmp_path / "s", OBS, ACT, chunk_rows=2) as store:
+        for e in range(10):
+            store.append_episode(episode(e))
+    store = EpisodeStore.open(tmp_path / "s")
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    with HerSampler(store, 256, reward_fn=sparse_reward, seed=0, io_threads=0) as sampler:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (len(os.listdir("/proc/self/fd")) + 1, hard))
+        try:
+            with pytest.raises(StoreError, match=r"out of file descriptors \(the process may have [\d,]+ open\)"):
+                sampler.sample()
+        finally:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    store.close()

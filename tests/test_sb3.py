@@ -210,6 +210,34 @@ def test_learn_called_again_ends_the_episodes_its_reset_cut(tmp_path):
     rb.close()
 
 
+def test_an_env_set_between_learns_starts_new_episodes(tmp_path):
+    """An episode under way when the model gets new envs (model.set_env) ran on into the new env's first observation.
+    Each stored episode is now one env's consecutive steps, and the env pickles (as VecNormalize.save does) as it
+    did: the buffer keeps nothing in it."""
+    import pickle as pkl
+
+    venv = DummyVecEnv([lambda w=w: Counting(w) for w in range(2)])
+    model = SAC(
+        "MultiInputPolicy", venv, replay_buffer_class=ZarrHerReplayBuffer, learning_starts=1000, buffer_size=5000,
+        policy_kwargs={"net_arch": [8]}, seed=0, replay_buffer_kwargs={"path": tmp_path / "rb"},
+    )
+    model.learn(30)  # 15 steps each: 3 pending
+    model.set_env(DummyVecEnv([lambda w=w: Counting(w + 10) for w in range(2)]))
+    model.learn(30, reset_num_timesteps=False)  # set_env's envs are reset by this learn: the old envs' episodes end
+    pkl.loads(pkl.dumps(venv))  # the env holds nothing of the buffer's
+    rb = model.replay_buffer
+    with pytest.warns(UserWarning, match="will be truncated"):
+        rb.truncate_last_trajectory()
+    store = rb.store
+    for eid in range(store.first_episode, store.end_episode):
+        frames = store.episode(eid)["observation"]
+        w, ep = frames[0, 0], frames[0, 1]
+        np.testing.assert_array_equal(frames, [[w, ep, t] for t in range(len(frames))], err_msg=f"episode {eid}")
+    assert sorted(store.episodes["length"].tolist()) == [3] * 4 + [12] * 4
+    assert sorted(set(store.episodes["env_index"].tolist())) == [0, 1]
+    rb.close()
+
+
 class Float64Goal(gym.Env):
     """A goal env whose spaces are all float64 (SB3 casts the actions it stores to float32, not the observations)."""
 
@@ -663,7 +691,7 @@ def test_bad_steps_are_refused_and_change_nothing(tmp_path):
     with pytest.raises(RuntimeError, match="Unable to sample before the end of the first episode"):
         rb.sample(4)
     _collect([rb], venv, 7)
-    obs = {k: v[None] for k, v in venv.observation_space.sample().items()}  # (a reset would end the pending episode)
+    obs = {k: v.copy() for k, v in rb._writer._last_next.items()}  # the episode goes on (a reset would end it)
     action = np.zeros((1, 2), np.float32)
     reward, done, infos = np.zeros(1, np.float32), np.zeros(1, bool), [{}]
     with pytest.raises(EpisodeValidationError, match="observation"):

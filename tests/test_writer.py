@@ -117,6 +117,30 @@ def test_flush_partial_ends_unfinished_episodes_as_truncated(store_path, fetch):
         assert w.flush_partial() == []
 
 
+def test_cut_envs_names_the_envs_whose_obs_does_not_follow_their_last_step(store_path, fetch):
+    """An env whose obs is not, byte for byte, the last add's next_obs was reset in between; NaNs compare by their
+    bytes, an env with no pending step is never cut, and an obs the add would refuse (shape, dtype) tells nothing."""
+    obs, act = fetch
+    eps = [make_episode(obs, act, 6, seed=e) for e in range(2)]
+    eps[1]["observation"][:, 0] = np.nan
+    with EpisodeStore.create(store_path, obs, act) as store:
+        w = store.writer(2)
+        assert w.cut_envs({k: np.stack([e[k][0] for e in eps]) for k in obs.spaces}) == []  # nothing pending
+        for t in range(3):
+            w.add(
+                {k: np.stack([e[k][t] for e in eps]) for k in obs.spaces},
+                {k: np.stack([e[k][t + 1] for e in eps]) for k in obs.spaces},
+                np.stack([e["action"][t] for e in eps]), np.zeros(2, np.float32), np.zeros(2, bool), np.zeros(2, bool),
+            )
+        follows = {k: np.stack([e[k][3] for e in eps]) for k in obs.spaces}
+        assert w.cut_envs(follows) == []
+        reset = {k: v.copy() for k, v in follows.items()}
+        reset["achieved_goal"][1] += 1
+        assert w.cut_envs(reset) == [1]
+        assert w.cut_envs({**follows, "observation": follows["observation"].astype(np.float64)}) == []
+        assert w.cut_envs({**follows, "observation": follows["observation"][:, :3]}) == []
+
+
 def test_long_episodes_grow_the_staging_buffer(store_path, fetch):
     obs, act = fetch
     long_ep = make_episode(obs, act, 500, seed=1)

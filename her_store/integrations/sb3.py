@@ -267,7 +267,6 @@ class ZarrHerReplayBuffer(_her.HerReplayBuffer):
             io_threads, None if info_keys is None else tuple(info_keys),
         )
         self.env = env
-        _watch_resets(env, self)
         self._keys_given = info_keys is not None
         # SB3 seeds numpy's global generator (set_random_seed); the sampler's seed is drawn from it, so a seeded
         # model samples the same batches
@@ -436,7 +435,10 @@ class ZarrHerReplayBuffer(_her.HerReplayBuffer):
     ) -> None:
         """Stage one step of every env (SB3's call); an episode is appended to the store when its env is done.
 
-        ``done`` is SB3's (terminated or truncated); ``infos[i]["TimeLimit.truncated"]`` tells a truncation.
+        ``done`` is SB3's (terminated or truncated); ``infos[i]["TimeLimit.truncated"]`` tells a truncation. An env
+        whose ``obs`` is not the ``next_obs`` of its last step was reset in between (SB3 resets at the start of every
+        ``learn()`` by default; ``set_env`` brings new envs): its unfinished episode ends there, truncated, rather than
+        run on into the reset one (the store keeps a step's next observation as the following row).
         """
         writer = self._writer
         if writer is None or self._res.store is None:
@@ -460,6 +462,10 @@ class ZarrHerReplayBuffer(_her.HerReplayBuffer):
             terminated = done & ~truncated
         if self.copy_info_dict and not self._keys_given:
             self._warn_unstored_info(infos)
+        cut = writer.cut_envs(obs)
+        if cut:  # reset since the last step (SB3 resets at the start of every learn(), by default, or a new env)
+            writer.flush_partial(cut)
+            self._ended = True
         if writer.add(obs, next_obs, action, reward, terminated, truncated, infos if self.info_keys else None):
             self._ended = True
         self._added += 1
@@ -614,21 +620,11 @@ class ZarrHerReplayBuffer(_her.HerReplayBuffer):
         if self.env is not None:
             raise ValueError("Trying to set env of already initialized environment.")
         self.env = env
-        _watch_resets(env, self)
         sampler = self._res.sampler
         if sampler is not None:  # made without an env: made again, to prefetch only if this env allows it
             self._sampler_state = sampler.state_dict()
             sampler.close()
             self._res.sampler = None
-
-    def _env_reset(self) -> None:
-        """The VecEnv is being reset (SB3 does so at the start of each ``learn()``, by default): every unfinished
-        episode ends here, truncated at its last step. The next step's observation is a reset one, and the store,
-        which keeps a step's next observation as the following row, would otherwise join the two episodes."""
-        if self._writer is not None and self._res.store is not None and self._writer.pending_steps.any():
-            self._writer.flush_partial()
-            self._layout = None
-            self._ended = True
 
     def truncate_last_trajectory(self) -> None:
         """End every unfinished episode as truncated at its last step and append it, warning as SB3 does.
@@ -788,26 +784,6 @@ class ZarrHerReplayBuffer(_her.HerReplayBuffer):
         new.__setstate__(state)
         new._res.tmpdir = tmpdir
         return new
-
-
-def _watch_resets(env: Any, buffer: ZarrHerReplayBuffer) -> None:
-    """Have ``env.reset()`` first end the unfinished episodes of ``buffer`` (and of any other buffer watching the same
-    env; each held weakly), see :meth:`ZarrHerReplayBuffer._env_reset`."""
-    if env is None or not hasattr(env, "__dict__"):
-        return
-    buffers = env.__dict__.get("_her_store_buffers")
-    if buffers is None:
-        buffers = weakref.WeakSet()
-        reset = env.reset
-
-        def reset_ending_episodes(*args: Any, **kwargs: Any) -> Any:
-            for watching in list(buffers):
-                watching._env_reset()
-            return reset(*args, **kwargs)
-
-        env.reset = reset_ending_episodes
-        env._her_store_buffers = buffers
-    buffers.add(buffer)
 
 
 def _in_process(env: Any) -> bool:

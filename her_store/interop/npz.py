@@ -103,6 +103,8 @@ def import_npz(source: str | os.PathLike[str], store_path: str | os.PathLike[str
         lengths = z.read_all("episode_lengths")
         if lengths.dtype.kind not in "iu" or lengths.ndim != 1 or not len(lengths) or lengths.min() < 1:
             raise ValueError(f"{source}: episode_lengths {lengths.dtype}{lengths.shape} is not a list of lengths >= 1")
+        if int(lengths.max()) >= 1 << 40:  # before the cast (uint64 near 2**64 would turn negative) and the sum
+            raise ValueError(f"{source}: episode_lengths holds {int(lengths.max()):,}; an episode has fewer steps")
         lengths = lengths.astype(np.int64)
         names = {f.name: minari_name(f) for f in schema.fields}
         for f in schema.fields:
