@@ -40,7 +40,7 @@ from typing import Any
 
 import numpy as np
 
-from her_store.errors import CorruptStoreError, ReadOnlyStoreError, StoreExistsError
+from her_store.errors import CorruptStoreError, ReadOnlyStoreError, StoreExistsError, short_repr
 from her_store.format import COMMIT_KEY, INDEX_COLUMNS, ArraySpec
 from her_store.progress import progress as progress_bar
 from her_store.shard import parse_index, shard_limit
@@ -54,6 +54,7 @@ from her_store.storage import (
     write_sparse,
 )
 from her_store.store import EpisodeStore
+from her_store.values import is_int
 from her_store.verify import clear_tail, verify
 
 __all__ = ["CopyResult", "add_arguments", "copy_store", "run"]
@@ -119,6 +120,12 @@ class _Dest:
         try:
             doc = json.loads(raw)
             same, files = doc["source"] == identity, dict(doc["files"])
+            for key, entry in files.items():  # [size, crc32, the source's fingerprint], as write() records them
+                if not (
+                    isinstance(key, str) and isinstance(entry, list) and len(entry) == 3 and is_int(entry[0])
+                    and entry[0] >= 0 and is_int(entry[1]) and isinstance(entry[2], str)
+                ):
+                    raise ValueError(f"its entry for {key!r} is {short_repr(entry)}, not [size, crc32, fingerprint]")
         except (ValueError, KeyError, TypeError) as e:
             raise CorruptStoreError(f"{self.loc}/{MANIFEST_KEY} is not a copy manifest ({e}); delete it to start over") from e
         if not same:

@@ -225,6 +225,19 @@ def test_a_resumed_copy_copies_again_what_changed_in_its_partial_directory(tmp_p
     assert verify(dest).clean
 
 
+@pytest.mark.parametrize("entry", [7, {"2": 1}, [1, 2], [], [-1, 0, "x"], [1, "crc", "x"]])
+def test_a_manifest_whose_entries_are_not_a_copys_is_refused(tmp_path, entry):
+    """Entries edited by hand gave raw TypeError, KeyError and IndexError from deep in the copy."""
+    src, dest = str(tmp_path / "src"), str(tmp_path / "dest")
+    partial = _killed_copy(src, dest)
+    doc = json.loads((partial / MANIFEST_KEY).read_bytes())
+    doc["files"][next(iter(doc["files"]))] = entry
+    (partial / MANIFEST_KEY).write_text(json.dumps(doc))
+    with pytest.raises(CorruptStoreError, match=r"is not a copy manifest \(its entry for .* not \[size, crc32"):
+        copy_store(src, dest)
+    assert not os.path.exists(dest)
+
+
 def test_a_resumed_copy_writes_over_junk_in_its_partial_directory(tmp_path):
     """What lies in a killed copy's partial directory is the copy's own to replace: a dangling link made the resumed
     copy fail with a raw FileNotFoundError, a directory where a file goes with a raw IsADirectoryError. Both are now
