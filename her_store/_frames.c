@@ -24,6 +24,9 @@
  *       place; int64 starts and ends), so that a chunk's episodes are checksummed in one call without the GIL.
  *   crc32_all(buffers, value=0) -> int
  *       zlib.crc32 over the buffers one after the other (an episode's encoded frames), without joining them.
+ *   same_bytes(a, b) -> bool
+ *       whether two C-contiguous buffers hold the same bytes: a StepWriter's check that an env's observation is its
+ *       last step's next observation, without copying either.
  *   crc32(data, value=0) -> int
  *       zlib.crc32(data, value) for any C-contiguous bytes-like data, without the GIL above a few KiB: verify's and
  *       the writer's other checksums. Both crc32 functions use her_crc32 (crc32.c: carry-less multiplication where
@@ -542,6 +545,15 @@ static PyObject *crc32_buffer(PyObject *self, PyObject *args) {
     return PyLong_FromUnsignedLong(crc);
 }
 
+static PyObject *same_bytes(PyObject *self, PyObject *args) {
+    Py_buffer a, b;
+    if (!PyArg_ParseTuple(args, "y*y*", &a, &b)) return NULL;
+    int same = a.len == b.len && memcmp(a.buf, b.buf, (size_t)a.len) == 0;
+    PyBuffer_Release(&a);
+    PyBuffer_Release(&b);
+    return PyBool_FromLong(same);
+}
+
 static PyMethodDef methods[] = {
     {"crc32", crc32_buffer, METH_VARARGS, "zlib.crc32(data, value), by carry-less multiplication where the CPU has it."},
     {"crc32_runs", crc32_runs, METH_VARARGS, "zlib crc32 of many runs of one buffer, chained from given values."},
@@ -550,6 +562,7 @@ static PyMethodDef methods[] = {
     {"shard_body", shard_body, METH_VARARGS, "A shard's rows and index in one buffer, 4 bytes left for the crc32c."},
     {"pread_lz4", pread_lz4, METH_VARARGS, "Read and decode LZ4 rows from files, without the GIL."},
     {"decode_lz4", decode_lz4, METH_VARARGS, "Decode LZ4 rows from one buffer, without the GIL."},
+    {"same_bytes", same_bytes, METH_VARARGS, "Whether two C-contiguous buffers hold the same bytes (memcmp)."},
     {NULL, NULL, 0, NULL},
 };
 
