@@ -134,6 +134,7 @@ def test_cut_envs_names_the_envs_whose_obs_does_not_follow_their_last_step(store
             )
         follows = {k: np.stack([e[k][3] for e in eps]) for k in obs.spaces}
         assert w.cut_envs(follows) == []
+        assert w.cut_envs({k: np.repeat(v, 2, axis=0)[::2] for k, v in follows.items()}) == []  # not contiguous
         reset = {k: v.copy() for k, v in follows.items()}
         reset["achieved_goal"][1] += 1
         assert w.cut_envs(reset) == [1]
