@@ -5,11 +5,21 @@
  * and holds the GIL between rows, so threads cannot share the work. These functions decode many rows per call with
  * the GIL released: her_store/reader.py splits a batch across its io_threads, each calling one of them.
  *
- *   pread_lz4(fds, offsets, nbytes, dst, out, row_nbytes) -> (index, errno)
+ *   pread_lz4(fds, offsets, nbytes, dst, out, row_nbytes) -> (index, errno, inblock)
  *       row i: nbytes[i] bytes at offsets[i] of file descriptor fds[i], decoded into row dst[i] of out. Rows that
  *       follow each other in one file (given in that order) are read with one pread: a sampled transition's two
  *       frames, t and t + 1, are then one disk read.
  *       A row with nbytes[i] < 0 (never written) fails: a gather asks only for rows that were written.
+ *   map_lz4(maps, slots, offsets, nbytes, dst, out, row_nbytes) -> (index, errno, inblock)
+ *       the same from mapped files (map_file): row i at maps[slots[i]][offsets[i] : offsets[i] + nbytes[i]], decoded
+ *       straight from the page cache, without a system call per row (what a pread costs is most of a warm read).
+ *   map_lz4_start(maps, slots, offsets, nbytes, dst, out, row_nbytes) -> Task
+ *       map_lz4 on a thread of its own, started before this returns: Task.wait() joins it and returns what map_lz4
+ *       would have, Task.done() tells whether it is done. The caller meanwhile runs Python (the rest of a batch).
+ *   map_file(fd, offset, length) -> Mapping
+ *       bytes offset .. offset + length of an open file, mapped read-only (MADV_RANDOM: a page fault reads its page
+ *       alone) as a buffer; unmapped when the last reference goes. It holds no file descriptor. Its drop_pages()
+ *       lets its pages go from this process, so that the page cache can drop them (a cold start).
  *   decode_lz4(src, offsets, nbytes, out, row_nbytes) -> (index, errno)
  *       the same, reading row i from src[offsets[i] : offsets[i] + nbytes[i]] (a shard fetched whole).
  *   encode_lz4(rows, row_nbytes, acceleration) -> list of bytes
@@ -33,7 +43,9 @@
  *       the CPU has it, at memory speed).
  *
  * The decoders return (-1, 0) when every row decoded to exactly row_nbytes, else the first failing row and an errno (0 when
- * the bytes are not one row's LZ4 block). Nothing is trusted: every range is checked against its source.
+ * the bytes are not one row's LZ4 block). Nothing is trusted: every range is checked against its source. pread_lz4 and
+ * map_lz4 add the 512-byte blocks the calling thread read from the disk meanwhile (getrusage's ru_inblock: 0 when
+ * every row was in the page cache), by which the reader chooses between them.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -42,6 +54,8 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
+#include <sys/resource.h>
 #include <unistd.h>
 
 #include <zlib.h>
@@ -91,6 +105,15 @@ static int decode_row(const char *raw, int64_t size, char *dst, Py_ssize_t row_n
     return got == row_nbytes ? 0 : -1;
 }
 
+/* 512-byte blocks the calling thread has read from disks so far (0 where the system does not count them per thread) */
+static long blocks_read(void) {
+#ifdef RUSAGE_THREAD
+    struct rusage ru;
+    if (getrusage(RUSAGE_THREAD, &ru) == 0) return ru.ru_inblock;
+#endif
+    return 0;
+}
+
 #define RUN_BYTES (1 << 20) /* rows read in one pread: adjacent rows of one file, up to this many bytes */
 
 static PyObject *pread_lz4(PyObject *self, PyObject *args) {
@@ -128,7 +151,9 @@ static PyObject *pread_lz4(PyObject *self, PyObject *args) {
     Py_ssize_t failed = -1;
     int err = 0;
     const int64_t row_bound = (int64_t)row_nbytes + row_nbytes / 4 + 1024; /* above LZ4's bound for one row */
+    long inblock = 0;
     Py_BEGIN_ALLOW_THREADS
+    inblock = blocks_read();
     size_t cap = 0;
     char *tmp = NULL;
     Py_ssize_t i = 0;
@@ -185,10 +210,255 @@ static PyObject *pread_lz4(PyObject *self, PyObject *args) {
         i = j;
     }
     free(tmp);
+    inblock = blocks_read() - inblock;
     Py_END_ALLOW_THREADS
     release(&a);
     PyBuffer_Release(&dst_rows);
-    return Py_BuildValue("(ni)", failed, failed >= 0 ? err : 0);
+    return Py_BuildValue("(nil)", failed, failed >= 0 ? err : 0, inblock);
+}
+
+/* A read-only mapping of part of a file, as a buffer (map_file). */
+typedef struct {
+    PyObject_HEAD
+    char *base;    /* the mapping, from a page boundary */
+    size_t mapped; /* its length */
+    size_t skip;   /* where the bytes asked for start in it */
+    Py_ssize_t len;
+} Mapping;
+
+static void mapping_dealloc(Mapping *m) {
+    if (m->base) munmap(m->base, m->mapped);
+    Py_TYPE(m)->tp_free((PyObject *)m);
+}
+
+static int mapping_getbuffer(Mapping *m, Py_buffer *view, int flags) {
+    return PyBuffer_FillInfo(view, (PyObject *)m, m->base + m->skip, m->len, 1, flags);
+}
+
+static Py_ssize_t mapping_length(Mapping *m) { return m->len; }
+
+static PyObject *mapping_drop_pages(Mapping *m, PyObject *unused) {
+    if (madvise(m->base, m->mapped, MADV_DONTNEED) != 0) return PyErr_SetFromErrno(PyExc_OSError);
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef mapping_methods[] = {
+    {"drop_pages", (PyCFunction)mapping_drop_pages, METH_NOARGS,
+     "Unmap its pages from this process (MADV_DONTNEED), so that the page cache can let them go (a cold start)."},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyBufferProcs mapping_as_buffer = {(getbufferproc)mapping_getbuffer, NULL};
+static PySequenceMethods mapping_as_sequence = {.sq_length = (lenfunc)mapping_length};
+
+static PyTypeObject MappingType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "her_store._frames.Mapping",
+    .tp_basicsize = sizeof(Mapping),
+    .tp_dealloc = (destructor)mapping_dealloc,
+    .tp_as_buffer = &mapping_as_buffer,
+    .tp_as_sequence = &mapping_as_sequence,
+    .tp_methods = mapping_methods,
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "Bytes of a file mapped read-only (map_file), unmapped when the last reference goes.",
+};
+
+static PyObject *map_file(PyObject *self, PyObject *args) {
+    int fd;
+    long long offset, length;
+    if (!PyArg_ParseTuple(args, "iLL", &fd, &offset, &length)) return NULL;
+    if (offset < 0 || length <= 0 || length > PY_SSIZE_T_MAX - 65536) {
+        PyErr_SetString(PyExc_ValueError, "map_file needs offset >= 0 and a length of at least one byte");
+        return NULL;
+    }
+    long page = sysconf(_SC_PAGESIZE);
+    size_t skip = (size_t)(offset % page), mapped = skip + (size_t)length;
+    void *base;
+    Py_BEGIN_ALLOW_THREADS
+    base = mmap(NULL, mapped, PROT_READ, MAP_SHARED, fd, (off_t)(offset - (long long)skip));
+    if (base != MAP_FAILED) madvise(base, mapped, MADV_RANDOM); /* advice only: its failure changes nothing read */
+    Py_END_ALLOW_THREADS
+    if (base == MAP_FAILED) return PyErr_SetFromErrno(PyExc_OSError);
+    Mapping *m = PyObject_New(Mapping, &MappingType);
+    if (!m) {
+        munmap(base, mapped);
+        return NULL;
+    }
+    m->base = base, m->mapped = mapped, m->skip = skip, m->len = (Py_ssize_t)length;
+    return (PyObject *)m;
+}
+
+/* map_lz4's work: its arguments, held (buffer exports) from parsing until released, and its result */
+typedef struct {
+    Args a; /* offsets, nbytes, out */
+    Py_buffer slots, dst;
+    Py_buffer *views; /* the maps' buffers, `held` of them acquired */
+    Py_ssize_t held, n, row_nbytes, out_rows, failed;
+    long inblock;
+} MapJob;
+
+/* release every buffer a MapJob holds (with the GIL) */
+static void map_job_release(MapJob *j) {
+    for (Py_ssize_t i = 0; i < j->held; i++) {
+        if (j->views[i].obj) PyBuffer_Release(&j->views[i]);
+    }
+    PyMem_Free(j->views);
+    j->views = NULL, j->held = 0;
+    release(&j->a);
+    if (j->slots.buf) PyBuffer_Release(&j->slots);
+    if (j->dst.buf) PyBuffer_Release(&j->dst);
+}
+
+/* parse and check map_lz4's arguments into j (zeroed); 0, or -1 with an exception set and nothing held */
+static int map_job_parse(MapJob *j, PyObject *args) {
+    PyObject *maps;
+    if (!PyArg_ParseTuple(args, "O!y*y*y*y*w*n", &PyTuple_Type, &maps, &j->slots, &j->a.offsets, &j->a.nbytes, &j->dst,
+                          &j->a.out, &j->row_nbytes)) {
+        map_job_release(j);
+        return -1;
+    }
+    Py_ssize_t n = check(&j->a, j->row_nbytes, 0), k = PyTuple_GET_SIZE(maps);
+    if (n >= 0 && (j->slots.len != n * 4 || j->dst.len != n * 8)) {
+        PyErr_SetString(PyExc_ValueError, "slots (int32) and dst (int64) must hold one entry per row");
+        n = -1;
+    }
+    if (n >= 0 && !(j->views = PyMem_Calloc(k ? (size_t)k : 1, sizeof *j->views))) {
+        PyErr_NoMemory();
+        n = -1;
+    }
+    for (; n >= 0 && j->held < k; j->held++) { /* each map held (a buffer export) until every row is decoded */
+        if (PyObject_GetBuffer(PyTuple_GET_ITEM(maps, j->held), &j->views[j->held], PyBUF_SIMPLE) < 0) n = -1;
+    }
+    const int32_t *slots = j->slots.buf;
+    const int64_t *dst_of = j->dst.buf;
+    Py_ssize_t out_rows = j->a.out.len / (j->row_nbytes > 0 ? j->row_nbytes : 1);
+    for (Py_ssize_t i = 0; n >= 0 && i < n; i++) {
+        if (slots[i] < 0 || slots[i] >= k || dst_of[i] < 0 || dst_of[i] >= out_rows) {
+            PyErr_SetString(PyExc_ValueError, "a slot names no map, or dst a row outside out");
+            n = -1;
+        }
+    }
+    if (n < 0) {
+        map_job_release(j);
+        return -1;
+    }
+    j->n = n, j->out_rows = out_rows, j->failed = -1;
+    return 0;
+}
+
+/* decode a parsed job's rows (without the GIL) */
+static void map_job_run(MapJob *j) {
+    const int32_t *slots = j->slots.buf;
+    const int64_t *offsets = j->a.offsets.buf, *nbytes = j->a.nbytes.buf, *dst_of = j->dst.buf;
+    char *out = j->a.out.buf;
+    long before = blocks_read();
+    for (Py_ssize_t i = 0; i < j->n; i++) {
+        /* each entry read once and checked as it is used: the caller's arrays may share memory with out, or be
+           changed by another thread meanwhile; then rows fail, and nothing is read or written outside a buffer */
+        int32_t slot = slots[i];
+        int64_t size = nbytes[i], at = offsets[i], row = dst_of[i];
+        if (slot < 0 || slot >= j->held || row < 0 || row >= j->out_rows) {
+            j->failed = i;
+            break;
+        }
+        const Py_buffer *v = &j->views[slot];
+        if (size < 0 || at < 0 || at > v->len || size > v->len - at ||
+            decode_row((const char *)v->buf + at, size, out + row * j->row_nbytes, j->row_nbytes) != 0) {
+            j->failed = i;
+            break;
+        }
+    }
+    j->inblock = blocks_read() - before;
+}
+
+static PyObject *map_lz4(PyObject *self, PyObject *args) {
+    MapJob j;
+    memset(&j, 0, sizeof j);
+    if (map_job_parse(&j, args) < 0) return NULL;
+    Py_BEGIN_ALLOW_THREADS
+    map_job_run(&j);
+    Py_END_ALLOW_THREADS
+    map_job_release(&j);
+    return Py_BuildValue("(nil)", j.failed, 0, j.inblock);
+}
+
+/* map_lz4 started on a thread of its own (map_lz4_start); wait() joins it */
+typedef struct {
+    PyObject_HEAD
+    MapJob job;
+    pthread_t thread;
+    int joinable; /* a thread to join */
+    int held;     /* the job's buffers still held */
+    int done;     /* set by the thread when the rows are decoded (atomic) */
+} Task;
+
+static void *task_main(void *p) {
+    Task *t = p;
+    map_job_run(&t->job);
+    __atomic_store_n(&t->done, 1, __ATOMIC_RELEASE);
+    return NULL;
+}
+
+/* join the thread and let the buffers go (with the GIL) */
+static void task_join(Task *t) {
+    if (t->joinable) {
+        Py_BEGIN_ALLOW_THREADS
+        pthread_join(t->thread, NULL);
+        Py_END_ALLOW_THREADS
+        t->joinable = 0;
+    }
+    if (t->held) {
+        map_job_release(&t->job);
+        t->held = 0;
+    }
+}
+
+static void task_dealloc(Task *t) {
+    task_join(t); /* its thread writes into buffers it holds: never let them go before it ends */
+    Py_TYPE(t)->tp_free((PyObject *)t);
+}
+
+static PyObject *task_wait(Task *t, PyObject *unused) {
+    task_join(t);
+    return Py_BuildValue("(nil)", t->job.failed, 0, t->job.inblock);
+}
+
+static PyObject *task_done(Task *t, PyObject *unused) {
+    return PyBool_FromLong(__atomic_load_n(&t->done, __ATOMIC_ACQUIRE));
+}
+
+static PyMethodDef task_methods[] = {
+    {"wait", (PyCFunction)task_wait, METH_NOARGS, "Wait for the rows: (index, errno, inblock), as map_lz4 returns."},
+    {"done", (PyCFunction)task_done, METH_NOARGS, "Whether the rows are decoded (without waiting)."},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyTypeObject TaskType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "her_store._frames.Task",
+    .tp_basicsize = sizeof(Task),
+    .tp_dealloc = (destructor)task_dealloc,
+    .tp_methods = task_methods,
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "map_lz4 under way on a thread of its own (map_lz4_start).",
+};
+
+static PyObject *map_lz4_start(PyObject *self, PyObject *args) {
+    Task *t = PyObject_New(Task, &TaskType);
+    if (!t) return NULL;
+    memset(&t->job, 0, sizeof t->job);
+    t->joinable = t->held = t->done = 0;
+    if (map_job_parse(&t->job, args) < 0) {
+        Py_DECREF(t);
+        return NULL;
+    }
+    t->held = 1;
+    if (pthread_create(&t->thread, NULL, task_main, t) == 0) {
+        t->joinable = 1;
+    } else { /* no thread to be had: the rows are decoded here */
+        Py_BEGIN_ALLOW_THREADS
+        task_main(t);
+        Py_END_ALLOW_THREADS
+    }
+    return (PyObject *)t;
 }
 
 static PyObject *decode_lz4(PyObject *self, PyObject *args) {
@@ -561,6 +831,9 @@ static PyMethodDef methods[] = {
     {"crc32_all", crc32_all, METH_VARARGS, "zlib.crc32 of many buffers one after the other, without joining them."},
     {"shard_body", shard_body, METH_VARARGS, "A shard's rows and index in one buffer, 4 bytes left for the crc32c."},
     {"pread_lz4", pread_lz4, METH_VARARGS, "Read and decode LZ4 rows from files, without the GIL."},
+    {"map_lz4", map_lz4, METH_VARARGS, "Decode LZ4 rows from mapped files, without the GIL."},
+    {"map_lz4_start", map_lz4_start, METH_VARARGS, "map_lz4 started on a thread of its own: a Task to wait() for."},
+    {"map_file", map_file, METH_VARARGS, "Map bytes of an open file read-only, as a buffer."},
     {"decode_lz4", decode_lz4, METH_VARARGS, "Decode LZ4 rows from one buffer, without the GIL."},
     {"same_bytes", same_bytes, METH_VARARGS, "Whether two C-contiguous buffers hold the same bytes (memcmp)."},
     {NULL, NULL, 0, NULL},
@@ -568,4 +841,7 @@ static PyMethodDef methods[] = {
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_frames", "Batch LZ4 decoding of image rows.", -1, methods};
 
-PyMODINIT_FUNC PyInit__frames(void) { return PyModule_Create(&module); }
+PyMODINIT_FUNC PyInit__frames(void) {
+    if (PyType_Ready(&MappingType) < 0 || PyType_Ready(&TaskType) < 0) return NULL;
+    return PyModule_Create(&module);
+}

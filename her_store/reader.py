@@ -6,10 +6,11 @@ zarr's indexing costs tens of milliseconds per 1,024 random rows (FACTS.md), so 
   thread pool; numpy releases the GIL while it copies, so the page faults of a cold store (one larger than RAM)
   are served in parallel, at the disk's queue depth rather than one read at a time.
 - sharded arrays (compressed images, format version 2): each row is its own inner chunk, so a gathered row is one
-  byte range of a shard (a pread locally; remotely a ranged GET conditioned on the shard's ETag, adjacent rows in
-  one, or the shard fetched whole when a gather needs several runs of its rows) and one decode, straight into the
-  batch. Decoding is CPU work done in C without the GIL, so it is split across ``io_threads``
-  (by default one per core).
+  byte range of a shard (locally a pread, or read where the shard is memory-mapped once gathers find their rows in
+  the page cache; remotely a ranged GET conditioned on the shard's ETag, adjacent rows in one, or the shard fetched
+  whole when a gather needs several runs of its rows) and one decode, straight into the batch. Decoding is CPU
+  work done in C without the GIL, so it is split across ``io_threads`` (by default one per core), and a sampler
+  assembles the rest of its batch while its frames are decoded (:meth:`ChunkReader.gather_later`).
 - uncompressed arrays on object storage or HTTP: blocks of rows (about 1 MiB each, a byte range of their chunk) are
   read by concurrent ranged GETs and kept in a bounded LRU cache, so a store copied from local disk, whose chunks
   hold 1,048,576 rows, reads only the blocks a gather needs (whole chunks from an HTTP server that ignores Range);
@@ -53,6 +54,7 @@ __all__ = ["CachedArray", "ChunkReader", "MappedArray", "RangedArray", "ShardedA
 
 MIN_ROWS_PER_THREAD = 16  # below this a thread costs more than the rows it reads
 MIN_FRAMES_PER_THREAD = 4  # a compressed frame costs a decode: worth a thread from a few on
+WARM_GATHERS = 8  # local frames are decoded from mapped shards once this many gathers in a row read nothing from disk
 
 
 class MappedArray:
@@ -351,6 +353,8 @@ class _Shard(NamedTuple):
     offsets: np.ndarray  # int64, -1 for a row never written
     nbytes: np.ndarray
     etag: str | None = None  # remotely, the ETag of the object whose index this is, when rows are read by ranges
+    mapping: Any = None  # locally, the shard's bytes mapped (_frames.map_file), None where the file cannot be mapped
+    base: int = 0  # locally, where the shard's bytes start in its file (a packed store's member), and its mapping
 
 
 class _Changed(Exception):
@@ -379,10 +383,12 @@ class ShardedArray(CachedArray):
 
     Locally a shard is an open file whose index is parsed into a per-row table of byte ranges (see
     :meth:`_local_rows`; open shards bounded by count, least recently used closed first): a batch's frames are read
-    with one ``pread`` per pair of adjacent frames and decoded in C, in parallel across ``io_threads``. A shard that a
-    commit rewrote since it was opened (the same committed-end tags as :class:`CachedArray`) is opened again by the
-    gathers that need it; until then, the old file still holds every row committed when it was opened (a shard is
-    replaced by a rename, never written in place).
+    with one ``pread`` per pair of adjacent frames and decoded in C, in parallel across ``io_threads``; once
+    ``WARM_GATHERS`` gathers in a row found them all in the page cache, they are decoded where the shard is mapped,
+    without a system call each (:meth:`_gather_lz4`). A shard that a commit rewrote since it was opened (the same
+    committed-end tags as :class:`CachedArray`) is opened again by the gathers that need it; until then, the old
+    file (and its mapping) still holds every row committed when it was opened (a shard is replaced by a rename,
+    never written in place, so a mapped shard never shrinks under its readers).
 
     On object storage (bounded by ``cache_bytes``) a shard is kept as its parsed index alone, read by one ranged GET
     of the object's last bytes, and the frames of a gather are fetched by concurrent ranged GETs (adjacent frames,
@@ -409,8 +415,12 @@ class ShardedArray(CachedArray):
         # local shards (see _local_rows): open files, and per shard its descriptor, the committed end when it was
         # opened (-1: not open) and the gather that last used it; per row its (offset, nbytes)
         self._files: dict[int, Any] = {}
+        self._maps: dict[int, Any] = {}  # the open shards' mappings (those that could be mapped)
         self._tags = np.full(0, -1, np.int64)
         self._fds = np.full(0, -1, np.int32)
+        self._bases = np.zeros(0, np.int64)
+        self._warm = 0  # gathers in a row that read nothing from disk (rows in the page cache)
+        self.mapped_gathers = 0  # local gathers decoded from the mapped shards
         self._used = np.zeros(0, np.int64)
         self._uses = 0
         self._table = np.full((0, 2), -1, np.int64)
@@ -453,7 +463,11 @@ class ShardedArray(CachedArray):
         need = min(size, index_nbytes(self.chunk_rows))
         index = _Tail(size, os.pread(buf.fileno(), need, base + size - need))
         offsets, nbytes = parse_index(index, self.chunk_rows, f"{self.location}/{key}")
-        return _Shard(buf, np.where(offsets < 0, offsets, offsets + base), nbytes)
+        try:  # holds no descriptor: bounded with its file by OPEN
+            mapping = _frames.map_file(buf.fileno(), base, size)
+        except (OSError, ValueError):  # a file system that cannot map files (or an empty shard): read with pread
+            mapping = None
+        return _Shard(buf, np.where(offsets < 0, offsets, offsets + base), nbytes, mapping=mapping, base=base)
 
     def _empty(self) -> _Shard:
         """A shard never written: every row zeros."""
@@ -724,24 +738,22 @@ class ShardedArray(CachedArray):
         threads of ``pool`` (the calling thread takes one): LZ4 in C without the GIL, other codecs row by row.
         Locally, a gather over more shards than half of those it may keep open (its share of ``OPEN``: tiny shards,
         a low descriptor limit) takes them a group at a time, each group's files let go before the next is opened."""
-        half = self.max_entries // 2
-        if self.root is not None and len(rows) > half:
-            uniq, group = np.unique(rows // self.chunk_rows, return_inverse=True)
-            if len(uniq) > half:
-                group //= half
-                for g in range(int(group.max()) + 1):
-                    sel = np.flatnonzero(group == g)
-                    part = np.empty((len(sel), *out.shape[1:]), out.dtype)
-                    self.gather_split(rows[sel], part, pool, parts)
-                    out[sel] = part
-                return
+        if self._grouped(rows):
+            _, group = np.unique(rows // self.chunk_rows, return_inverse=True)
+            group //= self.max_entries // 2
+            for g in range(int(group.max()) + 1):
+                sel = np.flatnonzero(group == g)
+                part = np.empty((len(sel), *out.shape[1:]), out.dtype)
+                self.gather_split(rows[sel], part, pool, parts)
+                out[sel] = part
+            return
         if self.codec.is_lz4:
             self._gather_lz4(rows, out, pool, parts)
             return
         if self.root is None:
             self._gather_remote(rows, out)
             return
-        held, fds, offsets, nbytes = self._local_rows(rows, pool)
+        held, fds, offsets, nbytes, *_ = self._local_rows(rows, pool)
         decode = self.codec.decode
 
         def work(a: int, b: int) -> None:
@@ -753,37 +765,103 @@ class ShardedArray(CachedArray):
                     c, r = divmod(int(rows[i]), self.chunk_rows)
                     raise CorruptStoreError(f"{self.location}/{self._key(c)}: row {r} cannot be decoded ({e})") from e
 
-        _split(work, len(rows), pool, parts)
+        _start(work, len(rows), pool, parts)()
         del held  # the files stay open until their rows are decoded
+
+    def _grouped(self, rows: np.ndarray) -> bool:
+        """Whether a local gather of ``rows`` needs more shards than half of those this array may keep open."""
+        half = self.max_entries // 2
+        return self.root is not None and len(rows) > half and len(np.unique(rows // self.chunk_rows)) > half
+
+    def start(self, rows: np.ndarray, out: np.ndarray, pool: ThreadPoolExecutor | None, parts: int) -> Callable[[], None]:
+        """:meth:`gather_split`, started: a local LZ4 gather returns once its rows' byte ranges are found and its
+        other pieces are under way (:meth:`_start_lz4`); the returned function decodes the calling thread's piece
+        and waits for the rest (``out`` is complete when it returns). Other gathers are done here, and the function
+        does nothing."""
+        if self.root is not None and self.codec.is_lz4 and not self._grouped(rows):
+            return self._start_lz4(rows, out, pool, parts)
+        self.gather_split(rows, out, pool, parts)
+        return _done
 
     def _gather_lz4(self, rows: np.ndarray, out: np.ndarray, pool: ThreadPoolExecutor | None, parts: int) -> None:
         """The default codec's path: every row's byte range is found here, once, then the rows are read (locally)
-        and decoded in C with the GIL released, split across ``parts`` threads of ``pool``."""
+        and decoded in C with the GIL released, split across ``parts`` threads of ``pool``.
+
+        Locally, rows are read with ``pread`` (adjacent rows in one) while the disk serves them, and decoded straight
+        from the mapped shards once ``WARM_GATHERS`` gathers in a row found every row in the page cache: a warm
+        pread costs a system call and a copy per frame, a page fault of a mapped file costs a disk read per page
+        (a frame's pread, one for the pair). A mapped gather that reads from disk goes back to pread."""
         if self.root is None:
             self._gather_remote_lz4(rows, out, pool, parts)
-            return
-        held, fds, offsets, nbytes = self._local_rows(rows, pool)
-        # by file and offset: frames t and t + 1 of an episode follow each other in their shard and are read at once
-        order = np.lexsort((offsets, fds))
-        fds, offsets, nbytes = fds[order], offsets[order], nbytes[order]
-        failed: list[tuple[int, int]] = []
+        else:
+            self._start_lz4(rows, out, pool, parts)()
 
-        def decode(a: int, b: int) -> None:
-            bad, err = _frames.pread_lz4(fds[a:b], offsets[a:b], nbytes[a:b], order[a:b], out, self.spec.row_nbytes)
+    def _start_lz4(
+        self, rows: np.ndarray, out: np.ndarray, pool: ThreadPoolExecutor | None, parts: int
+    ) -> Callable[[], None]:
+        """A local LZ4 gather, started: the returned function finishes it. From the page cache, the pieces other than
+        the calling thread's are decoded from the mapped shards on threads of their own (C threads: they start
+        at once, never waiting for the GIL), at most one per core; else they are read and decoded on ``pool``."""
+        held, fds, offsets, nbytes, slots, maps, bases = self._local_rows(rows, pool)
+        mapped = maps is not None and self._warm >= WARM_GATHERS
+        if mapped:
+            offsets = offsets - bases  # where each row starts in its shard's mapping
+        # by shard and offset: frames t and t + 1 of an episode follow each other in their shard and are read at once
+        order = np.lexsort((offsets, slots))
+        fds, offsets, nbytes, slots = fds[order], offsets[order], nbytes[order], slots[order]
+        failed: list[tuple[int, int]] = []
+        blocks: list[int] = []  # 512-byte blocks each piece read from disk
+        rn = self.spec.row_nbytes
+
+        def note(a: int, bad: int, err: int, read: int) -> None:
+            blocks.append(read)
             if bad >= 0:
                 failed.append((int(order[a + bad]), err))
 
-        _split(decode, len(rows), pool, parts, self._balance)
-        del held  # the files stay open until their rows are decoded
-        for row, err in failed:
-            self._undecodable(int(rows[row]), err)
+        def decode(a: int, b: int, files: list[Any] = held) -> None:  # the files stay open while their rows are read
+            if mapped:
+                note(a, *_frames.map_lz4(maps, slots[a:b], offsets[a:b], nbytes[a:b], order[a:b], out, rn))
+            else:
+                note(a, *_frames.pread_lz4(fds[a:b], offsets[a:b], nbytes[a:b], order[a:b], out, rn))
+
+        if mapped:
+            self.mapped_gathers += 1
+            threads = min(parts, os.cpu_count() or 1) - 1
+            edges = self._balance.edges(len(rows), threads, len(rows) // (threads + 1) // 2) if threads > 0 else [0, len(rows)]
+            tasks = [
+                (a, _frames.map_lz4_start(maps, slots[a:b], offsets[a:b], nbytes[a:b], order[a:b], out, rn))
+                for a, b in itertools.pairwise(edges[:-1])
+            ]
+
+            def pieces() -> None:
+                try:
+                    decode(edges[-2], edges[-1])
+                finally:
+                    if tasks:
+                        self._balance.observe(all(t.done() for _, t in tasks))
+                    for a, t in tasks:
+                        note(a, *t.wait())
+
+        else:
+            pieces = _start(decode, len(rows), pool, parts, self._balance)
+
+        def finish() -> None:
+            pieces()
+            # cold: more than a block a row from disk on average (not a few rows a writer's commit left uncached)
+            self._warm = 0 if sum(blocks) > len(rows) else self._warm + 1
+            for row, err in failed:
+                self._undecodable(int(rows[row]), err)
+
+        return finish
 
     # local shards: open files and a per-row table of byte ranges ---------------------------------------------------
 
     def _local_rows(
         self, rows: np.ndarray, pool: ThreadPoolExecutor | None
-    ) -> tuple[list[Any], np.ndarray, np.ndarray, np.ndarray]:
-        """(the open files held for this gather, and per row its file descriptor, offset and size) of local rows.
+    ) -> tuple[list[Any], np.ndarray, np.ndarray, np.ndarray, np.ndarray, tuple[Any, ...] | None, np.ndarray]:
+        """Local rows as found: the open files held for this gather; per row its file descriptor, offset in the file
+        and size; per row its shard's place among the shards gathered from (int32), those shards' mappings (None when
+        one has none), and per row where its shard's mapping starts in its file.
 
         A shard is opened (its index read: a small read at the end of its file, on the pool's threads when several
         are needed) the first time a gather needs it and again when a commit recorded since reached it; its rows'
@@ -793,7 +871,7 @@ class ShardedArray(CachedArray):
         """
         cr = self.chunk_rows
         shard_of = rows // cr
-        uniq = np.unique(shard_of)
+        uniq, slots = np.unique(shard_of, return_inverse=True)
         with self._lock:
             self._grow(int(uniq[-1]) + 1)
             newest = np.full(len(uniq), -1, np.int64)  # the newest recorded episode whose rows reach each shard
@@ -816,6 +894,8 @@ class ShardedArray(CachedArray):
                 self.misses += 1
                 self._files[c] = shard.buf
                 self._fds[c] = shard.buf.fileno() if shard.buf is not None else -1
+                self._maps[c] = shard.mapping
+                self._bases[c] = shard.base
                 self._table[c * cr : (c + 1) * cr, 0] = shard.offsets
                 self._table[c * cr : (c + 1) * cr, 1] = np.where(shard.offsets < 0, -1, shard.nbytes)
                 self._tags[c] = tag
@@ -823,12 +903,16 @@ class ShardedArray(CachedArray):
             self._uses += 1
             self._used[uniq] = self._uses
             held = [self._files.get(c) for c in uniq.tolist()]
+            maps: tuple[Any, ...] | None = tuple(self._maps.get(c) for c in uniq.tolist())
+            if None in maps:  # type: ignore[operator]
+                maps = None
             fds, offsets, nbytes = self._fds[shard_of], self._table[rows, 0], self._table[rows, 1]
+            bases = self._bases[shard_of]
             if len(self._files) > self.max_entries:
                 self._close_oldest(len(self._files) - self.max_entries // 2)
         if (offsets < 0).any():
             self._never_written(int(rows[np.argmax(offsets < 0)]))
-        return held, fds, offsets, nbytes
+        return held, fds, offsets, nbytes, slots.astype(np.int32), maps, bases
 
     def _grow(self, shards: int) -> None:
         """Size the per-shard and per-row tables for ``shards`` shards (under the lock)."""
@@ -838,6 +922,7 @@ class ShardedArray(CachedArray):
         n = max(shards, 2 * have)
         self._tags = np.concatenate([self._tags, np.full(n - have, -1, np.int64)])
         self._fds = np.concatenate([self._fds, np.full(n - have, -1, np.int32)])
+        self._bases = np.concatenate([self._bases, np.zeros(n - have, np.int64)])
         self._used = np.concatenate([self._used, np.zeros(n - have, np.int64)])
         self._table = np.concatenate([self._table, np.full(((n - have) * self.chunk_rows, 2), -1, np.int64)])
 
@@ -845,6 +930,7 @@ class ShardedArray(CachedArray):
         super().close()
         with self._lock:
             self._files.clear()
+            self._maps.clear()
             self._tags[:] = -1
             self._fds[:] = -1
         self.OPEN.leave(self)
@@ -854,14 +940,21 @@ class ShardedArray(CachedArray):
         open_ = np.fromiter(self._files, np.int64, len(self._files))
         for c in open_[np.argsort(self._used[open_], kind="stable")[:k]].tolist():
             del self._files[c]
+            self._maps.pop(c, None)
             self._tags[c], self._fds[c] = -1, -1
 
     def evict_page_cache(self) -> None:
-        """Drop the shard files from the page cache. Locally the open shards and their parsed indexes stay: an
-        index is the sampler's own memory (16 bytes a row), not a page of the store, so cold reads are frames."""
+        """Drop the shard files from the page cache (their mapped pages first). Locally the open shards and their
+        parsed indexes stay: an index is the sampler's own memory (16 bytes a row), not a page of the store, so cold
+        reads are frames; they are read with pread again, until gathers find them in the page cache."""
         if self.root is None:
             super().evict_page_cache()
             return
+        with self._lock:
+            maps = [m for m in self._maps.values() if m is not None]
+            self._warm = 0
+        for m in maps:
+            m.drop_pages()
         for d, _, files in os.walk(os.path.join(self.root, self.spec.path)):  # its chunk files, whatever their keys
             for f in files:
                 drop_page_cache(os.path.join(d, f))
@@ -880,28 +973,36 @@ class ShardedArray(CachedArray):
         raise CorruptStoreError(f"{where}: row {row - c * self.chunk_rows} is not one row's LZ4 block")
 
 
-def _split(
+def _done() -> None:
+    """A gather's finish when there is nothing left to do."""
+
+
+def _start(
     work: Callable[[int, int], None], n: int, pool: ThreadPoolExecutor | None, parts: int, balance: Balance | None = None
-) -> None:
-    """``work(a, b)`` over ``parts`` consecutive pieces of ``range(n)``, on the pool's threads and the calling one (which
-    takes the last piece rather than wait idle); the first exception raised is raised here, after every piece ran.
-    With ``balance``, the pool's share follows who finished first (decoding, where the calling thread has less of
-    the batch to do than its threads once they start late); else the pieces are even."""
+) -> Callable[[], None]:
+    """``work(a, b)`` over ``parts`` consecutive pieces of ``range(n)``, started: the pool's pieces are submitted
+    (each begins once its thread has the GIL), and the returned function runs the calling thread's piece (the
+    last, rather than wait idle), then waits for the pool's; it raises the first exception raised, after every
+    piece ran. With ``balance``, the pool's share follows who finished first (decoding, where the calling thread
+    has less of the batch to do than its threads once they start late); else the pieces are even."""
     if pool is None or parts <= 1:
-        work(0, n)
-        return
+        return lambda: work(0, n)
     if balance is not None:
         edges = balance.edges(n, parts - 1, n // parts // 2)
     else:
         edges = np.linspace(0, n, parts + 1).astype(np.int64).tolist()
     futures = [pool.submit(work, a, b) for a, b in itertools.pairwise(edges[:-1])]
-    try:
-        work(edges[-2], edges[-1])
-    finally:
-        if balance is not None and futures:
-            balance.observe(all(f.done() for f in futures))
-        for f in futures:
-            f.result()
+
+    def finish() -> None:
+        try:
+            work(edges[-2], edges[-1])
+        finally:
+            if balance is not None and futures:
+                balance.observe(all(f.done() for f in futures))
+            for f in futures:
+                f.result()
+
+    return finish
 
 
 class ChunkReader:
@@ -964,24 +1065,55 @@ class ChunkReader:
         except OSError as e:
             if e.errno != errno.EMFILE:
                 raise
-            soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
-            raise StoreError(
-                f"{path}: out of file descriptors (the process may have {soft:,} open): every sampler and writer of "
-                "the process shares a bound on the files it keeps open, but each keeps a few at least; raise the "
-                "limit (ulimit -n, resource.setrlimit) or close the samplers no longer used"
-            ) from e
+            raise self._out_of_files(path) from e
+
+    def gather_later(self, path: str, rows: np.ndarray) -> tuple[np.ndarray, Callable[[], None]]:
+        """:meth:`gather`, started: rows ``rows`` of array ``path`` go into the array returned at once, complete when
+        the function returned with it has been called (it raises what the gather raises). A compressed local image
+        array's frames are meanwhile decoded on the reader's threads, so the caller can assemble the rest of a batch
+        while they are; other arrays are gathered before this returns.
+
+        Examples
+        --------
+        >>> frames, finish = reader.gather_later("steps/observation", np.array([0, 5, 9]))  # doctest: +SKIP
+        >>> finish()  # doctest: +SKIP
+        """
+        arr = self.arrays[path]
+        rows = np.asarray(rows, np.int64)
+        if not isinstance(arr, ShardedArray) or len(rows) == 0:
+            return self.gather(path, rows), _done
+        out = np.empty((len(rows), *arr.spec.row_shape), arr.spec.dtype)
+        try:
+            pending = arr.start(rows, out, self._pool, self._decode_parts(len(rows)))
+        except OSError as e:
+            if e.errno != errno.EMFILE:
+                raise
+            raise self._out_of_files(path) from e
+        return out, pending
+
+    def _decode_parts(self, n: int) -> int:
+        """The pieces a gather of ``n`` frames is decoded in (one per decoding thread, a few frames each at least)."""
+        return min(self.decode_threads, n // MIN_FRAMES_PER_THREAD)
+
+    @staticmethod
+    def _out_of_files(path: str) -> StoreError:
+        """What a gather raises when the process ran out of file descriptors (EMFILE): what to do about it."""
+        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+        return StoreError(
+            f"{path}: out of file descriptors (the process may have {soft:,} open): every sampler and writer of "
+            "the process shares a bound on the files it keeps open, but each keeps a few at least; raise the "
+            "limit (ulimit -n, resource.setrlimit) or close the samplers no longer used"
+        )
 
     def _gather(self, arr: MappedArray | CachedArray, rows: np.ndarray, out: np.ndarray) -> np.ndarray:
         n = len(rows)
-        per_thread = MIN_FRAMES_PER_THREAD if isinstance(arr, ShardedArray) else MIN_ROWS_PER_THREAD
-        threads = self.decode_threads if isinstance(arr, ShardedArray) else self.io_threads
         if isinstance(arr, ShardedArray):
-            arr.gather_split(rows, out, self._pool, min(threads, n // per_thread))
+            arr.gather_split(rows, out, self._pool, self._decode_parts(n))
             return out
-        if self._pool is None or threads == 0 or n < 2 * per_thread:
+        if self._pool is None or self.io_threads == 0 or n < 2 * MIN_ROWS_PER_THREAD:
             arr.gather(rows, out)
             return out
-        parts = min(threads, n // per_thread)
+        parts = min(self.io_threads, n // MIN_ROWS_PER_THREAD)
         edges = np.linspace(0, n, parts + 1).astype(np.int64)
         work: Callable[[int], None] = lambda i: arr.gather(rows[edges[i] : edges[i + 1]], out[edges[i] : edges[i + 1]])
         list(self._pool.map(work, range(parts)))

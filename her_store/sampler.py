@@ -70,6 +70,15 @@ class _Draw(NamedTuple):
     goal_ids: np.ndarray | None  # the episodes those rows belong to
 
 
+def _finish_all(pending: list[Callable[[], None]]) -> None:
+    """Complete every pending gather: each is waited for, whatever the ones before it raised."""
+    if pending:
+        try:
+            pending[0]()
+        finally:
+            _finish_all(pending[1:])
+
+
 def _replace_samples(d: _Draw, sub: np.ndarray, d2: _Draw) -> tuple[_Draw, np.ndarray]:
     """``d`` with the samples at positions ``sub`` taken from ``d2`` (drawn for exactly those positions), and
     where those samples' goals sit among the relabelled ones."""
@@ -245,6 +254,13 @@ class HerSampler:
             fields = [(n, a, b, schema.by_name[n].shape, schema.by_name[n].per_step) for n, a, b in cols]
             has_next = any(not per_step for *_, per_step in fields)
             self._arrays.append((spec.path, spec.is_pack, has_next, any(n == "achieved_goal" for n, *_ in fields), fields))
+        # observations that relabelling and rewards do not read (image frames): gathered first, and finished once the
+        # rest of the batch is assembled, their decoding meanwhile under way on the reader's threads
+        computed_on = {"achieved_goal", "desired_goal", *self._info_keys}
+        self._later = {
+            path for path, is_pack, _, _, fields in self._arrays if not is_pack and not computed_on & {n for n, *_ in fields}
+        }
+        self._arrays.sort(key=lambda a: a[0] not in self._later)
         self._goal_shape = schema.by_name["achieved_goal"].shape
         self._goal_dtype = schema.by_name["achieved_goal"].dtype
 
@@ -291,19 +307,27 @@ class HerSampler:
                 goal_rows = starts[her] + select_goal_steps(self.strategy, steps[her], lengths[her], rng) + 1
         return _Draw(ids, steps, starts + steps, lengths, her, goal_rows, goal_ids)
 
-    def _gather(self, d: _Draw) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray], np.ndarray | None]:
-        """Fields at rows t, observation fields at rows t + 1, and the goal rows' achieved goals (relabelled
-        samples, in order)."""
+    def _gather(
+        self, d: _Draw
+    ) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray], np.ndarray | None, Callable[[], None]]:
+        """Fields at rows t, observation fields at rows t + 1, the goal rows' achieved goals (relabelled samples, in
+        order), and the function that completes the fields gathered later (``_later``: call it before reading them)."""
         B = len(d.rows)
         now, nxt, goals = {}, {}, None
         field = self._field
+        pending: list[Callable[[], None]] = []
         for path, is_pack, has_next, has_goal, fields in self._arrays:
             parts = [d.rows]
             if has_next:
                 parts.append(d.rows + 1)
             if has_goal and d.goal_rows is not None:
                 parts.append(d.goal_rows)
-            rows = self._rows(path, np.concatenate(parts) if len(parts) > 1 else d.rows)
+            at = np.concatenate(parts) if len(parts) > 1 else d.rows
+            if path in self._later:
+                rows, finish = self._rows_later(path, at)
+                pending.append(finish)
+            else:
+                rows = self._rows(path, at)
             for name, a, b, shape, per_step in fields:
                 col = rows[:, a:b] if is_pack else rows
                 now[name] = field(name, col[:B], shape)
@@ -311,11 +335,15 @@ class HerSampler:
                     nxt[name] = field(name, col[B : 2 * B], shape)
                 if name == "achieved_goal" and d.goal_rows is not None:
                     goals = field(name, col[2 * B :], shape)
-        return now, nxt, goals
+        return now, nxt, goals, lambda: _finish_all(pending)
 
     def _rows(self, path: str, rows: np.ndarray) -> np.ndarray:
         """Rows ``rows`` of array ``path``, where :meth:`_gather` reads them: the store's chunks, through the reader."""
         return self.reader.gather(path, rows)
+
+    def _rows_later(self, path: str, rows: np.ndarray) -> tuple[Any, Callable[[], None]]:
+        """:meth:`_rows`, started (:meth:`ChunkReader.gather_later`): the rows, and the function that completes them."""
+        return self.reader.gather_later(path, rows)
 
     @staticmethod
     def _field(name: str, col: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
@@ -350,23 +378,25 @@ class HerSampler:
 
     def _fresh(
         self, view: IndexView, B: int, may_refresh: bool
-    ) -> tuple[IndexView, _Draw, dict, dict, np.ndarray | None]:
-        """Draw and gather a batch. From a ring, samples whose episode (or goal's episode) the writer evicted
-        meanwhile, whose rows may have been overwritten while we read, are drawn again among the live ones; when
-        the writer evicted the whole view, among those of a fresh snapshot (``may_refresh``; the prefetch thread
-        may not touch the store and raises _Lapped instead)."""
+    ) -> tuple[IndexView, _Draw, dict, dict, np.ndarray | None, Callable[[], None]]:
+        """Draw and gather a batch, and the function completing its fields gathered later (:meth:`_gather`). From a
+        ring, the rows are complete, and samples whose episode (or goal's episode) the writer evicted meanwhile,
+        whose rows may have been overwritten while we read, are drawn again among the live ones; when the writer
+        evicted the whole view, among those of a fresh snapshot (``may_refresh``; the prefetch thread may not touch
+        the store and raises _Lapped instead)."""
         her = np.arange(B) < int(self.her_ratio * B)
         d = self._draw(view, her)
-        now, nxt, goals = self._gather(d)
+        now, nxt, goals, finish = self._gather(d)
         if self.store.capacity is None:
-            return view, d, now, nxt, goals
+            return view, d, now, nxt, goals, finish
+        finish()  # the eviction checks below follow the reads
         for _ in range(100):
             first = self.store.live_first()
             stale = d.episode_ids < first
             if d.goal_ids is not None:
                 stale[np.flatnonzero(d.her)[d.goal_ids < first]] = True
             if not stale.any():
-                return view, d, now, nxt, goals
+                return view, d, now, nxt, goals, lambda: None  # complete
             view = view.since(first)
             if view.num_transitions == 0:
                 if not may_refresh:
@@ -376,7 +406,8 @@ class HerSampler:
                     continue
             sub = np.flatnonzero(stale)
             d2 = self._draw(view, d.her[sub])
-            now2, nxt2, goals2 = self._gather(d2)
+            now2, nxt2, goals2, finish = self._gather(d2)
+            finish()
             for k in now:
                 now[k][sub] = now2[k]
             for k in nxt:
@@ -387,7 +418,33 @@ class HerSampler:
         raise StoreError(f"{self.store.url}: the ring writer overtakes the sampler; sample from a larger ring")
 
     def _make_batch(self, view: IndexView, B: int, may_refresh: bool = True) -> HerBatch:
-        view, d, now, nxt, goals = self._fresh(view, B, may_refresh)
+        view, d, now, nxt, goals, finish = self._fresh(view, B, may_refresh)
+        try:  # while the frames gathered later are decoded
+            n, rewards, terminated, infos_np = self._relabel(view, d, now, nxt, goals)
+        finally:
+            finish()
+        relabeled = np.zeros(B, bool)
+        relabeled[:n] = True
+        t = self._to_device
+        return HerBatch(
+            observations={k: t(now[k]) for k in self._obs_keys},
+            actions=t(now["action"]),
+            rewards=t(rewards.reshape(B, 1)),
+            next_observations={k: t(nxt[k]) for k in self._obs_keys},
+            terminated=t(terminated.reshape(B, 1)),
+            truncated=t(now["truncated"].astype(np.float32).reshape(B, 1)),
+            dones=t(terminated.reshape(B, 1)),  # a timeout does not stop bootstrapping
+            is_relabeled=t(relabeled),
+            episode_ids=t(d.episode_ids),
+            steps=t(d.steps),
+            infos={k: t(v) for k, v in infos_np.items()},
+        )
+
+    def _relabel(
+        self, view: IndexView, d: _Draw, now: dict, nxt: dict, goals: np.ndarray | None
+    ) -> tuple[int, np.ndarray, np.ndarray, dict[str, np.ndarray]]:
+        """Relabel the first samples' desired goals (in place, ``now`` and ``nxt``) and recompute their rewards and
+        terminations: (relabelled samples, rewards, terminated, info fields)."""
         n = int(d.her.sum())  # the relabelled samples are the first n
         rewards = now["reward"].astype(np.float32, copy=True)
         terminated = now["terminated"].astype(np.float32)
@@ -416,22 +473,7 @@ class HerSampler:
                 else:
                     success = rewards[:n] >= self._rewards(achieved, achieved, info_arg)
                 terminated[:n] = np.maximum(terminated[:n], success)
-        relabeled = np.zeros(B, bool)
-        relabeled[:n] = True
-        t = self._to_device
-        return HerBatch(
-            observations={k: t(now[k]) for k in self._obs_keys},
-            actions=t(now["action"]),
-            rewards=t(rewards.reshape(B, 1)),
-            next_observations={k: t(nxt[k]) for k in self._obs_keys},
-            terminated=t(terminated.reshape(B, 1)),
-            truncated=t(now["truncated"].astype(np.float32).reshape(B, 1)),
-            dones=t(terminated.reshape(B, 1)),  # a timeout does not stop bootstrapping
-            is_relabeled=t(relabeled),
-            episode_ids=t(d.episode_ids),
-            steps=t(d.steps),
-            infos={k: t(v) for k, v in infos_np.items()},
-        )
+        return n, rewards, terminated, infos_np
 
     def _to_device(self, a: np.ndarray) -> torch.Tensor:
         x = torch.from_numpy(a)

@@ -415,14 +415,16 @@ class WorkingSetSampler(HerSampler):
             f"set ({self.capacity_rows} rows) to place its arc's episodes; raise budget_bytes or lower refill_fraction"
         )
 
-    def _fresh(self, view: IndexView, B: int, may_refresh: bool) -> tuple[IndexView, _Draw, dict, dict, np.ndarray | None]:
+    def _fresh(
+        self, view: IndexView, B: int, may_refresh: bool
+    ) -> tuple[IndexView, _Draw, dict, dict, np.ndarray | None, Callable[[], None]]:
         """Draw among the set's episodes (positions in the set), gather from the ring, and name the store's ids."""
         her = np.arange(B) < int(self.her_ratio * B)
         d = self._draw(view, her)
-        now, nxt, goals = self._gather(d)
+        now, nxt, goals, finish = self._gather(d)
         ids = self._published[1]
         d = d._replace(episode_ids=ids[d.episode_ids], goal_ids=None if d.goal_ids is None else ids[d.goal_ids])
-        return view, d, now, nxt, goals
+        return view, d, now, nxt, goals, finish
 
     def _rows(self, path: str, rows: np.ndarray) -> Any:
         """HerSampler's gather reads from the ring: ``numpy.take`` of its rows on the CPU (as the reader gathers a
@@ -430,6 +432,10 @@ class WorkingSetSampler(HerSampler):
         if self._numpy_gather:
             return np.take(self._buffers[path].numpy(), rows, axis=0)
         return self._buffers[path].index_select(0, torch.as_tensor(rows, device=self.device))
+
+    def _rows_later(self, path: str, rows: np.ndarray) -> tuple[Any, Callable[[], None]]:
+        """The ring's rows are gathered at once (:meth:`_rows`)."""
+        return self._rows(path, rows), lambda: None
 
     def _field(self, name: str, col: Any, shape: tuple[int, ...]) -> Any:
         """On a device, the fields batch assembly computes on with numpy come to the host, the others stay there."""

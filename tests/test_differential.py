@@ -1,7 +1,8 @@
 """Every sampled row against a plain model of the committed episodes, whatever the storage and whoever samples.
 
 The matrix: {uncompressed local (memory-mapped), sharded LZ4 images (the default: decoded in C, in batches split
-across two threads), sharded Zstd images and observations (decoded row by row in Python, in the calling thread), S3
+across two threads; read with pread, then where the shards are mapped once gathers find them in the page cache),
+sharded Zstd images and observations (decoded row by row in Python, in the calling thread), S3
 on loopback (the default codec)} x {a sampler on the writer's own handle sampling between appends, a reader's
 sampler in another process while this process appends} x {unbounded, a ring that wraps}. Images of 3x8x8 in shards
 of 16 rows: most shards are filled by several commits, and a ring rewrites them as it wraps. Episode ``e`` is a
@@ -159,6 +160,20 @@ def gather_paths(sampler: HerSampler) -> set[str]:
     return {type(a).__name__ + (" lz4" if isinstance(a, ShardedArray) and a.codec.is_lz4 else "") for a in arrays}
 
 
+def mapped_gathers(sampler: HerSampler) -> int:
+    """Gathers of the sampler's reader decoded from mapped shards (local LZ4 frames found in the page cache)."""
+    return sum(a.mapped_gathers for a in sampler.reader.arrays.values() if isinstance(a, ShardedArray))
+
+
+def check_mapped(name: str, local: bool, mapped: int) -> None:
+    """A local LZ4 case decoded most of its batches from mapped shards (after WARM_GATHERS read with pread); the
+    others never map."""
+    if name == "lz4" and local:
+        assert mapped > 0, "no batch was decoded from the mapped shards"
+    else:
+        assert mapped == 0
+
+
 # -- the reader process --------------------------------------------------------------------------------------
 def reader_main() -> None:
     store: EpisodeStore | None = None
@@ -175,9 +190,10 @@ def reader_main() -> None:
             print(f"opened {json.dumps(paths)}", flush=True)
         elif command == "close":
             assert store is not None and sampler is not None
+            mapped = mapped_gathers(sampler)
             sampler.close()
             store.close()
-            print("closed", flush=True)
+            print(f"closed {mapped}", flush=True)
         else:
             assert store is not None and sampler is not None
             target = int(command)
@@ -283,6 +299,7 @@ def test_a_sampler_on_the_writers_handle_between_appends(storage, capacity):
                 assert store.append_episode(episode(e)) == e
                 problem = wrong_rows(sampler.sample(), store.first_episode, store.end_episode)
                 assert problem is None, f"after episode {e}: {problem}"
+            check_mapped(name, name != "s3", mapped_gathers(sampler))
         _assert_wrapped(store, capacity)
 
 
@@ -295,6 +312,7 @@ def _follow(
     for e in range(per_round):
         store.append_episode(episode(e))
     opened = reader.ask("open " + json.dumps({"url": url, "opts": opts, "io_threads": case.io_threads}))
+    closed = ""
     try:
         assert opened.startswith("opened "), opened
         got = json.loads(opened.split(" ", 1)[1])
@@ -307,10 +325,12 @@ def _follow(
                 store.append_episode(episode(e))
             answer = reader.answer()
             assert answer.startswith("ok"), f"round {r}: {answer}"
-        assert reader.ask("close") == "closed"
+        closed = reader.ask("close")
+        assert closed.startswith("closed "), closed
     except BaseException:
         reader.stop()
         raise
+    check_mapped(name, "://" not in url, int(closed.split()[1]))
 
 
 @pytest.mark.parametrize("capacity", [None, RING], ids=["unbounded", "ring"])
@@ -370,9 +390,10 @@ def test_a_packed_store_samples_as_the_model(name, capacity, tmp_path):
         assert (packed.first_episode, packed.end_episode) == (first, end)
         with HerSampler(packed, BATCH, reward_fn=sparse_reward, seed=0, io_threads=STORAGES[name].io_threads) as sampler:
             assert gather_paths(sampler) == SERVED[name][1]
-            for i in range(8):
+            for i in range(16):  # members read with pread, then decoded where the archive is mapped
                 problem = wrong_rows(sampler.sample(), first, end)
                 assert problem is None, f"batch {i}: {problem}"
+            check_mapped(name, True, mapped_gathers(sampler))
         for e in range(first, end):
             got = packed.episode(e, verify=True)
             for k, want in episode(e).items():

@@ -31,6 +31,7 @@ from her_store import (
     SchemaMismatchError,
     StoreError,
     open_store,
+    reader,
 )
 from her_store.format import INDEX_COLUMNS
 from her_store.schema import MAX_ROW_BYTES, space_from_json
@@ -531,10 +532,21 @@ def test_crafted_shard_files_give_store_errors_only(shard_bases, arena, data):
     for _ in range(data.draw(st.integers(1, 3), label="changes")):
         shard = data.draw(st.sampled_from(shards), label="shard")
         shard.write_bytes(_craft_shard(data, shard.read_bytes(), rows))
-    with bounded_memory():
+    warm = data.draw(st.sampled_from([reader.WARM_GATHERS, 0]), label="warm gathers")  # read with pread, or mapped
+    with bounded_memory(), _warm_gathers(warm):
         for mode in ("r", "a"):
             with contextlib.suppress(StoreError):
                 _use(store, mode)
+
+
+@contextlib.contextmanager
+def _warm_gathers(n: int) -> Iterator[None]:
+    """Samplers decode local LZ4 frames from the mapped shards after ``n`` warm gathers (0: from the first)."""
+    kept, reader.WARM_GATHERS = reader.WARM_GATHERS, n
+    try:
+        yield
+    finally:
+        reader.WARM_GATHERS = kept
 
 
 # -- files that are not files: each would hang or grow without bound if opened and read as one ---------------------

@@ -9,10 +9,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 import zarr.codecs
+from gymnasium import spaces
 
 from her_store import EpisodeStore, HerSampler
 from her_store.errors import CorruptStoreError, StoreError
-from her_store.reader import CachedArray, ChunkReader, ShardedArray
+from her_store.reader import WARM_GATHERS, CachedArray, ChunkReader, ShardedArray
+from her_store.storage import drop_page_cache
 from tests.test_differential import ACT, OBS, episode, rows, wrong_rows
 from tests.test_sampler import sparse_reward
 
@@ -121,6 +123,43 @@ def test_a_committed_row_missing_from_its_shard_is_damage_not_zeros(tmp_path, co
     store.close()
 
 
+@pytest.mark.parametrize("warm", [0, 10**9], ids=["mapped", "pread"])
+def test_an_undecodable_frame_fails_the_batch_that_samples_it_and_not_the_next(tmp_path, monkeypatch, warm):
+    """A frame's bytes garbled in its shard (the index intact): the sampler's batch, its frames decoded while the
+    rest of it was assembled, raises a CorruptStoreError naming the shard and row; gathers and batches not reading
+    that row are right."""
+    from her_store import reader as reader_module
+    from her_store.shard import parse_index
+
+    monkeypatch.setattr(reader_module, "WARM_GATHERS", warm)
+    path = tmp_path / "s"
+    with EpisodeStore.create(path, OBS, ACT, chunk_rows=CHUNK_ROWS) as store:
+        for e in range(4):
+            store.append_episode(episode(e))
+    shard = path / "steps" / "pixels" / "c.0.0.0.0"
+    raw = bytearray(shard.read_bytes())
+    offsets, nbytes = parse_index(bytes(raw), CHUNK_ROWS, str(shard))
+    raw[offsets[5] + 4 : offsets[5] + nbytes[5]] = b"\xff" * (int(nbytes[5]) - 4)  # row 5: episode 0, step 5
+    shard.write_bytes(bytes(raw))
+    with EpisodeStore.open(path) as store, HerSampler(store, 64, reward_fn=sparse_reward, seed=0, io_threads=2) as s:
+        with pytest.raises(CorruptStoreError, match=r"c\.0\.0\.0\.0: row 5 is not one row's LZ4 block"):
+            for _ in range(50):
+                s.sample()
+        r, e, t = _committed_rows(store)
+        keep = r != 5
+        for _ in range(2):  # the same sampler's gathers of every other row, pending meanwhile, then finished
+            got, finish = s.reader.gather_later("steps/pixels", r[keep])
+            finish()
+            np.testing.assert_array_equal(got, rows(e[keep], t[keep])["pixels"])
+        for _ in range(20):  # and its batches: right, or failing on row 5 again
+            try:
+                b = s.sample()
+            except CorruptStoreError as err:
+                assert "row 5 is not one row's LZ4 block" in str(err)
+            else:
+                assert wrong_rows(b, 0, 4) is None
+
+
 def test_a_version_1_chunk_decoding_to_fewer_bytes_is_damage(tmp_path):
     """A version 1 Blosc chunk whose frame is valid but holds less than a chunk: refused, not half-filled."""
     import numcodecs
@@ -160,6 +199,91 @@ def test_a_samplers_first_gather_opens_every_shard_with_committed_rows_at_once(t
     assert arr.misses == shards  # and none again
     reader.close()
     store.close()
+
+
+BIG = spaces.Dict({**OBS.spaces, "pixels": spaces.Box(0, 255, (3, 48, 48), np.uint8)})  # 6.9 KB frames, 2 pages
+
+
+def _big_episode(e: int) -> dict[str, np.ndarray]:
+    """Episode ``e`` with frames of noise of its own (LZ4 cannot shrink them: each row spans pages)."""
+    ep = episode(e)
+    return {**ep, "pixels": np.random.default_rng(e).integers(0, 256, (len(ep["pixels"]), 3, 48, 48), np.uint8)}
+
+
+def test_warm_gathers_decode_from_the_mapped_shards_and_a_cold_one_goes_back_to_pread(tmp_path):
+    """Frames are read with pread while the disk serves them and decoded from the mapped shards once WARM_GATHERS
+    gathers in a row found every row in the page cache; a mapped gather that read from disk, and an eviction, go
+    back to pread. Every gather, in either mode, on the pool or started and finished later, reads the same rows."""
+    from tests.test_shard import _on_tmpfs
+
+    path = tmp_path / "s"
+    with EpisodeStore.create(path, BIG, ACT, chunk_rows=CHUNK_ROWS) as store:  # LZ4 pixels in 16-row shards
+        episodes = [_big_episode(e) for e in range(24)]
+        for ep in episodes:
+            store.append_episode(ep)
+        want = np.concatenate([ep["pixels"] for ep in episodes])  # row r of the store (no ring: rows in order)
+    store = EpisodeStore.open(path)
+    reader = ChunkReader(store, io_threads=2)
+    reader.observe(store.snapshot())
+    arr = reader.arrays["steps/pixels"]
+    assert isinstance(arr, ShardedArray) and arr.codec.is_lz4
+    rng = np.random.default_rng(0)
+
+    def gather(later: bool = False) -> None:
+        r = rng.integers(0, len(want), 96)
+        if later:
+            got, finish = reader.gather_later("steps/pixels", r)
+            finish()
+        else:
+            got = reader.gather("steps/pixels", r)
+        np.testing.assert_array_equal(got, want[r])
+
+    for i in range(WARM_GATHERS):  # written moments ago: in the page cache
+        gather(later=i % 2 == 1)
+    assert arr.mapped_gathers == 0
+    for i in range(4):
+        gather(later=i % 2 == 1)
+    assert arr.mapped_gathers == 4
+    arr.evict_page_cache()
+    gather()
+    assert arr.mapped_gathers == 4  # read with pread again
+    reader.gather("steps/pixels", np.arange(len(want)))  # every row back in the page cache
+    for _ in range(WARM_GATHERS):
+        gather()
+    assert arr.mapped_gathers == 4
+    gather()
+    assert arr.mapped_gathers == 5  # mapped again
+    if not _on_tmpfs(tmp_path):  # (a file system in memory reads nothing from a disk: there is no cold to see)
+        for m in arr._maps.values():  # the pages dropped under the mappings, as memory pressure would
+            m.drop_pages()
+        for f in sorted((path / "steps" / "pixels").glob("c.*")):
+            drop_page_cache(str(f))
+        gather()  # mapped, and its page faults read from disk
+        assert arr.mapped_gathers == 6
+        gather()
+        assert arr.mapped_gathers == 6  # pread again
+    reader.close()
+    store.close()
+
+
+def test_a_mapped_shard_a_commit_replaced_still_reads_what_was_committed(tmp_path):
+    """A ring rewrites its shards while a sampler in another handle decodes from their mappings: a shard replaced
+    by a rename leaves the old mapping whole (no SIGBUS, no bytes of the new file under old offsets), and the
+    gathers after the commit map the new file."""
+    path = tmp_path / "s"
+    with EpisodeStore.create(path, OBS, ACT, capacity=48, chunk_rows=CHUNK_ROWS, commit_interval=0) as writer:
+        for e in range(4):
+            writer.append_episode(episode(e))
+        store = EpisodeStore.open(path)
+        with store, HerSampler(store, 64, reward_fn=sparse_reward, seed=0, refresh_interval=0, io_threads=2) as sampler:
+            arr = sampler.reader.arrays["steps/pixels"]
+            for e in range(4, 40):
+                b = sampler.sample()
+                assert wrong_rows(b, writer.first_episode if e == 4 else 0, writer.end_episode) is None
+                writer.append_episode(episode(e))
+                problem = wrong_rows(sampler.sample(), writer.first_episode, writer.end_episode)
+                assert problem is None, f"after episode {e}: {problem}"
+            assert arr.mapped_gathers > 40
 
 
 def test_a_store_of_more_chunks_than_it_may_map_keeps_its_descriptors_bounded(tmp_path, monkeypatch):

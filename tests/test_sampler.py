@@ -502,3 +502,21 @@ def test_against_an_in_memory_model(tmp_path_factory, ops, capacity):
                 else:
                     np.testing.assert_array_equal(goal, ep["desired_goal"][t[i]])
                     assert b.rewards[i, 0] == ep["reward"][t[i]]
+
+
+def test_a_batch_waits_for_every_pending_gather_even_when_one_fails():
+    """A batch's frames are gathered later (decoded while the rest of the batch is assembled): when one pending
+    gather raises, the others are still waited for (no thread left writing into a batch being dropped), and the
+    error is raised."""
+    from her_store.sampler import _finish_all
+
+    done: list[int] = []
+
+    def fails() -> None:
+        done.append(0)
+        raise OSError("a disk error")
+
+    with pytest.raises(OSError, match="a disk error"):
+        _finish_all([fails, lambda: done.append(1), lambda: done.append(2)])
+    assert done == [0, 1, 2]
+    _finish_all([])

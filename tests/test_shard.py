@@ -425,10 +425,15 @@ def test_encode_lz4_writes_numcodecs_lz4_and_the_decoders_read_it(tmp_path):
     with open(tmp_path / "f", "rb") as f:
         out[:] = 7
         fds = np.full(5, f.fileno(), np.int32)
-        assert _frames.pread_lz4(fds, offsets + 3, nbytes, DST5, out, ROW_NBYTES) == (-1, 0)
+        assert _frames.pread_lz4(fds, offsets + 3, nbytes, DST5, out, ROW_NBYTES)[:2] == (-1, 0)
+        np.testing.assert_array_equal(out, rows)
+        mapping = _frames.map_file(f.fileno(), 3, len(blob))
+        out[:] = 7
+        assert _frames.map_lz4((mapping,), np.zeros(5, np.int32), offsets, nbytes, DST5, out, ROW_NBYTES)[:2] == (-1, 0)
         np.testing.assert_array_equal(out, rows)
         nbytes[2] = -1  # a row never written is not a row to decode: the gathers ask only for committed rows
-        assert _frames.pread_lz4(fds, offsets + 3, nbytes, DST5, out, ROW_NBYTES) == (2, 0)
+        assert _frames.pread_lz4(fds, offsets + 3, nbytes, DST5, out, ROW_NBYTES)[:2] == (2, 0)
+        assert _frames.map_lz4((mapping,), np.zeros(5, np.int32), offsets, nbytes, DST5, out, ROW_NBYTES)[:2] == (2, 0)
     assert _frames.decode_lz4(blob, offsets, nbytes, out, ROW_NBYTES) == (2, 0)
 
 
@@ -537,7 +542,14 @@ def test_decode_lz4_and_pread_lz4_report_the_first_bad_row(tmp_path, change):
     np.testing.assert_array_equal(out[0], rows[0])
     (tmp_path / "f").write_bytes(bytes(src))
     with open(tmp_path / "f", "rb") as f:
-        failed, err = _frames.pread_lz4(np.full(3, f.fileno(), np.int32), offsets, nbytes, DST3, out, ROW_NBYTES)
+        mapping = _frames.map_file(f.fileno(), 0, len(src))
+        failed, err, _ = _frames.pread_lz4(np.full(3, f.fileno(), np.int32), offsets, nbytes, DST3, out, ROW_NBYTES)
+    slots = np.zeros(3, np.int32)
+    for decoded in (  # from the mapped file: checked against the mapping's length, as decode_lz4 against its source
+        _frames.map_lz4((mapping,), slots, offsets, nbytes, DST3, out, ROW_NBYTES),
+        _frames.map_lz4_start((mapping,), slots, offsets, nbytes, DST3, out, ROW_NBYTES).wait(),
+    ):
+        assert decoded[:2] == (i, 0)
     assert failed == i
     # past the end of the file pread reads nothing: an I/O error; anything else is not one row's block
     assert err == (errno.EIO if change in ("offset past the source", "range past the source") else 0)
@@ -553,15 +565,15 @@ def test_pread_lz4_reports_a_closed_fd_a_short_file_and_bad_arguments(tmp_path):
             _frames.pread_lz4(fds[:2], offsets, nbytes, DST3, out, ROW_NBYTES)
         with pytest.raises(ValueError, match="out is smaller"):
             _frames.pread_lz4(fds, offsets, nbytes, DST3, out[:1], ROW_NBYTES)
-    assert _frames.pread_lz4(fds, offsets, nbytes, DST3, out, ROW_NBYTES) == (0, errno.EBADF)
+    assert _frames.pread_lz4(fds, offsets, nbytes, DST3, out, ROW_NBYTES)[:2] == (0, errno.EBADF)
     fds[:] = -1
     nbytes[:] = -1  # a row never written fails before its (absent) file is read
-    assert _frames.pread_lz4(fds, offsets, nbytes, DST3, out, ROW_NBYTES) == (0, 0)
+    assert _frames.pread_lz4(fds, offsets, nbytes, DST3, out, ROW_NBYTES)[:2] == (0, 0)
     _, offsets, nbytes, _ = _lz4_rows(3)
     (tmp_path / "f").write_bytes(blob[: offsets[2] + 3])  # the file cut inside the last row
     with open(tmp_path / "f", "rb") as f:
         fds[:] = f.fileno()
-        assert _frames.pread_lz4(fds, offsets, nbytes, DST3, out, ROW_NBYTES) == (2, errno.EIO)
+        assert _frames.pread_lz4(fds, offsets, nbytes, DST3, out, ROW_NBYTES)[:2] == (2, errno.EIO)
     np.testing.assert_array_equal(out[:2], rows[:2])
 
 
@@ -573,14 +585,136 @@ def test_pread_lz4_reads_adjacent_rows_together_into_the_rows_dst_names(tmp_path
     out = np.zeros((5, *ROW), np.uint8)
     with open(tmp_path / "f", "rb") as f:
         fds = np.full(5, f.fileno(), np.int32)
-        assert _frames.pread_lz4(fds, offsets, nbytes, dst, out, ROW_NBYTES) == (-1, 0)
+        assert _frames.pread_lz4(fds, offsets, nbytes, dst, out, ROW_NBYTES)[:2] == (-1, 0)
         np.testing.assert_array_equal(out[dst], rows)
         for bad in (np.array([0, 1, 2, 3, 5]), np.array([0, 1, -1, 3, 4]), np.arange(4)):
             with pytest.raises(ValueError, match="dst"):
                 _frames.pread_lz4(fds, offsets, nbytes, bad.astype(np.int64), out, ROW_NBYTES)
         nbytes[3] += 1  # a row whose range runs into the next: the run reads on, the row fails to decode
-        failed, err = _frames.pread_lz4(fds, offsets, nbytes, dst, out, ROW_NBYTES)
+        failed, err, _ = _frames.pread_lz4(fds, offsets, nbytes, dst, out, ROW_NBYTES)
         assert (failed, err) == (3, 0)
+
+
+def test_map_file_maps_bytes_of_a_file_without_keeping_a_descriptor(tmp_path):
+    """A mapping holds the bytes it was given (from any offset: mappings start on a page), not the file: it stays
+    readable once the file is closed and replaced by a rename, as a commit replaces a shard."""
+    data = np.random.default_rng(0).integers(0, 256, 3 * 4096 + 100, np.uint8).tobytes()
+    (tmp_path / "f").write_bytes(data)
+    before = len(os.listdir("/proc/self/fd"))
+    with open(tmp_path / "f", "rb") as f:
+        mappings = [(a, n, _frames.map_file(f.fileno(), a, n)) for a, n in ((0, len(data)), (4097, 5000), (8191, 1))]
+    assert len(os.listdir("/proc/self/fd")) == before
+    (tmp_path / "g").write_bytes(b"another file")
+    os.replace(tmp_path / "g", tmp_path / "f")
+    for a, n, m in mappings:
+        assert len(m) == n and bytes(memoryview(m)) == data[a : a + n]
+        assert memoryview(m).readonly
+    mappings[0][2].drop_pages()  # its pages go from this process; reading them again reads the file's
+    assert bytes(memoryview(mappings[0][2])[-5:]) == data[-5:]
+    with open(tmp_path / "f", "rb") as f:
+        for a, n, why in ((-1, 10, "offset >= 0"), (0, 0, "at least one byte"), (0, -5, "at least one byte")):
+            with pytest.raises(ValueError, match=why):
+                _frames.map_file(f.fileno(), a, n)
+    with pytest.raises(OSError) as e:
+        _frames.map_file(-1, 0, 10)
+    assert e.value.errno == errno.EBADF
+
+
+def test_map_lz4_decodes_rows_of_many_maps_and_refuses_bad_arguments(tmp_path):
+    blob_a, offsets_a, nbytes_a, rows_a = _lz4_rows(3)
+    rows_b = _frames_of(2, seed=1)
+    encoded_b = _frames.encode_lz4(rows_b, ROW_NBYTES, 1)
+    blob_b = b"".join(encoded_b)
+    nbytes_b = np.array([len(f) for f in encoded_b], np.int64)
+    offsets_b = np.cumsum(nbytes_b) - nbytes_b
+    maps = (blob_a, blob_b)  # any buffers: mappings in the reader
+    slots = np.array([1, 0, 0, 1, 0], np.int32)
+    offsets = np.array([offsets_b[1], offsets_a[0], offsets_a[2], offsets_b[0], offsets_a[1]], np.int64)
+    nbytes = np.array([nbytes_b[1], nbytes_a[0], nbytes_a[2], nbytes_b[0], nbytes_a[1]], np.int64)
+    dst = np.array([0, 4, 1, 3, 2], np.int64)
+    want = np.stack([rows_b[1], rows_a[2], rows_a[1], rows_b[0], rows_a[0]])
+    out = np.zeros((5, *ROW), np.uint8)
+    assert _frames.map_lz4(maps, slots, offsets, nbytes, dst, out, ROW_NBYTES) == (-1, 0, 0)
+    np.testing.assert_array_equal(out, want)
+    bad = [
+        ((list(maps), slots, offsets, nbytes, dst, out, ROW_NBYTES), TypeError, ""),  # maps: a tuple
+        ((maps + (3,), slots, offsets, nbytes, dst, out, ROW_NBYTES), TypeError, ""),  # of buffers
+        ((maps, np.array([1, 0, 0, 2, 0], np.int32), offsets, nbytes, dst, out, ROW_NBYTES), ValueError, "slot"),
+        ((maps, np.array([1, 0, -1, 1, 0], np.int32), offsets, nbytes, dst, out, ROW_NBYTES), ValueError, "slot"),
+        ((maps, slots.astype(np.int64), offsets, nbytes, dst, out, ROW_NBYTES), ValueError, "one entry per row"),
+        ((maps, slots, offsets, nbytes, dst + 1, out, ROW_NBYTES), ValueError, "dst"),
+        ((maps, slots, offsets, nbytes, dst[:4], out, ROW_NBYTES), ValueError, "one entry per row"),
+        ((maps, slots, offsets, nbytes, dst, out[:4], ROW_NBYTES), ValueError, "out is smaller"),
+        ((maps, slots, offsets, nbytes, dst, bytes(out), ROW_NBYTES), TypeError, ""),  # out read-only
+        ((maps, slots, offsets, nbytes, dst, out, 0), ValueError, "row_nbytes"),
+    ]
+    for args, error, msg in bad:
+        for call in (_frames.map_lz4, _frames.map_lz4_start):
+            with pytest.raises(error, match=msg):
+                call(*args)
+
+
+def test_map_lz4_start_decodes_on_a_thread_of_its_own_and_holds_its_buffers_until_then():
+    """The task decodes while the caller goes on; wait() gives what map_lz4 gives (again when asked again), and a task
+    dropped unwaited still ends before its buffers go (its out is complete)."""
+    rows = _frames_of(2_000, seed=3)
+    encoded = _frames.encode_lz4(rows, ROW_NBYTES, 1)
+    nbytes = np.array([len(f) for f in encoded], np.int64)
+    offsets = np.cumsum(nbytes) - nbytes
+    blob = bytearray(b"".join(encoded))
+    slots, dst = np.zeros(len(rows), np.int32), np.arange(len(rows), dtype=np.int64)
+    out = np.zeros_like(rows)
+    task = _frames.map_lz4_start((blob,), slots, offsets, nbytes, dst, out, ROW_NBYTES)
+    with pytest.raises(BufferError):  # the task holds the source: it cannot change size under the decoding thread
+        blob += b"x"
+    assert task.wait() == (-1, 0, 0) and task.done() and task.wait() == (-1, 0, 0)
+    np.testing.assert_array_equal(out, rows)
+    blob += b"x"  # waited for: the source is let go
+    out = np.zeros_like(rows)
+    task = _frames.map_lz4_start((blob,), slots, offsets, nbytes, dst, out, ROW_NBYTES)
+    del task
+    np.testing.assert_array_equal(out, rows)
+
+
+def _on_tmpfs(path: Path) -> bool:
+    """Whether ``path`` is on a file system in memory (no disk reads to count)."""
+    mounts = [line.split() for line in Path("/proc/mounts").read_text().splitlines()]
+    best = max((m for m in mounts if str(path).startswith(m[1].rstrip("/") + "/")), key=lambda m: len(m[1]), default=None)
+    return best is not None and best[2] in ("tmpfs", "ramfs")
+
+
+def test_pread_lz4_and_map_lz4_count_the_blocks_read_from_disk(tmp_path):
+    """What the reader chooses between them by: 0 when every row was in the page cache, more once it was dropped."""
+    if _on_tmpfs(tmp_path):
+        pytest.skip("a file system in memory reads nothing from a disk")
+    rows = _frames_of(64, seed=5)
+    encoded = _frames.encode_lz4(rows, ROW_NBYTES, 1)
+    nbytes = np.array([len(f) for f in encoded], np.int64)
+    gap = 8192  # rows two pages apart: each is a read of its own
+    offsets = np.arange(len(rows), dtype=np.int64) * gap
+    path = tmp_path / "f"
+    with open(path, "wb") as f:
+        for o, frame in zip(offsets.tolist(), encoded):
+            f.seek(o)
+            f.write(frame)
+    out = np.zeros_like(rows)
+    dst = np.arange(len(rows), dtype=np.int64)
+    with open(path, "rb") as f:
+        fd = f.fileno()
+        fds = np.full(len(rows), fd, np.int32)
+        for read in ("pread", "map"):
+            os.fdatasync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            mapping = _frames.map_file(fd, 0, os.fstat(fd).st_size)
+            for cold in (True, False):
+                if read == "pread":
+                    got = _frames.pread_lz4(fds, offsets, nbytes, dst, out, ROW_NBYTES)
+                else:
+                    got = _frames.map_lz4((mapping,), np.zeros(len(rows), np.int32), offsets, nbytes, dst, out, ROW_NBYTES)
+                assert got[:2] == (-1, 0)
+                np.testing.assert_array_equal(out, rows)
+                assert (got[2] >= 8 * len(rows)) if cold else (got[2] == 0), (read, cold, got)
+            del mapping
 
 
 def test_crc32_runs_is_zlibs_crc32_of_each_run_chained_and_checks_its_arguments():
@@ -608,18 +742,29 @@ def test_crc32_runs_is_zlibs_crc32_of_each_run_chained_and_checks_its_arguments(
             _frames.crc32_runs(data, starts, ends, crcs)
 
 
-def test_pread_lz4_checks_each_dst_as_it_uses_it(tmp_path):
-    """dst sharing memory with out: decoding row 0 overwrites the dst of the rows after it (as another thread could,
-    the GIL released). Each dst is checked when it is used, so those rows fail rather than land outside out."""
+def test_pread_lz4_and_map_lz4_check_each_dst_as_they_use_it(tmp_path):
+    """dst (and map_lz4's slots) sharing memory with out: decoding row 0 overwrites the dst of the rows after it (as
+    another thread could, the GIL released). Each entry is checked when it is used, so those rows fail rather than
+    land outside out or read outside a map."""
     blob, offsets, nbytes, rows = _lz4_rows(5)
     (tmp_path / "f").write_bytes(blob)
     out = np.zeros((5, *ROW), np.uint8)
     dst = out[4].reshape(-1).view(np.int64)[:5]
     dst[:] = [4, 0, 1, 2, 3]  # row 0 goes to out[4], over dst itself
     with open(tmp_path / "f", "rb") as f:
-        assert _frames.pread_lz4(np.full(5, f.fileno(), np.int32), offsets, nbytes, dst, out, ROW_NBYTES) == (1, 0)
+        assert _frames.pread_lz4(np.full(5, f.fileno(), np.int32), offsets, nbytes, dst, out, ROW_NBYTES)[:2] == (1, 0)
     np.testing.assert_array_equal(out[4], rows[0])
     assert not (0 <= dst[1] < 5)  # what row 1 found: no row of out
+    out[:] = 0
+    dst[:] = [4, 0, 1, 2, 3]
+    slots = out[4].reshape(-1)[64:].view(np.int32)[:5]  # the maps' slots too: row 0 overwrites them
+    slots[:] = 0
+    for start in (False, True):
+        call = _frames.map_lz4_start if start else _frames.map_lz4
+        got = call((blob,), slots, offsets, nbytes, dst, out, ROW_NBYTES)
+        assert (got.wait() if start else got)[:2] == (1, 0)
+        out[4] = 0
+        dst[:], slots[:] = [4, 0, 1, 2, 3], 0
 
 
 def test_crc32_runs_uses_the_runs_as_they_were_when_checked():
