@@ -12,7 +12,8 @@
  *       A row with nbytes[i] < 0 (never written) fails: a gather asks only for rows that were written.
  *   map_lz4(maps, slots, offsets, nbytes, dst, out, row_nbytes) -> (index, errno, inblock)
  *       the same from mapped files (map_file): row i at maps[slots[i]][offsets[i] : offsets[i] + nbytes[i]], decoded
- *       straight from the page cache, without a system call per row (what a pread costs is most of a warm read).
+ *       straight from the page cache, without a system call per row (what a pread costs is most of a warm read). A
+ *       map that turns out shorter than its file was (cut short in place: SIGBUS) fails its row with EIO.
  *   map_lz4_start(maps, slots, offsets, nbytes, dst, out, row_nbytes) -> Task
  *       map_lz4 on a thread of its own, started before this returns: Task.wait() joins it and returns what map_lz4
  *       would have, Task.done() tells whether it is done. The caller meanwhile runs Python (the rest of a batch).
@@ -51,6 +52,8 @@
 #include <Python.h>
 #include <errno.h>
 #include <pthread.h>
+#include <setjmp.h>
+#include <signal.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -293,8 +296,51 @@ typedef struct {
     Py_buffer slots, dst;
     Py_buffer *views; /* the maps' buffers, `held` of them acquired */
     Py_ssize_t held, n, row_nbytes, out_rows, failed;
+    int err;
     long inblock;
 } MapJob;
+
+/* A mapped file that shrinks under its mapping (cut short in place by another process) raises SIGBUS at the first
+   read of a page past its end, which would kill the process. While a thread decodes from mappings, SIGBUS jumps
+   back to it instead, and the row fails with EIO, as pread's short read does; elsewhere SIGBUS does what it did. */
+static __thread sigjmp_buf *bus_guard;
+static struct sigaction bus_before;
+static pthread_mutex_t bus_lock = PTHREAD_MUTEX_INITIALIZER;
+
+static void on_sigbus(int sig, siginfo_t *info, void *ctx) {
+    sigjmp_buf *guard = bus_guard;
+    if (guard) siglongjmp(*guard, 1);
+    if (bus_before.sa_flags & SA_SIGINFO) {
+        if (bus_before.sa_sigaction) bus_before.sa_sigaction(sig, info, ctx);
+        return;
+    }
+    if (bus_before.sa_handler != SIG_DFL && bus_before.sa_handler != SIG_IGN) {
+        bus_before.sa_handler(sig);
+        return;
+    }
+    if (bus_before.sa_handler == SIG_IGN && info && info->si_code <= 0) return; /* sent by a process, ignored */
+    struct sigaction dfl; /* the default: the signal, raised again, ends the process once this handler returns */
+    memset(&dfl, 0, sizeof dfl);
+    dfl.sa_handler = SIG_DFL;
+    sigaction(SIGBUS, &dfl, NULL);
+    raise(sig);
+}
+
+/* on_sigbus as SIGBUS's handler (again, if something replaced it since), keeping what it replaces */
+static void guard_sigbus(void) {
+    struct sigaction now;
+    pthread_mutex_lock(&bus_lock);
+    if (sigaction(SIGBUS, NULL, &now) == 0 && !((now.sa_flags & SA_SIGINFO) && now.sa_sigaction == on_sigbus)) {
+        struct sigaction ours;
+        memset(&ours, 0, sizeof ours);
+        ours.sa_sigaction = on_sigbus;
+        ours.sa_flags = SA_SIGINFO;
+        sigemptyset(&ours.sa_mask);
+        bus_before = now;
+        sigaction(SIGBUS, &ours, NULL);
+    }
+    pthread_mutex_unlock(&bus_lock);
+}
 
 /* release every buffer a MapJob holds (with the GIL) */
 static void map_job_release(MapJob *j) {
@@ -351,7 +397,18 @@ static void map_job_run(MapJob *j) {
     const int64_t *offsets = j->a.offsets.buf, *nbytes = j->a.nbytes.buf, *dst_of = j->dst.buf;
     char *out = j->a.out.buf;
     long before = blocks_read();
+    sigjmp_buf jump;
+    volatile Py_ssize_t at_row = 0; /* the row being decoded, as SIGBUS finds it */
+    guard_sigbus();
+    if (sigsetjmp(jump, 1)) { /* a page of a mapped file past its end: the file shrank under its mapping */
+        bus_guard = NULL;
+        j->failed = at_row, j->err = EIO;
+        j->inblock = blocks_read() - before;
+        return;
+    }
+    bus_guard = &jump;
     for (Py_ssize_t i = 0; i < j->n; i++) {
+        at_row = i;
         /* each entry read once and checked as it is used: the caller's arrays may share memory with out, or be
            changed by another thread meanwhile; then rows fail, and nothing is read or written outside a buffer */
         int32_t slot = slots[i];
@@ -367,6 +424,7 @@ static void map_job_run(MapJob *j) {
             break;
         }
     }
+    bus_guard = NULL;
     j->inblock = blocks_read() - before;
 }
 
@@ -378,7 +436,7 @@ static PyObject *map_lz4(PyObject *self, PyObject *args) {
     map_job_run(&j);
     Py_END_ALLOW_THREADS
     map_job_release(&j);
-    return Py_BuildValue("(nil)", j.failed, 0, j.inblock);
+    return Py_BuildValue("(nil)", j.failed, j.err, j.inblock);
 }
 
 /* map_lz4 started on a thread of its own (map_lz4_start); wait() joins it */
@@ -419,7 +477,7 @@ static void task_dealloc(Task *t) {
 
 static PyObject *task_wait(Task *t, PyObject *unused) {
     task_join(t);
-    return Py_BuildValue("(nil)", t->job.failed, 0, t->job.inblock);
+    return Py_BuildValue("(nil)", t->job.failed, t->job.err, t->job.inblock);
 }
 
 static PyObject *task_done(Task *t, PyObject *unused) {

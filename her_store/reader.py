@@ -902,8 +902,9 @@ class ShardedArray(CachedArray):
             self.hits += len(uniq) - len(stale)
             self._uses += 1
             self._used[uniq] = self._uses
-            held = [self._files.get(c) for c in uniq.tolist()]
-            maps: tuple[Any, ...] | None = tuple(self._maps.get(c) for c in uniq.tolist())
+            shards = uniq.tolist()
+            held = list(map(self._files.get, shards))
+            maps: tuple[Any, ...] | None = tuple(map(self._maps.get, shards))
             if None in maps:  # type: ignore[operator]
                 maps = None
             fds, offsets, nbytes = self._fds[shard_of], self._table[rows, 0], self._table[rows, 1]

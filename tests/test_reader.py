@@ -266,6 +266,37 @@ def test_warm_gathers_decode_from_the_mapped_shards_and_a_cold_one_goes_back_to_
     store.close()
 
 
+@pytest.mark.parametrize("warm", [0, 10**9], ids=["mapped", "pread"])
+def test_a_shard_cut_short_in_place_under_a_sampler_is_an_io_error_naming_it(tmp_path, monkeypatch, warm):
+    """Another process cuts a shard short in place while a sampler has it open (and mapped): the gathers reading
+    past its new end raise OSError EIO naming the shard and row (a mapped read past the end raised SIGBUS, which
+    killed the process), and the rows before it still read."""
+    import errno
+
+    from her_store import reader as reader_module
+
+    monkeypatch.setattr(reader_module, "WARM_GATHERS", warm)
+    path = tmp_path / "s"
+    with EpisodeStore.create(path, BIG, ACT, chunk_rows=CHUNK_ROWS) as store:
+        episodes = [_big_episode(e) for e in range(4)]
+        for ep in episodes:
+            store.append_episode(ep)
+    want = np.concatenate([ep["pixels"] for ep in episodes])
+    store = EpisodeStore.open(path)
+    reader = ChunkReader(store, io_threads=2)
+    reader.observe(store.snapshot())
+    assert np.array_equal(reader.gather("steps/pixels", np.arange(CHUNK_ROWS)), want[:CHUNK_ROWS])  # shard 0 open
+    shard = path / "steps" / "pixels" / "c.0.0.0.0"
+    os.truncate(shard, 8 * 4096)  # rows past the first pages of the shard are gone
+    reader.arrays["steps/pixels"].evict_page_cache()
+    with pytest.raises(OSError, match=r"c\.0\.0\.0\.0: reading row \d+ failed") as e:
+        reader.gather("steps/pixels", np.arange(CHUNK_ROWS))
+    assert e.value.errno == errno.EIO
+    np.testing.assert_array_equal(reader.gather("steps/pixels", np.array([0, 1])), want[:2])
+    reader.close()
+    store.close()
+
+
 def test_a_mapped_shard_a_commit_replaced_still_reads_what_was_committed(tmp_path):
     """A ring rewrites its shards while a sampler in another handle decodes from their mappings: a shard replaced
     by a rename leaves the old mapping whole (no SIGBUS, no bytes of the new file under old offsets), and the

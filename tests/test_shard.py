@@ -620,6 +620,44 @@ def test_map_file_maps_bytes_of_a_file_without_keeping_a_descriptor(tmp_path):
     assert e.value.errno == errno.EBADF
 
 
+def test_map_lz4_fails_the_row_of_a_file_cut_short_under_its_mapping(tmp_path):
+    """A mapped file cut short in place (by another process): reading a page past its new end raised SIGBUS, which
+    killed the process; the row now fails with EIO, as pread's short read does, and SIGBUS elsewhere is untouched."""
+    import signal
+    import subprocess
+    import sys
+
+    rows = np.random.default_rng(0).integers(0, 256, (40, 3, 64, 64), np.uint8)  # 12 KiB rows LZ4 cannot shrink
+    row_nbytes = rows[0].nbytes
+    encoded = _frames.encode_lz4(rows, row_nbytes, 1)
+    nbytes = np.array([len(f) for f in encoded], np.int64)
+    offsets = np.cumsum(nbytes) - nbytes
+    (tmp_path / "f").write_bytes(b"".join(encoded))
+    cut = 20 * 4096
+    first_past = int(np.searchsorted(offsets + nbytes, cut + 1))  # the first row with a byte past the cut
+    out = np.zeros_like(rows)
+    args = (np.zeros(40, np.int32), offsets, nbytes, np.arange(40), out, row_nbytes)
+    with open(tmp_path / "f", "r+b") as f:
+        mapping = _frames.map_file(f.fileno(), 0, int(nbytes.sum()))
+        assert _frames.map_lz4((mapping,), *args) == (-1, 0, 0)
+        mapping.drop_pages()
+        os.ftruncate(f.fileno(), cut)
+        for start in (False, True):
+            got = _frames.map_lz4_start((mapping,), *args).wait() if start else _frames.map_lz4((mapping,), *args)
+            assert got[:2] == (first_past, errno.EIO)
+            np.testing.assert_array_equal(out[:first_past], rows[:first_past])
+    # outside a decode, SIGBUS does what it did before: end the process, be ignored, or run Python's handler
+    decode = "from her_store import _frames; _frames.map_lz4((b'',), b'', b'', b'', b'', bytearray(1), 1)"
+    for before, returncode, said in (
+        ("pass", -signal.SIGBUS, b""),
+        ("signal.signal(signal.SIGBUS, signal.SIG_IGN)", 0, b"on"),
+        ("signal.signal(signal.SIGBUS, lambda *_: print('handled'))", 0, b"handled\non"),
+    ):
+        code = f"import os, signal; {before}; {decode}; os.kill(os.getpid(), signal.SIGBUS); print('on')"
+        done = subprocess.run([sys.executable, "-c", code], capture_output=True)
+        assert (done.returncode, done.stdout.strip()) == (returncode, said), done.stderr
+
+
 def test_map_lz4_decodes_rows_of_many_maps_and_refuses_bad_arguments(tmp_path):
     blob_a, offsets_a, nbytes_a, rows_a = _lz4_rows(3)
     rows_b = _frames_of(2, seed=1)
