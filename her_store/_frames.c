@@ -59,6 +59,7 @@
 #include <string.h>
 #include <sys/mman.h>
 #include <sys/resource.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <zlib.h>
@@ -273,6 +274,12 @@ static PyObject *map_file(PyObject *self, PyObject *args) {
         PyErr_SetString(PyExc_ValueError, "map_file needs offset >= 0 and a length of at least one byte");
         return NULL;
     }
+    struct stat st;
+    if (fstat(fd, &st) != 0) return PyErr_SetFromErrno(PyExc_OSError);
+    if (offset > (long long)st.st_size || length > (long long)st.st_size - offset) {
+        PyErr_SetString(PyExc_ValueError, "map_file: offset + length is past the end of the file");
+        return NULL;
+    }
     long page = sysconf(_SC_PAGESIZE);
     size_t skip = (size_t)(offset % page), mapped = skip + (size_t)length;
     void *base;
@@ -301,36 +308,37 @@ typedef struct {
 } MapJob;
 
 /* A mapped file that shrinks under its mapping (cut short in place by another process) raises SIGBUS at the first
-   read of a page past its end, which would kill the process. While a thread decodes from mappings, SIGBUS jumps
-   back to it instead, and the row fails with EIO, as pread's short read does; elsewhere SIGBUS does what it did. */
+   read of a page past its end, which would kill the process. While threads decode from mappings, SIGBUS is handled
+   here: in a decoding thread it jumps back to the decode, and the row fails with EIO (as pread's short read does).
+   The handler is installed by the first decoding thread in and the disposition it replaced put back by the last one
+   out (unless something replaced the handler meanwhile), so SIGBUS is never ours outside a decode. A SIGBUS of
+   another thread meanwhile gets the replaced disposition back and is delivered to it. */
 static __thread sigjmp_buf *bus_guard;
-static struct sigaction bus_before;
+static struct sigaction bus_before; /* the disposition ours replaced */
+static int bus_decoders;            /* threads decoding from mappings */
 static pthread_mutex_t bus_lock = PTHREAD_MUTEX_INITIALIZER;
+
+static int bus_is_ours(const struct sigaction *a);
 
 static void on_sigbus(int sig, siginfo_t *info, void *ctx) {
     sigjmp_buf *guard = bus_guard;
     if (guard) siglongjmp(*guard, 1);
-    if (bus_before.sa_flags & SA_SIGINFO) {
-        if (bus_before.sa_sigaction) bus_before.sa_sigaction(sig, info, ctx);
-        return;
-    }
-    if (bus_before.sa_handler != SIG_DFL && bus_before.sa_handler != SIG_IGN) {
-        bus_before.sa_handler(sig);
-        return;
-    }
-    if (bus_before.sa_handler == SIG_IGN && info && info->si_code <= 0) return; /* sent by a process, ignored */
-    struct sigaction dfl; /* the default: the signal, raised again, ends the process once this handler returns */
-    memset(&dfl, 0, sizeof dfl);
-    dfl.sa_handler = SIG_DFL;
-    sigaction(SIGBUS, &dfl, NULL);
-    raise(sig);
+    /* not a decode's: the disposition ours replaced is put back and gets the signal (the fault happens again when
+       this handler returns; a signal another process sent is raised again) */
+    struct sigaction before = bus_before;
+    if (before.sa_handler == SIG_IGN && info && info->si_code > 0) before.sa_handler = SIG_DFL; /* a fault: fatal */
+    if (bus_is_ours(&before)) before.sa_handler = SIG_DFL, before.sa_flags = 0;
+    sigaction(SIGBUS, &before, NULL);
+    if (!info || info->si_code <= 0) raise(sig);
 }
 
-/* on_sigbus as SIGBUS's handler (again, if something replaced it since), keeping what it replaces */
-static void guard_sigbus(void) {
+static int bus_is_ours(const struct sigaction *a) { return (a->sa_flags & SA_SIGINFO) && a->sa_sigaction == on_sigbus; }
+
+/* a decoding thread in (1) or out (0) of reading mappings */
+static void bus_guarding(int in) {
     struct sigaction now;
     pthread_mutex_lock(&bus_lock);
-    if (sigaction(SIGBUS, NULL, &now) == 0 && !((now.sa_flags & SA_SIGINFO) && now.sa_sigaction == on_sigbus)) {
+    if (in && bus_decoders++ == 0 && sigaction(SIGBUS, NULL, &now) == 0 && !bus_is_ours(&now)) {
         struct sigaction ours;
         memset(&ours, 0, sizeof ours);
         ours.sa_sigaction = on_sigbus;
@@ -338,6 +346,8 @@ static void guard_sigbus(void) {
         sigemptyset(&ours.sa_mask);
         bus_before = now;
         sigaction(SIGBUS, &ours, NULL);
+    } else if (!in && --bus_decoders == 0 && sigaction(SIGBUS, NULL, &now) == 0 && bus_is_ours(&now)) {
+        sigaction(SIGBUS, &bus_before, NULL);
     }
     pthread_mutex_unlock(&bus_lock);
 }
@@ -399,9 +409,10 @@ static void map_job_run(MapJob *j) {
     long before = blocks_read();
     sigjmp_buf jump;
     volatile Py_ssize_t at_row = 0; /* the row being decoded, as SIGBUS finds it */
-    guard_sigbus();
+    bus_guarding(1);
     if (sigsetjmp(jump, 1)) { /* a page of a mapped file past its end: the file shrank under its mapping */
         bus_guard = NULL;
+        bus_guarding(0);
         j->failed = at_row, j->err = EIO;
         j->inblock = blocks_read() - before;
         return;
@@ -425,6 +436,7 @@ static void map_job_run(MapJob *j) {
         }
     }
     bus_guard = NULL;
+    bus_guarding(0);
     j->inblock = blocks_read() - before;
 }
 
@@ -444,9 +456,11 @@ typedef struct {
     PyObject_HEAD
     MapJob job;
     pthread_t thread;
-    int joinable; /* a thread to join */
-    int held;     /* the job's buffers still held */
-    int done;     /* set by the thread when the rows are decoded (atomic) */
+    pthread_mutex_t joining; /* one wait() joins the thread; the others wait for it to have */
+    pid_t pid;               /* the process that started the thread (a forked child has no such thread) */
+    int joinable;            /* a thread to join */
+    int held;                /* the job's buffers still held */
+    int done;                /* set by the thread when the rows are decoded (atomic) */
 } Task;
 
 static void *task_main(void *p) {
@@ -458,11 +472,14 @@ static void *task_main(void *p) {
 
 /* join the thread and let the buffers go (with the GIL) */
 static void task_join(Task *t) {
-    if (t->joinable) {
-        Py_BEGIN_ALLOW_THREADS
-        pthread_join(t->thread, NULL);
-        Py_END_ALLOW_THREADS
-        t->joinable = 0;
+    Py_BEGIN_ALLOW_THREADS
+    pthread_mutex_lock(&t->joining);
+    if (t->joinable && t->pid == getpid()) pthread_join(t->thread, NULL);
+    t->joinable = 0;
+    pthread_mutex_unlock(&t->joining);
+    Py_END_ALLOW_THREADS
+    if (!__atomic_load_n(&t->done, __ATOMIC_ACQUIRE) && t->job.failed < 0) {
+        t->job.failed = 0, t->job.err = ESRCH; /* its thread is gone (a forked child): the rows were not decoded */
     }
     if (t->held) {
         map_job_release(&t->job);
@@ -472,6 +489,7 @@ static void task_join(Task *t) {
 
 static void task_dealloc(Task *t) {
     task_join(t); /* its thread writes into buffers it holds: never let them go before it ends */
+    pthread_mutex_destroy(&t->joining);
     Py_TYPE(t)->tp_free((PyObject *)t);
 }
 
@@ -504,6 +522,8 @@ static PyObject *map_lz4_start(PyObject *self, PyObject *args) {
     if (!t) return NULL;
     memset(&t->job, 0, sizeof t->job);
     t->joinable = t->held = t->done = 0;
+    t->pid = getpid();
+    pthread_mutex_init(&t->joining, NULL);
     if (map_job_parse(&t->job, args) < 0) {
         Py_DECREF(t);
         return NULL;

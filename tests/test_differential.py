@@ -35,7 +35,7 @@ import numpy as np
 import pytest
 from gymnasium import spaces
 
-from her_store import EpisodeStore, HerBatch, HerSampler
+from her_store import EpisodeStore, HerBatch, HerSampler, reader
 from her_store.cli import main
 from her_store.reader import ShardedArray
 from tests.http_server import serving
@@ -174,8 +174,15 @@ def check_mapped(name: str, local: bool, mapped: int) -> None:
         assert mapped == 0
 
 
+@pytest.fixture(autouse=True)
+def _split_small_batches(monkeypatch):
+    """Mapped gathers of these small frames split across C threads as a batch of real frames does."""
+    monkeypatch.setattr(reader, "SPLIT_BYTES", 1)
+
+
 # -- the reader process --------------------------------------------------------------------------------------
 def reader_main() -> None:
+    reader.SPLIT_BYTES = 1  # as _split_small_batches
     store: EpisodeStore | None = None
     sampler: HerSampler | None = None
     for line in sys.stdin:

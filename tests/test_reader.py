@@ -297,10 +297,13 @@ def test_a_shard_cut_short_in_place_under_a_sampler_is_an_io_error_naming_it(tmp
     store.close()
 
 
-def test_a_mapped_shard_a_commit_replaced_still_reads_what_was_committed(tmp_path):
-    """A ring rewrites its shards while a sampler in another handle decodes from their mappings: a shard replaced
-    by a rename leaves the old mapping whole (no SIGBUS, no bytes of the new file under old offsets), and the
-    gathers after the commit map the new file."""
+def test_a_mapped_shard_a_commit_replaced_still_reads_what_was_committed(tmp_path, monkeypatch):
+    """A ring rewrites its shards while a sampler in another handle decodes from their mappings (on C threads): a
+    shard replaced by a rename leaves the old mapping whole (no SIGBUS, no bytes of the new file under old offsets),
+    and the gathers after the commit map the new file."""
+    from her_store import reader as reader_module
+
+    monkeypatch.setattr(reader_module, "SPLIT_BYTES", 1)  # these small frames split as real ones do
     path = tmp_path / "s"
     with EpisodeStore.create(path, OBS, ACT, capacity=48, chunk_rows=CHUNK_ROWS, commit_interval=0) as writer:
         for e in range(4):

@@ -612,7 +612,9 @@ def test_map_file_maps_bytes_of_a_file_without_keeping_a_descriptor(tmp_path):
     mappings[0][2].drop_pages()  # its pages go from this process; reading them again reads the file's
     assert bytes(memoryview(mappings[0][2])[-5:]) == data[-5:]
     with open(tmp_path / "f", "rb") as f:
-        for a, n, why in ((-1, 10, "offset >= 0"), (0, 0, "at least one byte"), (0, -5, "at least one byte")):
+        size = len(b"another file")
+        for a, n, why in ((-1, 10, "offset >= 0"), (0, 0, "at least one byte"), (0, -5, "at least one byte"),
+                          (0, size + 1, "past the end"), (size, 1, "past the end"), (1 << 62, 1, "past the end")):
             with pytest.raises(ValueError, match=why):
                 _frames.map_file(f.fileno(), a, n)
     with pytest.raises(OSError) as e:
@@ -656,6 +658,16 @@ def test_map_lz4_fails_the_row_of_a_file_cut_short_under_its_mapping(tmp_path):
         code = f"import os, signal; {before}; {decode}; os.kill(os.getpid(), signal.SIGBUS); print('on')"
         done = subprocess.run([sys.executable, "-c", code], capture_output=True, check=False)
         assert (done.returncode, done.stdout.strip()) == (returncode, said), done.stderr
+    # a real fault outside a decode, faulthandler enabled before or after one (its handler and ours had called each
+    # other forever): one report, and the process ends
+    fault = (
+        "import mmap, os; f = open({path!r}, 'r+b'); m = mmap.mmap(f.fileno(), 0); os.ftruncate(f.fileno(), 0); m[0]"
+    ).format(path=str(tmp_path / "g"))
+    for order in ("faulthandler.enable(); " + decode, decode + "; faulthandler.enable(); " + decode):
+        (tmp_path / "g").write_bytes(bytes(8192))
+        code = f"import faulthandler; {order}; {fault}"
+        done = subprocess.run([sys.executable, "-c", code], capture_output=True, check=False, timeout=60)
+        assert done.returncode == -signal.SIGBUS and done.stderr.count(b"Fatal Python error: Bus error") == 1, done.stderr[-2000:]
 
 
 def test_map_lz4_decodes_rows_of_many_maps_and_refuses_bad_arguments(tmp_path):
@@ -711,6 +723,50 @@ def test_map_lz4_start_decodes_on_a_thread_of_its_own_and_holds_its_buffers_unti
     out = np.zeros_like(rows)
     task = _frames.map_lz4_start((blob,), slots, offsets, nbytes, dst, out, ROW_NBYTES)
     del task
+    np.testing.assert_array_equal(out, rows)
+
+
+def test_a_tasks_wait_from_many_threads_joins_once_and_answers_each():
+    """Two threads waiting for one task: both calls joined its thread (one hung forever); now one joins and both
+    get its answer."""
+    rows = _frames_of(3_000, seed=4)
+    encoded = _frames.encode_lz4(rows, ROW_NBYTES, 1)
+    nbytes = np.array([len(f) for f in encoded], np.int64)
+    blob = b"".join(encoded)
+    for _ in range(20):
+        out = np.zeros_like(rows)
+        task = _frames.map_lz4_start(
+            (blob,), np.zeros(len(rows), np.int32), np.cumsum(nbytes) - nbytes, nbytes, np.arange(len(rows)), out, ROW_NBYTES
+        )
+        answers: list[tuple[int, int, int]] = []
+        threads = [threading.Thread(target=lambda t=task, a=answers: a.append(t.wait())) for _ in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=30)
+        assert not any(t.is_alive() for t in threads)
+        assert answers == [(-1, 0, 0)] * 2
+        np.testing.assert_array_equal(out, rows)
+
+
+def test_a_task_waited_for_in_a_forked_child_never_says_rows_it_did_not_decode_are():
+    """A forked child has no copy of the task's thread: its wait() said (-1, 0) with the rows partly decoded; now a
+    task not done when the process forked fails its first row with ESRCH."""
+    rows = _frames_of(30_000, seed=6)
+    encoded = _frames.encode_lz4(rows, ROW_NBYTES, 1)
+    nbytes = np.array([len(f) for f in encoded], np.int64)
+    blob = b"".join(encoded)
+    out = np.zeros_like(rows)
+    task = _frames.map_lz4_start(
+        (blob,), np.zeros(len(rows), np.int32), np.cumsum(nbytes) - nbytes, nbytes, np.arange(len(rows)), out, ROW_NBYTES
+    )
+    pid = os.fork()
+    if pid == 0:  # the child: exit 0 when the answer is true of its out, 1 otherwise
+        failed, err, _ = task.wait()
+        complete = bool((out == rows).all())
+        os._exit(0 if (failed == -1 and err == 0 and complete) or (failed == 0 and err == errno.ESRCH) else 1)
+    assert os.waitpid(pid, 0)[1] == 0
+    assert task.wait() == (-1, 0, 0)
     np.testing.assert_array_equal(out, rows)
 
 
