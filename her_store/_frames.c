@@ -308,48 +308,51 @@ typedef struct {
 } MapJob;
 
 /* A mapped file that shrinks under its mapping (cut short in place by another process) raises SIGBUS at the first
-   read of a page past its end, which would kill the process. While threads decode from mappings, SIGBUS is handled
-   here: in a decoding thread it jumps back to the decode, and the row fails with EIO (as pread's short read does).
-   The handler is installed by the first decoding thread in and the disposition it replaced put back by the last one
-   out (unless something replaced the handler meanwhile), so SIGBUS is never ours outside a decode. A SIGBUS of
-   another thread meanwhile gets the replaced disposition back and is delivered to it. */
-static __thread sigjmp_buf *bus_guard;
-static struct sigaction bus_before; /* the disposition ours replaced */
-static int bus_decoders;            /* threads decoding from mappings */
-static pthread_mutex_t bus_lock = PTHREAD_MUTEX_INITIALIZER;
+   read of a page past its end, which would kill the process. A handler installed once, at the first decode from
+   mappings, turns such a fault into a failed row (EIO, as pread's short read): a fault (si_code > 0) of a thread
+   decoding from mappings, at an address inside one of its maps, jumps back to its decode. Any other SIGBUS goes to
+   the disposition the handler replaced: its handler is called, a default one ends the process, an ignored signal
+   sent by a process stays ignored. A handler installed after ours (faulthandler) gets SIGBUS first; then a
+   truncated map ends the process as it would have without ours. */
+static __thread __attribute__((tls_model("initial-exec"))) const MapJob *volatile bus_job; /* the job this thread decodes from mappings, or NULL */
+static __thread __attribute__((tls_model("initial-exec"))) sigjmp_buf *bus_jump;
+static struct sigaction bus_before;
+static pthread_once_t bus_once = PTHREAD_ONCE_INIT;
 
-static int bus_is_ours(const struct sigaction *a);
-
-static void on_sigbus(int sig, siginfo_t *info, void *ctx) {
-    sigjmp_buf *guard = bus_guard;
-    if (guard) siglongjmp(*guard, 1);
-    /* not a decode's: the disposition ours replaced is put back and gets the signal (the fault happens again when
-       this handler returns; a signal another process sent is raised again) */
-    struct sigaction before = bus_before;
-    if (before.sa_handler == SIG_IGN && info && info->si_code > 0) before.sa_handler = SIG_DFL; /* a fault: fatal */
-    if (bus_is_ours(&before)) before.sa_handler = SIG_DFL, before.sa_flags = 0;
-    sigaction(SIGBUS, &before, NULL);
-    if (!info || info->si_code <= 0) raise(sig);
+static int in_maps(const MapJob *j, const char *addr) {
+    for (Py_ssize_t k = 0; k < j->held; k++) {
+        const char *b = j->views[k].buf;
+        if (addr >= b && addr < b + j->views[k].len) return 1;
+    }
+    return 0;
 }
 
-static int bus_is_ours(const struct sigaction *a) { return (a->sa_flags & SA_SIGINFO) && a->sa_sigaction == on_sigbus; }
-
-/* a decoding thread in (1) or out (0) of reading mappings */
-static void bus_guarding(int in) {
-    struct sigaction now;
-    pthread_mutex_lock(&bus_lock);
-    if (in && bus_decoders++ == 0 && sigaction(SIGBUS, NULL, &now) == 0 && !bus_is_ours(&now)) {
-        struct sigaction ours;
-        memset(&ours, 0, sizeof ours);
-        ours.sa_sigaction = on_sigbus;
-        ours.sa_flags = SA_SIGINFO;
-        sigemptyset(&ours.sa_mask);
-        bus_before = now;
-        sigaction(SIGBUS, &ours, NULL);
-    } else if (!in && --bus_decoders == 0 && sigaction(SIGBUS, NULL, &now) == 0 && bus_is_ours(&now)) {
-        sigaction(SIGBUS, &bus_before, NULL);
+static void on_sigbus(int sig, siginfo_t *info, void *ctx) {
+    const MapJob *j = bus_job;
+    if (j && info && info->si_code > 0 && in_maps(j, info->si_addr)) siglongjmp(*bus_jump, 1);
+    if (bus_before.sa_flags & SA_SIGINFO) {
+        if (bus_before.sa_sigaction) bus_before.sa_sigaction(sig, info, ctx);
+        return;
     }
-    pthread_mutex_unlock(&bus_lock);
+    if (bus_before.sa_handler != SIG_DFL && bus_before.sa_handler != SIG_IGN) {
+        bus_before.sa_handler(sig);
+        return;
+    }
+    if (bus_before.sa_handler == SIG_IGN && info && info->si_code <= 0) return; /* sent by a process, ignored */
+    struct sigaction dfl; /* the default: raised again, the signal ends the process once this handler returns */
+    memset(&dfl, 0, sizeof dfl);
+    dfl.sa_handler = SIG_DFL;
+    sigaction(SIGBUS, &dfl, NULL);
+    raise(sig);
+}
+
+static void bus_install(void) {
+    struct sigaction ours;
+    memset(&ours, 0, sizeof ours);
+    ours.sa_sigaction = on_sigbus;
+    ours.sa_flags = SA_SIGINFO;
+    sigemptyset(&ours.sa_mask);
+    sigaction(SIGBUS, &ours, &bus_before);
 }
 
 /* release every buffer a MapJob holds (with the GIL) */
@@ -409,15 +412,16 @@ static void map_job_run(MapJob *j) {
     long before = blocks_read();
     sigjmp_buf jump;
     volatile Py_ssize_t at_row = 0; /* the row being decoded, as SIGBUS finds it */
-    bus_guarding(1);
+    pthread_once(&bus_once, bus_install);
     if (sigsetjmp(jump, 1)) { /* a page of a mapped file past its end: the file shrank under its mapping */
-        bus_guard = NULL;
-        bus_guarding(0);
+        bus_job = NULL;
         j->failed = at_row, j->err = EIO;
         j->inblock = blocks_read() - before;
         return;
     }
-    bus_guard = &jump;
+    bus_jump = &jump;
+    __atomic_signal_fence(__ATOMIC_SEQ_CST);
+    bus_job = j;
     for (Py_ssize_t i = 0; i < j->n; i++) {
         at_row = i;
         /* each entry read once and checked as it is used: the caller's arrays may share memory with out, or be
@@ -435,8 +439,7 @@ static void map_job_run(MapJob *j) {
             break;
         }
     }
-    bus_guard = NULL;
-    bus_guarding(0);
+    bus_job = NULL;
     j->inblock = blocks_read() - before;
 }
 
@@ -472,12 +475,16 @@ static void *task_main(void *p) {
 
 /* join the thread and let the buffers go (with the GIL) */
 static void task_join(Task *t) {
-    Py_BEGIN_ALLOW_THREADS
-    pthread_mutex_lock(&t->joining);
-    if (t->joinable && t->pid == getpid()) pthread_join(t->thread, NULL);
-    t->joinable = 0;
-    pthread_mutex_unlock(&t->joining);
-    Py_END_ALLOW_THREADS
+    if (t->pid != getpid()) { /* a forked child: no thread to join, and its lock may be held by a thread it lacks */
+        t->joinable = 0;
+    } else {
+        Py_BEGIN_ALLOW_THREADS
+        pthread_mutex_lock(&t->joining);
+        if (t->joinable) pthread_join(t->thread, NULL);
+        t->joinable = 0;
+        pthread_mutex_unlock(&t->joining);
+        Py_END_ALLOW_THREADS
+    }
     if (!__atomic_load_n(&t->done, __ATOMIC_ACQUIRE) && t->job.failed < 0) {
         t->job.failed = 0, t->job.err = ESRCH; /* its thread is gone (a forked child): the rows were not decoded */
     }
@@ -489,7 +496,7 @@ static void task_join(Task *t) {
 
 static void task_dealloc(Task *t) {
     task_join(t); /* its thread writes into buffers it holds: never let them go before it ends */
-    pthread_mutex_destroy(&t->joining);
+    if (t->pid == getpid()) pthread_mutex_destroy(&t->joining);
     Py_TYPE(t)->tp_free((PyObject *)t);
 }
 

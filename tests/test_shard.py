@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 import os
+import signal
 import struct
 import threading
 import zlib
@@ -625,7 +626,6 @@ def test_map_file_maps_bytes_of_a_file_without_keeping_a_descriptor(tmp_path):
 def test_map_lz4_fails_the_row_of_a_file_cut_short_under_its_mapping(tmp_path):
     """A mapped file cut short in place (by another process): reading a page past its new end raised SIGBUS, which
     killed the process; the row now fails with EIO, as pread's short read does, and SIGBUS elsewhere is untouched."""
-    import signal
     import subprocess
     import sys
 
@@ -668,6 +668,63 @@ def test_map_lz4_fails_the_row_of_a_file_cut_short_under_its_mapping(tmp_path):
         code = f"import faulthandler; {order}; {fault}"
         done = subprocess.run([sys.executable, "-c", code], capture_output=True, check=False, timeout=60)
         assert done.returncode == -signal.SIGBUS and done.stderr.count(b"Fatal Python error: Bus error") == 1, done.stderr[-2000:]
+
+
+_SIGBUS_DURING_DECODES = """
+import os, signal, sys, threading, time
+import numpy as np
+from her_store import _frames
+
+path, mode = sys.argv[1], sys.argv[2]
+row = 64 << 10
+rows = np.random.default_rng(0).integers(0, 256, (256, row), np.uint8)  # rows LZ4 cannot shrink: 16 MiB
+encoded = _frames.encode_lz4(rows, row, 1)
+nbytes = np.array([len(f) for f in encoded], np.int64)
+with open(path, "wb") as f:
+    f.write(b"".join(encoded))
+f = open(path, "r+b")
+mapping = _frames.map_file(f.fileno(), 0, int(nbytes.sum()))
+args = (np.zeros(256, np.int32), np.cumsum(nbytes) - nbytes, nbytes, np.arange(256), np.zeros_like(rows), row)
+seen = []
+signal.signal(signal.SIGBUS, lambda *_: seen.append(1))
+answers = []
+
+def decode(until):
+    while time.monotonic() < until:
+        answers.append(_frames.map_lz4((mapping,), *args)[:2])
+
+thread = threading.Thread(target=decode, args=(time.monotonic() + 1.5,))
+thread.start()
+time.sleep(0.3)
+if mode == "sent":  # signals sent to the decoding thread: not a fault of its maps
+    for _ in range(5):
+        signal.pthread_kill(thread.ident, signal.SIGBUS)
+        time.sleep(0.05)
+    thread.join()
+    time.sleep(0.1)
+    print(set(answers) == {(-1, 0)}, len(seen) > 0)
+else:  # a signal to the process, then the file cut short under the decodes: they still fail a row with EIO
+    os.kill(os.getpid(), signal.SIGBUS)
+    os.ftruncate(f.fileno(), 4096)
+    thread.join()
+    time.sleep(0.1)
+    print(answers[-1][1] == 5, len(seen) > 0)
+"""
+
+
+@pytest.mark.parametrize("mode", ["sent", "stray then cut"])
+def test_a_sigbus_a_process_sends_during_decodes_reaches_its_handler_and_leaves_the_guard(tmp_path, mode):
+    """A SIGBUS sent (not a fault) to a decoding thread failed a good row with EIO and was lost; one sent to the
+    process put the old disposition back under decodes still running, so a map cut short then killed the process
+    (or faulted forever). Now only a fault inside a decode's maps fails a row: signals reach their handler."""
+    import subprocess
+    import sys
+
+    done = subprocess.run(
+        [sys.executable, "-c", _SIGBUS_DURING_DECODES, str(tmp_path / "f"), mode.split()[0]],
+        capture_output=True, check=False, timeout=120,
+    )
+    assert (done.returncode, done.stdout.split()) == (0, [b"True", b"True"]), done.stderr[-2000:]
 
 
 def test_map_lz4_decodes_rows_of_many_maps_and_refuses_bad_arguments(tmp_path):
@@ -750,24 +807,34 @@ def test_a_tasks_wait_from_many_threads_joins_once_and_answers_each():
 
 
 def test_a_task_waited_for_in_a_forked_child_never_says_rows_it_did_not_decode_are():
-    """A forked child has no copy of the task's thread: its wait() said (-1, 0) with the rows partly decoded; now a
-    task not done when the process forked fails its first row with ESRCH."""
+    """A forked child has no copy of the task's thread: its wait() said (-1, 0) with the rows partly decoded, and hung
+    when another thread of the parent was inside wait(); now a task not done when the process forked fails its first
+    row with ESRCH."""
     rows = _frames_of(30_000, seed=6)
     encoded = _frames.encode_lz4(rows, ROW_NBYTES, 1)
     nbytes = np.array([len(f) for f in encoded], np.int64)
     blob = b"".join(encoded)
-    out = np.zeros_like(rows)
-    task = _frames.map_lz4_start(
-        (blob,), np.zeros(len(rows), np.int32), np.cumsum(nbytes) - nbytes, nbytes, np.arange(len(rows)), out, ROW_NBYTES
-    )
-    pid = os.fork()
-    if pid == 0:  # the child: exit 0 when the answer is true of its out, 1 otherwise
-        failed, err, _ = task.wait()
-        complete = bool((out == rows).all())
-        os._exit(0 if (failed == -1 and err == 0 and complete) or (failed == 0 and err == errno.ESRCH) else 1)
-    assert os.waitpid(pid, 0)[1] == 0
-    assert task.wait() == (-1, 0, 0)
-    np.testing.assert_array_equal(out, rows)
+    for waiting in (False, True):  # another thread of the parent inside wait() when it forks (its lock held)
+        out = np.zeros_like(rows)
+        task = _frames.map_lz4_start(
+            (blob,), np.zeros(len(rows), np.int32), np.cumsum(nbytes) - nbytes, nbytes, np.arange(len(rows)), out,
+            ROW_NBYTES,
+        )
+        waiter = threading.Thread(target=task.wait)
+        if waiting:
+            waiter.start()
+        pid = os.fork()
+        if pid == 0:  # the child: exit 0 when the answer is true of its out, 1 otherwise; a hang is killed
+            signal.alarm(20)
+            failed, err, _ = task.wait()
+            complete = bool((out == rows).all())
+            del task  # a task dropped in the child does not wait either
+            os._exit(0 if (failed == -1 and err == 0 and complete) or (failed == 0 and err == errno.ESRCH) else 1)
+        assert os.waitpid(pid, 0)[1] == 0, f"waiting: {waiting}"
+        assert task.wait() == (-1, 0, 0)
+        np.testing.assert_array_equal(out, rows)
+        if waiting:
+            waiter.join()
 
 
 def _on_tmpfs(path: Path) -> bool:

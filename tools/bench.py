@@ -530,6 +530,16 @@ def _frame_disk_bytes(store: EpisodeStore) -> float:
     return _disk_usage(os.path.join(store.url, "steps", "observation")) / (store.num_transitions + store.num_episodes)
 
 
+def _warm_up(fns: dict[str, Callable[[], Any]]) -> None:
+    """Call each sampling function as often as a sampler needs to find its frames in the page cache and read them
+    where their shards are mapped (WARM_GATHERS gathers), and once more."""
+    from her_store.reader import WARM_GATHERS
+
+    for f in fns.values():
+        for _ in range(WARM_GATHERS + 1):
+            f()
+
+
 def _rounds(fns: dict[str, Callable[[], Any]], rounds: int, calls: int) -> dict[str, float]:
     """Seconds per call of each function, medians over interleaved rounds (a drift of the machine's speed hits all
     alike: it doubles within a minute here)."""
@@ -712,9 +722,7 @@ def bench_images(workdir: str, quick: bool) -> dict[str, Any]:
     fns: dict[str, Callable[[], Any]] = {f"{kind} {label}": s.sample for (kind, label), s in samplers.items()}
     if rb is not None:
         fns["sb3"] = lambda: rb.sample(IMG_BATCH)
-    for f in fns.values():
-        f()
-        f()
+    _warm_up(fns)
     per_call = _rounds(fns, 5 if quick else 9, 10)
     if rb is None:
         out["warm: SB3 HerReplayBuffer, in RAM"] = "not installed"
@@ -744,8 +752,7 @@ def bench_images(workdir: str, quick: bool) -> dict[str, Any]:
         for t in (0, threads)
     }
     fns = {name: s.sample for name, s in decoders.items()}
-    for f in fns.values():
-        f()
+    _warm_up(fns)
     per_call = _rounds(fns, 3 if quick else 5, 5)
     for label in DECODE:
         if ("rendered", label) in stores:
