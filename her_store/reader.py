@@ -54,6 +54,7 @@ __all__ = ["CachedArray", "ChunkReader", "MappedArray", "RangedArray", "ShardedA
 
 MIN_ROWS_PER_THREAD = 16  # below this a thread costs more than the rows it reads
 MIN_FRAMES_PER_THREAD = 4  # a compressed frame costs a decode: worth a thread from a few on
+CORES = os.cpu_count() or 1  # (os.cpu_count() costs tens of microseconds a call)
 SPLIT_BYTES = 256 << 10  # decoded bytes per C thread of a mapped gather, at least
 WARM_GATHERS = 8  # local frames are decoded from mapped shards once this many gathers in a row read nothing from disk
 
@@ -828,7 +829,7 @@ class ShardedArray(CachedArray):
         if mapped:
             self.mapped_gathers += 1
             # a thread is worth starting for a few hundred KiB of frames (a start costs tens of microseconds)
-            threads = min(parts, os.cpu_count() or 1, len(rows) * rn // SPLIT_BYTES + 1) - 1
+            threads = min(parts, CORES, len(rows) * rn // SPLIT_BYTES + 1) - 1
             edges = self._balance.edges(len(rows), threads, len(rows) // (threads + 1) // 2) if threads > 0 else [0, len(rows)]
             tasks = [
                 (a, _frames.map_lz4_start(maps, slots[a:b], offsets[a:b], nbytes[a:b], order[a:b], out, rn))
