@@ -14,9 +14,11 @@
  *       the same from mapped files (map_file): row i at maps[slots[i]][offsets[i] : offsets[i] + nbytes[i]], decoded
  *       straight from the page cache, without a system call per row (what a pread costs is most of a warm read). A
  *       map that turns out shorter than its file was (cut short in place: SIGBUS) fails its row with EIO.
- *   map_lz4_start(maps, slots, offsets, nbytes, dst, out, row_nbytes) -> Task
- *       map_lz4 on a thread of its own, started before this returns: Task.wait() joins it and returns what map_lz4
- *       would have, Task.done() tells whether it is done. The caller meanwhile runs Python (the rest of a batch).
+ *   map_lz4_start(maps, slots, offsets, nbytes, dst, out, row_nbytes[, threads]) -> Task
+ *       map_lz4 on threads of its own (1 by default), started before this returns; the caller meanwhile runs
+ *       Python (the rest of a batch). Task.wait() decodes the rows the threads have not taken yet (threads and
+ *       caller take 8 rows at a time: each does as much as it can), joins them and returns what map_lz4 would
+ *       have (the first failing row found); Task.done() tells whether the threads are done.
  *   map_file(fd, offset, length) -> Mapping
  *       bytes offset .. offset + length of an open file, mapped read-only (MADV_RANDOM: a page fault reads its page
  *       alone) as a buffer; unmapped when the last reference goes. It holds no file descriptor. Its drop_pages()
@@ -297,15 +299,21 @@ static PyObject *map_file(PyObject *self, PyObject *args) {
     return (PyObject *)m;
 }
 
-/* map_lz4's work: its arguments, held (buffer exports) from parsing until released, and its result */
+/* map_lz4's work: its arguments, held (buffer exports) from parsing until released, and its result. Threads share
+   a job's rows: each takes the next TAKE rows not taken yet until none are left or a row failed. */
 typedef struct {
     Args a; /* offsets, nbytes, out */
     Py_buffer slots, dst;
     Py_buffer *views; /* the maps' buffers, `held` of them acquired */
-    Py_ssize_t held, n, row_nbytes, out_rows, failed;
+    Py_ssize_t held, n, row_nbytes, out_rows;
+    Py_ssize_t next;        /* the first row no thread has taken (atomic) */
+    int stop;               /* set when a row failed (atomic) */
+    pthread_mutex_t failing; /* guards failed and err */
+    Py_ssize_t failed;      /* the first failing row found, -1 for none */
     int err;
-    long inblock;
+    long inblock;           /* the blocks its threads read from disk (atomic) */
 } MapJob;
+#define TAKE 8
 
 /* A mapped file that shrinks under its mapping (cut short in place by another process) raises SIGBUS at the first
    read of a page past its end, which would kill the process. A handler installed once, at the first decode from
@@ -365,6 +373,7 @@ static void map_job_release(MapJob *j) {
     release(&j->a);
     if (j->slots.buf) PyBuffer_Release(&j->slots);
     if (j->dst.buf) PyBuffer_Release(&j->dst);
+    j->slots.buf = j->dst.buf = NULL;
 }
 
 /* parse and check map_lz4's arguments into j (zeroed); 0, or -1 with an exception set and nothing held */
@@ -401,10 +410,19 @@ static int map_job_parse(MapJob *j, PyObject *args) {
         return -1;
     }
     j->n = n, j->out_rows = out_rows, j->failed = -1;
+    pthread_mutex_init(&j->failing, NULL);
     return 0;
 }
 
-/* decode a parsed job's rows (without the GIL) */
+/* row i of a job failed (errno err, 0 when its bytes are not one row's block): the smallest such row is kept */
+static void map_job_fail(MapJob *j, Py_ssize_t i, int err) {
+    pthread_mutex_lock(&j->failing);
+    if (j->failed < 0 || i < j->failed) j->failed = i, j->err = err;
+    pthread_mutex_unlock(&j->failing);
+    __atomic_store_n(&j->stop, 1, __ATOMIC_RELAXED);
+}
+
+/* decode rows of a parsed job not taken yet by another thread, TAKE at a time (without the GIL) */
 static void map_job_run(MapJob *j) {
     const int32_t *slots = j->slots.buf;
     const int64_t *offsets = j->a.offsets.buf, *nbytes = j->a.nbytes.buf, *dst_of = j->dst.buf;
@@ -415,32 +433,33 @@ static void map_job_run(MapJob *j) {
     pthread_once(&bus_once, bus_install);
     if (sigsetjmp(jump, 1)) { /* a page of a mapped file past its end: the file shrank under its mapping */
         bus_job = NULL;
-        j->failed = at_row, j->err = EIO;
-        j->inblock = blocks_read() - before;
+        map_job_fail(j, at_row, EIO);
+        __atomic_add_fetch(&j->inblock, blocks_read() - before, __ATOMIC_RELAXED);
         return;
     }
     bus_jump = &jump;
     __atomic_signal_fence(__ATOMIC_SEQ_CST);
     bus_job = j;
-    for (Py_ssize_t i = 0; i < j->n; i++) {
-        at_row = i;
-        /* each entry read once and checked as it is used: the caller's arrays may share memory with out, or be
-           changed by another thread meanwhile; then rows fail, and nothing is read or written outside a buffer */
-        int32_t slot = slots[i];
-        int64_t size = nbytes[i], at = offsets[i], row = dst_of[i];
-        if (slot < 0 || slot >= j->held || row < 0 || row >= j->out_rows) {
-            j->failed = i;
-            break;
-        }
-        const Py_buffer *v = &j->views[slot];
-        if (size < 0 || at < 0 || at > v->len || size > v->len - at ||
-            decode_row((const char *)v->buf + at, size, out + row * j->row_nbytes, j->row_nbytes) != 0) {
-            j->failed = i;
-            break;
+    while (!__atomic_load_n(&j->stop, __ATOMIC_RELAXED)) {
+        Py_ssize_t first = __atomic_fetch_add(&j->next, TAKE, __ATOMIC_RELAXED);
+        if (first >= j->n) break;
+        Py_ssize_t end = first + TAKE < j->n ? first + TAKE : j->n;
+        for (Py_ssize_t i = first; i < end; i++) {
+            at_row = i;
+            /* each entry read once and checked as it is used: the caller's arrays may share memory with out, or be
+               changed by another thread meanwhile; then rows fail, and nothing is read or written outside a buffer */
+            int32_t slot = slots[i];
+            int64_t size = nbytes[i], at = offsets[i], row = dst_of[i];
+            const Py_buffer *v = slot >= 0 && slot < j->held ? &j->views[slot] : NULL;
+            if (!v || row < 0 || row >= j->out_rows || size < 0 || at < 0 || at > v->len || size > v->len - at ||
+                decode_row((const char *)v->buf + at, size, out + row * j->row_nbytes, j->row_nbytes) != 0) {
+                map_job_fail(j, i, 0);
+                break;
+            }
         }
     }
     bus_job = NULL;
-    j->inblock = blocks_read() - before;
+    __atomic_add_fetch(&j->inblock, blocks_read() - before, __ATOMIC_RELAXED);
 }
 
 static PyObject *map_lz4(PyObject *self, PyObject *args) {
@@ -451,67 +470,74 @@ static PyObject *map_lz4(PyObject *self, PyObject *args) {
     map_job_run(&j);
     Py_END_ALLOW_THREADS
     map_job_release(&j);
+    pthread_mutex_destroy(&j.failing);
     return Py_BuildValue("(nil)", j.failed, j.err, j.inblock);
 }
 
-/* map_lz4 started on a thread of its own (map_lz4_start); wait() joins it */
+/* map_lz4 started on threads of its own (map_lz4_start); wait() decodes the rows they have not taken yet, then
+   joins them */
+#define MAX_THREADS 64
 typedef struct {
     PyObject_HEAD
     MapJob job;
-    pthread_t thread;
-    pthread_mutex_t joining; /* one wait() joins the thread; the others wait for it to have */
-    pid_t pid;               /* the process that started the thread (a forked child has no such thread) */
-    int joinable;            /* a thread to join */
+    pthread_t threads[MAX_THREADS];
+    int started;             /* threads to join */
+    int running;             /* threads not done yet (atomic) */
+    pthread_mutex_t joining; /* one wait() helps and joins; the others wait for it to have */
+    pid_t pid;               /* the process that started the threads (a forked child has none of them) */
     int held;                /* the job's buffers still held */
-    int done;                /* set by the thread when the rows are decoded (atomic) */
 } Task;
 
 static void *task_main(void *p) {
     Task *t = p;
     map_job_run(&t->job);
-    __atomic_store_n(&t->done, 1, __ATOMIC_RELEASE);
+    __atomic_sub_fetch(&t->running, 1, __ATOMIC_RELEASE);
     return NULL;
 }
 
-/* join the thread and let the buffers go (with the GIL) */
-static void task_join(Task *t) {
+/* (help with the rows, when help) join the threads and let the buffers go (with the GIL) */
+static void task_join(Task *t, int help) {
     if (t->pid != getpid()) { /* a forked child: no thread to join, and its lock may be held by a thread it lacks */
-        t->joinable = 0;
+        t->started = 0;
     } else {
         Py_BEGIN_ALLOW_THREADS
         pthread_mutex_lock(&t->joining);
-        if (t->joinable) pthread_join(t->thread, NULL);
-        t->joinable = 0;
+        if (help && t->held) map_job_run(&t->job);
+        for (int k = 0; k < t->started; k++) pthread_join(t->threads[k], NULL);
+        t->started = 0;
         pthread_mutex_unlock(&t->joining);
         Py_END_ALLOW_THREADS
     }
-    if (!__atomic_load_n(&t->done, __ATOMIC_ACQUIRE) && t->job.failed < 0) {
-        t->job.failed = 0, t->job.err = ESRCH; /* its thread is gone (a forked child): the rows were not decoded */
+    MapJob *j = &t->job;
+    if (__atomic_load_n(&t->running, __ATOMIC_ACQUIRE) > 0 && j->failed < 0) {
+        j->failed = 0, j->err = ESRCH; /* its threads are gone (a forked child): rows may be undone */
     }
     if (t->held) {
-        map_job_release(&t->job);
+        map_job_release(j);
+        pthread_mutex_destroy(&j->failing);
         t->held = 0;
     }
 }
 
 static void task_dealloc(Task *t) {
-    task_join(t); /* its thread writes into buffers it holds: never let them go before it ends */
+    task_join(t, 0); /* its threads write into buffers it holds: never let them go before they end */
     if (t->pid == getpid()) pthread_mutex_destroy(&t->joining);
     Py_TYPE(t)->tp_free((PyObject *)t);
 }
 
 static PyObject *task_wait(Task *t, PyObject *unused) {
-    task_join(t);
+    task_join(t, 1);
     return Py_BuildValue("(nil)", t->job.failed, t->job.err, t->job.inblock);
 }
 
 static PyObject *task_done(Task *t, PyObject *unused) {
-    return PyBool_FromLong(__atomic_load_n(&t->done, __ATOMIC_ACQUIRE));
+    return PyBool_FromLong(__atomic_load_n(&t->running, __ATOMIC_ACQUIRE) == 0);
 }
 
 static PyMethodDef task_methods[] = {
-    {"wait", (PyCFunction)task_wait, METH_NOARGS, "Wait for the rows: (index, errno, inblock), as map_lz4 returns."},
-    {"done", (PyCFunction)task_done, METH_NOARGS, "Whether the rows are decoded (without waiting)."},
+    {"wait", (PyCFunction)task_wait, METH_NOARGS,
+     "Decode the rows its threads have not taken, wait for theirs: (index, errno, inblock), as map_lz4 returns."},
+    {"done", (PyCFunction)task_done, METH_NOARGS, "Whether its threads are done (without waiting)."},
     {NULL, NULL, 0, NULL},
 };
 
@@ -525,23 +551,41 @@ static PyTypeObject TaskType = {
 };
 
 static PyObject *map_lz4_start(PyObject *self, PyObject *args) {
+    Py_ssize_t given = PyTuple_GET_SIZE(args);
+    int threads = 1;
+    if (given == 8) {
+        threads = (int)PyLong_AsLong(PyTuple_GET_ITEM(args, 7));
+        if (threads == -1 && PyErr_Occurred()) return NULL;
+        if (threads < 1 || threads > MAX_THREADS) {
+            PyErr_SetString(PyExc_ValueError, "threads must be 1 .. 64");
+            return NULL;
+        }
+    }
+    PyObject *job_args = PyTuple_GetSlice(args, 0, given == 8 ? 7 : given);
+    if (!job_args) return NULL;
     Task *t = PyObject_New(Task, &TaskType);
-    if (!t) return NULL;
+    if (!t) {
+        Py_DECREF(job_args);
+        return NULL;
+    }
     memset(&t->job, 0, sizeof t->job);
-    t->joinable = t->held = t->done = 0;
+    t->started = t->running = t->held = 0;
     t->pid = getpid();
     pthread_mutex_init(&t->joining, NULL);
-    if (map_job_parse(&t->job, args) < 0) {
+    int parsed = map_job_parse(&t->job, job_args);
+    Py_DECREF(job_args);
+    if (parsed < 0) {
         Py_DECREF(t);
         return NULL;
     }
     t->held = 1;
-    if (pthread_create(&t->thread, NULL, task_main, t) == 0) {
-        t->joinable = 1;
-    } else { /* no thread to be had: the rows are decoded here */
-        Py_BEGIN_ALLOW_THREADS
-        task_main(t);
-        Py_END_ALLOW_THREADS
+    for (int k = 0; k < threads; k++) { /* threads that cannot be had leave their rows to the others and wait() */
+        __atomic_add_fetch(&t->running, 1, __ATOMIC_RELAXED);
+        if (pthread_create(&t->threads[t->started], NULL, task_main, t) == 0) {
+            t->started++;
+        } else {
+            __atomic_sub_fetch(&t->running, 1, __ATOMIC_RELAXED);
+        }
     }
     return (PyObject *)t;
 }

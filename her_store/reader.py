@@ -801,9 +801,10 @@ class ShardedArray(CachedArray):
     def _start_lz4(
         self, rows: np.ndarray, out: np.ndarray, pool: ThreadPoolExecutor | None, parts: int
     ) -> Callable[[], None]:
-        """A local LZ4 gather, started: the returned function finishes it. From the page cache, the pieces other than
-        the calling thread's are decoded from the mapped shards on threads of their own (C threads: they start
-        at once, never waiting for the GIL), at most one per core; else they are read and decoded on ``pool``."""
+        """A local LZ4 gather, started: the returned function finishes it. From the page cache, the rows are decoded
+        from the mapped shards by threads of their own (C threads: they start at once, never waiting for the GIL; up
+        to one per core but the caller's) and, once it calls the function, by the calling thread too; else they are
+        read and decoded in pieces on ``pool``."""
         held, fds, offsets, nbytes, slots, maps, bases = self._local_rows(rows, pool)
         mapped = maps is not None and self._warm >= WARM_GATHERS
         if mapped:
@@ -828,22 +829,17 @@ class ShardedArray(CachedArray):
 
         if mapped:
             self.mapped_gathers += 1
-            # a thread is worth starting for a few hundred KiB of frames (a start costs tens of microseconds)
+            # a thread is worth starting for a few hundred KiB of frames (a start costs tens of microseconds); the
+            # calling thread takes its share of the rows once the rest of its batch is done (threads and caller take
+            # the rows not taken yet, 8 at a time, so each decodes what it has time for)
             threads = min(parts, CORES, len(rows) * rn // SPLIT_BYTES + 1) - 1
-            edges = self._balance.edges(len(rows), threads, len(rows) // (threads + 1) // 2) if threads > 0 else [0, len(rows)]
-            tasks = [
-                (a, _frames.map_lz4_start(maps, slots[a:b], offsets[a:b], nbytes[a:b], order[a:b], out, rn))
-                for a, b in itertools.pairwise(edges[:-1])
-            ]
+            task = _frames.map_lz4_start(maps, slots, offsets, nbytes, order, out, rn, threads) if threads > 0 else None
 
             def pieces() -> None:
-                try:
-                    decode(edges[-2], edges[-1])
-                finally:
-                    if tasks:
-                        self._balance.observe(all(t.done() for _, t in tasks))
-                    for a, t in tasks:
-                        note(a, *t.wait())
+                if task is not None:
+                    note(0, *task.wait())
+                else:
+                    decode(0, len(rows))
 
         else:
             pieces = _start(decode, len(rows), pool, parts, self._balance)

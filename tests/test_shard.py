@@ -763,7 +763,8 @@ def test_map_lz4_decodes_rows_of_many_maps_and_refuses_bad_arguments(tmp_path):
 
 def test_map_lz4_start_decodes_on_a_thread_of_its_own_and_holds_its_buffers_until_then():
     """The task decodes while the caller goes on; wait() gives what map_lz4 gives (again when asked again), and a task
-    dropped unwaited still ends before its buffers go (its out is complete)."""
+    dropped unwaited still ends before its buffers go (its out is complete). With several threads, they and the
+    waiting caller share the rows."""
     rows = _frames_of(2_000, seed=3)
     encoded = _frames.encode_lz4(rows, ROW_NBYTES, 1)
     nbytes = np.array([len(f) for f in encoded], np.int64)
@@ -781,6 +782,16 @@ def test_map_lz4_start_decodes_on_a_thread_of_its_own_and_holds_its_buffers_unti
     task = _frames.map_lz4_start((blob,), slots, offsets, nbytes, dst, out, ROW_NBYTES)
     del task
     np.testing.assert_array_equal(out, rows)
+    for threads in (1, 3, 64):  # threads and the waiting caller share the rows, each taking those not taken yet
+        out = np.zeros_like(rows)
+        assert _frames.map_lz4_start((blob,), slots, offsets, nbytes, dst, out, ROW_NBYTES, threads).wait() == (-1, 0, 0)
+        np.testing.assert_array_equal(out, rows)
+    nbytes[[1500, 700]] += 1  # two rows that do not decode: the first is named, whichever thread met it
+    for threads in (1, 3):
+        assert _frames.map_lz4_start((blob,), slots, offsets, nbytes, dst, out, ROW_NBYTES, threads).wait()[:2] == (700, 0)
+    for threads, error in ((0, ValueError), (65, ValueError), ("2", TypeError)):
+        with pytest.raises(error):
+            _frames.map_lz4_start((blob,), slots, offsets, nbytes, dst, out, ROW_NBYTES, threads)
 
 
 def test_a_tasks_wait_from_many_threads_joins_once_and_answers_each():
