@@ -486,6 +486,7 @@ typedef struct {
     pthread_mutex_t joining; /* one wait() helps and joins; the others wait for it to have */
     pid_t pid;               /* the process that started the threads (a forked child has none of them) */
     int held;                /* the job's buffers still held */
+    int helped;              /* a wait() has decoded rows (under joining): the next one must not, buffers may go */
 } Task;
 
 static void *task_main(void *p) {
@@ -502,7 +503,8 @@ static void task_join(Task *t, int help) {
     } else {
         Py_BEGIN_ALLOW_THREADS
         pthread_mutex_lock(&t->joining);
-        if (help && t->held) map_job_run(&t->job);
+        if (help && !t->helped) map_job_run(&t->job);
+        t->helped = 1;
         for (int k = 0; k < t->started; k++) pthread_join(t->threads[k], NULL);
         t->started = 0;
         pthread_mutex_unlock(&t->joining);
@@ -569,7 +571,7 @@ static PyObject *map_lz4_start(PyObject *self, PyObject *args) {
         return NULL;
     }
     memset(&t->job, 0, sizeof t->job);
-    t->started = t->running = t->held = 0;
+    t->started = t->running = t->held = t->helped = 0;
     t->pid = getpid();
     pthread_mutex_init(&t->joining, NULL);
     int parsed = map_job_parse(&t->job, job_args);
