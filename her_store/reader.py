@@ -777,9 +777,9 @@ class ShardedArray(CachedArray):
 
     def start(self, rows: np.ndarray, out: np.ndarray, pool: ThreadPoolExecutor | None, parts: int) -> Callable[[], None]:
         """:meth:`gather_split`, started: a local LZ4 gather returns once its rows' byte ranges are found and its
-        other pieces are under way (:meth:`_start_lz4`); the returned function decodes the calling thread's piece
-        and waits for the rest (``out`` is complete when it returns). Other gathers are done here, and the function
-        does nothing."""
+        decoding is under way on other threads (:meth:`_start_lz4`); the returned function decodes what they have
+        not taken and waits for the rest (``out`` is complete when it returns). Other gathers are done here, and the
+        function does nothing."""
         if self.root is not None and self.codec.is_lz4 and not self._grouped(rows):
             return self._start_lz4(rows, out, pool, parts)
         self.gather_split(rows, out, pool, parts)
@@ -1046,7 +1046,7 @@ class ChunkReader:
         # decoding frames is CPU work, one thread per core by default; rows in the page cache are fastest gathered
         # in the calling thread, so the default splits only decoding
         self.io_threads = 0 if io_threads is None else int(io_threads)
-        self.decode_threads = (os.cpu_count() or 1) if io_threads is None and sharded else self.io_threads
+        self.decode_threads = CORES if io_threads is None and sharded else self.io_threads
         threads = max(self.io_threads, self.decode_threads)
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="her_store-io") if threads else None
         self._end = 0  # one past the newest episode id observed
