@@ -151,38 +151,40 @@ def export_minari(
                 )
 
     # read as the other exports read (one commit's rows, each episode checked against its crc32), and the first
-    # batch (every episode of a small store) gathered before Minari's set-up, while a ring writer moves on
+    # batch (every episode of a small store) gathered before anything is made at the destination or Minari sets up,
+    # while a ring writer moves on
     batches = read_batches(store, ids, progress, "exporting to Minari")
-    with contextlib.closing(batches), staged_output(dest) as tmp:
+    with contextlib.closing(batches):
         first = next(batches)
-        os.mkdir(tmp)
-        data = os.path.join(tmp, "data")
-        storage = MinariStorage.new(
-            data, observation_space=store.observation_space, action_space=store.action_space, data_format="hdf5",
-            jpeg_encoding=False,
-        )
-        # Written into Minari's own file rather than through update_metadata, which wants author sets and so would
-        # lose the order of a card's author list; Minari's later updates keep these keys as they are.
-        path = os.path.join(data, METADATA_FILE_NAME)
-        with open(path) as f:
-            written = json.load(f)
-        with open(path, "w") as f:
-            json.dump({**written, **metadata}, f)
-        # HDF5 crashes the process (a segmentation fault) when a write fails under it (a full disk, a file size
-        # limit) and its file is closed after: Minari's file is written through a Python file whose failed write
-        # is kept, not told to HDF5, and raised once Minari is done (the partial dataset is then removed)
-        file_path = storage._file_path
-        with open(file_path, "r+b", buffering=0) as f:  # unbuffered: a failed write fails at write, not at a seek
-            writes = _KeptWriteError(f)
-            storage._file_path = writes
-            try:
-                storage.update_episodes(buffers(itertools.chain([first], batches)))
-            except Exception:
+        with staged_output(dest) as tmp:
+            os.mkdir(tmp)
+            data = os.path.join(tmp, "data")
+            storage = MinariStorage.new(
+                data, observation_space=store.observation_space, action_space=store.action_space, data_format="hdf5",
+                jpeg_encoding=False,
+            )
+            # Written into Minari's own file rather than through update_metadata, which wants author sets and so would
+            # lose the order of a card's author list; Minari's later updates keep these keys as they are.
+            path = os.path.join(data, METADATA_FILE_NAME)
+            with open(path) as f:
+                written = json.load(f)
+            with open(path, "w") as f:
+                json.dump({**written, **metadata}, f)
+            # HDF5 crashes the process (a segmentation fault) when a write fails under it (a full disk, a file size
+            # limit) and its file is closed after: Minari's file is written through a Python file whose failed write
+            # is kept, not told to HDF5, and raised once Minari is done (the partial dataset is then removed)
+            file_path = storage._file_path
+            with open(file_path, "r+b", buffering=0) as f:  # unbuffered: a failed write fails at write, not at a seek
+                writes = _KeptWriteError(f)
+                storage._file_path = writes
+                try:
+                    storage.update_episodes(buffers(itertools.chain([first], batches)))
+                except Exception:
+                    writes.raise_kept()
+                    raise
+                finally:
+                    storage._file_path = file_path
                 writes.raise_kept()
-                raise
-            finally:
-                storage._file_path = file_path
-            writes.raise_kept()
     return counts[0], counts[1]
 
 
