@@ -28,6 +28,10 @@
  *   encode_lz4(rows, row_nbytes, acceleration) -> list of bytes
  *       the writer's side: each row of rows encoded (size header + block), a bytes each. rows is a buffer of whole
  *       rows, each C-contiguous, taken at any stride (an env's frames in a StepWriter's (step, env, ...) buffer).
+ *   encode_lz4_start(rows, row_nbytes, acceleration[, threads]) -> Task
+ *       encode_lz4 on threads of its own, started before this returns, as map_lz4_start: the caller stages the
+ *       episode's other fields meanwhile, and Task.wait() encodes the rows the threads have not taken yet and
+ *       returns the list (or raises what encode_lz4 would). The rows are held until then: they must not change.
  *   shard_body(rows) -> bytearray
  *       the writer's shard: the rows' bytes (None: a row never written) and the shard index, in one pass; the last 4
  *       bytes are left for the index's crc32c.
@@ -474,124 +478,6 @@ static PyObject *map_lz4(PyObject *self, PyObject *args) {
     return Py_BuildValue("(nil)", j.failed, j.err, j.inblock);
 }
 
-/* map_lz4 started on threads of its own (map_lz4_start); wait() decodes the rows they have not taken yet, then
-   joins them */
-#define MAX_THREADS 64
-typedef struct {
-    PyObject_HEAD
-    MapJob job;
-    pthread_t threads[MAX_THREADS];
-    int started;             /* threads to join */
-    int running;             /* threads not done yet (atomic) */
-    pthread_mutex_t joining; /* one wait() helps and joins; the others wait for it to have */
-    pid_t pid;               /* the process that started the threads (a forked child has none of them) */
-    int held;                /* the job's buffers still held */
-    int helped;              /* a wait() has decoded rows (under joining): the next one must not, buffers may go */
-} Task;
-
-static void *task_main(void *p) {
-    Task *t = p;
-    map_job_run(&t->job);
-    __atomic_sub_fetch(&t->running, 1, __ATOMIC_RELEASE);
-    return NULL;
-}
-
-/* (help with the rows, when help) join the threads and let the buffers go (with the GIL) */
-static void task_join(Task *t, int help) {
-    if (t->pid != getpid()) { /* a forked child: no thread to join, and its lock may be held by a thread it lacks */
-        t->started = 0;
-    } else {
-        Py_BEGIN_ALLOW_THREADS
-        pthread_mutex_lock(&t->joining);
-        if (help && !t->helped) map_job_run(&t->job);
-        t->helped = 1;
-        for (int k = 0; k < t->started; k++) pthread_join(t->threads[k], NULL);
-        t->started = 0;
-        pthread_mutex_unlock(&t->joining);
-        Py_END_ALLOW_THREADS
-    }
-    MapJob *j = &t->job;
-    if (__atomic_load_n(&t->running, __ATOMIC_ACQUIRE) > 0 && j->failed < 0) {
-        j->failed = 0, j->err = ESRCH; /* its threads are gone (a forked child): rows may be undone */
-    }
-    if (t->held) {
-        map_job_release(j);
-        pthread_mutex_destroy(&j->failing);
-        t->held = 0;
-    }
-}
-
-static void task_dealloc(Task *t) {
-    task_join(t, 0); /* its threads write into buffers it holds: never let them go before they end */
-    if (t->pid == getpid()) pthread_mutex_destroy(&t->joining);
-    Py_TYPE(t)->tp_free((PyObject *)t);
-}
-
-static PyObject *task_wait(Task *t, PyObject *unused) {
-    task_join(t, 1);
-    return Py_BuildValue("(nil)", t->job.failed, t->job.err, t->job.inblock);
-}
-
-static PyObject *task_done(Task *t, PyObject *unused) {
-    return PyBool_FromLong(__atomic_load_n(&t->running, __ATOMIC_ACQUIRE) == 0);
-}
-
-static PyMethodDef task_methods[] = {
-    {"wait", (PyCFunction)task_wait, METH_NOARGS,
-     "Decode the rows its threads have not taken, wait for theirs: (index, errno, inblock), as map_lz4 returns."},
-    {"done", (PyCFunction)task_done, METH_NOARGS, "Whether its threads are done (without waiting)."},
-    {NULL, NULL, 0, NULL},
-};
-
-static PyTypeObject TaskType = {
-    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "her_store._frames.Task",
-    .tp_basicsize = sizeof(Task),
-    .tp_dealloc = (destructor)task_dealloc,
-    .tp_methods = task_methods,
-    .tp_flags = Py_TPFLAGS_DEFAULT,
-    .tp_doc = "map_lz4 under way on a thread of its own (map_lz4_start).",
-};
-
-static PyObject *map_lz4_start(PyObject *self, PyObject *args) {
-    Py_ssize_t given = PyTuple_GET_SIZE(args);
-    int threads = 1;
-    if (given == 8) {
-        threads = (int)PyLong_AsLong(PyTuple_GET_ITEM(args, 7));
-        if (threads == -1 && PyErr_Occurred()) return NULL;
-        if (threads < 1 || threads > MAX_THREADS) {
-            PyErr_SetString(PyExc_ValueError, "threads must be 1 .. 64");
-            return NULL;
-        }
-    }
-    PyObject *job_args = PyTuple_GetSlice(args, 0, given == 8 ? 7 : given);
-    if (!job_args) return NULL;
-    Task *t = PyObject_New(Task, &TaskType);
-    if (!t) {
-        Py_DECREF(job_args);
-        return NULL;
-    }
-    memset(&t->job, 0, sizeof t->job);
-    t->started = t->running = t->held = t->helped = 0;
-    t->pid = getpid();
-    pthread_mutex_init(&t->joining, NULL);
-    int parsed = map_job_parse(&t->job, job_args);
-    Py_DECREF(job_args);
-    if (parsed < 0) {
-        Py_DECREF(t);
-        return NULL;
-    }
-    t->held = 1;
-    for (int k = 0; k < threads; k++) { /* threads that cannot be had leave their rows to the others and wait() */
-        __atomic_add_fetch(&t->running, 1, __ATOMIC_RELAXED);
-        if (pthread_create(&t->threads[t->started], NULL, task_main, t) == 0) {
-            t->started++;
-        } else {
-            __atomic_sub_fetch(&t->running, 1, __ATOMIC_RELAXED);
-        }
-    }
-    return (PyObject *)t;
-}
-
 static PyObject *decode_lz4(PyObject *self, PyObject *args) {
     Args a;
     memset(&a, 0, sizeof a);
@@ -696,75 +582,313 @@ static int ensure(char **buf, size_t *cap, size_t need) {
     return 0;
 }
 
-static PyObject *encode_lz4(PyObject *self, PyObject *args) {
+/* encode_lz4's work: the rows held (a buffer export) until released. Runs (threads, and the caller) share the rows
+   as a MapJob's, a few at a time; each run packs the rows it encodes into a buffer of its own, and each row records
+   which run packed it and where. */
+#define MAX_THREADS 64
+typedef struct {
+    char *buf;
+    size_t cap, used;
+} Packed;
+
+typedef struct {
     Py_buffer rows;
-    PyObject *obj;
-    Py_ssize_t row_nbytes, n = 0;
+    Py_ssize_t n, stride, row_nbytes;
     int acceleration;
-    if (!PyArg_ParseTuple(args, "Oni", &obj, &row_nbytes, &acceleration)) return NULL;
-    if (PyObject_GetBuffer(obj, &rows, PyBUF_STRIDES) < 0) return NULL;
-    Py_ssize_t stride = 0;
-    if (row_layout(&rows, row_nbytes, &n, &stride) < 0) {
-        PyBuffer_Release(&rows);
+    Py_ssize_t next; /* the first row no run has taken (atomic) */
+    int stop;        /* set when a row failed (atomic) */
+    int failed;      /* why: 1 out of memory, 2 LZ4 failed (the first kept, atomic) */
+    int runs;        /* runs started, each packing into packed[its number] (atomic) */
+    Packed packed[MAX_THREADS + 1]; /* a task's threads and the one wait() that helps */
+    int32_t *who;    /* per row: the run that packed it, -1 while none has */
+    int64_t *at;     /* per row: where its bytes start in that run's buffer */
+    int32_t *len;    /* per row: how many bytes (size header and block) */
+} EncodeJob;
+
+static void encode_job_release(EncodeJob *j) {
+    if (j->rows.obj) PyBuffer_Release(&j->rows);
+    j->rows.obj = NULL;
+    for (int k = 0; k <= MAX_THREADS; k++) {
+        free(j->packed[k].buf);
+        j->packed[k].buf = NULL;
+    }
+    free(j->who), free(j->at), free(j->len);
+    j->who = NULL, j->at = NULL, j->len = NULL;
+}
+
+/* parse encode_lz4's arguments into j (zeroed); 0, or -1 with an exception set and nothing held */
+static int encode_job_parse(EncodeJob *j, PyObject *args) {
+    PyObject *obj;
+    if (!PyArg_ParseTuple(args, "Oni", &obj, &j->row_nbytes, &j->acceleration)) return -1;
+    if (PyObject_GetBuffer(obj, &j->rows, PyBUF_STRIDES) < 0) return -1;
+    if (row_layout(&j->rows, j->row_nbytes, &j->n, &j->stride) < 0) {
+        encode_job_release(j);
+        return -1;
+    }
+    size_t n = j->n ? (size_t)j->n : 1;
+    j->who = malloc(n * sizeof *j->who), j->at = malloc(n * sizeof *j->at), j->len = malloc(n * sizeof *j->len);
+    if (!j->who || !j->at || !j->len) {
+        encode_job_release(j);
+        PyErr_NoMemory();
+        return -1;
+    }
+    for (Py_ssize_t i = 0; i < j->n; i++) j->who[i] = -1;
+    return 0;
+}
+
+static void encode_job_fail(EncodeJob *j, int why) {
+    int none = 0;
+    __atomic_compare_exchange_n(&j->failed, &none, why, 0, __ATOMIC_RELAXED, __ATOMIC_RELAXED);
+    __atomic_store_n(&j->stop, 1, __ATOMIC_RELAXED);
+}
+
+/* encode rows of a parsed job not taken yet by another run, TAKE_ENCODE at a time (without the GIL); one LZ4 state
+   serves every row of a run (a full reset per row would clear 16 KiB each time) */
+#define TAKE_ENCODE 2 /* an episode's 50 frames or so: runs share them finely (a row costs microseconds to encode) */
+static void encode_job_run(EncodeJob *j) {
+    int me = __atomic_fetch_add(&j->runs, 1, __ATOMIC_RELAXED);
+    if (me > MAX_THREADS) return; /* never: a task has at most MAX_THREADS threads and one helper */
+    Packed *out = &j->packed[me];
+    size_t bound = 4 + (size_t)LZ4_compressBound((int)j->row_nbytes);
+    const char *src = j->rows.buf;
+    LZ4_stream_t *state = NULL;
+    while (!__atomic_load_n(&j->stop, __ATOMIC_RELAXED)) {
+        Py_ssize_t first = __atomic_fetch_add(&j->next, TAKE_ENCODE, __ATOMIC_RELAXED);
+        if (first >= j->n) break;
+        Py_ssize_t end = first + TAKE_ENCODE < j->n ? first + TAKE_ENCODE : j->n;
+        if (!state && (state = malloc(sizeof *state)) != NULL) LZ4_initStream(state, sizeof *state);
+        /* room for the rows taken, and a few more (a run most likely takes more) */
+        if (!state || ensure(&out->buf, &out->cap, out->used + (size_t)(end - first + 8) * bound) < 0) {
+            encode_job_fail(j, 1);
+            break;
+        }
+        for (Py_ssize_t i = first; i < end; i++) {
+            unsigned char *h = (unsigned char *)out->buf + out->used;
+            uint32_t declared = (uint32_t)j->row_nbytes;
+            h[0] = declared & 0xff, h[1] = (declared >> 8) & 0xff, h[2] = (declared >> 16) & 0xff, h[3] = (declared >> 24) & 0xff;
+            int got = LZ4_compress_fast_extState_fastReset(state, src + i * j->stride, (char *)h + 4, (int)j->row_nbytes,
+                                                           (int)(bound - 4), j->acceleration);
+            if (got <= 0) {
+                encode_job_fail(j, 2);
+                free(state);
+                return;
+            }
+            j->who[i] = me, j->at[i] = (int64_t)out->used, j->len[i] = 4 + got;
+            out->used += 4 + (size_t)got;
+        }
+    }
+    free(state);
+}
+
+/* the encoded rows, a bytes each (with the GIL); NULL with an exception set when a row failed or none encoded it */
+static PyObject *encode_job_result(EncodeJob *j) {
+    if (j->failed == 1) return PyErr_NoMemory();
+    if (j->failed == 2) {
+        PyErr_SetString(PyExc_RuntimeError, "LZ4 compression failed");
         return NULL;
     }
-    size_t bound = 4 + (size_t)LZ4_compressBound((int)row_nbytes);
-    /* every row is encoded without the GIL, packed one after the other into the thread's scratch buffer (or one of
-       this call's), then copied into its own bytes object; one LZ4 state serves every row (a full reset per row would
-       clear 16 KiB each time) */
-    Scratch *kept = scratch_of_thread();
-    char *buf = kept ? kept->buf : NULL;
-    size_t cap = kept ? kept->cap : 0;
-    int64_t *at = n ? malloc((size_t)(n + 1) * sizeof *at) : NULL;
-    LZ4_stream_t *state = n ? malloc(sizeof *state) : NULL;
-    if (n && (!at || !state)) {
-        free(at);
-        free(state);
-        PyBuffer_Release(&rows);
-        return PyErr_NoMemory();
-    }
-    const char *src = rows.buf;
-    int failed = 0; /* 1: out of memory, 2: LZ4 failed */
-    Py_BEGIN_ALLOW_THREADS
-    if (n) LZ4_initStream(state, sizeof *state);
-    size_t used = 0;
-    for (Py_ssize_t i = 0; i < n; i++) {
-        if (ensure(&buf, &cap, used + bound) < 0) {
-            failed = 1;
+    PyObject *out = PyList_New(j->n);
+    for (Py_ssize_t i = 0; out && i < j->n; i++) {
+        int32_t k = j->who[i];
+        if (k < 0) { /* its threads were lost (a forked child) */
+            PyErr_SetString(PyExc_RuntimeError, "rows were left unencoded: the task's threads are gone (a fork)");
+            Py_CLEAR(out);
             break;
         }
-        unsigned char *h = (unsigned char *)buf + used;
-        uint32_t declared = (uint32_t)row_nbytes;
-        h[0] = declared & 0xff, h[1] = (declared >> 8) & 0xff, h[2] = (declared >> 16) & 0xff, h[3] = (declared >> 24) & 0xff;
-        int got = LZ4_compress_fast_extState_fastReset(state, src + i * stride, (char *)h + 4, (int)row_nbytes,
-                                                       (int)(bound - 4), acceleration);
-        if (got <= 0) {
-            failed = 2;
-            break;
-        }
-        at[i] = (int64_t)used;
-        used += 4 + (size_t)got;
-    }
-    if (n) at[n] = (int64_t)used;
-    Py_END_ALLOW_THREADS
-    PyBuffer_Release(&rows);
-    PyObject *out = failed ? NULL : PyList_New(n);
-    for (Py_ssize_t i = 0; out && i < n; i++) {
-        PyObject *row = PyBytes_FromStringAndSize(buf + at[i], (Py_ssize_t)(at[i + 1] - at[i]));
+        PyObject *row = PyBytes_FromStringAndSize(j->packed[k].buf + j->at[i], j->len[i]);
         if (!row) Py_CLEAR(out);
         else PyList_SET_ITEM(out, i, row);
     }
-    if (kept && cap <= SCRATCH_KEEP) {
-        kept->buf = buf, kept->cap = cap;
-    } else {
-        free(buf);
-        if (kept) kept->buf = NULL, kept->cap = 0;
-    }
-    free(at);
-    free(state);
-    if (failed == 1) PyErr_NoMemory();
-    if (failed == 2) PyErr_SetString(PyExc_RuntimeError, "LZ4 compression failed");
     return out;
+}
+
+static PyObject *encode_lz4(PyObject *self, PyObject *args) {
+    EncodeJob j;
+    memset(&j, 0, sizeof j);
+    if (encode_job_parse(&j, args) < 0) return NULL;
+    Scratch *kept = scratch_of_thread(); /* the calling thread packs into its kept buffer */
+    if (kept) j.packed[0].buf = kept->buf, j.packed[0].cap = kept->cap, kept->buf = NULL, kept->cap = 0;
+    Py_BEGIN_ALLOW_THREADS
+    encode_job_run(&j);
+    Py_END_ALLOW_THREADS
+    PyObject *out = encode_job_result(&j);
+    if (kept && j.packed[0].cap <= SCRATCH_KEEP) {
+        kept->buf = j.packed[0].buf, kept->cap = j.packed[0].cap;
+        j.packed[0].buf = NULL;
+    }
+    encode_job_release(&j);
+    return out;
+}
+
+/* map_lz4 and encode_lz4 started on threads of their own (map_lz4_start, encode_lz4_start); wait() does the rows
+   they have not taken yet, joins them, and returns what the call would have */
+typedef struct {
+    void (*run)(void *job);         /* take rows no run has taken yet (without the GIL) */
+    void (*lost)(void *job);        /* its threads are gone (a forked child): rows may be undone */
+    PyObject *(*result)(void *job); /* what wait() returns (with the GIL, the buffers still held) */
+    void (*release)(void *job);     /* let the buffers go (with the GIL) */
+} JobKind;
+
+typedef struct {
+    PyObject_HEAD
+    const JobKind *kind;
+    union {
+        MapJob map;
+        EncodeJob encode;
+    } job;
+    pthread_t threads[MAX_THREADS];
+    int started;             /* threads to join */
+    int running;             /* threads not done yet (atomic) */
+    pthread_mutex_t joining; /* one wait() helps, joins and takes the result; the others wait for it to have */
+    pid_t pid;               /* the process that started the threads (a forked child has none of them) */
+    int held;                /* the job's buffers still held */
+    int helped;              /* a wait() has taken rows (under joining): the next one must not, buffers may go */
+    PyObject *result;        /* what the first wait() found, returned by the later ones (NULL: it raised) */
+} Task;
+
+static void map_kind_run(void *j) { map_job_run(j); }
+
+static void map_kind_lost(void *p) {
+    MapJob *j = p;
+    if (j->failed < 0) j->failed = 0, j->err = ESRCH;
+}
+
+static PyObject *map_kind_result(void *p) {
+    MapJob *j = p;
+    return Py_BuildValue("(nil)", j->failed, j->err, j->inblock);
+}
+
+static void map_kind_release(void *p) {
+    MapJob *j = p;
+    map_job_release(j);
+    pthread_mutex_destroy(&j->failing);
+}
+
+static void encode_kind_run(void *j) { encode_job_run(j); }
+static void encode_kind_lost(void *j) { (void)j; /* encode_job_result finds the rows no run encoded */ }
+static PyObject *encode_kind_result(void *j) { return encode_job_result(j); }
+static void encode_kind_release(void *j) { encode_job_release(j); }
+
+static const JobKind map_kind = {map_kind_run, map_kind_lost, map_kind_result, map_kind_release};
+static const JobKind encode_kind = {encode_kind_run, encode_kind_lost, encode_kind_result, encode_kind_release};
+
+static void *task_main(void *p) {
+    Task *t = p;
+    t->kind->run(&t->job);
+    __atomic_sub_fetch(&t->running, 1, __ATOMIC_RELEASE);
+    return NULL;
+}
+
+/* (help with the rows and take the result, when help) join the threads and let the buffers go (with the GIL) */
+static void task_join(Task *t, int help) {
+    int locked = 0;
+    if (t->pid != getpid()) { /* a forked child: no thread to join, and its lock may be held by a thread it lacks */
+        t->started = 0;
+    } else {
+        Py_BEGIN_ALLOW_THREADS
+        pthread_mutex_lock(&t->joining);
+        if (help && !t->helped) t->kind->run(&t->job);
+        t->helped = 1;
+        for (int k = 0; k < t->started; k++) pthread_join(t->threads[k], NULL);
+        t->started = 0;
+        Py_END_ALLOW_THREADS
+        locked = 1;
+    }
+    if (t->held) {
+        if (__atomic_load_n(&t->running, __ATOMIC_ACQUIRE) > 0) t->kind->lost(&t->job);
+        if (help) t->result = t->kind->result(&t->job); /* NULL with an exception: this wait() raises it */
+        t->kind->release(&t->job);
+        t->held = 0;
+    } else if (help && !t->result) {
+        PyErr_SetString(PyExc_RuntimeError, "the task failed, and its first wait() raised why");
+    }
+    if (locked) pthread_mutex_unlock(&t->joining);
+}
+
+static void task_dealloc(Task *t) {
+    task_join(t, 0); /* its threads use buffers it holds: never let them go before they end */
+    if (t->pid == getpid()) pthread_mutex_destroy(&t->joining);
+    Py_XDECREF(t->result);
+    Py_TYPE(t)->tp_free((PyObject *)t);
+}
+
+static PyObject *task_wait(Task *t, PyObject *unused) {
+    task_join(t, 1);
+    Py_XINCREF(t->result);
+    return t->result;
+}
+
+static PyObject *task_done(Task *t, PyObject *unused) {
+    return PyBool_FromLong(__atomic_load_n(&t->running, __ATOMIC_ACQUIRE) == 0);
+}
+
+static PyMethodDef task_methods[] = {
+    {"wait", (PyCFunction)task_wait, METH_NOARGS,
+     "Do the rows its threads have not taken, wait for theirs, and return what the call would have (every wait())."},
+    {"done", (PyCFunction)task_done, METH_NOARGS, "Whether its threads are done (without waiting)."},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyTypeObject TaskType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "her_store._frames.Task",
+    .tp_basicsize = sizeof(Task),
+    .tp_dealloc = (destructor)task_dealloc,
+    .tp_methods = task_methods,
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "map_lz4 or encode_lz4 under way on threads of their own (map_lz4_start, encode_lz4_start).",
+};
+
+/* a Task doing kind's job (parse parses the call's arguments but the last, the optional thread count: `given`
+   of them when it is absent) on threads of its own, started before this returns */
+static PyObject *task_start(PyObject *args, Py_ssize_t given, const JobKind *kind, int (*parse)(void *, PyObject *)) {
+    Py_ssize_t n_args = PyTuple_GET_SIZE(args);
+    int threads = 1;
+    if (n_args == given + 1) {
+        threads = (int)PyLong_AsLong(PyTuple_GET_ITEM(args, given));
+        if (threads == -1 && PyErr_Occurred()) return NULL;
+        if (threads < 1 || threads > MAX_THREADS) {
+            PyErr_SetString(PyExc_ValueError, "threads must be 1 .. 64");
+            return NULL;
+        }
+    }
+    PyObject *job_args = PyTuple_GetSlice(args, 0, n_args == given + 1 ? given : n_args);
+    if (!job_args) return NULL;
+    Task *t = PyObject_New(Task, &TaskType);
+    if (!t) {
+        Py_DECREF(job_args);
+        return NULL;
+    }
+    memset(&t->job, 0, sizeof t->job);
+    t->kind = kind;
+    t->started = t->running = t->held = t->helped = 0;
+    t->result = NULL;
+    t->pid = getpid();
+    pthread_mutex_init(&t->joining, NULL);
+    int parsed = parse(&t->job, job_args);
+    Py_DECREF(job_args);
+    if (parsed < 0) {
+        Py_DECREF(t);
+        return NULL;
+    }
+    t->held = 1;
+    for (int k = 0; k < threads; k++) { /* threads that cannot be had leave their rows to the others and wait() */
+        __atomic_add_fetch(&t->running, 1, __ATOMIC_RELAXED);
+        if (pthread_create(&t->threads[t->started], NULL, task_main, t) == 0) {
+            t->started++;
+        } else {
+            __atomic_sub_fetch(&t->running, 1, __ATOMIC_RELAXED);
+        }
+    }
+    return (PyObject *)t;
+}
+
+static int map_kind_parse(void *j, PyObject *args) { return map_job_parse(j, args); }
+static int encode_kind_parse(void *j, PyObject *args) { return encode_job_parse(j, args); }
+
+static PyObject *map_lz4_start(PyObject *self, PyObject *args) { return task_start(args, 7, &map_kind, map_kind_parse); }
+
+static PyObject *encode_lz4_start(PyObject *self, PyObject *args) {
+    return task_start(args, 3, &encode_kind, encode_kind_parse);
 }
 
 /* the bytes-like items of a list or tuple, as buffers (released by the caller); NULL items only when allow_none.
@@ -963,7 +1087,8 @@ static PyMethodDef methods[] = {
     {"shard_body", shard_body, METH_VARARGS, "A shard's rows and index in one buffer, 4 bytes left for the crc32c."},
     {"pread_lz4", pread_lz4, METH_VARARGS, "Read and decode LZ4 rows from files, without the GIL."},
     {"map_lz4", map_lz4, METH_VARARGS, "Decode LZ4 rows from mapped files, without the GIL."},
-    {"map_lz4_start", map_lz4_start, METH_VARARGS, "map_lz4 started on a thread of its own: a Task to wait() for."},
+    {"map_lz4_start", map_lz4_start, METH_VARARGS, "map_lz4 started on threads of its own: a Task to wait() for."},
+    {"encode_lz4_start", encode_lz4_start, METH_VARARGS, "encode_lz4 started on threads of its own: a Task to wait() for."},
     {"map_file", map_file, METH_VARARGS, "Map bytes of an open file read-only, as a buffer."},
     {"decode_lz4", decode_lz4, METH_VARARGS, "Decode LZ4 rows from one buffer, without the GIL."},
     {"same_bytes", same_bytes, METH_VARARGS, "Whether two C-contiguous buffers hold the same bytes (memcmp)."},

@@ -44,7 +44,7 @@ from her_store.balance import Balance
 from her_store.errors import CorruptStoreError, StoreError
 from her_store.format import ArraySpec
 from her_store.index import IndexView
-from her_store.shard import FrameCodec, index_nbytes, parse_index, shard_limit
+from her_store.shard import SPLIT_BYTES, FrameCodec, index_nbytes, parse_index, shard_limit
 from her_store.storage import FileShares, Location, ObjectReplaced, drop_page_cache
 
 if TYPE_CHECKING:
@@ -55,7 +55,6 @@ __all__ = ["CachedArray", "ChunkReader", "MappedArray", "RangedArray", "ShardedA
 MIN_ROWS_PER_THREAD = 16  # below this a thread costs more than the rows it reads
 MIN_FRAMES_PER_THREAD = 4  # a compressed frame costs a decode: worth a thread from a few on
 CORES = os.cpu_count() or 1  # (os.cpu_count() costs tens of microseconds a call)
-SPLIT_BYTES = 256 << 10  # decoded bytes per C thread of a mapped gather, at least
 WARM_GATHERS = 8  # local frames are decoded from mapped shards once this many gathers in a row read nothing from disk
 
 

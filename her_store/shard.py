@@ -16,6 +16,7 @@ written), then the index's crc32c. That is Zarr v3's ``sharding_indexed`` codec 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import struct
 import warnings
@@ -53,6 +54,7 @@ warnings.filterwarnings(
 EMPTY = (1 << 64) - 1  # offset and nbytes of a row never written
 LZ4_MAX_ACCELERATION = 65537  # LZ4_ACCELERATION_MAX of lz4.c
 MIN_ROWS_PER_THREAD = 8  # below this, encoding in the calling thread is faster than handing rows to a pool
+SPLIT_BYTES = 256 << 10  # decoded bytes per C thread of an LZ4 encode or mapped gather, at least (a start costs tens of us)
 
 
 def shard_limit(rows: int, row_nbytes: int) -> int:
@@ -283,8 +285,9 @@ def parse_index(buf: Any, rows: int, where: str) -> tuple[np.ndarray, np.ndarray
 
 
 class Encoded:
-    """An episode's rows being encoded: the encoder threads' shares (futures, reading the rows in place), then the
-    rows the calling thread encoded. :meth:`frames` must be called before the rows may change.
+    """An episode's rows being encoded: by C threads that started at once (LZ4: a ``Task``, which the calling thread
+    joins in :meth:`frames`), or by the encoder pool's shares (futures, reading the rows in place) and the rows the
+    calling thread encoded. :meth:`frames` must be called before the rows may change.
 
     Examples
     --------
@@ -292,33 +295,51 @@ class Encoded:
     """
 
     def __init__(
-        self, writer: ShardWriter, rows: np.ndarray, background: list[tuple[Future[list[bytes]], int, int]], done: list[bytes]
+        self,
+        writer: ShardWriter,
+        rows: np.ndarray,
+        background: Sequence[tuple[Future[list[bytes]], int, int]] = (),
+        done: list[bytes] | None = None,
+        task: Any = None,
     ) -> None:
         self._writer = writer
-        self._rows: np.ndarray | None = rows if background else None
-        self._background = background
-        self._frames: list[bytes] | None = None if background else done
-        self._done = done
+        self._task = task
+        self._background = list(background)
+        self._rows: np.ndarray | None = rows if task is not None or background else None
+        self._frames: list[bytes] | None = None if self._rows is not None else done
+        self._done = done or []
 
     def frames(self) -> list[bytes]:
-        """The encoded rows in order, once the threads' shares are done: a share no thread has started yet is encoded
-        by the calling thread, and so is one whose thread failed (out of memory); if that fails again it raises, and
-        a later call tries again."""
+        """The encoded rows in order, once the threads' shares are done. The calling thread encodes the rows the C
+        threads have not taken yet and the pool's shares no thread has started yet, and again the rows of a share
+        whose thread failed (out of memory); if that fails again it raises, and a later call tries again."""
         if self._frames is None:
             assert self._rows is not None
-            self._writer._balance.observe(all(f.done() for f, _, _ in self._background))
-            frames: list[bytes] = []
-            for future, a, b in self._background:
-                if future.cancel() or future.exception() is not None:
-                    frames += self._writer._encode_part(self._rows[a:b])
-                else:
-                    frames += future.result()
-            self._frames = frames + self._done
+            if self._task is not None or not self._background:  # C threads (their rows, again if they failed)
+                task, self._task = self._task, None
+                try:
+                    frames = task.wait() if task is not None else self._writer._encode_part(self._rows)
+                except (MemoryError, RuntimeError):
+                    frames = self._writer._encode_part(self._rows)
+            else:
+                self._writer._balance.observe(all(f.done() for f, _, _ in self._background))
+                frames = []
+                for future, a, b in self._background:
+                    if future.cancel() or future.exception() is not None:
+                        frames += self._writer._encode_part(self._rows[a:b])
+                    else:
+                        frames += future.result()
+                frames += self._done
+            self._frames = frames
             self._rows, self._background = None, []
         return self._frames
 
     def wait(self) -> None:
         """Wait until no thread reads the rows any more (their frames are not needed: an append that failed)."""
+        task, self._task = self._task, None
+        if task is not None:
+            with contextlib.suppress(MemoryError, RuntimeError):
+                task.wait()
         _let_go([future for future, _, _ in self._background])
         self._rows = None
 
@@ -382,23 +403,39 @@ class ShardWriter:
             frames = self._shards[shard] = self._load(shard)
         return frames
 
+    def _lz4_rows(self, rows: np.ndarray) -> np.ndarray:
+        """Rows as the C encoder reads them in place (taken at any stride): each row C-contiguous, little-endian."""
+        dtype = self.codec.dtype.newbyteorder("<")
+        if rows.dtype != dtype or (len(rows) and not rows[0].flags.c_contiguous):
+            rows = np.ascontiguousarray(rows, dtype)
+        return rows
+
     def _encode_part(self, rows: np.ndarray) -> list[bytes]:
-        if self.codec.is_lz4:  # in C, the GIL released; rows taken at a stride are read in place
-            dtype = self.codec.dtype.newbyteorder("<")
-            if rows.dtype != dtype or (len(rows) and not rows[0].flags.c_contiguous):
-                rows = np.ascontiguousarray(rows, dtype)
-            return _frames.encode_lz4(rows, self.codec.nbytes, self.codec.lz4_acceleration)  # type: ignore[no-any-return]
+        if self.codec.is_lz4:  # in C, the GIL released
+            return _frames.encode_lz4(self._lz4_rows(rows), self.codec.nbytes, self.codec.lz4_acceleration)  # type: ignore[no-any-return]
         return [self.codec.encode(r) for r in rows]
 
     def encode(self, rows: np.ndarray) -> Encoded:
-        """Encode rows on every core: the encoder threads take a share of them (read in place, no copy), the calling
-        thread encodes the rest, and returns. The caller goes on (staging the episode's other fields) while the
-        threads encode; :meth:`Encoded.frames` waits for them, and must be called before ``rows`` may change. The
+        """Encode rows on every core, reading them in place (no copy). The caller goes on (staging the episode's
+        other fields) while threads encode; :meth:`Encoded.frames` waits for them, and must be called before ``rows``
+        may change.
+
+        LZ4 rows are encoded by C threads (one per core but the caller's, for SPLIT_BYTES of rows each at least),
+        which start before this returns; in :meth:`Encoded.frames` the calling thread encodes the rows they have not
+        taken yet (each takes 8 at a time), so each encodes what it has time for. Other codecs' rows are shared with
+        the encoder pool: its threads take a share, the calling thread encodes the rest before this returns, and the
         threads' share is kept where both finish together (:class:`~her_store.balance.Balance`).
         """
+        if self.codec.is_lz4:
+            rows = self._lz4_rows(rows)
+            threads = min(self._threads, len(rows) * self.codec.nbytes // SPLIT_BYTES)
+            if threads < 1:
+                return Encoded(self, rows, done=self._encode_part(rows))
+            task = _frames.encode_lz4_start(rows, self.codec.nbytes, self.codec.lz4_acceleration, threads)
+            return Encoded(self, rows, task=task)
         edges = self._balance.edges(len(rows), self._threads, MIN_ROWS_PER_THREAD)
         if len(edges) == 2:
-            return Encoded(self, rows, [], self._encode_part(rows))
+            return Encoded(self, rows, done=self._encode_part(rows))
         if self._pool is None:
             self._pool = ThreadPoolExecutor(self._threads, thread_name_prefix="her_store-encode")
         pieces = list(pairwise(edges))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import os
 import uuid
 
@@ -97,6 +98,15 @@ def s3_endpoint():
         yield endpoint
 
 
+@pytest.fixture(autouse=True)
+def _close_dropped_sessions(request):
+    """After a test that reached S3: the HTTP sessions of the s3fs instances it dropped are closed now, not while a
+    later test runs (their notices went into a command's stderr there)."""
+    yield
+    if "s3_endpoint" in request.fixturenames:
+        gc.collect()
+
+
 @pytest.fixture
 def s3_url(s3_endpoint):
     """A fresh bucket on the loopback server; yields (url, storage_options)."""
@@ -107,3 +117,15 @@ def s3_url(s3_endpoint):
     bucket = f"b{uuid.uuid4().hex[:12]}"
     fs.mkdir(bucket)
     yield f"s3://{bucket}/store", opts
+
+
+class FailingTask:
+    """A C encoding task (``_frames.encode_lz4_start``) whose wait() joins its threads, then fails as one whose thread
+    ran out of memory."""
+
+    def __init__(self, task) -> None:
+        self.task = task
+
+    def wait(self):
+        self.task.wait()
+        raise MemoryError("no memory for the encoded rows")

@@ -15,7 +15,7 @@ from her_store import EpisodeStore, EpisodeValidationError
 from her_store.shard import ShardWriter
 from her_store.storage import Location
 from her_store.verify import verify
-from tests.conftest import assert_episode_equal, make_episode
+from tests.conftest import FailingTask, assert_episode_equal, make_episode
 
 
 def _fail_commit_records(monkeypatch, times: int = 1) -> None:
@@ -190,9 +190,28 @@ def _image_spaces():
     return obs, spaces.Box(-1, 1, (2,), np.float32)
 
 
-def test_frames_encoded_across_threads_are_committed_with_their_checksums(store_path, monkeypatch):
-    """Image episodes whose frames the encoder threads share with the appending thread, the caller reusing its arrays
-    as soon as append returns: every frame is stored as given and every crc32 matches (verify reads them all)."""
+@pytest.fixture
+def lz4_threads(monkeypatch) -> list:
+    """LZ4 frames of these small images encoded on C threads, as an episode of real frames is: the tasks started."""
+    from her_store import _frames
+    from her_store import shard as shard_module
+
+    monkeypatch.setattr(shard_module, "SPLIT_BYTES", 1)
+    real, tasks = _frames.encode_lz4_start, []
+
+    def start(*args):
+        tasks.append(real(*args))
+        return tasks[-1]
+
+    monkeypatch.setattr(_frames, "encode_lz4_start", start)
+    return tasks
+
+
+@pytest.mark.parametrize("codec", ["lz4", "zstd"])
+def test_frames_encoded_across_threads_are_committed_with_their_checksums(store_path, monkeypatch, lz4_threads, codec):
+    """Image episodes whose frames threads encode (LZ4: C threads with the appending thread; zstd: the encoder pool
+    with it), the caller reusing its arrays as soon as append returns: every frame is stored as given and every
+    crc32 matches (verify reads them all)."""
     obs, act = _image_spaces()
     real, by_threads = ShardWriter._encode_part, []
 
@@ -203,14 +222,14 @@ def test_frames_encoded_across_threads_are_committed_with_their_checksums(store_
 
     monkeypatch.setattr(ShardWriter, "_encode_part", encode_part)
     eps = [make_episode(obs, act, 30, seed=i) for i in range(12)]
-    with EpisodeStore.create(store_path, obs, act, commit_interval=3600) as store:
+    with EpisodeStore.create(store_path, obs, act, commit_interval=3600, compressors={"observation": codec}) as store:
         for e in eps:
             given = {k: v.copy() for k, v in e.items()}
             store.append_episode(given)
             for v in given.values():
                 v[...] = 0  # the caller's arrays, reused at once
         threads = store._committer._sharded["steps/observation"]._threads
-    assert bool(by_threads) == bool(threads)
+    assert bool(by_threads if codec == "zstd" else lz4_threads) == bool(threads)
     with EpisodeStore.open(store_path) as store:
         assert verify(store).clean
         for i, e in enumerate(eps):
@@ -219,6 +238,8 @@ def test_frames_encoded_across_threads_are_committed_with_their_checksums(store_
 
 
 def test_an_append_whose_frames_cannot_be_encoded_leaves_no_trace(store_path, monkeypatch):
+    """The encoder pool's thread fails while it still reads the caller's rows, and so does the calling thread: append
+    raises once the thread is done with them, and nothing of the episode is kept."""
     obs, act = _image_spaces()
     real, failures, read_after = ShardWriter._encode_part, {"thread": 0, "main": 0}, []
 
@@ -238,7 +259,7 @@ def test_an_append_whose_frames_cannot_be_encoded_leaves_no_trace(store_path, mo
     returned, started = threading.Event(), threading.Event()
     monkeypatch.setattr(ShardWriter, "_encode_part", encode_part)
     eps = [make_episode(obs, act, 30, seed=i) for i in range(3)]
-    store = EpisodeStore.create(store_path, obs, act, commit_interval=3600)
+    store = EpisodeStore.create(store_path, obs, act, commit_interval=3600, compressors={"observation": "zstd"})
     if not store._committer._sharded["steps/observation"]._threads:
         pytest.skip("one core: no encoder thread")
     store.append_episode(eps[0])
@@ -247,19 +268,56 @@ def test_an_append_whose_frames_cannot_be_encoded_leaves_no_trace(store_path, mo
         store.append_episode(eps[1])
     returned.set()
     assert read_after == [False]  # the thread was done with the rows before append raised
+    _appended_again(store, store_path, eps)
+
+
+def _appended_again(store: EpisodeStore, store_path, eps: list) -> None:
+    """After an append of eps[1] failed: the store holds eps[0] alone, the retry gets id 1, and every episode reads
+    back as given."""
     assert store._index.end == 1
     assert store.append_episode(eps[1]) == 1  # the retry gets the id the failed call would have had
     store.append_episode(eps[2])
     store.close()
-    with EpisodeStore.open(store_path) as store:
-        assert store.end_episode == 3
+    _reads_back(store_path, eps)
+
+
+def _reads_back(store_path, eps: list) -> None:
+    """The store at ``store_path`` holds exactly ``eps``, as given, every checksum matching."""
+    with EpisodeStore.open(store_path) as back:
+        assert back.end_episode == len(eps) and verify(back).clean
         for i, e in enumerate(eps):
-            assert_episode_equal(store.episode(i), e)
+            assert_episode_equal(back.episode(i), e)
+
+
+def test_an_append_whose_lz4_task_and_caller_fail_leaves_no_trace(store_path, monkeypatch, lz4_threads):
+    """The C threads' task fails (out of memory), and so does the calling thread's encode of the rows again: append
+    raises once no thread reads the caller's rows, and nothing of the episode is kept."""
+    from her_store import _frames
+
+    obs, act = _image_spaces()
+    eps = [make_episode(obs, act, 30, seed=i) for i in range(3)]
+    store = EpisodeStore.create(store_path, obs, act, commit_interval=3600)
+    if not store._committer._sharded["steps/observation"]._threads:
+        pytest.skip("one core: no encoder thread")
+    store.append_episode(eps[0])
+    counting, real_part = _frames.encode_lz4_start, ShardWriter._encode_part
+    monkeypatch.setattr(_frames, "encode_lz4_start", lambda *a: FailingTask(counting(*a)))
+
+    def encode_part(self, rows):
+        raise MemoryError("no memory for the encoded rows")
+
+    monkeypatch.setattr(ShardWriter, "_encode_part", encode_part)
+    with pytest.raises(MemoryError):
+        store.append_episode(eps[1])
+    assert len(lz4_threads) == 2 and all(t.done() for t in lz4_threads)
+    monkeypatch.setattr(_frames, "encode_lz4_start", counting)
+    monkeypatch.setattr(ShardWriter, "_encode_part", real_part)
+    _appended_again(store, store_path, eps)
 
 
 def test_an_append_failing_on_one_image_key_waits_for_the_threads_reading_another(store_path, monkeypatch):
-    """Two image keys: the threads still encode the first key's frames when encoding the second fails; append raises
-    only once no thread reads the caller's rows."""
+    """Two image keys: the encoder pool's threads still encode the first key's frames when encoding the second fails;
+    append raises only once no thread reads the caller's rows."""
     obs, act = _image_spaces()
     obs = spaces.Dict({**obs.spaces, "pixels": spaces.Box(0, 255, (3, 16, 16), np.uint8)})
     real, log = ShardWriter._encode_part, []
@@ -277,7 +335,9 @@ def test_an_append_failing_on_one_image_key_waits_for_the_threads_reading_anothe
 
     fail, started = threading.Event(), threading.Event()
     monkeypatch.setattr(ShardWriter, "_encode_part", encode_part)
-    store = EpisodeStore.create(store_path, obs, act, commit_interval=3600)
+    store = EpisodeStore.create(
+        store_path, obs, act, commit_interval=3600, compressors={"observation": "zstd", "pixels": "zstd"}
+    )
     if not store._committer._sharded["steps/observation"]._threads:
         pytest.skip("one core: no encoder thread")
     eps = [make_episode(obs, act, 30, seed=i) for i in range(2)]
@@ -290,7 +350,46 @@ def test_an_append_failing_on_one_image_key_waits_for_the_threads_reading_anothe
     fail.clear()
     store.append_episode(eps[1])
     store.close()
-    with EpisodeStore.open(store_path) as store:
-        assert verify(store).clean
-        for i, e in enumerate(eps):
-            assert_episode_equal(store.episode(i), e)
+    _reads_back(store_path, eps)
+
+
+def test_an_append_failing_on_one_lz4_image_key_waits_for_the_c_threads_encoding_another(
+    store_path, monkeypatch, lz4_threads
+):
+    """Two LZ4 image keys: C threads still encode the first key's frames when starting the second's fails; append
+    raises only once they are done with the caller's rows, and the retry stores the episode."""
+    from her_store import _frames
+
+    obs, act = _image_spaces()
+    obs = spaces.Dict({**obs.spaces, "pixels": spaces.Box(0, 255, (3, 16, 16), np.uint8)})
+    store = EpisodeStore.create(store_path, obs, act, commit_interval=3600)
+    if not store._committer._sharded["steps/observation"]._threads:
+        pytest.skip("one core: no encoder thread")
+    eps = [make_episode(obs, act, 30, seed=i) for i in range(2)]
+    store.append_episode(eps[0])
+    counting, log = _frames.encode_lz4_start, []
+
+    class Logged:  # the first key's task, whose wait() is logged
+        def __init__(self, task) -> None:
+            self.task = task
+
+        def wait(self):
+            log.append(("waited", self.task.done()))
+            return self.task.wait()
+
+    def start(*args):
+        if log:  # the second key's
+            raise MemoryError("no memory for the task")
+        log.append("started")
+        return Logged(counting(*args))
+
+    monkeypatch.setattr(_frames, "encode_lz4_start", start)
+    with pytest.raises(MemoryError):
+        store.append_episode(eps[1])
+    log.append("append raised")
+    assert [e if isinstance(e, str) else e[0] for e in log] == ["started", "waited", "append raised"]
+    assert lz4_threads[-1].done()
+    monkeypatch.setattr(_frames, "encode_lz4_start", counting)
+    store.append_episode(eps[1])
+    store.close()
+    _reads_back(store_path, eps)

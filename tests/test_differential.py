@@ -35,7 +35,7 @@ import numpy as np
 import pytest
 from gymnasium import spaces
 
-from her_store import EpisodeStore, HerBatch, HerSampler, reader
+from her_store import EpisodeStore, HerBatch, HerSampler, _frames, reader, shard
 from her_store.cli import main
 from her_store.reader import ShardedArray
 from tests.http_server import serving
@@ -176,8 +176,23 @@ def check_mapped(name: str, local: bool, mapped: int) -> None:
 
 @pytest.fixture(autouse=True)
 def _split_small_batches(monkeypatch):
-    """Mapped gathers of these small frames split across C threads as a batch of real frames does."""
+    """Mapped gathers of these small frames split across C threads as a batch of real frames does, and the writer
+    encodes an episode's frames on C threads as it does real ones."""
     monkeypatch.setattr(reader, "SPLIT_BYTES", 1)
+    monkeypatch.setattr(shard, "SPLIT_BYTES", 1)
+
+
+@pytest.fixture
+def encode_tasks(monkeypatch) -> list[Any]:
+    """The C encoding tasks the writer starts (LZ4 frames on threads of their own)."""
+    real, tasks = _frames.encode_lz4_start, []
+
+    def start(*args: Any) -> Any:
+        tasks.append(real(*args))
+        return tasks[-1]
+
+    monkeypatch.setattr(_frames, "encode_lz4_start", start)
+    return tasks
 
 
 # -- the reader process --------------------------------------------------------------------------------------
@@ -293,7 +308,7 @@ def _assert_wrapped(store: EpisodeStore, capacity: int | None) -> None:
 
 
 @pytest.mark.parametrize("capacity", [None, RING], ids=["unbounded", "ring"])
-def test_a_sampler_on_the_writers_handle_between_appends(storage, capacity):
+def test_a_sampler_on_the_writers_handle_between_appends(storage, capacity, encode_tasks):
     name, url, opts = storage
     case = STORAGES[name]
     with _create(name, url, opts, capacity) as store:
@@ -307,6 +322,8 @@ def test_a_sampler_on_the_writers_handle_between_appends(storage, capacity):
                 problem = wrong_rows(sampler.sample(), store.first_episode, store.end_episode)
                 assert problem is None, f"after episode {e}: {problem}"
             check_mapped(name, name != "s3", mapped_gathers(sampler))
+            lz4 = "ShardedArray lz4" in case.paths
+            assert bool(encode_tasks) == (lz4 and store._committer._sharded["steps/pixels"]._threads > 0)
         _assert_wrapped(store, capacity)
 
 

@@ -19,6 +19,7 @@ import zarr
 import zarr.codecs as zc
 
 from her_store import _frames
+from her_store import shard as shard_module
 from her_store.balance import STEP
 from her_store.errors import CorruptStoreError
 from her_store.lossy import jpeg_codec
@@ -32,6 +33,7 @@ from her_store.shard import (
     parse_index,
 )
 from her_store.storage import Location, chunk_key
+from tests.conftest import FailingTask
 
 ROW = (3, 8, 8)
 ROW_NBYTES = 192
@@ -224,6 +226,12 @@ def test_a_damaged_index_fails_its_crc32c_and_a_short_file_is_named():
 
 
 # -- ShardWriter ---------------------------------------------------------------------------------------------------------
+@pytest.fixture(autouse=True)
+def _split_small_rows(monkeypatch):
+    """LZ4 rows of these small frames are encoded on C threads, as an episode of real frames is."""
+    monkeypatch.setattr(shard_module, "SPLIT_BYTES", 1)
+
+
 def _writer(root, codec=None, rows: int = 4 * SHARD_ROWS) -> ShardWriter:
     array = _array(root, lz4_codec() if codec is None else codec, rows)
     return ShardWriter(array, Location(str(root)))
@@ -297,9 +305,10 @@ def _held_threads(monkeypatch) -> threading.Event:
 
 
 def test_the_threads_share_of_the_rows_follows_who_finishes_first(tmp_path, monkeypatch):
-    """The encoder threads take a share of the rows, read in place; it grows while they finish before their frames are
-    asked for and shrinks while the calling thread waits for them, so that both finish together."""
-    w = _writer(tmp_path, rows=64 * SHARD_ROWS)
+    """The encoder pool's threads take a share of the rows (codecs but LZ4), read in place; it grows while they finish
+    before their frames are asked for and shrinks while the calling thread waits for them, so that both finish
+    together."""
+    w = _writer(tmp_path, CODECS["zstd"](), rows=64 * SHARD_ROWS)
     if not w._threads:
         pytest.skip("one core: no encoder thread")
     rows = _frames_of(40, seed=7)
@@ -319,7 +328,7 @@ def test_the_threads_share_of_the_rows_follows_who_finishes_first(tmp_path, monk
 
 
 def test_a_share_no_thread_has_started_is_encoded_by_the_calling_thread(tmp_path, monkeypatch):
-    w = _writer(tmp_path, rows=64 * SHARD_ROWS)
+    w = _writer(tmp_path, CODECS["zstd"](), rows=64 * SHARD_ROWS)
     if not w._threads:
         pytest.skip("one core: no encoder thread")
     go = _held_threads(monkeypatch)
@@ -333,7 +342,7 @@ def test_a_share_no_thread_has_started_is_encoded_by_the_calling_thread(tmp_path
 
 
 def test_a_share_whose_thread_fails_is_encoded_again_and_wait_lets_go_of_the_rows(tmp_path, monkeypatch):
-    w = _writer(tmp_path)
+    w = _writer(tmp_path, CODECS["zstd"]())
     if not w._threads:
         pytest.skip("one core: no encoder thread")
     real, failures = ShardWriter._encode_part, {"left": 0}
@@ -354,6 +363,31 @@ def test_a_share_whose_thread_fails_is_encoded_again_and_wait_lets_go_of_the_row
     pending.wait()  # an append that failed: the thread is done with the rows, and nothing holds them
     assert pending._rows is None and all(f.done() for f, _, _ in pending._background)
     w.close()
+
+
+def test_lz4_rows_are_encoded_on_c_threads_the_caller_joins(tmp_path, monkeypatch):
+    """LZ4 rows go to C threads that start before encode() returns (the rows read in place, held until frames()); a
+    task that fails is done again by the calling thread; wait() leaves no thread reading the rows."""
+    w = _writer(tmp_path, rows=64 * SHARD_ROWS)
+    if not w._threads:
+        pytest.skip("one core: no encoder thread")
+    rows = _frames_of(40, seed=7)
+    pending = w.encode(rows)
+    assert pending._task is not None and pending._rows is rows  # in place, no copy
+    np.testing.assert_array_equal(w.decode(pending.frames()), rows)
+    assert pending._task is None and pending._rows is None
+    real, tasks = _frames.encode_lz4_start, []
+
+    def failing_start(*args):
+        tasks.append(real(*args))
+        return FailingTask(tasks[-1])
+
+    monkeypatch.setattr(_frames, "encode_lz4_start", failing_start)
+    pending = w.encode(rows[::-1])
+    np.testing.assert_array_equal(w.decode(pending.frames()), rows[::-1])  # encoded again by the caller
+    pending = w.encode(rows)
+    pending.wait()  # an append that failed: its threads are done with the rows, and nothing holds them
+    assert pending._rows is None and pending._task is None and all(t.done() for t in tasks) and len(tasks) == 2
 
 
 def test_flush_replaces_a_shard_whole_and_a_reader_holding_the_old_file_reads_the_old_rows(tmp_path):
@@ -489,6 +523,75 @@ def test_encode_lz4_packs_rows_of_any_compressibility_in_threads_at_once():
     with ThreadPoolExecutor(4) as pool:
         for _ in range(3):
             assert list(pool.map(encode, calls * 4)) == want * 4
+
+
+def test_encode_lz4_start_encodes_on_threads_of_its_own_and_holds_the_rows_until_then():
+    """The task encodes while the caller goes on; wait() gives what encode_lz4 gives (again when asked again), whatever
+    the threads, the rows' stride or compressibility (rows that grow a thread's buffer); the rows cannot change size
+    until the task is waited for or dropped (its threads end first)."""
+    rng = np.random.default_rng(3)
+    calls = [
+        _frames_of(2_000, seed=3),
+        _frames_of(600, seed=4)[::-3],  # taken at a stride, read in place
+        rng.integers(0, 256, (300, 64, 1024), np.uint8),  # 19.7 MB that LZ4 cannot shrink
+        np.zeros((0, *ROW), np.uint8),
+    ]
+    for rows in calls:
+        want = _frames.encode_lz4(rows, rows[0].nbytes if len(rows) else ROW_NBYTES, 1)
+        for threads in (1, 3, 64):
+            task = _frames.encode_lz4_start(rows, rows[0].nbytes if len(rows) else ROW_NBYTES, 1, threads)
+            assert task.wait() == want and task.done() and task.wait() == want
+    blob = bytearray(_frames_of(2_000, seed=5).tobytes())
+    want = _frames.encode_lz4(blob, ROW_NBYTES, 1)
+    task = _frames.encode_lz4_start(blob, ROW_NBYTES, 1)
+    with pytest.raises(BufferError):  # the task holds the rows: they cannot change size under its threads
+        blob += b"x" * ROW_NBYTES
+    assert task.wait() == want
+    blob += b"x" * ROW_NBYTES  # waited for: the rows are let go
+    task = _frames.encode_lz4_start(blob, ROW_NBYTES, 1, 2)
+    del task  # dropped unwaited: its threads end before the rows go
+    blob += b"x" * ROW_NBYTES
+    for args, error, words in (
+        ((blob, ROW_NBYTES, 1, 0), ValueError, "threads must be"),
+        ((blob, ROW_NBYTES, 1, 65), ValueError, "threads must be"),
+        ((blob, ROW_NBYTES, 1, "2"), TypeError, "integer"),
+        ((blob, 5, 1), ValueError, "whole rows"),
+        ((np.zeros((4, 3, 5), np.uint8)[:, :, :4], 12, 1), ValueError, "each C-contiguous"),
+    ):
+        with pytest.raises(error, match=words):
+            _frames.encode_lz4_start(*args)
+
+
+def test_an_encode_task_waited_for_from_many_threads_and_in_a_forked_child():
+    """wait() from two threads: one joins, both get the rows. A forked child has none of the task's threads: its
+    wait() gives every row or raises, never a list with rows missing."""
+    rows = _frames_of(30_000, seed=6)
+    want = _frames.encode_lz4(rows, ROW_NBYTES, 1)
+    task = _frames.encode_lz4_start(rows, ROW_NBYTES, 1)
+    answers: list[list[bytes]] = []
+    threads = [threading.Thread(target=lambda: answers.append(task.wait())) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    assert not any(t.is_alive() for t in threads) and answers == [want, want]
+    for waiting in (False, True):  # another thread of the parent inside wait() when it forks (its lock held)
+        task = _frames.encode_lz4_start(rows, ROW_NBYTES, 1)
+        waiter = threading.Thread(target=task.wait)
+        if waiting:
+            waiter.start()
+        pid = os.fork()
+        if pid == 0:  # the child: exit 0 when the answer is every row or an error, 1 otherwise; a hang is killed
+            signal.alarm(20)
+            try:
+                ok = task.wait() == want
+            except RuntimeError as e:
+                ok = "threads are gone" in str(e)
+            os._exit(0 if ok else 1)
+        assert os.waitpid(pid, 0)[1] == 0, f"waiting: {waiting}"
+        assert task.wait() == want
+        if waiting:
+            waiter.join()
 
 
 def test_decode_lz4_refuses_bad_arguments():
