@@ -537,8 +537,18 @@ class HerSampler:
             self._stop.clear()
             self._thread = threading.Thread(target=self._producer, name="her_store-prefetch", daemon=True)
             self._thread.start()
-        assert self._queue is not None
-        batch, state = self._queue.get()
+        q = self._queue
+        assert q is not None
+        while True:
+            try:
+                batch, state = q.get(timeout=0.1)
+                break
+            except queue.Empty:
+                if self._queue is not q:  # stopped meanwhile by another thread: no batch will come
+                    raise StoreError(
+                        "the sampler's prefetching was stopped (close() or load_state_dict() in another thread) while "
+                        "sample() waited for a batch"
+                    ) from None
         if state is None:  # the producer has stopped: rewind the generator to the last batch handed out
             self._stop_prefetch()
             raise batch

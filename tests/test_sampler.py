@@ -384,6 +384,47 @@ def test_state_dict_replays_the_same_batches_with_and_without_prefetch(coded_sto
         assert p.sample(10).actions.shape == (10, 4)  # another size: synchronous, same generator
 
 
+def test_a_sample_waiting_for_a_prefetched_batch_hears_when_another_thread_closes_the_sampler(coded_store):
+    """close() in another thread while sample() waits for the producer's next batch: sample() waited forever; now it
+    raises, naming what happened, and the sampler samples again afterwards."""
+    import threading
+
+    store, _ = coded_store
+    sampler = HerSampler(store, 64, reward_fn=sparse_reward, seed=5, prefetch=1)
+    sampler.sample()
+    make, slow = sampler._make_batch, threading.Event()
+
+    def slow_batch(*args, **kwargs):  # storage that has become slow: the producer's next batch takes a while
+        if slow.is_set():
+            time.sleep(0.5)
+        return make(*args, **kwargs)
+
+    sampler._make_batch = slow_batch
+    slow.set()
+    outcome: list[str] = []
+
+    def consume() -> None:
+        try:
+            for _ in range(5):
+                sampler.sample()
+            outcome.append("all sampled")
+        except StoreError as e:
+            outcome.append(str(e))
+
+    consumer = threading.Thread(target=consume, daemon=True)
+    consumer.start()
+    time.sleep(0.2)
+    sampler.close()
+    consumer.join(timeout=10)
+    assert not consumer.is_alive() and outcome == [
+        "the sampler's prefetching was stopped (close() or load_state_dict() in another thread) while sample() waited "
+        "for a batch"
+    ]
+    slow.clear()
+    assert sampler.sample().actions.shape == (64, 4)
+    sampler.close()
+
+
 def test_iteration_and_threaded_gathers_agree(coded_store):
     store, _ = coded_store
     it = iter(HerSampler(store, 512, reward_fn=sparse_reward, seed=3))
