@@ -597,7 +597,7 @@ typedef struct {
     int acceleration;
     Py_ssize_t next; /* the first row no run has taken (atomic) */
     int stop;        /* set when a row failed (atomic) */
-    int failed;      /* why: 1 out of memory, 2 LZ4 failed (the first kept, atomic) */
+    int failed;      /* why: 1 out of memory, 2 LZ4 failed (the first kept, atomic), 3 rows lost (a fork) */
     int runs;        /* runs started, each packing into packed[its number] (atomic) */
     Packed packed[MAX_THREADS + 1]; /* a task's threads and the one wait() that helps */
     int32_t *who;    /* per row: the run that packed it, -1 while none has */
@@ -609,7 +609,9 @@ static void encode_job_release(EncodeJob *j) {
     if (j->rows.obj) PyBuffer_Release(&j->rows);
     j->rows.obj = NULL;
     for (int k = 0; k <= MAX_THREADS; k++) {
-        free(j->packed[k].buf);
+        /* rows lost to a fork: a run may have been growing its buffer then (the old one freed, the new one not
+           recorded yet), so none of them is freed here */
+        if (j->failed != 3) free(j->packed[k].buf);
         j->packed[k].buf = NULL;
     }
     free(j->who), free(j->at), free(j->len);
@@ -657,8 +659,9 @@ static void encode_job_run(EncodeJob *j) {
         if (first >= j->n) break;
         Py_ssize_t end = first + TAKE_ENCODE < j->n ? first + TAKE_ENCODE : j->n;
         if (!state && (state = malloc(sizeof *state)) != NULL) LZ4_initStream(state, sizeof *state);
-        /* room for the rows taken, and a few more (a run most likely takes more) */
-        if (!state || ensure(&out->buf, &out->cap, out->used + (size_t)(end - first + 8) * bound) < 0) {
+        /* room for the rows taken, and (rows up to a MiB) for a few more: a run most likely takes more */
+        size_t more = bound <= ((size_t)1 << 20) ? 8 : 0;
+        if (!state || ensure(&out->buf, &out->cap, out->used + ((size_t)(end - first) + more) * bound) < 0) {
             encode_job_fail(j, 1);
             break;
         }
@@ -673,7 +676,8 @@ static void encode_job_run(EncodeJob *j) {
                 free(state);
                 return;
             }
-            j->who[i] = me, j->at[i] = (int64_t)out->used, j->len[i] = 4 + got;
+            j->at[i] = (int64_t)out->used, j->len[i] = 4 + got;
+            __atomic_store_n(&j->who[i], me, __ATOMIC_RELEASE); /* last: a row with a run is whole */
             out->used += 4 + (size_t)got;
         }
     }
@@ -687,11 +691,12 @@ static PyObject *encode_job_result(EncodeJob *j) {
         PyErr_SetString(PyExc_RuntimeError, "LZ4 compression failed");
         return NULL;
     }
-    PyObject *out = PyList_New(j->n);
+    PyObject *out = j->failed == 3 ? NULL : PyList_New(j->n);
+    if (j->failed == 3) PyErr_SetString(PyExc_RuntimeError, "rows were left unencoded: the task's threads are gone (a fork)");
     for (Py_ssize_t i = 0; out && i < j->n; i++) {
-        int32_t k = j->who[i];
-        if (k < 0) { /* its threads were lost (a forked child) */
-            PyErr_SetString(PyExc_RuntimeError, "rows were left unencoded: the task's threads are gone (a fork)");
+        int32_t k = __atomic_load_n(&j->who[i], __ATOMIC_ACQUIRE);
+        if (k < 0) { /* never taken (no run could take rows): not one of the rows is made up */
+            PyErr_SetString(PyExc_RuntimeError, "rows were left unencoded");
             Py_CLEAR(out);
             break;
         }
@@ -765,7 +770,7 @@ static void map_kind_release(void *p) {
 }
 
 static void encode_kind_run(void *j) { encode_job_run(j); }
-static void encode_kind_lost(void *j) { (void)j; /* encode_job_result finds the rows no run encoded */ }
+static void encode_kind_lost(void *j) { ((EncodeJob *)j)->failed = 3; }
 static PyObject *encode_kind_result(void *j) { return encode_job_result(j); }
 static void encode_kind_release(void *j) { encode_job_release(j); }
 
@@ -780,14 +785,32 @@ static void *task_main(void *p) {
 }
 
 /* (help with the rows and take the result, when help) join the threads and let the buffers go (with the GIL) */
+static void task_help(Task *t) {
+    __atomic_add_fetch(&t->running, 1, __ATOMIC_RELAXED); /* a run mid-way, as a thread's (a fork must tell) */
+    t->kind->run(&t->job);
+    __atomic_sub_fetch(&t->running, 1, __ATOMIC_RELEASE);
+}
+
 static void task_join(Task *t, int help) {
     int locked = 0;
-    if (t->pid != getpid()) { /* a forked child: no thread to join, and its lock may be held by a thread it lacks */
+    if (t->pid != getpid()) {
+        /* a forked child: none of the parent's threads (nor its waiting one) is here, and the lock may be held by
+           one of them. Rows a run had taken and not finished at the fork are lost; if none had, the rows not taken
+           yet are done here. */
         t->started = 0;
+        if (t->held && __atomic_load_n(&t->running, __ATOMIC_ACQUIRE) > 0) {
+            t->kind->lost(&t->job);
+        } else if (help && t->held && !t->helped) {
+            Py_BEGIN_ALLOW_THREADS
+            task_help(t);
+            Py_END_ALLOW_THREADS
+        }
+        t->helped = 1;
+        __atomic_store_n(&t->running, 0, __ATOMIC_RELEASE); /* no run of it is left here: done() */
     } else {
         Py_BEGIN_ALLOW_THREADS
         pthread_mutex_lock(&t->joining);
-        if (help && !t->helped) t->kind->run(&t->job);
+        if (help && !t->helped) task_help(t);
         t->helped = 1;
         for (int k = 0; k < t->started; k++) pthread_join(t->threads[k], NULL);
         t->started = 0;
@@ -795,7 +818,6 @@ static void task_join(Task *t, int help) {
         locked = 1;
     }
     if (t->held) {
-        if (__atomic_load_n(&t->running, __ATOMIC_ACQUIRE) > 0) t->kind->lost(&t->job);
         if (help) t->result = t->kind->result(&t->job); /* NULL with an exception: this wait() raises it */
         t->kind->release(&t->job);
         t->held = 0;
@@ -844,12 +866,13 @@ static PyObject *task_start(PyObject *args, Py_ssize_t given, const JobKind *kin
     Py_ssize_t n_args = PyTuple_GET_SIZE(args);
     int threads = 1;
     if (n_args == given + 1) {
-        threads = (int)PyLong_AsLong(PyTuple_GET_ITEM(args, given));
-        if (threads == -1 && PyErr_Occurred()) return NULL;
-        if (threads < 1 || threads > MAX_THREADS) {
+        long asked = PyLong_AsLong(PyTuple_GET_ITEM(args, given));
+        if (asked == -1 && PyErr_Occurred()) return NULL;
+        if (asked < 1 || asked > MAX_THREADS) {
             PyErr_SetString(PyExc_ValueError, "threads must be 1 .. 64");
             return NULL;
         }
+        threads = (int)asked;
     }
     PyObject *job_args = PyTuple_GetSlice(args, 0, n_args == given + 1 ? given : n_args);
     if (!job_args) return NULL;

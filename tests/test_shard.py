@@ -554,6 +554,8 @@ def test_encode_lz4_start_encodes_on_threads_of_its_own_and_holds_the_rows_until
     for args, error, words in (
         ((blob, ROW_NBYTES, 1, 0), ValueError, "threads must be"),
         ((blob, ROW_NBYTES, 1, 65), ValueError, "threads must be"),
+        ((blob, ROW_NBYTES, 1, 2**32 + 3), ValueError, "threads must be"),  # not taken as 3
+        ((blob, ROW_NBYTES, 1, -(2**32) + 2), ValueError, "threads must be"),
         ((blob, ROW_NBYTES, 1, "2"), TypeError, "integer"),
         ((blob, 5, 1), ValueError, "whole rows"),
         ((np.zeros((4, 3, 5), np.uint8)[:, :, :4], 12, 1), ValueError, "each C-contiguous"),
@@ -587,7 +589,7 @@ def test_an_encode_task_waited_for_from_many_threads_and_in_a_forked_child():
                 ok = task.wait() == want
             except RuntimeError as e:
                 ok = "threads are gone" in str(e)
-            os._exit(0 if ok else 1)
+            os._exit(0 if ok and task.done() else 1)  # no thread of it runs here
         assert os.waitpid(pid, 0)[1] == 0, f"waiting: {waiting}"
         assert task.wait() == want
         if waiting:
