@@ -416,9 +416,12 @@ def test_a_sample_waiting_for_a_prefetched_batch_hears_when_another_thread_close
     time.sleep(0.2)
     sampler.close()
     consumer.join(timeout=10)
-    assert not consumer.is_alive() and outcome == [
-        "the sampler's prefetching was stopped (close() or load_state_dict() in another thread) while sample() waited "
-        "for a batch"
+    assert not consumer.is_alive()
+    assert outcome == [
+        (
+            "the sampler's prefetching was stopped (close() or load_state_dict() in another thread) while sample() "
+            "waited for a batch"
+        )
     ]
     slow.clear()
     assert sampler.sample().actions.shape == (64, 4)
