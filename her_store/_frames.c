@@ -23,6 +23,9 @@
  *       bytes offset .. offset + length of an open file, mapped read-only (MADV_RANDOM: a page fault reads its page
  *       alone) as a buffer; unmapped when the last reference goes. It holds no file descriptor. Its drop_pages()
  *       lets its pages go from this process, so that the page cache can drop them (a cold start).
+ *   take_rows(src, rows, first, skip, out, row_nbytes) -> (index, errno)
+ *       an uncompressed array's gather: out[i] = row rows[i] - first of a mapped chunk (its row k at skip + k *
+ *       row_nbytes), as numpy's take, but a page the file no longer has fails the row with EIO instead of SIGBUS.
  *   decode_lz4(src, offsets, nbytes, out, row_nbytes) -> (index, errno)
  *       the same, reading row i from src[offsets[i] : offsets[i] + nbytes[i]] (a shard fetched whole).
  *   encode_lz4(rows, row_nbytes, acceleration) -> list of bytes
@@ -464,6 +467,57 @@ static void map_job_run(MapJob *j) {
     }
     bus_job = NULL;
     __atomic_add_fetch(&j->inblock, blocks_read() - before, __ATOMIC_RELAXED);
+}
+
+/* take_rows(src, rows, first, skip, out, row_nbytes) -> (index, errno): out[i] = row rows[i] - first of src, whose row
+   k is bytes skip + k * row_nbytes .. (a mapped chunk of an uncompressed array). A row outside src fails (errno 0);
+   a page the file no longer has (cut short in place under its mapping: SIGBUS) fails its row with EIO, where
+   numpy's copy would have killed the process. Large copies release the GIL. */
+#define TAKE_NOGIL_BYTES (64 << 10)
+static PyObject *take_rows(PyObject *self, PyObject *args) {
+    Py_buffer src, rows, dst;
+    Py_ssize_t first, skip, row_nbytes;
+    if (!PyArg_ParseTuple(args, "y*y*nnw*n", &src, &rows, &first, &skip, &dst, &row_nbytes)) return NULL;
+    Py_ssize_t n = rows.len / 8;
+    if (row_nbytes <= 0 || rows.len != n * 8 || dst.len < n * row_nbytes || skip < 0 || skip > src.len) {
+        PyBuffer_Release(&src), PyBuffer_Release(&rows), PyBuffer_Release(&dst);
+        PyErr_SetString(PyExc_ValueError, "rows must be int64, out must hold them, row_nbytes > 0, skip within src");
+        return NULL;
+    }
+    MapJob j; /* what the SIGBUS handler asks about: the one mapping read from */
+    memset(&j, 0, sizeof j);
+    j.views = &src, j.held = 1;
+    const int64_t *want = rows.buf;
+    char *out = dst.buf;
+    const char *from = (const char *)src.buf + skip;
+    int64_t have = ((int64_t)src.len - skip) / row_nbytes;
+    volatile Py_ssize_t at_row = 0, failed = -1;
+    volatile int err = 0;
+    int nogil = n * row_nbytes >= TAKE_NOGIL_BYTES;
+    PyThreadState *saved = nogil ? PyEval_SaveThread() : NULL;
+    pthread_once(&bus_once, bus_install);
+    sigjmp_buf jump;
+    if (sigsetjmp(jump, 1)) { /* a page of the file past its end: the file shrank under its mapping */
+        bus_job = NULL;
+        failed = at_row, err = EIO;
+    } else {
+        bus_jump = &jump;
+        __atomic_signal_fence(__ATOMIC_SEQ_CST);
+        bus_job = &j;
+        for (Py_ssize_t i = 0; i < n; i++) {
+            at_row = i;
+            int64_t r = want[i] - first;
+            if (r < 0 || r >= have) {
+                failed = i;
+                break;
+            }
+            memcpy(out + i * row_nbytes, from + r * row_nbytes, (size_t)row_nbytes);
+        }
+        bus_job = NULL;
+    }
+    if (saved) PyEval_RestoreThread(saved);
+    PyBuffer_Release(&src), PyBuffer_Release(&rows), PyBuffer_Release(&dst);
+    return Py_BuildValue("(ni)", (Py_ssize_t)failed, (int)err);
 }
 
 static PyObject *map_lz4(PyObject *self, PyObject *args) {
@@ -1113,6 +1167,7 @@ static PyMethodDef methods[] = {
     {"map_lz4_start", map_lz4_start, METH_VARARGS, "map_lz4 started on threads of its own: a Task to wait() for."},
     {"encode_lz4_start", encode_lz4_start, METH_VARARGS, "encode_lz4 started on threads of its own: a Task to wait() for."},
     {"map_file", map_file, METH_VARARGS, "Map bytes of an open file read-only, as a buffer."},
+    {"take_rows", take_rows, METH_VARARGS, "Copy rows of a mapped uncompressed chunk, a file cut short failing with EIO."},
     {"decode_lz4", decode_lz4, METH_VARARGS, "Decode LZ4 rows from one buffer, without the GIL."},
     {"same_bytes", same_bytes, METH_VARARGS, "Whether two C-contiguous buffers hold the same bytes (memcmp)."},
     {NULL, NULL, 0, NULL},

@@ -75,21 +75,21 @@ class MappedArray:
         self.root = location.root
         self.chunk_rows = spec.chunk_rows
         self.random_access = random_access
-        self._maps: dict[int, np.ndarray] = {}
-        self._mmaps: dict[int, mmap.mmap] = {}
+        self._maps: dict[int, tuple[mmap.mmap, int]] = {}  # per chunk: its mapping, where its rows start in it
         self._lock = threading.Lock()
         self.MAPS.join(self)
 
     def _file(self, chunk: int) -> str:
         return os.path.join(self.root, self.spec.chunk_key(chunk))
 
-    def _map(self, chunk: int) -> np.ndarray:
-        view = self._maps.get(chunk)
-        if view is not None:
-            return view
+    def _map(self, chunk: int) -> tuple[mmap.mmap, int]:
+        """The chunk's mapping and where its rows start in it (mapped on first use)."""
+        got = self._maps.get(chunk)
+        if got is not None:
+            return got
         with self._lock:
-            view = self._maps.get(chunk)
-            if view is None:
+            got = self._maps.get(chunk)
+            if got is None:
                 key = self.spec.chunk_key(chunk)
                 f, base, size = self.location.open_range(key)
                 need = self.chunk_rows * self.spec.row_nbytes
@@ -100,33 +100,52 @@ class MappedArray:
                     m = mmap.mmap(f.fileno(), skip + need, access=mmap.ACCESS_READ, offset=base - skip)
                 if self.random_access:
                     m.madvise(mmap.MADV_RANDOM)
-                view = np.frombuffer(m, self.spec.dtype, need // self.spec.dtype.itemsize, skip)
-                view = view.reshape(-1, *self.spec.row_shape)
                 bound = self.MAPS.share()
                 if len(self._maps) >= bound:
                     for old in list(self._maps)[: len(self._maps) - bound // 2 + 1]:
-                        del self._maps[old], self._mmaps[old]
-                self._mmaps[chunk] = m
-                self._maps[chunk] = view
-        return view
+                        del self._maps[old]
+                self._maps[chunk] = got = (m, skip)
+        return got
 
     def gather(self, rows: np.ndarray, out: np.ndarray) -> None:
-        """``out[i] = array[rows[i]]``; rows must be committed (their chunk files exist)."""
+        """``out[i] = array[rows[i]]``; rows must be committed (their chunk files exist).
+
+        Raises
+        ------
+        OSError
+            EIO: a chunk file was cut short in place under its mapping (by another process); the rows past its new
+            end cannot be read (a plain copy from the mapping would end the process with SIGBUS).
+        """
         cr = self.chunk_rows
         chunk = rows // cr
         lo, hi = int(chunk.min()), int(chunk.max())
         if lo == hi:
-            np.take(self._map(lo), rows - lo * cr, axis=0, out=out)
+            self._take(lo, rows, out)
             return
         for c in range(lo, hi + 1):
             sel = np.flatnonzero(chunk == c)
             if sel.size:
-                out[sel] = self._map(c)[rows[sel] - c * cr]
+                part = np.empty((sel.size, *out.shape[1:]), out.dtype)
+                self._take(c, rows[sel], part)
+                out[sel] = part
+
+    def _take(self, chunk: int, rows: np.ndarray, out: np.ndarray) -> None:
+        """Rows ``rows`` (of chunk ``chunk``) into ``out``, copied from the chunk's mapping in C."""
+        m, skip = self._map(chunk)
+        rows = np.ascontiguousarray(rows, np.int64)
+        failed, err = _frames.take_rows(m, rows, chunk * self.chunk_rows, skip, out, self.spec.row_nbytes)
+        if failed >= 0:
+            key = self.spec.chunk_key(chunk)
+            row = int(rows[failed]) - chunk * self.chunk_rows
+            if err:
+                raise OSError(err, f"{self.location}/{key}: reading row {row} failed: {os.strerror(err)} (the file was "
+                              "cut short under its mapping)")
+            raise CorruptStoreError(f"{self.location}/{key}: row {row} is outside the chunk")
 
     def evict_page_cache(self) -> None:
         """Drop this array's pages from memory, for cold-start measurements: the mapping's pages (MADV_DONTNEED;
         mapped pages survive fadvise) and then the file's page cache (written back first, POSIX_FADV_DONTNEED)."""
-        for m in self._mmaps.values():
+        for m, _ in self._maps.values():
             m.madvise(mmap.MADV_DONTNEED)
         chunk = 0
         while os.path.exists(self._file(chunk)):
@@ -134,8 +153,7 @@ class MappedArray:
             chunk += 1
 
     def close(self) -> None:
-        self._maps.clear()  # each mmap closes when its last view is gone
-        self._mmaps.clear()
+        self._maps.clear()  # each mmap closes when no gather holds it any more
         self.MAPS.leave(self)
 
 

@@ -266,6 +266,19 @@ def test_warm_gathers_decode_from_the_mapped_shards_and_a_cold_one_goes_back_to_
     store.close()
 
 
+def _big_store_reader(path: Path, compressors: dict | None = None) -> tuple[EpisodeStore, ChunkReader, np.ndarray]:
+    """A store of 4 episodes of noise frames at ``path``, opened again for reading, a reader of it (2 threads) and
+    every frame as appended."""
+    with EpisodeStore.create(path, BIG, ACT, chunk_rows=CHUNK_ROWS, compressors=compressors) as store:
+        episodes = [_big_episode(e) for e in range(4)]
+        for ep in episodes:
+            store.append_episode(ep)
+    store = EpisodeStore.open(path)
+    reader = ChunkReader(store, io_threads=2)
+    reader.observe(store.snapshot())
+    return store, reader, np.concatenate([ep["pixels"] for ep in episodes])
+
+
 @pytest.mark.parametrize("warm", [0, 10**9], ids=["mapped", "pread"])
 def test_a_shard_cut_short_in_place_under_a_sampler_is_an_io_error_naming_it(tmp_path, monkeypatch, warm):
     """Another process cuts a shard short in place while a sampler has it open (and mapped): the gathers reading
@@ -277,14 +290,7 @@ def test_a_shard_cut_short_in_place_under_a_sampler_is_an_io_error_naming_it(tmp
 
     monkeypatch.setattr(reader_module, "WARM_GATHERS", warm)
     path = tmp_path / "s"
-    with EpisodeStore.create(path, BIG, ACT, chunk_rows=CHUNK_ROWS) as store:
-        episodes = [_big_episode(e) for e in range(4)]
-        for ep in episodes:
-            store.append_episode(ep)
-    want = np.concatenate([ep["pixels"] for ep in episodes])
-    store = EpisodeStore.open(path)
-    reader = ChunkReader(store, io_threads=2)
-    reader.observe(store.snapshot())
+    store, reader, want = _big_store_reader(path)
     assert np.array_equal(reader.gather("steps/pixels", np.arange(CHUNK_ROWS)), want[:CHUNK_ROWS])  # shard 0 open
     shard = path / "steps" / "pixels" / "c.0.0.0.0"
     os.truncate(shard, 8 * 4096)  # rows past the first pages of the shard are gone
@@ -293,6 +299,35 @@ def test_a_shard_cut_short_in_place_under_a_sampler_is_an_io_error_naming_it(tmp
         reader.gather("steps/pixels", np.arange(CHUNK_ROWS))
     assert e.value.errno == errno.EIO
     np.testing.assert_array_equal(reader.gather("steps/pixels", np.array([0, 1])), want[:2])
+    reader.close()
+    store.close()
+
+
+def test_an_uncompressed_chunk_cut_short_in_place_under_a_sampler_is_an_io_error_naming_it(tmp_path):
+    """Another process cuts a memory-mapped chunk of uncompressed frames short in place: a gather reading past its new
+    end raised SIGBUS in numpy's copy, which killed the process; now it raises OSError EIO naming the chunk and the
+    row, and the rows before the cut still read."""
+    import errno
+
+    path = tmp_path / "s"
+    store, reader, want = _big_store_reader(path, {"pixels": None})
+    spec = store.layout.fields["pixels"][0]  # the frames are the uint8 pack's one column
+    pixels = reader.arrays[spec.path]
+    assert type(pixels).__name__ == "MappedArray" and spec.columns == (("pixels", 0, want[0].size),)
+
+    def gather(rows: np.ndarray) -> np.ndarray:
+        return reader.gather(spec.path, rows).reshape(-1, *want.shape[1:])
+
+    assert np.array_equal(gather(np.arange(2 * CHUNK_ROWS)), want[: 2 * CHUNK_ROWS])
+    chunk = path / pixels.spec.chunk_key(0)
+    row_nbytes = pixels.spec.row_nbytes
+    os.truncate(chunk, 3 * row_nbytes)  # rows 3.. of chunk 0 are gone (the page holding row 3 goes with them)
+    pixels.evict_page_cache()
+    with pytest.raises(OSError, match=rf"{pixels.spec.chunk_key(0)}: reading row \d+ failed") as e:
+        gather(np.arange(CHUNK_ROWS))
+    assert e.value.errno == errno.EIO
+    for some in (np.array([0, 1]), np.arange(CHUNK_ROWS, 2 * CHUNK_ROWS), np.array([1, CHUNK_ROWS + 2])):
+        np.testing.assert_array_equal(gather(some), want[some])  # before the cut, and chunk 1
     reader.close()
     store.close()
 

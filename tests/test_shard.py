@@ -596,6 +596,45 @@ def test_an_encode_task_waited_for_from_many_threads_and_in_a_forked_child():
             waiter.join()
 
 
+def test_take_rows_copies_rows_of_a_mapping_and_fails_one_the_file_no_longer_has(tmp_path):
+    """An uncompressed chunk's gather: out[i] = row rows[i] - first of the mapping (rows from ``skip`` on), as numpy's
+    take; a row outside it fails (errno 0), and one past the end of a file cut short in place under its mapping fails
+    with EIO, the rows before it copied (numpy's copy raised SIGBUS, which ended the process)."""
+    import mmap
+
+    row_nbytes, skip = 1000, 24
+    data = np.random.default_rng(2).integers(0, 256, 40 * row_nbytes, np.uint8)
+    (tmp_path / "f").write_bytes(bytes(skip) + data.tobytes())
+    table = data.reshape(40, row_nbytes)
+    rows = np.array([7, 3, 3, 39, 0], np.int64) + 100  # rows of a chunk starting at row 100
+    out = np.zeros((5, row_nbytes), np.uint8)
+    with open(tmp_path / "f", "r+b") as f:
+        m = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        assert _frames.take_rows(m, rows, 100, skip, out, row_nbytes) == (-1, 0)
+        np.testing.assert_array_equal(out, table[rows - 100])
+        assert _frames.take_rows(m, np.array([101, 140], np.int64), 100, skip, out, row_nbytes) == (1, 0)  # outside
+        assert _frames.take_rows(m, np.array([101, 99], np.int64), 100, skip, out, row_nbytes) == (1, 0)
+        for args in (
+            (m, rows.astype(np.int32)[:3], 100, skip, out, row_nbytes),  # not int64 rows
+            (m, rows, 100, skip, out[:4], row_nbytes),  # out too small
+            (m, rows, 100, len(m) + 1, out, row_nbytes),  # skip past the mapping
+            (m, rows, 100, skip, out, 0),
+        ):
+            with pytest.raises(ValueError, match="rows must be int64"):
+                _frames.take_rows(*args)
+        m.madvise(mmap.MADV_DONTNEED)
+        os.ftruncate(f.fileno(), skip + 20 * row_nbytes)  # rows 20.. gone; row 19 ends on the last page kept
+        big = np.arange(40, dtype=np.int64) + 100  # 40 KB: copied without the GIL
+        out = np.zeros((40, row_nbytes), np.uint8)
+        failed, err = _frames.take_rows(m, big, 100, skip, out, row_nbytes)
+        assert err == errno.EIO and 20 <= failed <= 24  # the first row on a page past the end
+        np.testing.assert_array_equal(out[:failed], table[:failed])
+        failed, err = _frames.take_rows(m, big[:3], 100, skip, out, row_nbytes)  # small: with the GIL held
+        assert (failed, err) == (-1, 0)
+        assert _frames.take_rows(m, big[30:33], 100, skip, out, row_nbytes) == (0, errno.EIO)
+        del m
+
+
 def test_decode_lz4_refuses_bad_arguments():
     blob, offsets, nbytes, _ = _lz4_rows(3)
     out = np.empty((3, *ROW), np.uint8)
