@@ -23,8 +23,8 @@
  *       bytes offset .. offset + length of an open file, mapped read-only (MADV_RANDOM: a page fault reads its page
  *       alone) as a buffer; unmapped when the last reference goes. It holds no file descriptor. Its drop_pages()
  *       lets its pages go from this process, so that the page cache can drop them (a cold start).
- *   take_rows(src, rows, first, skip, out, row_nbytes) -> (index, errno)
- *       an uncompressed array's gather: out[i] = row rows[i] - first of a mapped chunk (its row k at skip + k *
+ *   take_rows(src, rows, first, skip, out, row_nbytes[, at]) -> (index, errno)
+ *       an uncompressed array's gather: out[i] (or out[at[i]]) = row rows[i] - first of a mapped chunk (its row k at skip + k *
  *       row_nbytes), as numpy's take, but a page the file no longer has fails the row with EIO instead of SIGBUS.
  *   decode_lz4(src, offsets, nbytes, out, row_nbytes) -> (index, errno)
  *       the same, reading row i from src[offsets[i] : offsets[i] + nbytes[i]] (a shard fetched whole).
@@ -469,19 +469,25 @@ static void map_job_run(MapJob *j) {
     __atomic_add_fetch(&j->inblock, blocks_read() - before, __ATOMIC_RELAXED);
 }
 
-/* take_rows(src, rows, first, skip, out, row_nbytes) -> (index, errno): out[i] = row rows[i] - first of src, whose row
-   k is bytes skip + k * row_nbytes .. (a mapped chunk of an uncompressed array). A row outside src fails (errno 0);
+/* take_rows(src, rows, first, skip, out, row_nbytes[, at]) -> (index, errno): out[i] (out[at[i]]) = row rows[i] - first
+   of src, whose row k is bytes skip + k * row_nbytes .. (a mapped chunk of an uncompressed array). A row outside src fails (errno 0);
    a page the file no longer has (cut short in place under its mapping: SIGBUS) fails its row with EIO, where
-   numpy's copy would have killed the process. Large copies release the GIL. */
-#define TAKE_NOGIL_BYTES (64 << 10)
+   numpy's copy would have killed the process. The GIL is released, as numpy's take releases it: a cold row is a
+   page fault, a disk read, and a store larger than RAM overlaps them across threads. */
 static PyObject *take_rows(PyObject *self, PyObject *args) {
-    Py_buffer src, rows, dst;
+    Py_buffer src, rows, dst, at = {0};
     Py_ssize_t first, skip, row_nbytes;
-    if (!PyArg_ParseTuple(args, "y*y*nnw*n", &src, &rows, &first, &skip, &dst, &row_nbytes)) return NULL;
-    Py_ssize_t n = rows.len / 8;
-    if (row_nbytes <= 0 || rows.len != n * 8 || dst.len < n * row_nbytes || skip < 0 || skip > src.len) {
+    if (!PyArg_ParseTuple(args, "y*y*nnw*n|y*", &src, &rows, &first, &skip, &dst, &row_nbytes, &at)) return NULL;
+    Py_ssize_t n = rows.len / 8, out_rows = row_nbytes > 0 ? dst.len / row_nbytes : 0;
+    const int64_t *to = at.buf; /* out's row for each row (default: i) */
+    int bad = row_nbytes <= 0 || rows.len != n * 8 || skip < 0 || skip > src.len;
+    bad = bad || (to ? at.len != n * 8 : out_rows < n);
+    for (Py_ssize_t i = 0; !bad && to && i < n; i++) bad = to[i] < 0 || to[i] >= out_rows;
+    if (bad) {
         PyBuffer_Release(&src), PyBuffer_Release(&rows), PyBuffer_Release(&dst);
-        PyErr_SetString(PyExc_ValueError, "rows must be int64, out must hold them, row_nbytes > 0, skip within src");
+        if (at.obj) PyBuffer_Release(&at);
+        PyErr_SetString(PyExc_ValueError, "rows (and at) must be int64, out must hold them, row_nbytes > 0, skip "
+                                          "within src");
         return NULL;
     }
     MapJob j; /* what the SIGBUS handler asks about: the one mapping read from */
@@ -493,8 +499,7 @@ static PyObject *take_rows(PyObject *self, PyObject *args) {
     int64_t have = ((int64_t)src.len - skip) / row_nbytes;
     volatile Py_ssize_t at_row = 0, failed = -1;
     volatile int err = 0;
-    int nogil = n * row_nbytes >= TAKE_NOGIL_BYTES;
-    PyThreadState *saved = nogil ? PyEval_SaveThread() : NULL;
+    PyThreadState *saved = PyEval_SaveThread();
     pthread_once(&bus_once, bus_install);
     sigjmp_buf jump;
     if (sigsetjmp(jump, 1)) { /* a page of the file past its end: the file shrank under its mapping */
@@ -511,12 +516,13 @@ static PyObject *take_rows(PyObject *self, PyObject *args) {
                 failed = i;
                 break;
             }
-            memcpy(out + i * row_nbytes, from + r * row_nbytes, (size_t)row_nbytes);
+            memcpy(out + (to ? to[i] : i) * row_nbytes, from + r * row_nbytes, (size_t)row_nbytes);
         }
         bus_job = NULL;
     }
-    if (saved) PyEval_RestoreThread(saved);
+    PyEval_RestoreThread(saved);
     PyBuffer_Release(&src), PyBuffer_Release(&rows), PyBuffer_Release(&dst);
+    if (at.obj) PyBuffer_Release(&at);
     return Py_BuildValue("(ni)", (Py_ssize_t)failed, (int)err);
 }
 

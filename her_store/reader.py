@@ -119,21 +119,21 @@ class MappedArray:
         cr = self.chunk_rows
         chunk = rows // cr
         lo, hi = int(chunk.min()), int(chunk.max())
+        rows = np.ascontiguousarray(rows, np.int64)
         if lo == hi:
             self._take(lo, rows, out)
             return
         for c in range(lo, hi + 1):
             sel = np.flatnonzero(chunk == c)
             if sel.size:
-                part = np.empty((sel.size, *out.shape[1:]), out.dtype)
-                self._take(c, rows[sel], part)
-                out[sel] = part
+                self._take(c, rows[sel], out, sel)
 
-    def _take(self, chunk: int, rows: np.ndarray, out: np.ndarray) -> None:
-        """Rows ``rows`` (of chunk ``chunk``) into ``out``, copied from the chunk's mapping in C."""
+    def _take(self, chunk: int, rows: np.ndarray, out: np.ndarray, at: np.ndarray | None = None) -> None:
+        """Rows ``rows`` (int64, of chunk ``chunk``) into ``out`` (its rows ``at``), copied from the chunk's mapping
+        in C."""
         m, skip = self._map(chunk)
-        rows = np.ascontiguousarray(rows, np.int64)
-        failed, err = _frames.take_rows(m, rows, chunk * self.chunk_rows, skip, out, self.spec.row_nbytes)
+        args = (m, rows, chunk * self.chunk_rows, skip, out, self.spec.row_nbytes)
+        failed, err = _frames.take_rows(*args) if at is None else _frames.take_rows(*args, at)
         if failed >= 0:
             key = self.spec.chunk_key(chunk)
             row = int(rows[failed]) - chunk * self.chunk_rows

@@ -619,18 +619,22 @@ def test_take_rows_copies_rows_of_a_mapping_and_fails_one_the_file_no_longer_has
             (m, rows, 100, skip, out[:4], row_nbytes),  # out too small
             (m, rows, 100, len(m) + 1, out, row_nbytes),  # skip past the mapping
             (m, rows, 100, skip, out, 0),
+            (m, rows, 100, skip, out, row_nbytes, np.array([0, 1, 2, 3, 5])),  # at: a row outside out
+            (m, rows, 100, skip, out, row_nbytes, np.array([0, 1], np.int64)),  # at: not one per row
         ):
-            with pytest.raises(ValueError, match="rows must be int64"):
+            with pytest.raises(ValueError, match=r"rows \(and at\) must be int64"):
                 _frames.take_rows(*args)
+        out[:] = 0
+        assert _frames.take_rows(m, rows, 100, skip, out, row_nbytes, np.array([4, 3, 2, 1, 0])) == (-1, 0)
+        np.testing.assert_array_equal(out[::-1], table[rows - 100])  # row i into out[at[i]]
         m.madvise(mmap.MADV_DONTNEED)
         os.ftruncate(f.fileno(), skip + 20 * row_nbytes)  # rows 20.. gone; row 19 ends on the last page kept
-        big = np.arange(40, dtype=np.int64) + 100  # 40 KB: copied without the GIL
+        big = np.arange(40, dtype=np.int64) + 100
         out = np.zeros((40, row_nbytes), np.uint8)
         failed, err = _frames.take_rows(m, big, 100, skip, out, row_nbytes)
         assert err == errno.EIO and 20 <= failed <= 24  # the first row on a page past the end
         np.testing.assert_array_equal(out[:failed], table[:failed])
-        failed, err = _frames.take_rows(m, big[:3], 100, skip, out, row_nbytes)  # small: with the GIL held
-        assert (failed, err) == (-1, 0)
+        assert _frames.take_rows(m, big[:3], 100, skip, out, row_nbytes) == (-1, 0)
         assert _frames.take_rows(m, big[30:33], 100, skip, out, row_nbytes) == (0, errno.EIO)
         del m
 
