@@ -470,7 +470,8 @@ static void map_job_run(MapJob *j) {
 }
 
 /* take_rows(src, rows, first, skip, out, row_nbytes[, at]) -> (index, errno): out[i] (out[at[i]]) = row rows[i] - first
-   of src, whose row k is bytes skip + k * row_nbytes .. (a mapped chunk of an uncompressed array). A row outside src fails (errno 0);
+   of src, whose row k is bytes skip + k * row_nbytes .. (a mapped chunk of an uncompressed array). A row outside src,
+   or an at outside out, fails (errno 0);
    a page the file no longer has (cut short in place under its mapping: SIGBUS) fails its row with EIO, where
    numpy's copy would have killed the process. The GIL is released, as numpy's take releases it: a cold row is a
    page fault, a disk read, and a store larger than RAM overlaps them across threads. */
@@ -482,12 +483,11 @@ static PyObject *take_rows(PyObject *self, PyObject *args) {
     const int64_t *to = at.buf; /* out's row for each row (default: i) */
     int bad = row_nbytes <= 0 || rows.len != n * 8 || skip < 0 || skip > src.len;
     bad = bad || (to ? at.len != n * 8 : out_rows < n);
-    for (Py_ssize_t i = 0; !bad && to && i < n; i++) bad = to[i] < 0 || to[i] >= out_rows;
     if (bad) {
         PyBuffer_Release(&src), PyBuffer_Release(&rows), PyBuffer_Release(&dst);
         if (at.obj) PyBuffer_Release(&at);
-        PyErr_SetString(PyExc_ValueError, "rows (and at) must be int64, out must hold them, row_nbytes > 0, skip "
-                                          "within src");
+        PyErr_SetString(PyExc_ValueError, "rows (and at) must be int64 (8 bytes an entry), out must hold them, "
+                                          "row_nbytes > 0, skip within src");
         return NULL;
     }
     MapJob j; /* what the SIGBUS handler asks about: the one mapping read from */
@@ -511,12 +511,13 @@ static PyObject *take_rows(PyObject *self, PyObject *args) {
         bus_job = &j;
         for (Py_ssize_t i = 0; i < n; i++) {
             at_row = i;
-            int64_t r = want[i] - first;
-            if (r < 0 || r >= have) {
+            /* each entry read once and checked as it is used (rows and at may share memory with out) */
+            int64_t r = want[i] - first, k = to ? to[i] : i;
+            if (r < 0 || r >= have || k < 0 || k >= out_rows) {
                 failed = i;
                 break;
             }
-            memcpy(out + (to ? to[i] : i) * row_nbytes, from + r * row_nbytes, (size_t)row_nbytes);
+            memcpy(out + k * row_nbytes, from + r * row_nbytes, (size_t)row_nbytes);
         }
         bus_job = NULL;
     }

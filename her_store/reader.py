@@ -75,15 +75,15 @@ class MappedArray:
         self.root = location.root
         self.chunk_rows = spec.chunk_rows
         self.random_access = random_access
-        self._maps: dict[int, tuple[mmap.mmap, int]] = {}  # per chunk: its mapping, where its rows start in it
+        self._maps: dict[int, tuple[mmap.mmap, int, int]] = {}  # per chunk: its mapping, its rows' start in it and end in the file
         self._lock = threading.Lock()
         self.MAPS.join(self)
 
     def _file(self, chunk: int) -> str:
         return os.path.join(self.root, self.spec.chunk_key(chunk))
 
-    def _map(self, chunk: int) -> tuple[mmap.mmap, int]:
-        """The chunk's mapping and where its rows start in it (mapped on first use)."""
+    def _map(self, chunk: int) -> tuple[mmap.mmap, int, int]:
+        """The chunk's mapping, where its rows start in it, and where they end in the file (mapped on first use)."""
         got = self._maps.get(chunk)
         if got is not None:
             return got
@@ -104,7 +104,7 @@ class MappedArray:
                 if len(self._maps) >= bound:
                     for old in list(self._maps)[: len(self._maps) - bound // 2 + 1]:
                         del self._maps[old]
-                self._maps[chunk] = got = (m, skip)
+                self._maps[chunk] = got = (m, skip, base + need)
         return got
 
     def gather(self, rows: np.ndarray, out: np.ndarray) -> None:
@@ -113,8 +113,9 @@ class MappedArray:
         Raises
         ------
         OSError
-            EIO: a chunk file was cut short in place under its mapping (by another process); the rows past its new
-            end cannot be read (a plain copy from the mapping would end the process with SIGBUS).
+            EIO: a chunk file was cut short in place under its mapping (by another process): rows past its new end
+            cannot be read (on pages past it, a plain copy from the mapping would end the process with SIGBUS; on its
+            last page, they would read as zeros). Rows before the cut still read.
         """
         cr = self.chunk_rows
         chunk = rows // cr
@@ -131,9 +132,14 @@ class MappedArray:
     def _take(self, chunk: int, rows: np.ndarray, out: np.ndarray, at: np.ndarray | None = None) -> None:
         """Rows ``rows`` (int64, of chunk ``chunk``) into ``out`` (its rows ``at``), copied from the chunk's mapping
         in C."""
-        m, skip = self._map(chunk)
+        m, skip, end = self._map(chunk)
         args = (m, rows, chunk * self.chunk_rows, skip, out, self.spec.row_nbytes)
         failed, err = _frames.take_rows(*args) if at is None else _frames.take_rows(*args, at)
+        if failed < 0 and m.size() < end:  # cut short in place, but not below these rows' pages
+            size, first = m.size(), chunk * self.chunk_rows
+            past = np.flatnonzero(end + (rows - first + 1 - self.chunk_rows) * self.spec.row_nbytes > size)
+            if past.size:  # rows past the new end on its last page: they read as zeros
+                failed, err = int(past[0]), errno.EIO
         if failed >= 0:
             key = self.spec.chunk_key(chunk)
             row = int(rows[failed]) - chunk * self.chunk_rows
@@ -145,7 +151,7 @@ class MappedArray:
     def evict_page_cache(self) -> None:
         """Drop this array's pages from memory, for cold-start measurements: the mapping's pages (MADV_DONTNEED;
         mapped pages survive fadvise) and then the file's page cache (written back first, POSIX_FADV_DONTNEED)."""
-        for m, _ in self._maps.values():
+        for m, _, _ in self._maps.values():
             m.madvise(mmap.MADV_DONTNEED)
         chunk = 0
         while os.path.exists(self._file(chunk)):
@@ -1064,10 +1070,20 @@ class ChunkReader:
         # in the calling thread, so the default splits only decoding
         self.io_threads = 0 if io_threads is None else int(io_threads)
         self.decode_threads = CORES if io_threads is None and sharded else self.io_threads
-        threads = max(self.io_threads, self.decode_threads)
-        self._pool = ThreadPoolExecutor(threads, thread_name_prefix="her_store-io") if threads else None
+        self._threads = max(self.io_threads, self.decode_threads)
+        self._threads_of: ThreadPoolExecutor | None = None
+        self._threads_pid = -1
         self._end = 0  # one past the newest episode id observed
         self._lock = threading.Lock()
+
+    @property
+    def _pool(self) -> ThreadPoolExecutor | None:
+        """The reader's threads (None for none), started at the first gather of each process: a forked child has
+        none of its parent's, and a gather handed to them waited forever."""
+        if self._threads and self._threads_pid != os.getpid():
+            self._threads_of = ThreadPoolExecutor(self._threads, thread_name_prefix="her_store-io")
+            self._threads_pid = os.getpid()
+        return self._threads_of
 
     def gather(self, path: str, rows: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
         """Rows ``rows`` of array ``path`` as ``(len(rows), *row_shape)``."""
@@ -1170,8 +1186,8 @@ class ChunkReader:
             arr.evict_page_cache()
 
     def close(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=True)
-            self._pool = None
+        if self._threads_of is not None and self._threads_pid == os.getpid():
+            self._threads_of.shutdown(wait=True)
+        self._threads_of, self._threads = None, 0
         for arr in self.arrays.values():
             arr.close()

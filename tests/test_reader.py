@@ -13,7 +13,7 @@ from gymnasium import spaces
 
 from her_store import EpisodeStore, HerSampler
 from her_store.errors import CorruptStoreError, StoreError
-from her_store.reader import WARM_GATHERS, CachedArray, ChunkReader, ShardedArray
+from her_store.reader import MIN_ROWS_PER_THREAD, WARM_GATHERS, CachedArray, ChunkReader, ShardedArray
 from her_store.storage import drop_page_cache
 from tests.test_differential import ACT, OBS, episode, rows, wrong_rows
 from tests.test_sampler import sparse_reward
@@ -328,6 +328,40 @@ def test_an_uncompressed_chunk_cut_short_in_place_under_a_sampler_is_an_io_error
     assert e.value.errno == errno.EIO
     for some in (np.array([0, 1]), np.arange(CHUNK_ROWS, 2 * CHUNK_ROWS), np.array([1, CHUNK_ROWS + 2])):
         np.testing.assert_array_equal(gather(some), want[some])  # before the cut, and chunk 1
+    # a chunk of small rows cut within its last page: the rows past the cut read as zeros from the mapping (no
+    # SIGBUS there); they fail too
+    floats = store.layout.fields["reward"][0].path
+    kept = reader.gather(floats, np.arange(CHUNK_ROWS))
+    row_nbytes = reader.arrays[floats].spec.row_nbytes
+    assert CHUNK_ROWS * row_nbytes < 4096
+    os.truncate(path / reader.arrays[floats].spec.chunk_key(0), 3 * row_nbytes)
+    with pytest.raises(OSError, match=r"reading row 5 failed") as e:
+        reader.gather(floats, np.array([1, 5, 2]))
+    assert e.value.errno == errno.EIO
+    np.testing.assert_array_equal(reader.gather(floats, np.array([2, 0])), kept[[2, 0]])
+    reader.close()
+    store.close()
+
+
+def test_a_forked_child_gathers_with_threads_of_its_own(tmp_path):
+    """A reader whose gathers are split across its threads, used before a fork: the child's first split gather
+    waited forever for the parent's threads, which a child does not have; it starts its own."""
+    import signal
+
+    path = tmp_path / "s"
+    store, reader, want = _big_store_reader(path, {"pixels": None})
+    spec = store.layout.fields["pixels"][0]
+    reader.io_threads = 2  # the uint8 pack's gathers split too
+    rows = np.arange(len(want))
+    assert len(rows) >= 2 * MIN_ROWS_PER_THREAD
+    assert np.array_equal(reader.gather(spec.path, rows).reshape(want.shape), want)
+    pid = os.fork()
+    if pid == 0:  # the child: exit 0 when its gathers are right, 1 otherwise; a hang is killed
+        signal.signal(signal.SIGALRM, signal.SIG_DFL)  # (whatever a test runner's plugins set)
+        signal.alarm(20)
+        ok = np.array_equal(reader.gather(spec.path, rows).reshape(want.shape), want)
+        os._exit(0 if ok else 1)
+    assert os.waitpid(pid, 0)[1] == 0
     reader.close()
     store.close()
 

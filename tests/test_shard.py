@@ -619,7 +619,6 @@ def test_take_rows_copies_rows_of_a_mapping_and_fails_one_the_file_no_longer_has
             (m, rows, 100, skip, out[:4], row_nbytes),  # out too small
             (m, rows, 100, len(m) + 1, out, row_nbytes),  # skip past the mapping
             (m, rows, 100, skip, out, 0),
-            (m, rows, 100, skip, out, row_nbytes, np.array([0, 1, 2, 3, 5])),  # at: a row outside out
             (m, rows, 100, skip, out, row_nbytes, np.array([0, 1], np.int64)),  # at: not one per row
         ):
             with pytest.raises(ValueError, match=r"rows \(and at\) must be int64"):
@@ -627,6 +626,17 @@ def test_take_rows_copies_rows_of_a_mapping_and_fails_one_the_file_no_longer_has
         out[:] = 0
         assert _frames.take_rows(m, rows, 100, skip, out, row_nbytes, np.array([4, 3, 2, 1, 0])) == (-1, 0)
         np.testing.assert_array_equal(out[::-1], table[rows - 100])  # row i into out[at[i]]
+        assert _frames.take_rows(m, rows, 100, skip, out, row_nbytes, np.array([0, 1, 2, 3, 5])) == (4, 0)  # outside
+        # at sharing memory with out, each entry checked as it is used: a row copied over the next entry (a huge
+        # value) fails that row, rather than writing far outside out (a segmentation fault)
+        huge = np.full(8, 2**44, np.int64).view(np.uint8)
+        (tmp_path / "g").write_bytes(huge.tobytes() * 2)
+        with open(tmp_path / "g", "rb") as g:
+            rows8 = mmap.mmap(g.fileno(), 0, access=mmap.ACCESS_READ)
+            into = np.zeros(16, np.int64)
+            into[:2] = [1, 0]  # at = into[:2]: row 0 goes to into[1], which is at[1]
+            assert _frames.take_rows(rows8, np.array([0, 1], np.int64), 0, 0, into.view(np.uint8), 8, into[:2]) == (1, 0)
+            del rows8
         m.madvise(mmap.MADV_DONTNEED)
         os.ftruncate(f.fileno(), skip + 20 * row_nbytes)  # rows 20.. gone; row 19 ends on the last page kept
         big = np.arange(40, dtype=np.int64) + 100
