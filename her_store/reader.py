@@ -96,6 +96,10 @@ class MappedArray:
                 with f:
                     if size < need:
                         raise CorruptStoreError(f"{self.location}/{key}: {size:,} bytes, a chunk holds {need:,}")
+                    if os.fstat(f.fileno()).st_size < base + need:  # a packed store's file cut short past its index
+                        raise CorruptStoreError(
+                            f"{self.location}/{key}: the file ends before the chunk's rows do (cut short)"
+                        )
                     skip = base % mmap.ALLOCATIONGRANULARITY  # a map starts on a page; a packed store's members do
                     m = mmap.mmap(f.fileno(), skip + need, access=mmap.ACCESS_READ, offset=base - skip)
                 if self.random_access:

@@ -207,6 +207,32 @@ def test_a_hostile_archive_is_refused_naming_what_is_wrong(packed, tmp_path, kin
         EpisodeStore.open(bad)
 
 
+def test_an_archive_cut_short_after_it_was_opened_fails_the_gathers_of_the_members_it_lost(packed):
+    """The zip is cut short in place, inside a raw chunk's member, after the store was opened (its directory read):
+    mapping that member raised Python's bare ValueError ("mmap length is greater than file size"); now the gather
+    raises CorruptStoreError naming the member, and a member before the cut still reads."""
+    from her_store.reader import ChunkReader
+
+    _, zpath = packed
+    with zipfile.ZipFile(zpath) as zf:
+        members = sorted((i.header_offset, i.filename) for i in zf.infolist() if i.filename.startswith("packs/") and "/c/" in i.filename)
+    (_, kept), (cut_at, lost) = members[0], members[-1]
+    with EpisodeStore.open(zpath) as store:
+        reader = ChunkReader(store)
+        reader.observe(store.snapshot())
+
+        def rows_of(member: str) -> tuple[str, np.ndarray]:  # the array of a chunk's member, and its first rows
+            spec = next(a for a in store.layout.arrays if member.startswith(a.path + "/"))
+            chunk = next(c for c in range(64) if spec.chunk_key(c) == member)
+            return spec.path, np.arange(chunk * spec.chunk_rows, chunk * spec.chunk_rows + 2)
+
+        os.truncate(zpath, cut_at + 100)
+        with pytest.raises(CorruptStoreError, match=rf"{lost}: the file ends before the chunk's rows do"):
+            reader.gather(*rows_of(lost))
+        assert reader.gather(*rows_of(kept)).shape[0] == 2
+        reader.close()
+
+
 def test_a_zip_that_holds_no_store_and_a_file_that_is_no_zip(tmp_path):
     other = tmp_path / "other.zip"
     with zipfile.ZipFile(other, "w") as zf:
