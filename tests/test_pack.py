@@ -215,7 +215,8 @@ def test_an_archive_cut_short_after_it_was_opened_fails_the_gathers_of_the_membe
 
     _, zpath = packed
     with zipfile.ZipFile(zpath) as zf:
-        members = sorted((i.header_offset, i.filename) for i in zf.infolist() if i.filename.startswith("packs/") and "/c/" in i.filename)
+        chunks = [i for i in zf.infolist() if i.filename.startswith("packs/") and "/c/" in i.filename]
+    members = sorted((i.header_offset, i.filename) for i in chunks)
     (_, kept), (cut_at, lost) = members[0], members[-1]
     with EpisodeStore.open(zpath) as store:
         reader = ChunkReader(store)
