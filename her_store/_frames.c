@@ -327,8 +327,9 @@ typedef struct {
    mappings, turns such a fault into a failed row (EIO, as pread's short read): a fault (si_code > 0) of a thread
    decoding from mappings, at an address inside one of its maps, jumps back to its decode. Any other SIGBUS goes to
    the disposition the handler replaced: its handler is called, a default one ends the process, an ignored signal
-   sent by a process stays ignored. A handler installed after ours (faulthandler) gets SIGBUS first; then a
-   truncated map ends the process as it would have without ours. */
+   sent by a process stays ignored. A handler installed after ours gets SIGBUS first: faulthandler's ends the
+   process, as it would have without ours; a Python handler returns, so the faulting copy runs again and faults
+   again forever (as numpy's copy did: Python cannot handle such a signal). */
 static __thread __attribute__((tls_model("initial-exec"))) const MapJob *volatile bus_job; /* the job this thread decodes from mappings, or NULL */
 static __thread __attribute__((tls_model("initial-exec"))) sigjmp_buf *bus_jump;
 static struct sigaction bus_before;
