@@ -371,6 +371,22 @@ static void bus_install(void) {
     sigaction(SIGBUS, &ours, &bus_before);
 }
 
+/* guard the calling thread's reads from j's maps: a fault there jumps to `jump` (set by the caller's sigsetjmp) */
+static void bus_guard(sigjmp_buf *jump, const MapJob *j) {
+    pthread_once(&bus_once, bus_install);
+    bus_jump = jump;
+    __atomic_signal_fence(__ATOMIC_SEQ_CST);
+    bus_job = j;
+}
+
+/* the next rows no run has taken of a job's n, `take` at a time from its counter: 1 and [*first, *end), or 0 */
+static int take_next(Py_ssize_t *next, Py_ssize_t n, Py_ssize_t take, Py_ssize_t *first, Py_ssize_t *end) {
+    *first = __atomic_fetch_add(next, take, __ATOMIC_RELAXED);
+    if (*first >= n) return 0;
+    *end = *first + take < n ? *first + take : n;
+    return 1;
+}
+
 /* release every buffer a MapJob holds (with the GIL) */
 static void map_job_release(MapJob *j) {
     for (Py_ssize_t i = 0; i < j->held; i++) {
@@ -438,20 +454,15 @@ static void map_job_run(MapJob *j) {
     long before = blocks_read();
     sigjmp_buf jump;
     volatile Py_ssize_t at_row = 0; /* the row being decoded, as SIGBUS finds it */
-    pthread_once(&bus_once, bus_install);
     if (sigsetjmp(jump, 1)) { /* a page of a mapped file past its end: the file shrank under its mapping */
         bus_job = NULL;
         map_job_fail(j, at_row, EIO);
         __atomic_add_fetch(&j->inblock, blocks_read() - before, __ATOMIC_RELAXED);
         return;
     }
-    bus_jump = &jump;
-    __atomic_signal_fence(__ATOMIC_SEQ_CST);
-    bus_job = j;
-    while (!__atomic_load_n(&j->stop, __ATOMIC_RELAXED)) {
-        Py_ssize_t first = __atomic_fetch_add(&j->next, TAKE, __ATOMIC_RELAXED);
-        if (first >= j->n) break;
-        Py_ssize_t end = first + TAKE < j->n ? first + TAKE : j->n;
+    bus_guard(&jump, j);
+    Py_ssize_t first, end;
+    while (!__atomic_load_n(&j->stop, __ATOMIC_RELAXED) && take_next(&j->next, j->n, TAKE, &first, &end)) {
         for (Py_ssize_t i = first; i < end; i++) {
             at_row = i;
             /* each entry read once and checked as it is used: the caller's arrays may share memory with out, or be
@@ -501,15 +512,12 @@ static PyObject *take_rows(PyObject *self, PyObject *args) {
     volatile Py_ssize_t at_row = 0, failed = -1;
     volatile int err = 0;
     PyThreadState *saved = PyEval_SaveThread();
-    pthread_once(&bus_once, bus_install);
     sigjmp_buf jump;
     if (sigsetjmp(jump, 1)) { /* a page of the file past its end: the file shrank under its mapping */
         bus_job = NULL;
         failed = at_row, err = EIO;
     } else {
-        bus_jump = &jump;
-        __atomic_signal_fence(__ATOMIC_SEQ_CST);
-        bus_job = &j;
+        bus_guard(&jump, &j);
         for (Py_ssize_t i = 0; i < n; i++) {
             at_row = i;
             /* each entry read once and checked as it is used (rows and at may share memory with out) */
@@ -716,10 +724,8 @@ static void encode_job_run(EncodeJob *j) {
     size_t bound = 4 + (size_t)LZ4_compressBound((int)j->row_nbytes);
     const char *src = j->rows.buf;
     LZ4_stream_t *state = NULL;
-    while (!__atomic_load_n(&j->stop, __ATOMIC_RELAXED)) {
-        Py_ssize_t first = __atomic_fetch_add(&j->next, TAKE_ENCODE, __ATOMIC_RELAXED);
-        if (first >= j->n) break;
-        Py_ssize_t end = first + TAKE_ENCODE < j->n ? first + TAKE_ENCODE : j->n;
+    Py_ssize_t first, end;
+    while (!__atomic_load_n(&j->stop, __ATOMIC_RELAXED) && take_next(&j->next, j->n, TAKE_ENCODE, &first, &end)) {
         if (!state && (state = malloc(sizeof *state)) != NULL) LZ4_initStream(state, sizeof *state);
         /* room for the rows taken, and (rows up to a MiB) for a few more: a run most likely takes more */
         size_t more = bound <= ((size_t)1 << 20) ? 8 : 0;

@@ -137,16 +137,17 @@ class MappedArray:
         """Rows ``rows`` (int64, of chunk ``chunk``) into ``out`` (its rows ``at``), copied from the chunk's mapping
         in C."""
         m, skip, end = self._map(chunk)
-        args = (m, rows, chunk * self.chunk_rows, skip, out, self.spec.row_nbytes)
+        first = chunk * self.chunk_rows
+        args = (m, rows, first, skip, out, self.spec.row_nbytes)
         failed, err = _frames.take_rows(*args) if at is None else _frames.take_rows(*args, at)
-        if failed < 0 and m.size() < end:  # cut short in place, but not below these rows' pages
-            size, first = m.size(), chunk * self.chunk_rows
+        size = m.size() if failed < 0 else end
+        if size < end:  # cut short in place, but not below these rows' pages
             past = np.flatnonzero(end + (rows - first + 1 - self.chunk_rows) * self.spec.row_nbytes > size)
             if past.size:  # rows past the new end on its last page: they read as zeros
                 failed, err = int(past[0]), errno.EIO
         if failed >= 0:
             key = self.spec.chunk_key(chunk)
-            row = int(rows[failed]) - chunk * self.chunk_rows
+            row = int(rows[failed]) - first
             if err:
                 raise OSError(err, f"{self.location}/{key}: reading row {row} failed: {os.strerror(err)} (the file was "
                               "cut short under its mapping)")

@@ -422,7 +422,7 @@ class ShardWriter:
 
         LZ4 rows are encoded by C threads (one per core but the caller's, for SPLIT_BYTES of rows each at least),
         which start before this returns; in :meth:`Encoded.frames` the calling thread encodes the rows they have not
-        taken yet (each takes 8 at a time), so each encodes what it has time for. Other codecs' rows are shared with
+        taken yet (each takes 2 at a time), so each encodes what it has time for. Other codecs' rows are shared with
         the encoder pool: its threads take a share, the calling thread encodes the rest before this returns, and the
         threads' share is kept where both finish together (:class:`~her_store.balance.Balance`).
         """
