@@ -1,14 +1,15 @@
-"""``her-store verify``: check a store against FORMAT.md and every live episode's crc32, reading chunk files whole; repair.
+"""``her-store verify``: check a store against FORMAT.md and every live episode's crc32, reading chunk files in order; repair.
 
 Opening a store (:meth:`EpisodeStore.open`) already checks its attributes, its arrays' metadata, the commit record
 against the store and the index (episode ids, row ranges inside the arrays, no two live episodes sharing a row, the
 lengths against ``num_transitions``); a store it refuses is reported with that reason. :func:`verify` then checks
 what opening does not read: every chunk file and shard holding committed rows (present, of its size, a shard's index
 parsing and holding every committed row), every live episode's crc32 (the rule of FORMAT.md, Checksums, computed
-from whole chunk files read in order, one large read each, the next read while the current one is checksummed), and
-what a commit that never completed left past the record (index rows of ids never committed; an unbounded store's
-rows past ``write_row``), and in any store the chunks holding no committed row that a writer could not read or write
-in place (something else in their place, a file with another hard link).
+from chunk files read in order, a shard in one read and a raw chunk in pieces of PIECE_BYTES, into buffers used again,
+the next reads under way while the current one is checksummed), and what a commit that never completed left past
+the record (index rows of ids never committed; an unbounded store's rows past ``write_row``, of which only the
+file's data is read, not its holes), and in any store the chunks holding no committed row that a writer could not
+read or write in place (something else in their place, a file with another hard link).
 
 :func:`repair` drops, with a new commit, the episodes that fail their crc32 or whose rows are missing, clears an
 uncommitted tail, removes such chunks and gives a committed chunk with another hard link a copy of its own. Episode ids are consecutive, so episodes are dropped as the ring drops them: bad episodes at the
@@ -20,9 +21,11 @@ from __future__ import annotations
 
 import argparse
 import bisect
+import errno
 import json
 import os
 import shutil
+import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
@@ -46,6 +49,8 @@ __all__ = ["Problem", "Report", "add_arguments", "repair", "run", "verify"]
 INDEX_TAIL_PIECE = 4096  # index positions read at a time when looking for rows of ids never committed
 READ_AHEAD = 64 << 20  # bytes of chunk files read ahead of the one being checked
 READ_THREADS = 4  # reads in flight: small files (shards) keep the disk's queue filled
+PIECE_BYTES = 16 << 20  # a raw chunk is read and checksummed this much at a time (whole rows)
+SPARE_BYTES = 2 * READ_AHEAD  # read buffers kept for later reads, at most
 
 
 @dataclass(frozen=True)
@@ -218,14 +223,19 @@ class _Check:
         self.crcs = np.zeros(len(order), np.uint32)  # running crc32 per episode, chained over arrays in layout order
         self.bad = np.zeros(len(order), bool)
         self.report = Report(store.url, episodes=len(order), transitions=int(table["length"].sum()))
+        self._spare: list[np.ndarray] = []  # read buffers given back (_buffer)
+        self._spare_lock = threading.Lock()
 
     def run(self, t0: float) -> Report:
-        jobs = [(spec, c) for spec in self.store.layout.arrays for c in self._chunks(spec)]
-        sizes = [min(self._size(spec, c), self._limit(spec, c)) for spec, c in jobs] if self.loc.is_local else None
+        chunks = [(spec, c) for spec in self.store.layout.arrays for c in self._chunks(spec)]
+        sizes = [min(self._size(spec, c), self._limit(spec, c)) for spec, c in chunks] if self.loc.is_local else None
         bar = progress_bar(sum(sizes) if sizes else None, "verifying", self.progress, unit="B", unit_scale=True)
+        jobs = [piece for spec, c in chunks for piece in self._pieces(spec, c)]
         with bar, ThreadPoolExecutor(READ_THREADS, thread_name_prefix="her_store-verify") as pool:
-            for spec, c, read in self._prefetched(pool, jobs):
-                nbytes = self._check_chunk(spec, c, read)
+            for (spec, c, lo, hi), read in self._prefetched(pool, jobs):
+                nbytes = self._check_chunk(spec, c, read, lo, hi)
+                if read is not None:
+                    self._give_back(read[0])
                 self.report.bytes_read += nbytes
                 bar.update(nbytes)
         r = self.report
@@ -248,6 +258,15 @@ class _Check:
         """The chunks (shards) of an array holding committed rows, in order."""
         return chunks_holding(self.starts, self.ends, spec.chunk_rows)
 
+    def _pieces(self, spec: ArraySpec, c: int) -> list[tuple[ArraySpec, int, int, int]]:
+        """Chunk ``c``'s jobs, (spec, c, first byte, end byte) of the bytes to check: a raw chunk's checksummed rows in
+        pieces of about PIECE_BYTES (whole rows), read into buffers used again; anything else in one."""
+        limit = self._limit(spec, c)
+        if spec.compressed or not self.checksums or limit == 0:
+            return [(spec, c, 0, limit)]
+        step = max(1, PIECE_BYTES // spec.row_nbytes) * spec.row_nbytes
+        return [(spec, c, lo, min(lo + step, limit)) for lo in range(0, limit, step)]
+
     def _size(self, spec: ArraySpec, c: int) -> int:
         if self.loc.archive is not None:  # a packed store: the member's size
             return (self.loc.archive.member(spec.chunk_key(c)) or (0, 0))[1]
@@ -267,22 +286,85 @@ class _Check:
             return (min(self.ends_list[k.stop - 1], (c + 1) * cr) - c * cr) * spec.row_nbytes
         return cr * spec.row_nbytes
 
-    def _read(self, spec: ArraySpec, c: int, whole: bool = True, skip: int = 0) -> tuple[bytes | None, int, str | None]:
-        """(the file's bytes from byte ``skip``: a shard's all, a raw chunk's up to its last committed row, or none of
-        them unless ``whole``; its size; or why it cannot be read). A file that does not exist gives (None, 0, None)."""
-        key, limit = spec.chunk_key(c), self._limit(spec, c, skip == 0) if whole else 0
+    def _read(
+        self, spec: ArraySpec, c: int, start: int = 0, end: int | None = None, spare: bool = False
+    ) -> tuple[bytes | memoryview | None, int, str | None]:
+        """(the file's bytes ``start`` .. ``end``, by default a shard's all and a raw chunk's up to its last committed
+        row (from ``start`` 0; all of it from another); its size; or why it cannot be read). A file that does not
+        exist gives (None, 0, None). With ``spare``, a local file's bytes are read into a buffer a checked piece gave
+        back (:meth:`_buffer`), as a memoryview of it: :meth:`_give_back` it once they are checked."""
+        key = spec.chunk_key(c)
+        end = self._limit(spec, c, start == 0) if end is None else end
         path = self.loc.key_path(key)
         try:
             if self.loc.is_local:  # a file of its own, or a member of a packed store
                 f, offset, size = self.loc.open_range(key)
                 with f:
-                    return os.pread(f.fileno(), max(min(size, limit) - skip, 0), offset + skip), size, None
+                    n = max(min(size, end) - start, 0)
+                    if not spare:
+                        return os.pread(f.fileno(), n, offset + start), size, None
+                    view = memoryview(self._buffer(n))[:n]
+                    try:
+                        got = os.preadv(f.fileno(), [view], offset + start)
+                    except BaseException:
+                        self._give_back(view)
+                        raise
+                    return view[:got], size, None
             size = int(self.loc.fs.size(path))
-            return self.loc.fs.cat_file(path, start=skip, end=max(min(size, limit), skip)), size, None
+            return self.loc.fs.cat_file(path, start=start, end=max(min(size, end), start)), size, None
         except FileNotFoundError:
             return None, 0, None
         except (CorruptStoreError, OSError) as e:
             return None, 0, str(e)
+
+    def _buffer(self, n: int) -> np.ndarray:
+        """A buffer of at least ``n`` bytes: the smallest one given back that holds them, else a new one. Bytes read
+        into a new buffer cost a page fault per 4 KiB (the kernel zeroes each page first): as much time again as
+        reading them from a fast disk."""
+        with self._spare_lock:
+            fits = [i for i, b in enumerate(self._spare) if len(b) >= n]
+            if fits:
+                return self._spare.pop(min(fits, key=lambda i: len(self._spare[i])))
+        return np.empty(-(-n // (64 << 10)) * (64 << 10), np.uint8)  # 64 KiB steps: shards of about a size share
+
+    def _give_back(self, data: Any) -> None:
+        """Keep the buffer under ``data`` (a memoryview :meth:`_read` returned) for later reads, up to SPARE_BYTES."""
+        buf = data.obj if isinstance(data, memoryview) else None
+        if not isinstance(buf, np.ndarray):
+            return
+        with self._spare_lock:
+            if sum(b.nbytes for b in self._spare) + buf.nbytes <= SPARE_BYTES:
+                self._spare.append(buf)
+
+    def _holds_bytes(self, spec: ArraySpec, c: int, start: int) -> bool:
+        """Whether a local raw chunk holds a byte other than zero from byte ``start`` on: its data read a piece at a
+        time, past the holes of a file of its own (``SEEK_DATA``, ``SEEK_HOLE``: a hole reads as zeros, and the rows
+        past ``write_row`` of a store are holes unless a commit stopped there). Raises what reading raises."""
+        f, offset, size = self.loc.open_range(spec.chunk_key(c))
+        with f:
+            fd, pos = f.fileno(), start
+            while pos < size:
+                end = size
+                if self.loc.archive is None:
+                    try:
+                        pos = os.lseek(fd, pos, os.SEEK_DATA)
+                    except OSError as e:
+                        if e.errno == errno.ENXIO:  # no data at or past pos
+                            return False
+                        raise
+                    end = min(os.lseek(fd, pos, os.SEEK_HOLE), size)
+                while pos < end:
+                    view = memoryview(self._buffer(min(PIECE_BYTES, end - pos)))[: min(PIECE_BYTES, end - pos)]
+                    try:
+                        got = os.preadv(fd, [view], offset + pos)
+                        if np.frombuffer(view[:got], np.uint8).any():
+                            return True
+                    finally:
+                        self._give_back(view)
+                    if got == 0:
+                        return False
+                    pos += got
+        return False
 
     def _links(self, spec: ArraySpec, c: int) -> int:
         """How many names a raw chunk's file has (1 on object storage and in a packed store, where nothing is written
@@ -294,27 +376,34 @@ class _Check:
         except OSError:
             return 1
 
-    def _prefetched(self, pool: ThreadPoolExecutor, jobs: list[tuple[ArraySpec, int]]) -> Iterator[tuple[ArraySpec, int, Any]]:
-        """The jobs with their files read (one large read each), up to READ_AHEAD bytes of files read ahead on the
-        pool's threads while the current one is checked: the disk stays busy, with several reads queued."""
-        read = lambda job: self._read(*job, whole=self.checksums or job[0].sharded) if not job[0].compressed or job[0].sharded else None
-        ahead: deque[tuple[ArraySpec, int, int, Future]] = deque()
+    def _prefetched(
+        self, pool: ThreadPoolExecutor, jobs: list[tuple[ArraySpec, int, int, int]]
+    ) -> Iterator[tuple[tuple[ArraySpec, int, int, int], Any]]:
+        """The jobs with their bytes read (one large read each), up to READ_AHEAD bytes read ahead on the pool's
+        threads while the current one is checked: the disk stays busy, with several reads queued."""
+
+        def read(job: tuple[ArraySpec, int, int, int]) -> Any:
+            spec, c, lo, hi = job
+            if spec.compressed and not spec.sharded:
+                return None  # a version 1 chunk: decoded through zarr
+            return self._read(spec, c, lo, hi if self.checksums or spec.sharded else 0, spare=True)
+
+        ahead: deque[tuple[tuple[ArraySpec, int, int, int], Future]] = deque()
         queued, at = 0, 0
 
         def fill() -> None:
             nonlocal queued, at
             while at < len(jobs) and (not ahead or queued < READ_AHEAD):
                 job = jobs[at]
-                n = self._limit(*job)
-                ahead.append((*job, n, pool.submit(read, job)))
-                queued, at = queued + n, at + 1
+                ahead.append((job, pool.submit(read, job)))
+                queued, at = queued + job[3] - job[2], at + 1
 
         for _ in jobs:
             fill()
-            spec, c, n, future = ahead.popleft()
-            queued -= n
-            fill()  # the next files are read while this one is checked, however large it is
-            yield spec, c, future.result()
+            job, future = ahead.popleft()
+            queued -= job[3] - job[2]
+            fill()  # the next pieces are read while this one is checked, however large it is
+            yield job, future.result()
 
     # -- one chunk or shard ----------------------------------------------------------------------------------
     def _episodes_in(self, r0: int, r1: int) -> range:
@@ -327,7 +416,9 @@ class _Check:
         sel = sel[(self.starts[sel] < r1) & (self.ends[sel] > r0)]
         return tuple(self.ids[sel].tolist())
 
-    def _check_chunk(self, spec: ArraySpec, c: int, read: Any) -> int:
+    def _check_chunk(self, spec: ArraySpec, c: int, read: Any, lo: int, hi: int) -> int:
+        """Check bytes ``lo`` .. ``hi`` of chunk (shard) ``c`` (a raw chunk's file-level checks with its first piece);
+        returns the bytes read."""
         cr, rb = spec.chunk_rows, spec.row_nbytes
         r0, r1 = c * cr, (c + 1) * cr
         k = self._episodes_in(r0, r1)
@@ -338,11 +429,31 @@ class _Check:
             return self._check_v1_chunk(spec, c, k, where)
         data, size, error = read
         if error is not None:
-            self.report.problems.append(Problem("file", f"{where} cannot be read: {error}", self._affected(k, r0, r1)))
-            self.report.damaged_files.append(spec.chunk_entry(c))
-            self.bad[k.start : k.stop] |= (self.starts[k.start : k.stop] < r1) & (self.ends[k.start : k.stop] > r0)
+            if spec.chunk_entry(c) not in self.report.damaged_files:  # once, whichever of its pieces failed
+                self.report.problems.append(Problem("file", f"{where} cannot be read: {error}", self._affected(k, r0, r1)))
+                self.report.damaged_files.append(spec.chunk_entry(c))
+                self.bad[k.start : k.stop] |= (self.starts[k.start : k.stop] < r1) & (self.ends[k.start : k.stop] > r0)
             return 0
-        links = self._links(spec, c) if data is not None else 1
+        if lo == 0:
+            self._check_file(spec, c, data is not None, size, k, where)
+        if not self.checksums:
+            return 0
+        p0, p1 = r0 + lo // rb, r0 + hi // rb  # the piece's rows
+        if len(data or b"") < hi - lo:  # FORMAT.md: what a raw chunk is missing reads as zeros
+            data = bytes(data or b"").ljust(hi - lo, b"\0")
+        pk = self._episodes_in(p0, p1)
+        a = (np.maximum(self.starts[pk.start : pk.stop], p0) - p0) * rb
+        b = (np.minimum(self.ends[pk.start : pk.stop], p1) - p0) * rb
+        crcs = self.crcs[pk.start : pk.stop].copy()
+        _frames.crc32_runs(memoryview(data), a.astype(np.int64), b.astype(np.int64), crcs)  # one call, no GIL
+        self.crcs[pk.start : pk.stop] = crcs
+        return len(data)
+
+    def _check_file(self, spec: ArraySpec, c: int, exists: bool, size: int, k: range, where: str) -> None:
+        """A raw chunk's file: one name, its full size."""
+        cr, rb = spec.chunk_rows, spec.row_nbytes
+        r0, r1 = c * cr, (c + 1) * cr
+        links = self._links(spec, c) if exists else 1
         if links > 1:
             self.report.problems.append(Problem(
                 "file", f"{where} has {links} names (hard links): a writer, which writes its rows in place, refuses "
@@ -352,21 +463,9 @@ class _Check:
         if size != want:
             # FORMAT.md: raw chunks are always full-size; what is missing reads as zeros (as the readers read it)
             have_rows = min(size, want) // rb
-            what = "is missing" if data is None else f"holds {size:,} bytes, expected {want:,} ({cr:,} rows of {rb} bytes)"
+            what = "is missing" if not exists else f"holds {size:,} bytes, expected {want:,} ({cr:,} rows of {rb} bytes)"
             self.report.problems.append(Problem("file", f"{where} {what}", self._affected(k, r0 + have_rows, r1)))
             self.report.short_files.append((spec.chunk_key(c), want))
-        if not self.checksums:
-            return 0
-        need = (min(self.ends_list[k.stop - 1], r1) - r0) * rb  # what was read: up to the last committed row
-        if len(data or b"") < need:
-            data = (data or b"") + bytes(need - len(data or b""))
-        view = memoryview(data)  # type: ignore[arg-type]
-        a = (np.maximum(self.starts[k.start : k.stop], r0) - r0) * rb
-        b = (np.minimum(self.ends[k.start : k.stop], r1) - r0) * rb
-        crcs = self.crcs[k.start : k.stop].copy()
-        _frames.crc32_runs(view, a.astype(np.int64), b.astype(np.int64), crcs)  # every episode in one call, no GIL
-        self.crcs[k.start : k.stop] = crcs
-        return len(data)
 
     def _check_shard(self, spec: ArraySpec, c: int, read: Any, k: range, where: str) -> int:
         cr = spec.chunk_rows
@@ -503,7 +602,16 @@ class _Check:
                     continue
                 skip = 0 if ring else max(w - c * cr, 0)
                 # a ring's raw chunk is only opened: whether it can be is all there is to know of it
-                data, size, error = self._read(spec, c, spec.sharded or not ring, 0 if spec.sharded else skip * rb)
+                start = 0 if spec.sharded else skip * rb
+                local_tail = not (spec.sharded or ring) and self.loc.is_local  # read past its holes (_holds_bytes)
+                whole = spec.sharded or not (ring or local_tail)
+                data, _, error = self._read(spec, c, start, None if whole else 0)
+                nonzero = None
+                if local_tail and error is None and data is not None:
+                    try:
+                        nonzero = self._holds_bytes(spec, c, start)
+                    except (CorruptStoreError, OSError) as e:
+                        error = str(e)
                 if spec.sharded and error is None and data is not None:
                     try:
                         offsets, _ = parse_index(data, cr, spec.chunk_key(c))
@@ -516,7 +624,11 @@ class _Check:
                     continue  # one holding committed rows is reported with them
                 if ring or data is None:
                     continue
-                if (offsets[skip:] >= 0).any() if spec.sharded else np.frombuffer(data, np.uint8).any():
+                if spec.sharded:
+                    nonzero = (offsets[skip:] >= 0).any()
+                elif nonzero is None:
+                    nonzero = np.frombuffer(data, np.uint8).any()
+                if nonzero:
                     held.append(c)
             if held:
                 r.tail_chunks[spec.path] = held

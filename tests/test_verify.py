@@ -502,3 +502,79 @@ def test_a_raw_chunk_with_another_name_is_reported_and_given_a_copy_of_its_own(t
         assert store.commit_record.write_row > (c + 1) * spec.chunk_rows
     _assert_repaired(path, eps, set())
     assert other.read_bytes() == before and other.stat().st_nlink == 1
+
+
+def test_a_raw_chunk_is_checksummed_piece_by_piece(tmp_path, monkeypatch):
+    """Raw chunks are read and checksummed a piece at a time (PIECE_BYTES of whole rows): episodes spanning pieces
+    verify clean, a flipped byte fails its episode alone, and a chunk cut short names the episodes past the cut once,
+    whichever piece the cut falls in."""
+    import her_store.verify as verify_mod
+
+    path = str(tmp_path / "s")
+    _build(path)
+    with EpisodeStore.open(path) as store:
+        rb = store.layout.arrays[0].row_nbytes
+        table = store.episodes
+    monkeypatch.setattr(verify_mod, "PIECE_BYTES", 3 * rb + 5)  # 3 rows a piece: every episode spans pieces
+    monkeypatch.setattr(verify_mod, "READ_AHEAD", 4 * rb)
+    assert verify(path).clean
+    start, _ = _rows_of(path, 9)
+    _flip(os.path.join(path, "packs/float32/c", str(start // 64), "0"), (start % 64 + 4) * rb + 1)
+    assert verify(path).bad_episodes.tolist() == [9]
+    _flip(os.path.join(path, "packs/float32/c", str(start // 64), "0"), (start % 64 + 4) * rb + 1)
+    cut = 29  # in the tenth piece of chunk 1
+    os.truncate(os.path.join(path, "packs/float32/c/1/0"), cut * rb)
+    report = verify(path)
+    ends = table["start_row"] + table["length"] + 1
+    past = [int(i) for i, s, e in zip(table["episode_id"], table["start_row"], ends) if e > 64 + cut and s < 128]
+    files = [p for p in report.problems if p.kind == "file"]
+    assert len(files) == 1 and "holds" in files[0].what and list(files[0].episodes) == past, report.summary()
+    assert report.bad_episodes.tolist() == past
+
+
+def test_verify_holds_a_few_pieces_of_a_chunk_at_a_time_not_the_chunk(tmp_path, monkeypatch):
+    """A raw chunk holds up to 1,048,576 rows (a GiB of rows of 1 KiB): verify read each whole into memory. It now
+    holds what it reads ahead (READ_AHEAD) and the piece it checks, whatever the chunk's size."""
+    import tracemalloc
+
+    import her_store.verify as verify_mod
+
+    path = str(tmp_path / "s")
+    obs, act = fetch_spaces()
+    with EpisodeStore.create(path, obs, act, chunk_rows=1 << 16, commit_interval=0) as store:
+        for i in range(600):
+            store.append_episode(make_episode(obs, act, 100, seed=i))
+        chunk_bytes = store.commit_record.write_row * store.layout.arrays[0].row_nbytes
+    assert chunk_bytes > 4 << 20  # the committed rows of the float32 pack's one chunk
+    monkeypatch.setattr(verify_mod, "PIECE_BYTES", 64 << 10)
+    monkeypatch.setattr(verify_mod, "READ_AHEAD", 256 << 10)
+    monkeypatch.setattr(verify_mod, "SPARE_BYTES", 512 << 10)
+    with EpisodeStore.open(path):  # imports and zarr's first-use allocations, outside the measure
+        pass
+    tracemalloc.start()
+    try:
+        report = verify(path)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert report.clean and report.bytes_read >= chunk_bytes
+    assert peak < chunk_bytes // 4, f"{peak:,} bytes at the peak, for {chunk_bytes:,} bytes of rows in one chunk"
+
+
+@pytest.mark.parametrize("where", ["at write_row", "past a hole"])
+def test_bytes_past_write_row_are_found_in_a_chunk_s_data_past_its_holes(tmp_path, where):
+    """Past write_row, a raw chunk's rows are holes (never written) unless a commit stopped there; verify reads only
+    the file's data there (SEEK_DATA, SEEK_HOLE), and still finds a byte written anywhere past write_row."""
+    path = str(tmp_path / "s")
+    obs, act = fetch_spaces()
+    with EpisodeStore.create(path, obs, act, chunk_rows=1 << 14, commit_interval=0) as store:
+        for i in range(8):
+            store.append_episode(make_episode(obs, act, 12, seed=i))
+        spec, w = store.layout.arrays[0], store.commit_record.write_row
+    assert verify(path).clean
+    name = os.path.join(path, spec.chunk_key(0))
+    at = w * spec.row_nbytes if where == "at write_row" else os.path.getsize(name) - 3
+    _flip(name, at)
+    report = verify(path)
+    assert report.tail_chunks == {spec.path: [0]}, report.summary()
+    assert repair(path, log=lambda line: None).clean
