@@ -330,7 +330,7 @@ class _Check:
     def _give_back(self, data: Any) -> None:
         """Keep the buffer under ``data`` (a memoryview :meth:`_read` returned) for later reads, up to SPARE_BYTES."""
         buf = data.obj if isinstance(data, memoryview) else None
-        if not isinstance(buf, np.ndarray):
+        if not isinstance(buf, np.ndarray) or buf.nbytes == 0:
             return
         with self._spare_lock:
             if sum(b.nbytes for b in self._spare) + buf.nbytes <= SPARE_BYTES:
