@@ -50,7 +50,8 @@ INDEX_TAIL_PIECE = 4096  # index positions read at a time when looking for rows 
 READ_AHEAD = 64 << 20  # bytes of chunk files read ahead of the one being checked
 READ_THREADS = 4  # reads in flight: small files (shards) keep the disk's queue filled
 PIECE_BYTES = 16 << 20  # a raw chunk is read and checksummed this much at a time (whole rows)
-SPARE_BYTES = 2 * READ_AHEAD  # read buffers kept for later reads, at most
+SPARE_BYTES = READ_AHEAD + PIECE_BYTES  # read buffers kept for later reads, at most: as many as are read ahead
+SPARE_MIN = 256 << 10  # smaller reads are not kept: malloc serves them from memory used before, without a page fault
 
 
 @dataclass(frozen=True)
@@ -223,7 +224,8 @@ class _Check:
         self.crcs = np.zeros(len(order), np.uint32)  # running crc32 per episode, chained over arrays in layout order
         self.bad = np.zeros(len(order), bool)
         self.report = Report(store.url, episodes=len(order), transitions=int(table["length"].sum()))
-        self._spare: list[np.ndarray] = []  # read buffers given back (_buffer)
+        self._spare: list[np.ndarray] = []  # read buffers given back (_buffer), SPARE_MIN bytes or more each
+        self._spare_bytes = 0
         self._spare_lock = threading.Lock()
 
     def run(self, t0: float) -> Report:
@@ -319,28 +321,34 @@ class _Check:
 
     def _buffer(self, n: int) -> np.ndarray:
         """A buffer of at least ``n`` bytes: the smallest one given back that holds them, else a new one. Bytes read
-        into a new buffer cost a page fault per 4 KiB (the kernel zeroes each page first): as much time again as
-        reading them from a fast disk."""
+        into a new large buffer (one malloc maps afresh) cost a page fault per 4 KiB, the kernel zeroing
+        each page first: as much time again as reading them from a fast disk."""
+        if n < SPARE_MIN:
+            return np.empty(n, np.uint8)
         with self._spare_lock:
             fits = [i for i, b in enumerate(self._spare) if len(b) >= n]
             if fits:
-                return self._spare.pop(min(fits, key=lambda i: len(self._spare[i])))
+                b = self._spare.pop(min(fits, key=lambda i: len(self._spare[i])))
+                self._spare_bytes -= b.nbytes
+                return b
         return np.empty(-(-n // (64 << 10)) * (64 << 10), np.uint8)  # 64 KiB steps: shards of about a size share
 
     def _give_back(self, data: Any) -> None:
         """Keep the buffer under ``data`` (a memoryview :meth:`_read` returned) for later reads, up to SPARE_BYTES."""
         buf = data.obj if isinstance(data, memoryview) else None
-        if not isinstance(buf, np.ndarray) or buf.nbytes == 0:
+        if not isinstance(buf, np.ndarray) or buf.nbytes < SPARE_MIN:
             return
         with self._spare_lock:
-            if sum(b.nbytes for b in self._spare) + buf.nbytes <= SPARE_BYTES:
+            if self._spare_bytes + buf.nbytes <= SPARE_BYTES:
                 self._spare.append(buf)
+                self._spare_bytes += buf.nbytes
 
     def _holds_bytes(self, spec: ArraySpec, c: int, start: int) -> bool:
-        """Whether a local raw chunk holds a byte other than zero from byte ``start`` on: its data read a piece at a
+        """Whether a local raw chunk's rows hold a byte other than zero from byte ``start`` on: its data read a piece at a
         time, past the holes of a file of its own (``SEEK_DATA``, ``SEEK_HOLE``: a hole reads as zeros, and the rows
         past ``write_row`` of a store are holes unless a commit stopped there). Raises what reading raises."""
         f, offset, size = self.loc.open_range(spec.chunk_key(c))
+        size = min(size, spec.chunk_rows * spec.row_nbytes)  # past its rows, a file's bytes are no row's
         with f:
             fd, pos = f.fileno(), start
             while pos < size:
@@ -417,8 +425,8 @@ class _Check:
         return tuple(self.ids[sel].tolist())
 
     def _check_chunk(self, spec: ArraySpec, c: int, read: Any, lo: int, hi: int) -> int:
-        """Check bytes ``lo`` .. ``hi`` of chunk (shard) ``c`` (a raw chunk's file-level checks with its first piece);
-        returns the bytes read."""
+        """Check bytes ``lo`` .. ``hi`` of chunk (shard) ``c`` (a raw chunk's file-level checks with its last piece, when
+        none of its pieces could not be read: such a chunk is reported as that alone); returns the bytes read."""
         cr, rb = spec.chunk_rows, spec.row_nbytes
         r0, r1 = c * cr, (c + 1) * cr
         k = self._episodes_in(r0, r1)
@@ -434,8 +442,8 @@ class _Check:
                 self.report.damaged_files.append(spec.chunk_entry(c))
                 self.bad[k.start : k.stop] |= (self.starts[k.start : k.stop] < r1) & (self.ends[k.start : k.stop] > r0)
             return 0
-        if lo == 0:
-            self._check_file(spec, c, data is not None, size, k, where)
+        if hi >= self._limit(spec, c) and spec.chunk_entry(c) not in self.report.damaged_files:
+            self._check_file(spec, c, data is not None, size, k, where)  # with its last piece: none failed
         if not self.checksums:
             return 0
         p0, p1 = r0 + lo // rb, r0 + hi // rb  # the piece's rows

@@ -578,3 +578,80 @@ def test_bytes_past_write_row_are_found_in_a_chunk_s_data_past_its_holes(tmp_pat
     report = verify(path)
     assert report.tail_chunks == {spec.path: [0]}, report.summary()
     assert repair(path, log=lambda line: None).clean
+
+
+def test_a_chunk_whose_later_piece_cannot_be_read_is_reported_as_that_alone_and_repaired(tmp_path, monkeypatch):
+    """A read error in a piece after the first (a bad sector) of a chunk with another hard link: the chunk was listed as
+    linked by its first piece and as unreadable by the later one, and repair removed it, then failed copying it
+    (FileNotFoundError) after committing the drop. Its file checks now wait for its last piece: it is reported as
+    unreadable alone, as a chunk read whole was, and repair drops its episodes and ends clean."""
+    import errno
+
+    import her_store.verify as verify_mod
+
+    path = str(tmp_path / "s")
+    eps = _build(path)
+    with EpisodeStore.open(path) as store:
+        spec, w = store.layout.arrays[0], store.commit_record.write_row
+    c = (w - 1) // spec.chunk_rows  # the last chunk: its episodes end the live range
+    name = os.path.join(path, spec.chunk_key(c))
+    os.link(name, tmp_path / "other")
+    rb = spec.row_nbytes
+    monkeypatch.setattr(verify_mod, "PIECE_BYTES", 3 * rb)
+    st = os.stat(name)
+    bad_byte = 7 * rb + 3  # in the third piece
+    real_preadv = os.preadv
+
+    def preadv(fd, buffers, offset, *flags):  # the bad sector: any read covering it fails
+        s = os.fstat(fd)
+        if (s.st_dev, s.st_ino) == (st.st_dev, st.st_ino) and offset <= bad_byte < offset + sum(map(len, buffers)):
+            raise OSError(errno.EIO, "Input/output error")
+        return real_preadv(fd, buffers, offset, *flags)
+
+    monkeypatch.setattr(os, "preadv", preadv)
+    report = verify(path)
+    assert [p.kind for p in report.problems] == ["file"] and "cannot be read" in report.problems[0].what, report.summary()
+    assert report.linked_files == [] and report.short_files == []
+    dropped = set(report.bad_episodes.tolist())
+    assert dropped and max(dropped) == N - 1
+    assert repair(path, log=lambda line: None).clean
+    monkeypatch.undo()
+    _assert_repaired(path, eps, dropped)
+
+
+def test_bytes_past_a_chunk_s_rows_are_no_uncommitted_rows(tmp_path):
+    """A file longer than its chunk's rows, past write_row: the bytes past its rows belong to no row, so they are
+    not reported as rows that were never committed (they were, when the whole file was read for them)."""
+    path = str(tmp_path / "s")
+    _build(path)
+    with EpisodeStore.open(path) as store:
+        spec, w = store.layout.arrays[0], store.commit_record.write_row
+    chunk_bytes = spec.chunk_rows * spec.row_nbytes
+    name = os.path.join(path, spec.chunk_key(w // spec.chunk_rows + 1))
+    os.makedirs(os.path.dirname(name), exist_ok=True)
+    Path(name).write_bytes(bytes(chunk_bytes) + b"\x01")
+    report = verify(path)
+    assert not report.tail_chunks, report.summary()
+
+
+def test_large_read_buffers_are_used_again_and_kept_within_their_bound(tmp_path, monkeypatch):
+    """A large buffer (mapped afresh by malloc: a page fault per 4 KiB read into it) is given back after its piece is
+    checked and serves the next read it holds; small ones are not kept; no more than SPARE_BYTES are kept."""
+    import her_store.verify as verify_mod
+
+    path = str(tmp_path / "s")
+    _build(path)
+    monkeypatch.setattr(verify_mod, "SPARE_BYTES", 3 << 20)
+    with EpisodeStore.open(path) as store:
+        check = verify_mod._Check(store, True, False)
+    big = check._buffer(1 << 20)
+    check._give_back(memoryview(big)[:10])
+    assert check._buffer(900 << 10) is big
+    check._give_back(memoryview(big))
+    assert check._buffer(2 << 20) is not big  # too small for it: a new one
+    small = check._buffer(10 << 10)
+    check._give_back(memoryview(small))
+    assert all(b is not small for b in check._spare)
+    for _ in range(5):
+        check._give_back(memoryview(np.empty(1 << 20, np.uint8)))
+    assert sum(b.nbytes for b in check._spare) <= 3 << 20
