@@ -24,6 +24,8 @@ DTYPES = frozenset(
 )
 # One row of one field; a 4K RGB frame is 25 MB. Bounds what reading a space from a store allocates.
 MAX_ROW_BYTES = 1 << 26
+# A field's name: an image field is a directory named after it (a file name holds 255 bytes, staging names more).
+MAX_NAME_BYTES = 200
 _INT64_MAX = np.iinfo(np.int64).max
 _MAX_DICT_DEPTH = 8
 
@@ -186,10 +188,14 @@ class Schema:
                 f"field names {clashes} are used twice; observation keys and info keys must differ from "
                 f"each other and from {list(STEP_KEYS)}"
             )
-        bad = [n for n in names if not n or any(c in n for c in "/\\\0") or n.startswith(("__", "."))]
+        bad = [
+            n for n in names
+            if not n or any(c in n for c in "/\\\0") or n.startswith(("__", ".")) or len(n.encode("utf-8", "replace")) > MAX_NAME_BYTES
+        ]
         if bad:
             raise SchemaMismatchError(
-                f"field names {bad} cannot be Zarr array names (no '/', backslash or NUL, no leading '__' or '.')"
+                f"field names {short_repr(bad)} cannot be Zarr array names (no '/', backslash or NUL, no leading '__' or "
+                f"'.', at most {MAX_NAME_BYTES} bytes of UTF-8: an image field is a directory named after it)"
             )
         ag, dg = (observation_space.spaces[k] for k in ("achieved_goal", "desired_goal"))
         if ag.shape != dg.shape or ag.dtype != dg.dtype:

@@ -850,3 +850,108 @@ def test_npz_episode_lengths_past_any_episode_are_refused_before_they_wrap(ring_
     np.savez(bad, **{**arrays, "episode_lengths": lengths})
     with pytest.raises(ValueError, match=rf"^{re.escape(bad)}: episode_lengths holds [\d,]+; an episode has fewer"):
         import_source(bad, str(tmp_path / "s"))
+
+
+def test_an_episode_claiming_more_than_memory_should_hold_is_refused_unread(ring_store, tmp_path, monkeypatch):
+    """Each field was bounded (MEMBER_LIMIT) but not an episode's fields together: an HDF5 episode of datasets never
+    written (24 KB of file) was read into 2.1 GB before its crc32 refused it, and an npz of deflated zeros imported a
+    20,000,000-step episode through 3.6 GB. An episode is now refused, unread, past EPISODE_LIMIT bytes together."""
+    import h5py
+
+    import her_store.interop as interop
+
+    monkeypatch.setattr(interop, "EPISODE_LIMIT", 1 << 20)
+    good_h5, good_npz = str(tmp_path / "good.hdf5"), str(tmp_path / "good.npz")
+    assert main(["export", ring_store, "--to", "hdf5", good_h5, "--quiet"]) == 0
+    assert main(["export", ring_store, "--to", "npz", good_npz, "--quiet"]) == 0
+    with h5py.File(good_h5, "r+") as f:
+        name = sorted(f)[1]
+        for key in ("observations/observation", "observations/achieved_goal", "observations/desired_goal"):
+            width = f[f"{name}/{key}"].shape[1]
+            del f[f"{name}/{key}"]
+            f.create_dataset(f"{name}/{key}", shape=(1 << 14, width), dtype="float32", chunks=(1024, width))
+    with pytest.raises(ValueError, match=f"{name} holds datasets of more than 1,048,576 bytes together"):
+        import_source(good_h5, str(tmp_path / "h"))
+    z = dict(np.load(good_npz, allow_pickle=False))
+    T = 1 << 14  # one long episode of zeros, deflated: a few KB of file
+    long = {"her_store_header": z["her_store_header"], "episode_lengths": np.array([T]), "episode_ids": np.array([0])}
+    for k, v in z.items():
+        if k not in long:
+            long[k] = np.zeros((T + 1 if k.startswith("observations/") else T, *v.shape[1:]), v.dtype)
+    path = str(tmp_path / "long.npz")
+    np.savez_compressed(path, **long)
+    with pytest.raises(ValueError, match=r"long.npz: episode 0 \(16,384 steps\) takes [\d,]+ bytes in its fields"):
+        import_source(path, str(tmp_path / "n"))
+    assert not os.path.exists(tmp_path / "h") and not os.path.exists(tmp_path / "n")
+
+
+def test_episode_groups_are_named_as_export_names_them(ring_store, tmp_path):
+    """``episode_00`` beside ``episode_0`` was read as id 0 twice: the episode was imported twice."""
+    import h5py
+
+    path = str(tmp_path / "x.hdf5")
+    assert main(["export", ring_store, "--to", "hdf5", path, "--quiet"]) == 0
+    with h5py.File(path, "r+") as f:
+        first = sorted(f, key=lambda n: int(n.split("_")[1]))[0]
+        f.copy(first, first.replace("_", "_0"))
+    with pytest.raises(ValueError, match=r"expected only groups episode_<id>, found \['episode_0"):
+        import_source(path, str(tmp_path / "s"))
+
+
+def test_a_refused_episode_is_named_with_its_file_and_place(ring_store, tmp_path):
+    """What the store refuses in an imported episode (a value its space cannot hold, no step) names the file and the
+    episode, not only the field."""
+    import h5py
+
+    obs, _ = fetch_spaces()
+    act = spaces.Discrete(3)
+    src = str(tmp_path / "discrete")
+    with EpisodeStore.create(src, obs, act) as store:
+        for i in range(2):
+            ep = make_episode(obs, act, 4, i)
+            store.append_episode(ep)
+    npz = str(tmp_path / "d.npz")
+    assert main(["export", src, "--to", "npz", npz, "--quiet"]) == 0
+    z = dict(np.load(npz, allow_pickle=False))
+    z["actions"] = z["actions"].copy()
+    z["actions"][5] = 7  # episode 1's second action
+    np.savez(npz, **z)
+    with pytest.raises(ValueError, match=r"d.npz: episode 1 \(4 steps\): field 'action' has 7"):
+        import_source(npz, str(tmp_path / "s"))
+    h5 = str(tmp_path / "r.hdf5")
+    assert main(["export", ring_store, "--to", "hdf5", h5, "--quiet"]) == 0
+    with h5py.File(h5, "r+") as f:
+        name = sorted(f)[0]
+        for key in list(f[name].keys()):
+            if isinstance(f[f"{name}/{key}"], h5py.Dataset):
+                d = f[f"{name}/{key}"]
+                shape, dtype = d.shape, d.dtype
+                del f[f"{name}/{key}"]
+                f.create_dataset(f"{name}/{key}", shape=(1 if key == "observations" else 0, *shape[1:]), dtype=dtype)
+        for key in f[f"{name}/observations"]:
+            d = f[f"{name}/observations/{key}"]
+            shape, dtype = d.shape, d.dtype
+            del f[f"{name}/observations/{key}"]
+            f.create_dataset(f"{name}/observations/{key}", shape=(1, *shape[1:]), dtype=dtype)
+        f[name].attrs["crc32"] = 0
+    with pytest.raises(ValueError, match=rf"r.hdf5: {name}"):
+        import_source(h5, str(tmp_path / "t"))
+
+
+def test_a_64_bit_integer_past_what_its_space_holds_is_refused(tmp_path):
+    """An OGBench file without a header gets integer spaces bounded at +-2**53 (the store's JSON spaces hold no more
+    exactly); a value past them was stored anyway, under a space that excludes it, and verify called it clean."""
+    path = str(tmp_path / "og.npz")
+    actions = np.zeros((7, 2), np.int64)
+    actions[5, 1] = 2**62
+    rng = np.random.default_rng(1)
+    np.savez(path, observations=rng.standard_normal((7, 2)).astype(np.float32), actions=actions,
+             terminals=np.array([0, 0, 0, 1, 0, 0, 1], bool))
+    with pytest.raises(ValueError, match=r"'actions' holds 4611686018427387904 at row 1 of trajectory 1"):
+        import_source(path, str(tmp_path / "s"), "ogbench")
+    actions[5, 1] = 2**53  # at the bound: kept
+    np.savez(path, observations=rng.standard_normal((7, 2)).astype(np.float32), actions=actions,
+             terminals=np.array([0, 0, 0, 1, 0, 0, 1], bool))
+    assert import_source(path, str(tmp_path / "s"), "ogbench") == 2
+    with EpisodeStore.open(str(tmp_path / "s")) as store:
+        assert store.episode(1)["action"][1, 1] == 2**53

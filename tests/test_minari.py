@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import os
 import warnings
 
@@ -421,3 +422,27 @@ def test_a_data_file_that_is_no_regular_file_of_the_dataset_is_refused_at_once(t
     assert proc.returncode == 1
     assert f"ValueError: the Minari dataset at {os.path.dirname(data)}: {data} is " in proc.stderr
     assert not os.path.exists(tmp_path / "back")
+
+
+def test_metadata_whose_spaces_make_no_store_or_whose_data_is_not_hdf5_is_refused_naming_the_dataset(tmp_path):
+    """Spaces that make no store (an info named like a step field, a nested Dict) were refused without naming the
+    dataset; an arrow dataset (whose data the HDF5 check never saw) was refused as an unreadable HDF5 file."""
+    _store(tmp_path / "src", n=2)
+    with EpisodeStore.open(tmp_path / "src") as src:
+        export_minari(src, src.episodes["episode_id"], tmp_path / "random-v0")
+    meta_path = tmp_path / "random-v0" / "data" / "metadata.json"
+    meta = json.loads(meta_path.read_text())
+    where = "the Minari dataset at " + str(tmp_path / "random-v0" / "data")
+    cases = {
+        "info": ({"her_store_info_spaces": {"action": {"type": "Box", "shape": [], "dtype": "float32", "low": 0, "high": 1}}},
+                 "its spaces in metadata.json make no store: field names \\['action'\\] are used twice"),
+        "huge info": ({"her_store_info_spaces": {"x": {"type": "Box", "shape": [10**9, 10**9], "dtype": "float32",
+                                                       "low": 0, "high": 1}}},
+                      "its her_store_info_spaces in metadata.json: Box space"),
+        "arrow": ({"data_format": "arrow"}, "data_format 'arrow'; her_store imports Minari's hdf5 datasets"),
+    }
+    for name, (change, words) in cases.items():
+        meta_path.write_text(json.dumps({**meta, **change}))
+        with pytest.raises(ValueError, match=re.escape(where) + ": " + words):
+            import_minari(tmp_path / "random-v0", tmp_path / "store")
+        assert not (tmp_path / "store").exists(), name

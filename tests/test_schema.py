@@ -9,7 +9,7 @@ import pytest
 from gymnasium import spaces
 
 from her_store.errors import SchemaMismatchError
-from her_store.schema import Schema, space_from_json, space_to_json
+from her_store.schema import MAX_NAME_BYTES, Schema, space_from_json, space_to_json
 
 SPACES = [
     spaces.Box(-1.0, 1.0, (3,), np.float32),
@@ -70,3 +70,16 @@ def test_integer_bounds_outside_their_dtype_are_refused():
     d["high"] = 256
     with pytest.raises(SchemaMismatchError, match=r"do not fit uint8 \(0..255\)"):
         space_from_json(d)
+
+
+def test_a_field_name_longer_than_a_file_name_holds_is_refused():
+    """An image field is a directory named after it: a 300-character observation key failed the store's creation
+    with a bare 'File name too long' (from an import's header, naming neither the key nor the header)."""
+    long = "k" * (MAX_NAME_BYTES + 1)
+    obs = spaces.Dict({k: spaces.Box(-1, 1, (3,), np.float32) for k in ("observation", "achieved_goal", "desired_goal")}
+                      | {long: spaces.Box(0, 255, (2, 4, 4), np.uint8)})
+    with pytest.raises(SchemaMismatchError, match=f"at most {MAX_NAME_BYTES} bytes of UTF-8"):
+        Schema(obs, spaces.Box(-1, 1, (2,), np.float32))
+    image = obs.spaces.pop(long)
+    obs = spaces.Dict({**obs.spaces, "é" * (MAX_NAME_BYTES // 2): image})  # 2 bytes a character: at the bound
+    assert Schema(obs, spaces.Box(-1, 1, (2,), np.float32)).by_name["é" * (MAX_NAME_BYTES // 2)]

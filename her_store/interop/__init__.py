@@ -39,7 +39,13 @@ import numpy as np
 
 from her_store import _frames
 from her_store.card import check_card
-from her_store.errors import CorruptStoreError, EpisodeNotFoundError, SchemaMismatchError, short_repr
+from her_store.errors import (
+    CorruptStoreError,
+    EpisodeNotFoundError,
+    EpisodeValidationError,
+    SchemaMismatchError,
+    short_repr,
+)
 from her_store.progress import progress as progress_bar
 from her_store.reader import ChunkReader, MappedArray
 from her_store.schema import Field, Schema
@@ -410,11 +416,43 @@ def exact_cast(values: Any, dtype: np.dtype, where: str, name: str, episode: int
 
 # -- npz members, streamed ------------------------------------------------------------------------------------------
 MEMBER_LIMIT = 1 << 30  # bytes a member read whole, or one HDF5 dataset, may decode to
+EPISODE_LIMIT = 1 << 30  # bytes of one imported episode's fields together: they are all read before it is appended
+
+
+def episode_bytes(schema: Schema, T: int) -> int:
+    """The bytes of an episode of ``T`` steps in the fields of ``schema`` (observation fields hold ``T + 1`` rows)."""
+    return sum((T if f.per_step else T + 1) * f.row_nbytes for f in schema.fields)
+
+
+def check_episode_bytes(nbytes: int, where: str) -> None:
+    """Refuse, unread, an episode whose fields take more than EPISODE_LIMIT bytes together: a file of deflated zeros,
+    or HDF5 datasets never written, can claim any length at a few bytes, and an episode's fields are all read (then
+    staged by the store) before it is appended.
+
+    Raises
+    ------
+    ValueError
+        Naming the episode (``where``) and its size.
+    """
+    if nbytes > EPISODE_LIMIT:
+        raise ValueError(
+            f"{where} takes {nbytes:,} bytes in its fields; at most {EPISODE_LIMIT:,} are read for one episode "
+            "(split longer episodes before importing)"
+        )
+
+
+def append_from(store: EpisodeStore, episode: Mapping[str, np.ndarray], where: str) -> int:
+    """``store.append_episode(episode)``; a refusal names the episode's place in the file read (``where``)."""
+    try:
+        return store.append_episode(episode)
+    except EpisodeValidationError as e:
+        raise EpisodeValidationError(f"{where}: {e}") from None
 
 
 def check_hdf5(f: Any, source: str) -> None:
     """Refuse what an HDF5 file may hold that reads outside it or explodes in memory: soft and external links,
-    datasets stored in external files or virtual (mapped from other files), and datasets over ``MEMBER_LIMIT`` bytes.
+    datasets stored in external files or virtual (mapped from other files), datasets over ``MEMBER_LIMIT`` bytes, and
+    groups (episodes) whose datasets take over ``EPISODE_LIMIT`` bytes together.
 
     Raises
     ------
@@ -428,6 +466,8 @@ def check_hdf5(f: Any, source: str) -> None:
     """
     import h5py
 
+    groups: dict[str, int] = {}  # bytes of the datasets under each top-level group (an episode's)
+
     def visit(name: str, link: Any) -> str | None:  # a message stops the walk (h5py cannot raise through it)
         if not isinstance(link, h5py.HardLink):
             return f"{name} is a {type(link).__name__}; a dataset's objects must all lie in its file"
@@ -438,6 +478,10 @@ def check_hdf5(f: Any, source: str) -> None:
             nbytes = math.prod(obj.shape or ()) * obj.dtype.itemsize
             if nbytes > MEMBER_LIMIT:
                 return f"{name} is {obj.shape} of {obj.dtype} ({nbytes:,} bytes); at most {MEMBER_LIMIT:,} per dataset"
+            top = name.split("/")[0]
+            groups[top] = groups.get(top, 0) + nbytes
+            if "/" in name and groups[top] > EPISODE_LIMIT:
+                return f"{top} holds datasets of more than {EPISODE_LIMIT:,} bytes together; at most that per episode"
         return None
 
     try:

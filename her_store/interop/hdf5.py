@@ -26,6 +26,7 @@ import numpy as np
 from her_store.extras import require
 from her_store.interop import (
     HEADER_KEY,
+    append_from,
     check_hdf5,
     header_of,
     minari_name,
@@ -41,7 +42,7 @@ from her_store.values import is_int
 
 __all__ = ["export_hdf5", "import_hdf5"]
 
-_EPISODE = re.compile(r"^episode_(\d{1,18})$")
+_EPISODE = re.compile(r"^episode_(0|[1-9]\d{0,17})$")  # as export names them: one name per id
 
 
 def export_hdf5(
@@ -129,7 +130,7 @@ def import_hdf5(source: str | os.PathLike[str], store_path: str | os.PathLike[st
                 recorded = f[name].attrs.get("crc32")
                 if not is_int(recorded) or int(recorded) != _crc32(ep, schema.fields):
                     raise ValueError(f"{source}: {name} does not match the crc32 its export recorded (damaged?)")
-                store.append_episode(ep)
+                append_from(store, ep, f"{source}: {name}")
                 bar.update(1)
     return len(groups)
 

@@ -33,11 +33,11 @@ import numpy as np
 from gymnasium import spaces
 
 from her_store.card import check_card
-from her_store.errors import SchemaMismatchError
+from her_store.errors import SchemaMismatchError, short_repr
 from her_store.extras import require
 from her_store.interop import Batch, check_hdf5, exact_cast, minari_name, read_batches
 from her_store.progress import progress as progress_bar
-from her_store.schema import DTYPES, GOAL_KEYS, space_from_json, space_to_json
+from her_store.schema import DTYPES, GOAL_KEYS, Schema, space_from_json, space_to_json
 from her_store.storage import Location, staged_output
 from her_store.store import EpisodeStore
 from her_store.values import is_int
@@ -333,7 +333,6 @@ def import_minari(source: str | os.PathLike[str], store_path: str | os.PathLike[
     require("minari", "minari")
     require("h5py", "minari")
     from minari import MinariDataset
-    from minari.dataset._storages import get_storage_keys
 
     data_dir = _data_dir(os.fspath(source))
     where = f"the Minari dataset at {data_dir}"
@@ -348,8 +347,11 @@ def import_minari(source: str | os.PathLike[str], store_path: str | os.PathLike[
     if not isinstance(meta, dict):
         raise ValueError(f"{where}: metadata.json is a {type(meta).__name__}, expected a JSON object")
     minari_dataset_id(meta.get("dataset_id"), f"{where}: its dataset_id")
-    if meta.get("data_format", "hdf5") not in get_storage_keys():
-        raise ValueError(f"{where}: data_format {meta.get('data_format')!r} is not one of Minari's {get_storage_keys()}")
+    if meta.get("data_format", "hdf5") != "hdf5":
+        raise ValueError(
+            f"{where}: data_format {short_repr(meta.get('data_format'))}; her_store imports Minari's hdf5 datasets (its "
+            "file is checked before Minari reads it)"
+        )
     for key in ("minari_version", "env_spec", "eval_env_spec"):
         if key in meta and not isinstance(meta[key], str):
             raise ValueError(f"{where}: {key} is {meta[key]!r}, expected a string")
@@ -378,9 +380,16 @@ def import_minari(source: str | os.PathLike[str], store_path: str | os.PathLike[
     if declared is not None:
         if not isinstance(declared, dict):
             raise ValueError(f"{where}: {INFO_SPACES_KEY} is {declared!r}, expected an object of spaces")
-        info_spaces = {k: space_from_json(s) for k, s in declared.items()}
+        try:
+            info_spaces = {k: space_from_json(s) for k, s in declared.items()}
+        except SchemaMismatchError as e:
+            raise ValueError(f"{where}: its {INFO_SPACES_KEY} in metadata.json: {e}") from None
     else:
         info_spaces = _inferred_info_spaces(first, where)
+    try:  # the fields the spaces make (names that clash, unsupported spaces): before anything is written
+        Schema(observation_space, action_space, info_spaces)
+    except SchemaMismatchError as e:
+        raise ValueError(f"{where}: its spaces in metadata.json make no store: {e}") from None
     count, total = 0, meta.get("total_episodes")
     with (
         staged_output(store_path) as tmp,

@@ -40,6 +40,9 @@ from her_store.errors import SchemaMismatchError
 from her_store.interop import (
     HEADER_KEY,
     NpzReader,
+    append_from,
+    check_episode_bytes,
+    episode_bytes,
     exact_cast,
     header_of,
     read_batches,
@@ -254,7 +257,9 @@ def import_ogbench(
         noted: set[str] = set()
         with staged_store(store_path, schema, card) as store, bar:
             for k, n in enumerate(sizes.tolist()):
-                store.append_episode(_episode(z, schema, names, n, k, noted))
+                where = f"{source}: trajectory {k} ({n:,} rows)"
+                check_episode_bytes(episode_bytes(schema, n), where)
+                append_from(store, _episode(z, schema, names, n, k, noted, bounded=not own), where)
                 bar.update(1)
             for name in set(names.values()):
                 z.finish(name)
@@ -262,11 +267,23 @@ def import_ogbench(
 
 
 def _episode(
-    z: NpzReader, schema: Schema, names: dict[str, str], n: int, k: int, noted: set[str]
+    z: NpzReader, schema: Schema, names: dict[str, str], n: int, k: int, noted: set[str], bounded: bool = False
 ) -> dict[str, np.ndarray]:
-    """Trajectory ``k``, of ``n`` rows (``T = n - 1`` transitions), as a store episode in the store's dtypes."""
+    """Trajectory ``k``, of ``n`` rows (``T = n - 1`` transitions), as a store episode in the store's dtypes.
+    ``bounded``: the spaces are :func:`_box`'s, whose 64-bit integer bounds are +-2**53: a value past them is refused."""
     T = n - 1
     read = {f: z.read(a, n) for f, a in names.items()}
+    for f, a in read.items() if bounded else ():
+        if a.dtype.kind in "iu" and a.dtype.itemsize == 8:
+            past = ((a > 2**53) | (a < -(2**53))).reshape(n, -1)
+            if past.any():
+                row = int(np.argmax(past.any(axis=1)))
+                value = a.reshape(n, -1)[row][past[row]][0].item()
+                raise ValueError(
+                    f"{z.path}: array {names[f]!r} holds {value} at row {row} of trajectory {k}; a 64-bit "
+                    "integer array of a file with no header is stored with bounds +-2**53 (JSON numbers, the store's "
+                    "spaces, hold no more exactly)"
+                )
     ep = {
         f.name: exact_cast(read[f.name][:T] if f.per_step else read[f.name], f.dtype, z.path, names[f.name], k, noted)
         for f in schema.fields
