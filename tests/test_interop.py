@@ -858,7 +858,7 @@ def test_an_episode_claiming_more_than_memory_should_hold_is_refused_unread(ring
     20,000,000-step episode through 3.6 GB. An episode is now refused, unread, past EPISODE_LIMIT bytes together."""
     import h5py
 
-    import her_store.interop as interop
+    from her_store import interop
 
     monkeypatch.setattr(interop, "EPISODE_LIMIT", 1 << 20)
     good_h5, good_npz = str(tmp_path / "good.hdf5"), str(tmp_path / "good.npz")
@@ -892,7 +892,7 @@ def test_episode_groups_are_named_as_export_names_them(ring_store, tmp_path):
     path = str(tmp_path / "x.hdf5")
     assert main(["export", ring_store, "--to", "hdf5", path, "--quiet"]) == 0
     with h5py.File(path, "r+") as f:
-        first = sorted(f, key=lambda n: int(n.split("_")[1]))[0]
+        first = min(f, key=lambda n: int(n.split("_")[1]))
         f.copy(first, first.replace("_", "_0"))
     with pytest.raises(ValueError, match=r"expected only groups episode_<id>, found \['episode_0"):
         import_source(path, str(tmp_path / "s"))
@@ -921,7 +921,7 @@ def test_a_refused_episode_is_named_with_its_file_and_place(ring_store, tmp_path
     h5 = str(tmp_path / "r.hdf5")
     assert main(["export", ring_store, "--to", "hdf5", h5, "--quiet"]) == 0
     with h5py.File(h5, "r+") as f:
-        name = sorted(f)[0]
+        name = min(f)
         for key in list(f[name].keys()):
             if isinstance(f[f"{name}/{key}"], h5py.Dataset):
                 d = f[f"{name}/{key}"]
