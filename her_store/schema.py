@@ -270,8 +270,8 @@ def conform(value: np.ndarray, field: Field, value_range: tuple[Any, Any] | None
     """``value`` in the field's dtype, or EpisodeValidationError if storing it would change or misplace a value.
 
     Refused: a dtype that does not cast to the field's within its kind (float for an integer field, an integer
-    for a flag); integers the field's dtype cannot hold (uint16 300 for uint8); finite floats that a narrower
-    float dtype would turn into inf (float64 1e39 for float32); values outside ``value_range`` (a Discrete,
+    for a flag); integers the field's dtype cannot hold (uint16 300 for uint8; int64 2**24 + 1 for float32, which
+    would store 2**24); finite floats that a narrower float dtype would turn into inf (float64 1e39 for float32); values outside ``value_range`` (a Discrete,
     MultiDiscrete or MultiBinary space: see ``Schema.value_ranges``). NaN and inf given as such are kept.
     Shapes are the caller's to check.
 
@@ -308,6 +308,14 @@ def conform(value: np.ndarray, field: Field, value_range: tuple[Any, Any] | None
         else:
             with np.errstate(over="ignore"):  # overflow is what the check below reports
                 narrowed = v.astype(dtype)
+            if v.dtype.kind in "iu" and v.size:
+                rounded = _rounded(v, narrowed)
+                if rounded.any():
+                    at = _first(rounded)
+                    raise EpisodeValidationError(
+                        f"{label} has {v[at].item()} at {at}, which {dtype} cannot hold exactly (it would store "
+                        f"{narrowed[at].item()!r})"
+                    )
             if not np.isfinite(narrowed).all():
                 overflow = np.isinf(narrowed) & np.isfinite(v)
                 if overflow.any():
@@ -323,6 +331,16 @@ def conform(value: np.ndarray, field: Field, value_range: tuple[Any, Any] | None
             low, high = (np.broadcast_to(b, v.shape)[at] for b in value_range)
             raise EpisodeValidationError(f"{label} has {v[at].item()} at {at}, outside its space's range {low}..{high}")
     return v
+
+
+def _rounded(v: np.ndarray, narrowed: np.ndarray) -> np.ndarray:
+    """Where the floats ``narrowed`` are not the integers ``v`` they were cast from (past 2**(mantissa + 1) a float
+    dtype holds only some integers)."""
+    signed = v.dtype.kind == "i"
+    wide = v.astype(np.int64 if signed else np.uint64)
+    f = narrowed.astype(np.float64)  # exact: every float16 or float32 value is a float64 value
+    fits = (f >= (-(2.0**63) if signed else 0.0)) & (f < (2.0**63 if signed else 2.0**64))
+    return ~fits | (np.where(fits, f, 0).astype(wide.dtype) != wide)
 
 
 def _first(bad: np.ndarray) -> tuple[int, ...]:

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import numpy as np
 
 from her_store import _frames
-from her_store.errors import EpisodeValidationError, StoreError
+from her_store.errors import EpisodeValidationError, StoreError, short_repr
 from her_store.schema import Field, conform
 from her_store.values import is_int
 
@@ -230,6 +230,7 @@ class StepWriter:
         infos: Sequence[Mapping[str, Any]] | Mapping[str, Any] | None = None,
         *,
         skip: Any = None,
+        cut_resets: bool = False,
     ) -> list[int]:
         """Stage one step of every env; append the episodes that ended. Returns the ids of appended episodes.
 
@@ -248,12 +249,17 @@ class StepWriter:
             ``(n_envs,)``: envs whose values on this call are no transition, e.g. the step of a gymnasium vector env
             (next-step autoreset) that resets the envs which ended on the previous step. Only an env between
             episodes (no pending step) may be skipped; its values must still be valid for the store.
+        cut_resets : bool
+            End, as truncated at its last step, the episode of an env whose ``obs`` is not (byte for byte) the
+            ``next_obs`` of its last add (:meth:`cut_envs`: it was reset in between, without an end flag); this step
+            starts its next episode. Checked once the step is known valid: a refused step ends nothing. Without it,
+            such a step joins the episode, whose last transition then leads to the new start.
 
         Raises
         ------
         EpisodeValidationError
-            A missing key, a wrong shape, a dtype that does not cast, or a value the stored dtype or the field's
-            space cannot hold, named by field: nothing was staged or appended. Also when an ended episode is
+            A missing or extra observation key, a wrong shape, a dtype that does not cast, or a value the stored
+            dtype or the field's space cannot hold, named by field: nothing was staged or appended. Also when an ended episode is
             longer than the store's capacity: that env's episode was dropped, the others were appended.
         StoreError
             The store failed to append an ended episode (the cause is chained; a her_store error keeps its
@@ -302,6 +308,8 @@ class StepWriter:
         except (KeyError, TypeError):
             self._require_keys("obs", obs)
             raise
+        if len(obs) != len(self._obs_slots):  # a key the store does not hold (none was missing)
+            self._require_keys("obs", obs)
         for name, rows, shape, _ in self._info_slots:
             rows[t][...] = self._checked(f"infos[{name!r}]", name, _info_column(infos, name, self.n_envs), shape)
         if skip is not None:
@@ -309,13 +317,22 @@ class StepWriter:
             terminated, truncated = terminated & ~skip, truncated & ~skip
         ended = (terminated[0] or truncated[0]) if self.n_envs == 1 else (terminated | truncated).any()
         # next_obs is not read unless an episode ends (or by flush_partial, which checks it then)
-        self._last_next = self._conformed(next_obs, "next_obs") if ended else next_obs
+        last_next = self._conformed(next_obs, "next_obs") if ended else next_obs
+        cut = self.cut_envs(obs) if cut_resets else []
+        if cut:  # their episodes end at row t - 1, their final observations going in row t: this step's, kept aside
+            staged = {name: buf[t].copy() for name, buf in self._buf.items()}
+            try:
+                cut = self.flush_partial(cut)
+            finally:
+                for name, buf in self._buf.items():
+                    buf[t] = staged[name]
+        self._last_next = last_next
         if skip is not None:
             self._start[skip] = t + 1  # row t of a skipped env belongs to no episode
         self._t = t + 1
         if not ended:
-            return []
-        return self._finish_all([0] if self.n_envs == 1 else np.flatnonzero(terminated | truncated).tolist())
+            return cut
+        return cut + self._finish_all([0] if self.n_envs == 1 else np.flatnonzero(terminated | truncated).tolist())
 
     def cut_envs(self, obs: Mapping[str, Any]) -> list[int]:
         """The envs with steps pending whose ``obs`` is not, byte for byte, the ``next_obs`` of the last add: their
@@ -362,7 +379,8 @@ class StepWriter:
         return mask
 
     def _require_keys(self, label: str, m: Any) -> None:
-        """Refuse an obs or next_obs that is no mapping or lacks an observation key (naming which)."""
+        """Refuse an obs or next_obs that is no mapping, lacks an observation key or has a key the store does not hold
+        (naming which), as :meth:`EpisodeStore.append_episode` does."""
         if not isinstance(m, Mapping):
             raise EpisodeValidationError(
                 f"{label} must be a mapping of observation key -> array, got {type(m).__name__}"
@@ -372,6 +390,11 @@ class StepWriter:
             raise EpisodeValidationError(
                 f"{label} has no key {missing[0]!r}; expected the keys {list(self._obs_keys)}"
             ) from None
+        extra = [k for k in m if k not in self._obs_keys]
+        if extra:
+            raise EpisodeValidationError(
+                f"{label} has keys {short_repr(extra)} the store does not hold; expected the keys {list(self._obs_keys)}"
+            )
 
     def _conformed(self, next_obs: Any, label: str) -> dict[str, np.ndarray]:
         """``next_obs`` checked like obs, as arrays in the stored dtypes and shapes."""
@@ -385,6 +408,8 @@ class StepWriter:
         except (KeyError, TypeError):
             self._require_keys(label, next_obs)
             raise
+        if len(next_obs) != len(out):
+            self._require_keys(label, next_obs)
         return out
 
     def _finish_all(self, envs: list[int]) -> list[int]:

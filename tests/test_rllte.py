@@ -250,8 +250,10 @@ def test_bad_steps_are_refused_and_change_nothing(storage):
         with pytest.raises(error, match=match):
             storage.add(*args)
         assert storage.writer.pending_steps.tolist() == [3, 3]
-    storage.add(*ok)  # numpy infos list, float flags: accepted
-    assert storage.writer.pending_steps.tolist() == [4, 4]
+    ended = len(storage.writer.episode_ids)
+    storage.add(*ok)  # numpy infos list, float flags: accepted; zeros are no env's last next obs: a reset in between
+    assert storage.writer.pending_steps.tolist() == [1, 1]
+    assert len(storage.writer.episode_ids) == ended + 2  # each env's 3 steps, ended there as truncated
 
 
 def test_sample_before_any_episode_raises_what_rllte_raises(storage):
@@ -337,3 +339,29 @@ def test_temporary_stores_of_killed_processes_are_removed(tmp_path, monkeypatch)
         assert os.path.exists(again.path)
     live.close()
     assert not dirs["live"].exists()
+
+
+def test_a_step_that_does_not_start_where_the_last_one_ended_ends_the_episode_there(tmp_path):
+    """rllte's add takes obs and next obs apart: a step whose obs is not its env's last next obs (a reset without an
+    end flag) overwrote the last transition's next observation with it (the store keeps a step's next observation
+    as the following row): (1 -> 2) was stored and sampled as (1 -> 50). Each transition is now kept as added: the
+    episode ends there, truncated, and the step starts the next one."""
+    obs_space = spaces.Dict({k: spaces.Box(-1e3, 1e3, (1,), np.float32) for k in ("observation", "achieved_goal", "desired_goal")})
+    act = spaces.Box(-1, 1, (1,), np.float32)
+    with HerReplayStorage(obs_space, act, num_envs=1, batch_size=4, storage_size=100, path=tmp_path / "s",
+                          reward_fn=lambda a, d, i: np.zeros(len(a)), seed=0) as storage:
+        added = [(0, 1), (1, 2), (50, 51), (51, 52)]
+        for i, (o, n) in enumerate(added):
+            ob = {k: torch.tensor([[float(o)]]) for k in obs_space.spaces}
+            nx = {k: torch.tensor([[float(n)]]) for k in obs_space.spaces}
+            storage.add(ob, torch.tensor([[0.1 * i]]), torch.zeros(1), torch.zeros(1), torch.zeros(1), [{}], nx)
+        store = storage.store
+        storage.writer.flush_partial()
+        store.flush()
+        stored = []
+        for e in range(store.first_episode, store.end_episode):
+            ep = store.episode(e)
+            stored += [(float(ep["observation"][t, 0]), float(ep["observation"][t + 1, 0])) for t in range(len(ep["action"]))]
+            assert ep["truncated"][-1]
+        assert stored == [(float(o), float(n)) for o, n in added]
+        assert store.num_episodes == 2

@@ -700,13 +700,19 @@ def test_bad_steps_are_refused_and_change_nothing(tmp_path):
         rb.add(obs, obs, np.zeros((1, 3), np.float32), reward, done, infos)
     with pytest.raises(EpisodeValidationError, match="desired_goal"):
         rb.add({k: v for k, v in obs.items() if k != "desired_goal"}, obs, action, reward, done, infos)
+    jump = {**obs, "observation": obs["observation"] + 1}  # a reset in between, and a refused action: it ended the
+    with pytest.raises(EpisodeValidationError, match="action"):  # episode before the step was refused
+        rb.add(jump, jump, np.zeros((1, 3), np.float32), reward, done, infos)
     assert rb._writer.pending_steps.tolist() == [2] and len(rb.store) == 5 and rb.pos == 7
+    extra = {**obs, "velocity": np.zeros((1, 2), np.float32)}  # a key outside the space: ignored, as SB3 ignores it
+    rb.add(extra, extra, action, reward, done, infos)
+    assert rb._writer.pending_steps.tolist() == [3]
 
 
 def test_the_integration_is_an_sb3_her_buffer_and_takes_sb3_names():
     env = gym.make("her_store/PointGoal-v0")
     rb = ZarrHerReplayBuffer(100, env.observation_space, env.action_space, goal_selection_strategy=SB3Strategy.EPISODE)
-    assert isinstance(rb, HerReplayBuffer) and rb.goal_selection_strategy.value == "episode"
+    assert isinstance(rb, HerReplayBuffer) and rb.goal_selection_strategy is SB3Strategy.EPISODE  # SB3's enum
     assert rb.her_ratio == pytest.approx(0.8) and rb.size() == 0
     rb.truncate_last_trajectory()  # nothing added: nothing to do
     rb.close()

@@ -13,7 +13,7 @@ import torch
 
 from her_store import EpisodeStore
 from her_store.envs import PointGoalEnv
-from her_store.errors import SchemaMismatchError
+from her_store.errors import SchemaMismatchError, StoreError
 from her_store.integrations.rllte import HerReplayStorage
 from her_store.integrations.simple import HindsightExperienceReplay, goal_reached_reward
 
@@ -373,3 +373,18 @@ def test_ended_episodes_are_committed_in_groups_and_every_one_is_sampled(tmp_pat
     assert store.snapshot().num_transitions == 69  # the batch was drawn from every ended episode
     assert set(states.tolist()) <= {10.0 * i for i in range(70)}
     her.close()
+
+
+def test_a_closed_replay_says_so(tmp_path):
+    """After close(), store_transition failed with "env 0: episode of 3 steps dropped (... store is closed)", an
+    episode the caller never ended; now each call says the replay is closed."""
+    her = HindsightExperienceReplay(state_dim=4, action_dim=2, buffer_size=100, batch_size=2, path=str(tmp_path / "s"),
+                                    goal_dim=2)
+    for t in range(3):
+        her.store_transition(np.full(4, t), np.zeros(2), -1.0, np.full(4, t + 1), False, np.ones(2))
+    her.close()
+    for call in (lambda: her.store_transition(np.full(4, 3), np.zeros(2), -1.0, np.full(4, 4), False, np.ones(2)),
+                 her.sample, lambda: len(her)):
+        with pytest.raises(StoreError, match=r"this HindsightExperienceReplay \(.*\) is closed"):
+            call()
+    her.close()  # idempotent

@@ -211,6 +211,10 @@ def _bad_step(case: str, obs, nxt, action, reward, term, trunc, infos):
         nxt = {k: v for k, v in nxt.items() if k != "desired_goal"}
     elif case == "obs without a key":
         obs = {k: v for k, v in obs.items() if k != "observation"}
+    elif case == "obs with a key the store does not hold":  # was dropped without a word
+        obs = dict(obs, velocity=obs["observation"])
+    elif case == "next_obs with a key the store does not hold":
+        nxt = dict(nxt, velocity=nxt["observation"])
     elif case == "next_obs overflowing float32":
         nxt = dict(nxt, observation=nxt["observation"].astype(np.float64))
         nxt["observation"][2, 0] = 1e39
@@ -230,6 +234,8 @@ BAD_STEPS = {
     "next_obs with a row missing": r"next_obs\['achieved_goal'\] has shape \(2, 3\), expected \(3, 3\)",
     "next_obs without a key": r"next_obs has no key 'desired_goal'",
     "obs without a key": r"obs has no key 'observation'",
+    "obs with a key the store does not hold": r"obs has keys \['velocity'\] the store does not hold",
+    "next_obs with a key the store does not hold": r"next_obs has keys \['velocity'\] the store does not hold",
     "next_obs overflowing float32": r"next_obs\['observation'\] has 1e\+39 at \(2, 0\), which overflows float32",
     "action transposed": r"action has shape \(4, 3\), expected \(3, 4\)",
     "reward overflowing float32": r"reward has -1e\+300 at \(1,\), which overflows float32",
@@ -383,6 +389,13 @@ BAD_VALUES = {
     "float64 beyond float32": (
         "observation", lambda a: _put(a, 1e39, np.float64), r"has 1e\+39 at \(1, 0\), which overflows float32"
     ),
+    "int64 2**24 + 1 for float32": (  # was stored as 2**24
+        "observation", lambda a: _put(a, 2**24 + 1, np.int64),
+        r"has 16777217 at \(1, 0\), which float32 cannot hold exactly \(it would store 16777216\.0\)",
+    ),
+    "uint64 2**64 - 1 for float32": (
+        "observation", lambda a: _put(a, 2**64 - 1, np.uint64), r"has 18446744073709551615 at \(1, 0\), which float32 cannot hold exactly",
+    ),
 }
 
 
@@ -421,7 +434,8 @@ def test_casts_that_keep_values_are_accepted(store_path):
     given["observation"][0] = [np.nan, np.inf]  # NaN and inf given as such are kept
     given["bits"] = ep["bits"].astype(bool)
     given["action"] = ep["action"].astype(np.uint8)
-    want = dict(ep, observation=given["observation"].astype(np.float32))
+    given["reward"] = np.array([2**30, -(2**40), 7], np.int64)  # integers float32 holds exactly, however large
+    want = dict(ep, observation=given["observation"].astype(np.float32), reward=np.array([2**30, -(2**40), 7], np.float32))
     with EpisodeStore.create(store_path, obs, act, info_keys=info) as store:
         store.append_episode(given)
         w = store.writer(1)

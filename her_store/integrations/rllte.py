@@ -307,13 +307,15 @@ class HerReplayStorage:
 
         ``next_observations`` holds the terminal observation of envs that ended on this step (rllte's
         ``real_next_obs``). An env's episode is appended to the store when it is terminated or truncated, or
-        when it reaches ``segment_steps`` (as truncated).
+        when it reaches ``segment_steps`` (as truncated). An env whose observation is not its last step's next
+        observation was reset in between: its episode ends there, as truncated, and a new one starts (the store
+        keeps a step's next observation as the following row; joined, the last step would lead to the new start).
 
         Raises
         ------
         EpisodeValidationError
-            A missing observation key, a wrong shape or a value the store's dtype cannot hold, named by field;
-            nothing was added.
+            A missing or extra observation key, a wrong shape or a value the store's dtype cannot hold, named by
+            field; nothing was added.
         ValueError
             Termination flags that are neither booleans nor 0/1.
 
@@ -332,7 +334,7 @@ class HerReplayStorage:
             infos = {k: _as_numpy(v) if isinstance(v, torch.Tensor) else v for k, v in infos.items()}
         self.writer.add(
             obs, nxt, _as_numpy(actions), _as_numpy(rewards), _as_flags(terminateds, "terminateds"),
-            _as_flags(truncateds, "truncateds"), infos,
+            _as_flags(truncateds, "truncateds"), infos, cut_resets=True,
         )
         if self.segment_steps is not None:
             long = self.writer.pending_steps >= self.segment_steps

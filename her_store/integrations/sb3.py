@@ -315,7 +315,8 @@ class ZarrHerReplayBuffer(_her.HerReplayBuffer):
         self.copy_info_dict = bool(copy_info_dict)
         self.n_sampled_goal = int(n_sampled_goal)
         self.her_ratio = her_ratio(parse_strategy(goal_selection_strategy), self.n_sampled_goal)
-        self.goal_selection_strategy = goal_selection_strategy
+        self._goal_strategy = goal_selection_strategy  # the sampler's (her_store's enum for named ones)
+        self.goal_selection_strategy = _sb3_strategy(goal_selection_strategy)  # what code written for SB3 compares
         self.storage_options = None if storage_options is None else dict(storage_options)
         self.relabel_terminated = bool(relabel_terminated)
         self.prefetch = int(prefetch)
@@ -438,8 +439,14 @@ class ZarrHerReplayBuffer(_her.HerReplayBuffer):
         ``done`` is SB3's (terminated or truncated); ``infos[i]["TimeLimit.truncated"]`` tells a truncation. An env
         whose ``obs`` is not the ``next_obs`` of its last step was reset in between (SB3 resets at the start of every
         ``learn()`` by default; ``set_env`` brings new envs): its unfinished episode ends there, truncated, rather than
-        run on into the reset one (the store keeps a step's next observation as the following row).
+        run on into the reset one (the store keeps a step's next observation as the following row). Observation keys
+        outside the observation space are ignored, as SB3's buffer ignores them.
         """
+        known = self.observation_space.spaces
+        if len(obs) > len(known):
+            obs = {k: v for k, v in obs.items() if k in known}
+        if len(next_obs) > len(known):
+            next_obs = {k: v for k, v in next_obs.items() if k in known}
         writer = self._writer
         if writer is None or self._res.store is None:
             if self.copy_info_dict and self.info_keys is None and writer is None:
@@ -462,11 +469,10 @@ class ZarrHerReplayBuffer(_her.HerReplayBuffer):
             terminated = done & ~truncated
         if self.copy_info_dict and not self._keys_given:
             self._warn_unstored_info(infos)
-        cut = writer.cut_envs(obs)
-        if cut:  # reset since the last step (SB3 resets at the start of every learn(), by default, or a new env)
-            writer.flush_partial(cut)
-            self._ended = True
-        if writer.add(obs, next_obs, action, reward, terminated, truncated, infos if self.info_keys else None):
+        # an env reset since its last step (SB3 resets at the start of every learn(), by default, or a new env): its
+        # episode ends there (cut_resets)
+        if writer.add(obs, next_obs, action, reward, terminated, truncated, infos if self.info_keys else None,
+                      cut_resets=True):
             self._ended = True
         self._added += 1
         self._layout = None
@@ -558,7 +564,7 @@ class ZarrHerReplayBuffer(_her.HerReplayBuffer):
             store,
             batch_size,
             n_sampled_goal=self.n_sampled_goal,
-            goal_selection_strategy=self.goal_selection_strategy,
+            goal_selection_strategy=self._goal_strategy,
             reward_fn=_env_method(ref, "compute_reward"),
             seed=self._seed,
             copy_info_dict=self.copy_info_dict,
@@ -696,7 +702,7 @@ class ZarrHerReplayBuffer(_her.HerReplayBuffer):
                 "device": str(self.device),
                 "handle_timeout_termination": self.handle_timeout_termination,
                 "n_sampled_goal": self.n_sampled_goal,
-                "goal_selection_strategy": self.goal_selection_strategy,
+                "goal_selection_strategy": self._goal_strategy,
                 "copy_info_dict": self.copy_info_dict,
                 "storage_options": self.storage_options,
                 "relabel_terminated": self.relabel_terminated,
@@ -728,7 +734,7 @@ class ZarrHerReplayBuffer(_her.HerReplayBuffer):
         state = self._state()
         why = _unpicklable(state)
         if why is not None:
-            strategy = self.goal_selection_strategy
+            strategy = self._goal_strategy
             if callable(strategy) and _unpicklable(strategy) is not None:
                 raise pickle.PicklingError(
                     f"cannot save a handle of this ZarrHerReplayBuffer: its goal_selection_strategy {strategy!r} "
@@ -836,6 +842,13 @@ def _strategy(strategy: Any) -> GoalStrategy:
     if isinstance(strategy, _her.GoalSelectionStrategy):
         return GoalSelectionStrategy(strategy.name.lower())
     return parse_strategy(strategy)
+
+
+def _sb3_strategy(strategy: GoalStrategy) -> Any:
+    """SB3's GoalSelectionStrategy member of a named strategy SB3 has (future, final, episode); others as they are."""
+    if isinstance(strategy, GoalSelectionStrategy) and strategy.name in _her.GoalSelectionStrategy.__members__:
+        return _her.GoalSelectionStrategy[strategy.name]
+    return strategy
 
 
 def _numeric_info_keys(infos: Sequence[Mapping[str, Any]]) -> list[str]:

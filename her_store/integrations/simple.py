@@ -18,7 +18,7 @@ import numpy as np
 import torch
 from gymnasium import spaces
 
-from her_store.errors import NotAStoreError, SchemaMismatchError
+from her_store.errors import NotAStoreError, SchemaMismatchError, StoreError
 from her_store.integrations.rllte import HerReplayStorage, _as_flags, _as_numpy, _check_int, _checked_device
 from her_store.relabel import GoalSelectionStrategy, select_goal_steps
 from her_store.sampler import RewardFn
@@ -192,6 +192,7 @@ class HindsightExperienceReplay:
         self._storage_options = storage_options
         self._rng = np.random.default_rng(seed)
         self.storage: HerReplayStorage | None = None
+        self._closed = False
         self._last_next = np.empty(0, np.float32)  # the next_state of the last transition stored
         if path is not None:
             stored = _stored_sizes(path, storage_options)
@@ -246,6 +247,7 @@ class HindsightExperienceReplay:
         --------
         >>> her.store_transition(np.zeros(10), np.zeros(2), -1.0, np.ones(10), False, np.ones(3))  # doctest: +SKIP
         """
+        self._require_open()
         if self.storage is None:
             self._open(_as_numpy(goal).size)
         assert self.storage is not None
@@ -270,6 +272,7 @@ class HindsightExperienceReplay:
 
         Like :meth:`sample`, it commits the episodes ended since the last commit (one commit, about a millisecond).
         """
+        self._require_open()
         if self.storage is None:
             return 0
         return self.storage.store.num_transitions + int(self.storage.writer.pending_steps[0])  # commits what ended
@@ -293,6 +296,7 @@ class HindsightExperienceReplay:
         --------
         >>> states, actions, rewards, next_states, dones, goals = her.sample()  # doctest: +SKIP
         """
+        self._require_open()
         if self.storage is None:
             return None
         self.storage.store.flush()  # every ended episode is drawn from, as SB3's buffer does: commit them
@@ -354,8 +358,13 @@ class HindsightExperienceReplay:
         --------
         >>> her.close()  # doctest: +SKIP
         """
+        self._closed = True
         if self.storage is not None:
             self.storage.close()
+
+    def _require_open(self) -> None:
+        if self._closed:
+            raise StoreError(f"this HindsightExperienceReplay ({self.path}) is closed")
 
     def __enter__(self) -> Self:
         return self
