@@ -320,3 +320,49 @@ def test_a_store_served_over_http_copies_to_local_disk(stores, serve, tmp_path):
         assert copy.metadata == local.metadata and copy.commit_record == local.commit_record
         for i in range(local.num_episodes):
             assert_episode_equal(copy.episode(i), local.episode(i))
+
+
+class PaddedHandler(RangeHandler):
+    """Ignores Range: every object but the JSON records whole, followed by 32 MiB of zeros; records, per GET, the
+    bytes its client took before it closed the connection."""
+
+    sent: list[int] = []
+
+    def do_GET(self, body: bool = True) -> None:
+        path = self.translate_path(self.path)
+        if self.path.endswith(".json") or not os.path.isfile(path) or not body:
+            super().do_GET(body)
+            return
+        with open(path, "rb") as f:
+            data = f.read()
+        pad = 32 << 20
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(data) + pad))
+        self.end_headers()
+        out = 0
+        try:
+            self.wfile.write(data)
+            out += len(data)
+            zeros = bytes(1 << 20)
+            for _ in range(pad >> 20):
+                self.wfile.write(zeros)
+                out += len(zeros)
+        except OSError:  # the client closed the connection
+            pass
+        finally:
+            type(self).sent.append(out)
+
+
+def test_a_whole_object_sent_for_a_range_is_read_no_further_than_the_range(stores, serve):
+    """A server that ignores Range and sends more than the object (here 32 MiB past each one) was read to the end
+    of its answer, up to 1 GiB a GET, ten index columns at once: an open grew to 10 GB. A ranged GET answered with a
+    whole object now reads it no further than the range's end, and the rows are the store's."""
+    base = serve(stores, PaddedHandler)
+    PaddedHandler.sent.clear()
+    with EpisodeStore.open(f"{base}/low") as remote, EpisodeStore.open(f"{stores}/low") as local:
+        assert_episode_equal(remote.episode(7), local.episode(7))
+        with HerSampler(remote, 64, reward_fn=_reward, seed=1) as sampler:
+            b = sampler.sample()
+            for j, (e, t) in enumerate(zip(b.episode_ids.tolist()[:16], b.steps.tolist()[:16])):
+                np.testing.assert_array_equal(b.observations["observation"][j].numpy(), local.episode(e)["observation"][t])
+    assert PaddedHandler.sent and max(PaddedHandler.sent) < 16 << 20, sorted(PaddedHandler.sent)[-3:]
