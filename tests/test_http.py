@@ -10,6 +10,7 @@ import re
 import shutil
 import threading
 import time
+from typing import ClassVar
 
 import numpy as np
 import pytest
@@ -326,7 +327,7 @@ class PaddedHandler(RangeHandler):
     """Ignores Range: every object but the JSON records whole, followed by 32 MiB of zeros; records, per GET, the
     bytes its client took before it closed the connection."""
 
-    sent: list[int] = []
+    sent: ClassVar[list[int]] = []
 
     def do_GET(self, body: bool = True) -> None:
         path = self.translate_path(self.path)
