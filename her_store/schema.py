@@ -295,7 +295,7 @@ def conform(value: np.ndarray, field: Field, value_range: tuple[Any, Any] | None
     if v.dtype != dtype:
         if not np.can_cast(v.dtype, dtype, casting="same_kind"):
             raise EpisodeValidationError(f"{label} has dtype {v.dtype}, expected {dtype} (or one that casts to it)")
-        if np.can_cast(v.dtype, dtype):
+        if np.can_cast(v.dtype, dtype) and not (v.dtype.kind in "iu" and dtype.kind == "f"):
             v = v.astype(dtype)
         elif dtype.kind in "iu":  # checked before the cast, which would wrap (300 -> 44 in uint8)
             info = np.iinfo(dtype)

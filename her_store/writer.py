@@ -250,10 +250,11 @@ class StepWriter:
             (next-step autoreset) that resets the envs which ended on the previous step. Only an env between
             episodes (no pending step) may be skipped; its values must still be valid for the store.
         cut_resets : bool
-            End, as truncated at its last step, the episode of an env whose ``obs`` is not (byte for byte) the
-            ``next_obs`` of its last add (:meth:`cut_envs`: it was reset in between, without an end flag); this step
-            starts its next episode. Checked once the step is known valid: a refused step ends nothing. Without it,
-            such a step joins the episode, whose last transition then leads to the new start.
+            End, as truncated at its last step, the episode of an env whose ``obs`` is not (byte for byte, in the
+            stored dtypes) the ``next_obs`` of its last add: it was reset in between, without an end flag. This step
+            starts its next episode. Checked once the step is known valid: a refused step ends nothing; a cut episode
+            the store refuses is dropped, as an ended one is, after the step is staged. Without it, such a step joins
+            the episode, whose last transition then leads to the new start.
 
         Raises
         ------
@@ -304,6 +305,7 @@ class StepWriter:
                 np.asarray(truncated),
                 infos,
                 skip=skip,
+                cut_resets=cut_resets,
             )
         except (KeyError, TypeError):
             self._require_keys("obs", obs)
@@ -316,13 +318,17 @@ class StepWriter:
             skip = self._skip_mask(skip, t)
             terminated, truncated = terminated & ~skip, truncated & ~skip
         ended = (terminated[0] or truncated[0]) if self.n_envs == 1 else (terminated | truncated).any()
-        # next_obs is not read unless an episode ends (or by flush_partial, which checks it then)
+        # next_obs's values are not read unless an episode ends (or by flush_partial, which checks them then)
         last_next = self._conformed(next_obs, "next_obs") if ended else next_obs
-        cut = self.cut_envs(obs) if cut_resets else []
+        if not ended and isinstance(next_obs, Mapping) and len(next_obs) != len(self._obs_slots):
+            self._require_keys("next_obs", next_obs)
+        cut, refused = self._cut_rows(t) if cut_resets else [], None
         if cut:  # their episodes end at row t - 1, their final observations going in row t: this step's, kept aside
             staged = {name: buf[t].copy() for name, buf in self._buf.items()}
             try:
                 cut = self.flush_partial(cut)
+            except StoreError as err:  # a cut episode the store refused: dropped (listed); this step goes on
+                refused, cut = err, []
             finally:
                 for name, buf in self._buf.items():
                     buf[t] = staged[name]
@@ -330,37 +336,35 @@ class StepWriter:
         if skip is not None:
             self._start[skip] = t + 1  # row t of a skipped env belongs to no episode
         self._t = t + 1
-        if not ended:
-            return cut
-        return cut + self._finish_all([0] if self.n_envs == 1 else np.flatnonzero(terminated | truncated).tolist())
+        try:
+            ids = self._finish_all(np.flatnonzero(terminated | truncated).tolist()) if ended else []
+        except StoreError as err:
+            if refused is None:
+                raise
+            raise type(refused)(f"{refused}; {err}") from err
+        if refused is not None:
+            raise refused
+        return cut + ids
 
-    def cut_envs(self, obs: Mapping[str, Any]) -> list[int]:
-        """The envs with steps pending whose ``obs`` is not, byte for byte, the ``next_obs`` of the last add: their
-        env was reset in between, so their episode ended there (pass them to :meth:`flush_partial`). An ``obs`` not in
-        the stored shapes and dtypes tells nothing (the add refuses it).
-
-        Examples
-        --------
-        >>> w.flush_partial(w.cut_envs(obs))  # doctest: +SKIP
-        """
-        last = self._last_next
-        if last is None or not isinstance(obs, Mapping) or not isinstance(last, Mapping):
+    def _cut_rows(self, t: int) -> list[int]:
+        """The envs with steps pending whose staged observation (row ``t``, in the stored dtypes) is not the last
+        add's next_obs (in the stored dtypes): those ``add(cut_resets=True)`` ends. A last next_obs that is not in the
+        stored shapes tells nothing (it is read only when its episode ends)."""
+        pending = self._t > self._start
+        if self._last_next is None or not pending.any():
             return []
-        pairs = []
-        for name, _, shape, _ in self._obs_slots:
-            a, b = obs.get(name), last.get(name)
-            if not (isinstance(a, np.ndarray) and isinstance(b, np.ndarray)):
-                return []
-            if a.shape != shape or b.shape != shape or a.dtype != b.dtype:
-                return []
-            pairs.append((a, b))
-        if all(_same_bytes(a, b) for a, b in pairs):  # the usual step: every env goes on (one memcmp a key)
+        try:
+            last = self._conformed(self._last_next, "the last add's next_obs")
+        except (EpisodeValidationError, KeyError, TypeError):
+            return []
+        rows = [(self._buf[name][t], last[name]) for name, _, _, _ in self._obs_slots]
+        if all(_same_bytes(a, b) for a, b in rows):  # the usual step: every env goes on (one memcmp a key)
             return []
         cut = np.zeros(self.n_envs, bool)
-        for a, b in pairs:
-            cut |= (np.ascontiguousarray(a).reshape(self.n_envs, -1).view(np.uint8)
+        for a, b in rows:
+            cut |= (a.reshape(self.n_envs, -1).view(np.uint8)
                     != np.ascontiguousarray(b).reshape(self.n_envs, -1).view(np.uint8)).any(axis=1)
-        return np.flatnonzero(cut & (self._t > self._start)).tolist()
+        return np.flatnonzero(cut & pending).tolist()
 
     def _skip_mask(self, skip: Any, t: int) -> np.ndarray:
         """``skip`` as a bool mask of the envs, refused if it is no such mask or names an env with pending steps."""

@@ -83,3 +83,15 @@ def test_a_field_name_longer_than_a_file_name_holds_is_refused():
     image = obs.spaces.pop(long)
     obs = spaces.Dict({**obs.spaces, "é" * (MAX_NAME_BYTES // 2): image})  # 2 bytes a character: at the bound
     assert Schema(obs, spaces.Box(-1, 1, (2,), np.float32)).by_name["é" * (MAX_NAME_BYTES // 2)]
+
+
+def test_an_integer_a_float_dtype_would_round_is_refused_even_where_numpy_calls_the_cast_safe():
+    """numpy casts int64 to float64 as "safe", and 2**53 + 1 became 2**53 without a word."""
+    from her_store.errors import EpisodeValidationError
+    from her_store.schema import Field, conform
+
+    f64 = Field("x", np.dtype("<f8"), (), True, "info")
+    np.testing.assert_array_equal(conform(np.array([2**53, -(2**63)], np.int64), f64, None, "x"), [2.0**53, -(2.0**63)])
+    for bad in (np.array([3, 2**53 + 1], np.int64), np.array([2**64 - 1], np.uint64)):
+        with pytest.raises(EpisodeValidationError, match="which float64 cannot hold exactly"):
+            conform(bad, f64, None, "x")

@@ -117,29 +117,36 @@ def test_flush_partial_ends_unfinished_episodes_as_truncated(store_path, fetch):
         assert w.flush_partial() == []
 
 
-def test_cut_envs_names_the_envs_whose_obs_does_not_follow_their_last_step(store_path, fetch):
-    """An env whose obs is not, byte for byte, the last add's next_obs was reset in between; NaNs compare by their
-    bytes, an env with no pending step is never cut, and an obs the add would refuse (shape, dtype) tells nothing."""
+def test_cut_resets_ends_the_episode_of_an_env_whose_obs_does_not_follow_its_last_step(store_path, fetch):
+    """An env whose obs is not, byte for byte in the stored dtypes, the last add's next_obs was reset in between: its
+    episode ends there, truncated, with that next_obs as its final observation. NaNs compare by their bytes, obs in
+    another dtype or not contiguous compare as stored, an env with no pending step is never cut, and a refused step
+    ends nothing."""
     obs, act = fetch
     eps = [make_episode(obs, act, 6, seed=e) for e in range(2)]
     eps[1]["observation"][:, 0] = np.nan
+    row = lambda t: {k: np.stack([e[k][t] for e in eps]) for k in obs.spaces}
+    action = lambda t: np.stack([e["action"][t] for e in eps])
+    no = np.zeros(2, bool)
     with EpisodeStore.create(store_path, obs, act) as store:
         w = store.writer(2)
-        assert w.cut_envs({k: np.stack([e[k][0] for e in eps]) for k in obs.spaces}) == []  # nothing pending
-        for t in range(3):
-            w.add(
-                {k: np.stack([e[k][t] for e in eps]) for k in obs.spaces},
-                {k: np.stack([e[k][t + 1] for e in eps]) for k in obs.spaces},
-                np.stack([e["action"][t] for e in eps]), np.zeros(2, np.float32), np.zeros(2, bool), np.zeros(2, bool),
-            )
-        follows = {k: np.stack([e[k][3] for e in eps]) for k in obs.spaces}
-        assert w.cut_envs(follows) == []
-        assert w.cut_envs({k: np.repeat(v, 2, axis=0)[::2] for k, v in follows.items()}) == []  # not contiguous
-        reset = {k: v.copy() for k, v in follows.items()}
+        for t in range(3):  # the first: nothing pending, nothing to cut
+            assert w.add(row(t), row(t + 1), action(t), np.zeros(2, np.float32), no, no, cut_resets=True) == []
+        follows = {k: np.repeat(v, 2, axis=0)[::2].astype(np.float64) for k, v in row(3).items()}  # float64, strided
+        assert w.add(follows, row(4), action(3), np.zeros(2, np.float32), no, no, cut_resets=True) == []
+        assert list(w.pending_steps) == [4, 4]
+        reset = row(4)
         reset["achieved_goal"][1] += 1
-        assert w.cut_envs(reset) == [1]
-        assert w.cut_envs({**follows, "observation": follows["observation"].astype(np.float64)}) == []
-        assert w.cut_envs({**follows, "observation": follows["observation"][:, :3]}) == []
+        with pytest.raises(EpisodeValidationError, match="action"):
+            w.add(reset, row(5), action(4)[:, :1], np.zeros(2, np.float32), no, no, cut_resets=True)
+        assert list(w.pending_steps) == [4, 4] and store.num_episodes == 0
+        (cut,) = w.add(reset, row(5), action(4), np.zeros(2, np.float32), no, no, cut_resets=True)
+        assert list(w.pending_steps) == [5, 1]
+        ep = store.episode(cut)
+        want = {k: v[:5] if k in obs.spaces else v[:4] for k, v in eps[1].items()}
+        want["reward"], want["truncated"] = np.zeros(4, np.float32), np.eye(1, 4, 3, dtype=bool)[0]
+        want["terminated"] = np.zeros(4, bool)
+        assert_episode_equal(ep, want)
 
 
 def test_long_episodes_grow_the_staging_buffer(store_path, fetch):
@@ -632,3 +639,45 @@ def test_restore_pending_refuses_a_busy_writer_and_bad_episodes(store_path, fetc
         np.testing.assert_array_equal(fresh.pending_steps, [1500, 1])
         assert fresh.flush_partial() == [0, 1]
         assert store.episode(0)["action"].shape == (1500, 4)
+
+
+def test_cut_resets_holds_on_every_path_of_an_add(store_path, fetch):
+    """Found by a hostile test of cut_resets: values given as lists (converted, then added again) lost it; obs given
+    in float64 after an env had ended (its next_obs then kept as float32) were never compared; a cut episode the
+    store refused threw the whole step away (the other envs' steps and ends with it, and the next add cut them); a
+    next_obs with a key the store does not hold, at a step that ended nothing, wedged every later cut."""
+    obs, act = fetch
+    T = 8
+    eps = [make_episode(obs, act, T, seed=e) for e in range(2)]
+    row = lambda t: {k: np.stack([e[k][t] for e in eps]) for k in obs.spaces}
+    action = lambda t: np.stack([e["action"][t] for e in eps])
+    no, zero = np.zeros(2, bool), np.zeros(2, np.float32)
+    with EpisodeStore.create(store_path, obs, act) as store:
+        w = store.writer(2)
+        w.add(row(0), row(1), action(0), zero, no, no)
+        reset = row(5)
+        assert len(w.add(reset, row(6), action(1).tolist(), zero.tolist(), no, no, cut_resets=True)) == 2  # lists
+        w.add(row(6), row(7), action(6), zero, np.array([True, False]), no)  # env 0 ends: next_obs kept as float32
+        jump = {k: v.astype(np.float64) for k, v in row(2).items()}
+        jump["observation"][0] = row(7)["observation"][0]  # env 0's new episode starts at its reset obs: goes on...
+        jump = {k: np.where(np.arange(2).reshape(2, *[1] * (v.ndim - 1)) == 0, row(7)[k], v) for k, v in jump.items()}
+        assert len(w.add(jump, row(3), action(2), zero, no, no, cut_resets=True)) == 1  # ...env 1 was reset
+        assert list(w.pending_steps) == [1, 1]
+        with pytest.raises(EpisodeValidationError, match=r"next_obs has keys \['velocity'\]"):
+            w.add(row(3), {**row(4), "velocity": zero}, action(3), zero, no, no)
+        assert list(w.pending_steps) == [1, 1]
+    capped = store_path + "-ring"
+    with EpisodeStore.create(capped, obs, act, capacity=4) as store:
+        w = store.writer(2)
+        for t in range(4):  # env 0: 4 steps, env 1: 2 episodes of 2
+            w.add(row(t), row(t + 1), action(t), zero, no, np.array([False, t % 2 == 1]))
+        w.add(row(4), row(5), action(4), zero, no, no)  # env 0: 5 steps, more than the ring holds
+        moved = row(6)
+        moved["achieved_goal"][0] += 1  # env 0 was reset: its 5-step episode is cut, and refused
+        with pytest.raises(EpisodeValidationError, match="env 0: episode of 5 steps dropped"):
+            w.add(moved, row(7), action(6), zero, no, np.array([False, True]), cut_resets=True)
+        assert [d.env for d in w.dropped] == [0]
+        assert list(w.pending_steps) == [1, 0]  # the step was staged: env 0's new episode, env 1's end appended
+        ids = list(w.episode_ids)
+        assert store.episode(ids[-1])["truncated"][-1]
+        assert w.add(row(7), row(8), action(7), zero, no, no, cut_resets=True) == []  # nothing cut wrongly
