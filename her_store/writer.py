@@ -320,7 +320,7 @@ class StepWriter:
         ended = (terminated[0] or truncated[0]) if self.n_envs == 1 else (terminated | truncated).any()
         # next_obs's values are not read unless an episode ends (or by flush_partial, which checks them then)
         last_next = self._conformed(next_obs, "next_obs") if ended else next_obs
-        if not ended and isinstance(next_obs, Mapping) and len(next_obs) != len(self._obs_slots):
+        if not ended and (type(next_obs) is dict or isinstance(next_obs, Mapping)) and len(next_obs) != len(self._obs_slots):
             self._require_keys("next_obs", next_obs)
         cut, refused = self._cut_rows(t) if cut_resets else [], None
         if cut:  # their episodes end at row t - 1, their final observations going in row t: this step's, kept aside
@@ -350,19 +350,26 @@ class StepWriter:
         """The envs with steps pending whose staged observation (row ``t``, in the stored dtypes) is not the last
         add's next_obs (in the stored dtypes): those ``add(cut_resets=True)`` ends. A last next_obs that is not in the
         stored shapes tells nothing (it is read only when its episode ends)."""
+        last = self._last_next
+        if last is None:
+            return []
+        pairs = []
+        for name, rows, shape, dtype in self._obs_slots:  # the usual step: the last next_obs as stored, no copy
+            b = last.get(name) if type(last) is dict else None
+            if type(b) is not np.ndarray or b.dtype is not dtype or b.shape != shape:
+                try:  # another dtype (cast by add), a list, ...: as add would store it
+                    conformed = self._conformed(last, "the last add's next_obs")
+                except (EpisodeValidationError, KeyError, TypeError):
+                    return []
+                pairs = [(rows[t], conformed[n]) for n, rows, _, _ in self._obs_slots]
+                break
+            pairs.append((rows[t], b))
+        if all(_same_bytes(a, b) for a, b in pairs):  # every env goes on (one memcmp a key)
+            return []
         pending = self._t > self._start
-        if self._last_next is None or not pending.any():
-            return []
-        try:
-            last = self._conformed(self._last_next, "the last add's next_obs")
-        except (EpisodeValidationError, KeyError, TypeError):
-            return []
-        rows = [(self._buf[name][t], last[name]) for name, _, _, _ in self._obs_slots]
-        if all(_same_bytes(a, b) for a, b in rows):  # the usual step: every env goes on (one memcmp a key)
-            return []
         cut = np.zeros(self.n_envs, bool)
-        for a, b in rows:
-            cut |= (a.reshape(self.n_envs, -1).view(np.uint8)
+        for a, b in pairs:
+            cut |= (np.ascontiguousarray(a).reshape(self.n_envs, -1).view(np.uint8)
                     != np.ascontiguousarray(b).reshape(self.n_envs, -1).view(np.uint8)).any(axis=1)
         return np.flatnonzero(cut & pending).tolist()
 
