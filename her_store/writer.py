@@ -260,8 +260,9 @@ class StepWriter:
         ------
         EpisodeValidationError
             A missing or extra observation key, a wrong shape, a dtype that does not cast, or a value the stored
-            dtype or the field's space cannot hold, named by field: nothing was staged or appended. Also when an ended episode is
-            longer than the store's capacity: that env's episode was dropped, the others were appended.
+            dtype or the field's space cannot hold, named by field: nothing was staged or appended. Also when an
+            ended episode is longer than the store's capacity: that env's episode was dropped, the others were
+            appended.
         StoreError
             The store failed to append an ended episode (the cause is chained; a her_store error keeps its
             class): that env's episode was dropped, the others were appended.
@@ -320,7 +321,8 @@ class StepWriter:
         ended = (terminated[0] or truncated[0]) if self.n_envs == 1 else (terminated | truncated).any()
         # next_obs's values are not read unless an episode ends (or by flush_partial, which checks them then)
         last_next = self._conformed(next_obs, "next_obs") if ended else next_obs
-        if not ended and (type(next_obs) is dict or isinstance(next_obs, Mapping)) and len(next_obs) != len(self._obs_slots):
+        mapping = type(next_obs) is dict or isinstance(next_obs, Mapping)
+        if not ended and mapping and len(next_obs) != len(self._obs_slots):
             self._require_keys("next_obs", next_obs)
         cut, refused = self._cut_rows(t) if cut_resets else [], None
         if cut:  # their episodes end at row t - 1, their final observations going in row t: this step's, kept aside
@@ -404,7 +406,8 @@ class StepWriter:
         extra = [k for k in m if k not in self._obs_keys]
         if extra:
             raise EpisodeValidationError(
-                f"{label} has keys {short_repr(extra)} the store does not hold; expected the keys {list(self._obs_keys)}"
+                f"{label} has keys {short_repr(extra)} the store does not hold; expected the keys "
+                f"{list(self._obs_keys)}"
             )
 
     def _conformed(self, next_obs: Any, label: str) -> dict[str, np.ndarray]:
