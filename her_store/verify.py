@@ -305,19 +305,22 @@ class _Check:
                     n = max(min(size, end) - start, 0)
                     if not spare:
                         return os.pread(f.fileno(), n, offset + start), size, None
-                    view = memoryview(self._buffer(n))[:n]
-                    try:
-                        got = os.preadv(f.fileno(), [view], offset + start)
-                    except BaseException:
-                        self._give_back(view)
-                        raise
-                    return view[:got], size, None
+                    return self._pread_spare(f.fileno(), n, offset + start), size, None
             size = int(self.loc.fs.size(path))
             return self.loc.fs.cat_file(path, start=start, end=max(min(size, end), start)), size, None
         except FileNotFoundError:
             return None, 0, None
         except (CorruptStoreError, OSError) as e:
             return None, 0, str(e)
+
+    def _pread_spare(self, fd: int, n: int, at: int) -> memoryview:
+        """Up to ``n`` bytes at ``at`` of ``fd``, read into a buffer of :meth:`_buffer` (:meth:`_give_back` it)."""
+        view = memoryview(self._buffer(n))[:n]
+        try:
+            return view[: os.preadv(fd, [view], at)]
+        except BaseException:
+            self._give_back(view)
+            raise
 
     def _buffer(self, n: int) -> np.ndarray:
         """A buffer of at least ``n`` bytes: the smallest one given back that holds them, else a new one. Bytes read
@@ -362,16 +365,15 @@ class _Check:
                         raise
                     end = min(os.lseek(fd, pos, os.SEEK_HOLE), size)
                 while pos < end:
-                    view = memoryview(self._buffer(min(PIECE_BYTES, end - pos)))[: min(PIECE_BYTES, end - pos)]
+                    view = self._pread_spare(fd, min(PIECE_BYTES, end - pos), offset + pos)
                     try:
-                        got = os.preadv(fd, [view], offset + pos)
-                        if np.frombuffer(view[:got], np.uint8).any():
+                        if np.frombuffer(view, np.uint8).any():
                             return True
                     finally:
                         self._give_back(view)
-                    if got == 0:
+                    if not len(view):
                         return False
-                    pos += got
+                    pos += len(view)
         return False
 
     def _links(self, spec: ArraySpec, c: int) -> int:

@@ -419,21 +419,18 @@ MEMBER_LIMIT = 1 << 30  # bytes a member read whole, or one HDF5 dataset, may de
 EPISODE_LIMIT = 1 << 30  # bytes of one imported episode's fields together: they are all read before it is appended
 
 
-def episode_bytes(schema: Schema, T: int) -> int:
-    """The bytes of an episode of ``T`` steps in the fields of ``schema`` (observation fields hold ``T + 1`` rows)."""
-    return sum((T if f.per_step else T + 1) * f.row_nbytes for f in schema.fields)
-
-
-def check_episode_bytes(nbytes: int, where: str) -> None:
-    """Refuse, unread, an episode whose fields take more than EPISODE_LIMIT bytes together: a file of deflated zeros,
-    or HDF5 datasets never written, can claim any length at a few bytes, and an episode's fields are all read (then
-    staged by the store) before it is appended.
+def check_episode_bytes(schema: Schema, T: int, where: str) -> None:
+    """Refuse, unread, an episode of ``T`` steps whose fields in ``schema`` (observation fields hold ``T + 1`` rows)
+    take more than EPISODE_LIMIT bytes together: a file of deflated zeros can claim any length at a few bytes, and an
+    episode's fields are all read (then staged by the store) before it is appended. (HDF5 episodes are bounded from
+    their datasets' shapes: :func:`check_hdf5`.)
 
     Raises
     ------
     ValueError
         Naming the episode (``where``) and its size.
     """
+    nbytes = sum((T if f.per_step else T + 1) * f.row_nbytes for f in schema.fields)
     if nbytes > EPISODE_LIMIT:
         raise ValueError(
             f"{where} takes {nbytes:,} bytes in its fields; at most {EPISODE_LIMIT:,} are read for one episode "

@@ -26,7 +26,6 @@ from her_store.interop import (
     NpzReader,
     append_from,
     check_episode_bytes,
-    episode_bytes,
     header_of,
     minari_name,
     read_batches,
@@ -122,7 +121,7 @@ def import_npz(source: str | os.PathLike[str], store_path: str | os.PathLike[str
         with staged_store(store_path, schema, card) as store, bar:
             for i, T in enumerate(lengths.tolist()):
                 where = f"{source}: episode {i} ({T:,} steps)"
-                check_episode_bytes(episode_bytes(schema, T), where)
+                check_episode_bytes(schema, T, where)
                 append_from(store, {f.name: z.read(names[f.name], T if f.per_step else T + 1) for f in schema.fields}, where)
                 bar.update(1)
             for name in names.values():

@@ -42,7 +42,6 @@ from her_store.interop import (
     NpzReader,
     append_from,
     check_episode_bytes,
-    episode_bytes,
     exact_cast,
     header_of,
     read_batches,
@@ -258,7 +257,7 @@ def import_ogbench(
         with staged_store(store_path, schema, card) as store, bar:
             for k, n in enumerate(sizes.tolist()):
                 where = f"{source}: trajectory {k} ({n:,} rows)"
-                check_episode_bytes(episode_bytes(schema, n), where)
+                check_episode_bytes(schema, n, where)
                 append_from(store, _episode(z, schema, names, n, k, noted, bounded=not own), where)
                 bar.update(1)
             for name in set(names.values()):
