@@ -242,6 +242,8 @@ class HindsightExperienceReplay:
         ------
         ValueError, TypeError
             A wrong shape or dtype, named; nothing is stored.
+        StoreError
+            This replay was closed.
 
         Examples
         --------
