@@ -2,17 +2,21 @@
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import re
+import struct
 import warnings
+import zlib
 
 import numpy as np
 import pytest
 from gymnasium import spaces
 
 from her_store import EpisodeStore
-from her_store.errors import CorruptStoreError
+from her_store.cli import main
+from her_store.errors import CorruptStoreError, EpisodeValidationError
 from tests.conftest import assert_episode_equal, fetch_spaces, make_episode
 
 minari = pytest.importorskip("minari", reason='pip install "her_store[minari]"')
@@ -225,15 +229,20 @@ def test_existing_destinations_are_refused(tmp_path):
         import_minari("absent/name-v0", tmp_path / "new")
 
 
+def _damage(path, episode):
+    """The first row of ``episode`` in the store's float32 pack no longer matches its crc32."""
+    with EpisodeStore.open(path) as src:
+        start, _ = src.index.rows_of(episode)
+        row_bytes = 4 * next(a for a in src.layout.arrays if a.path == "packs/float32").row_shape[0]
+    chunk = path / "packs" / "float32" / "c" / "0" / "0"
+    raw = bytearray(chunk.read_bytes())
+    raw[start * row_bytes : start * row_bytes + 4] = b"\xff\xff\xff\xff"
+    chunk.write_bytes(bytes(raw))
+
+
 def test_failures_leave_nothing(tmp_path):
     _store(tmp_path / "src", n=5)
-    with EpisodeStore.open(tmp_path / "src") as src:
-        start, _ = src.index.rows_of(3)
-        row_bytes = 4 * next(a for a in src.layout.arrays if a.path == "packs/float32").row_shape[0]
-    chunk = tmp_path / "src" / "packs" / "float32" / "c" / "0" / "0"
-    raw = bytearray(chunk.read_bytes())
-    raw[start * row_bytes : start * row_bytes + 4] = b"\xff\xff\xff\xff"  # episode 3's first row no longer matches its crc32
-    chunk.write_bytes(bytes(raw))
+    _damage(tmp_path / "src", 3)
     with EpisodeStore.open(tmp_path / "src") as src:
         with pytest.raises(CorruptStoreError, match="episode 3"):
             export_minari(src, src.episodes["episode_id"], tmp_path / "random-v0")
@@ -446,3 +455,238 @@ def test_metadata_whose_spaces_make_no_store_or_whose_data_is_not_hdf5_is_refuse
         with pytest.raises(ValueError, match=re.escape(where) + ": " + words):
             import_minari(tmp_path / "random-v0", tmp_path / "store")
         assert not (tmp_path / "store").exists(), name
+
+
+# -- JPEG-encoded datasets: Minari decodes every image frame at the size its header declares ------------------------
+IMAGE = spaces.Box(0, 255, (64, 64, 3), np.uint8)
+
+
+def _png(width, height):
+    """A real RGB PNG of one colour, its rows deflated as they are made (no image of that size is ever in memory):
+    9000x9000 takes about 240 KB and decodes to 243 MB."""
+
+    def chunk(kind, body):
+        return struct.pack(">I", len(body)) + kind + body + struct.pack(">I", zlib.crc32(kind + body))
+
+    z = zlib.compressobj(9)
+    row = bytes(1 + 3 * width)  # filter type 0, then the row's samples
+    idat = b"".join(z.compress(row) for _ in range(height)) + z.flush()
+    header = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)  # 8-bit RGB
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", idat) + chunk(b"IEND", b"")
+
+
+def _image_dataset(root, monkeypatch, observation_space, episodes, name="pixels-v0"):
+    """A goal dataset written by Minari with its default JPEG encoding of image frames; returns its data directory."""
+    from minari.data_collector.episode_buffer import EpisodeBuffer
+
+    monkeypatch.setenv("MINARI_DATASETS_PATH", str(root))
+    buffers = [
+        EpisodeBuffer(observations={k: ep[k] for k in observation_space.spaces}, actions=ep["action"],
+                      rewards=ep["reward"], terminations=ep["terminated"], truncations=ep["truncated"])
+        for ep in episodes
+    ]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # Minari's advice to name a code permalink and an author email
+        dataset = minari.create_dataset_from_buffers(name, buffers, observation_space=observation_space,
+                                                     action_space=fetch_spaces()[1], algorithm_name="random")
+    assert dataset.storage.metadata["jpeg_encoding"] is True
+    return root / name / "data"
+
+
+def _pixels_dataset(root, monkeypatch, steps=(11, 6)):
+    """Goal observations and 64x64 RGB frames, episodes of ``steps`` steps, as Minari writes them."""
+    obs, act = fetch_spaces()
+    obs = spaces.Dict({**obs.spaces, "pixels": IMAGE})
+    return _image_dataset(root, monkeypatch, obs, [make_episode(obs, act, T, i) for i, T in enumerate(steps)])
+
+
+def _set_frames(data_dir, episode, frames, **options):
+    import h5py
+
+    with h5py.File(data_dir / "main_data.hdf5", "r+") as f:
+        del f[f"episode_{episode}/observations/pixels"]
+        f.create_dataset(f"episode_{episode}/observations/pixels", data=frames, **options)
+
+
+_MEASURED_IMPORT = """
+import json, resource, sys
+import h5py, minari, PIL.Image, PIL.ImageMode, PIL.PngImagePlugin, PIL.JpegImagePlugin
+import minari.dataset._storages.hdf5_storage
+from her_store.errors import StoreError
+from her_store.interop import import_source
+
+def status(key):
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith(key + ":"))
+
+_, hard = resource.getrlimit(resource.RLIMIT_AS)
+resource.setrlimit(resource.RLIMIT_AS, (status("VmSize") + (1 << 30), hard))  # 1 GiB beyond what is mapped now
+before = status("VmHWM")
+try:
+    import_source(sys.argv[1], sys.argv[2], "minari")
+    out = {"error": None}
+except Exception as e:
+    out = {"error": str(e), "kind": type(e).__name__, "store_error": isinstance(e, StoreError)}
+out["growth"] = status("VmHWM") - before  # this image's peak RSS (ru_maxrss keeps the forking parent's across exec)
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.parametrize("craft", ["9000x9000 PNG headers", "100,000 frames"])
+def test_encoded_frames_that_would_decode_past_memory_are_refused_before_anything_decodes(tmp_path, monkeypatch, craft):
+    """A 3 MB dataset (``jpeg_encoding`` true, 64x64x3 declared) whose 12 frames are real PNGs of 9000x9000 decoded
+    to 2.9 GB in Minari's reader before the shape was checked; 100,000 frames of a valid 64x64 PNG in deflated rows
+    claim 1.2 GB the same way. The import, in a process of its own with its address space capped 1 GiB beyond what
+    it maps at the start, now refuses each from the file alone: its peak RSS grows by less than one decoded frame."""
+    import subprocess
+    import sys
+
+    from PIL import Image
+
+    data = _pixels_dataset(tmp_path / "root", monkeypatch)
+    if craft == "9000x9000 PNG headers":
+        frame = _png(9000, 9000)
+        with Image.open(io.BytesIO(frame)) as image:
+            assert image.size == (9000, 9000) and image.mode == "RGB"
+            image.verify()  # a well-formed PNG: chunks and CRCs intact
+        _set_frames(data, 0, np.frombuffer(frame, np.uint8)[None].repeat(12, 0))
+        words = (f"the Minari dataset at {data}: episode 0: observations/pixels frame 0 is a 9000x9000 RGB PNG image, "
+                 "which decodes to (9000, 9000, 3) uint8; its space declares (64, 64, 3) uint8 frames")
+    else:
+        frame = _png(64, 64)
+        _set_frames(data, 1, np.frombuffer(frame, np.uint8)[None].repeat(100_000, 0), chunks=True, compression="gzip")
+        words = (f"episode_1/observations/pixels is (100000, {len(frame)}) of uint8, 100,000 encoded frames of 12,288 "
+                 f"bytes each decoded ({100_000 * (len(frame) + 64 * 64 * 3):,} bytes); at most 1,073,741,824 per "
+                 "dataset")
+    assert os.path.getsize(data / "main_data.hdf5") < 4 << 20
+    proc = subprocess.run([sys.executable, "-c", _MEASURED_IMPORT, str(data.parent), str(tmp_path / "store")],
+                          capture_output=True, text=True, timeout=300, check=False)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    out = json.loads(proc.stdout.splitlines()[-1])
+    assert out["error"] is not None and words in out["error"], out
+    # a frame unlike its space: the episode's refusal (a StoreError); too many frames: the HDF5 file's bound
+    assert (out["kind"], out["store_error"]) == (("EpisodeValidationError", True) if craft.startswith("9000")
+                                                 else ("ValueError", False)), out
+    assert out["growth"] < 128 << 20, out  # one decoded 9000x9000 frame is 243 MB, a 64x64x3 one 12 KB
+    assert not (tmp_path / "store").exists()
+
+
+def _jpeg(frame, size=None):
+    """``frame`` as a JPEG (what Minari writes), its header's size (SOF0) set to ``size`` (width, height) if given."""
+    from PIL import Image
+
+    buffer = io.BytesIO()
+    Image.fromarray(frame).save(buffer, format="JPEG")
+    raw = bytearray(buffer.getvalue())
+    if size is not None:
+        at = raw.index(b"\xff\xc0")  # marker, length (2), precision (1), height (2), width (2)
+        raw[at + 5 : at + 9] = struct.pack(">HH", size[1], size[0])
+    return np.frombuffer(bytes(raw), np.uint8)
+
+
+@pytest.mark.parametrize(
+    "frame,words",
+    [
+        (lambda f: _jpeg(f, (9000, 9000)),
+         "is a 9000x9000 RGB JPEG image, which decodes to (9000, 9000, 3) uint8"),
+        (lambda f: _jpeg(f[..., 0]), "is a 64x64 L JPEG image, which decodes to (64, 64) uint8"),
+        (lambda f: np.frombuffer(b"GIF89a" + bytes(200), np.uint8),
+         "is no JPEG or PNG image whose header can be read (UnidentifiedImageError)"),
+    ],
+    ids=["a 9000x9000 header", "grey frame", "no JPEG or PNG"],
+)
+def test_an_encoded_frame_its_space_does_not_declare_is_refused_naming_episode_and_frame(tmp_path, monkeypatch, frame,
+                                                                                          words):
+    """Frame 2 of episode 1 (frames of unequal lengths, stored as Minari stores them then) replaced: a JPEG whose
+    header says 9000x9000 (Minari's reader decoded it to 243 MB before the shape stopped it), a grey frame where RGB
+    is declared, bytes of no image format PIL reads: each refused from its header, before Minari reads the dataset,
+    as an EpisodeValidationError naming the dataset, episode, frame, its size and the space's."""
+    import h5py
+
+    data = _pixels_dataset(tmp_path / "root", monkeypatch)
+    with h5py.File(data / "main_data.hdf5", "r") as f:
+        frames = list(f["episode_1/observations/pixels"][()])
+    assert len(frames) == 7
+    frames[2] = frame(np.random.default_rng(0).integers(0, 256, (64, 64, 3), dtype=np.uint8))
+    rows = np.empty(len(frames), object)
+    rows[:] = frames
+    _set_frames(data, 1, rows, dtype=h5py.vlen_dtype(np.uint8))
+    with pytest.raises(EpisodeValidationError) as e:
+        import_minari(data.parent, tmp_path / "store")
+    assert str(e.value) == (f"the Minari dataset at {data}: episode 1: observations/pixels frame 2 {words}; its space "
+                            "declares (64, 64, 3) uint8 frames")
+    assert not (tmp_path / "store").exists()
+
+
+def test_a_jpeg_encoded_dataset_minari_writes_imports_as_minaris_reader_decodes_it(tmp_path, monkeypatch):
+    """Minari's default JPEG encoding, of RGB frames whose files differ in length (stored as variable-length rows)
+    and of constant grey frames (files of one length, stored as a 2-D array): the import checks every frame's header
+    and stores the frames exactly as Minari's own reader decodes them."""
+    obs, act = fetch_spaces()
+    obs = spaces.Dict({**obs.spaces, "pixels": IMAGE, "grey": spaces.Box(0, 255, (48, 40), np.uint8)})
+    episodes = [make_episode(obs, act, T, i) for i, T in enumerate((5, 9, 1))]
+    for ep in episodes:
+        ep["grey"][:] = 77
+    data = _image_dataset(tmp_path / "root", monkeypatch, obs, episodes)
+    import h5py
+
+    with h5py.File(data / "main_data.hdf5", "r") as f:
+        assert h5py.check_vlen_dtype(f["episode_0/observations/pixels"].dtype) == np.uint8
+        assert f["episode_0/observations/grey"].dtype == np.uint8 and f["episode_0/observations/grey"].ndim == 2
+    assert import_minari(data.parent, tmp_path / "store") == 3
+    with EpisodeStore.open(tmp_path / "store") as store:
+        for i, want in enumerate(minari.MinariDataset(str(data)).iterate_episodes()):
+            got = store.episode(i)
+            for k in ("pixels", "grey"):
+                np.testing.assert_array_equal(got[k], want.observations[k])
+            np.testing.assert_array_equal(got["grey"], 77)
+            np.testing.assert_array_equal(got["action"], episodes[i]["action"])
+
+
+# -- her-store export --to minari: the destination -------------------------------------------------------------------
+def test_export_to_minari_makes_the_directories_above_its_destination(tmp_path, monkeypatch, capsys):
+    """``her-store export --to minari`` into a Minari root that does not exist yet, nor the namespace's directory in
+    it (refused before: "the directory of .../random-v0 does not exist"): both are made, and minari.load_dataset
+    opens the dataset by its id."""
+    eps = _store(tmp_path / "src", n=3)
+    root = tmp_path / "minari_root"
+    assert main(["export", str(tmp_path / "src"), "--to", "minari", str(root / "point" / "random-v0"), "--quiet"]) == 0
+    assert "exported 3 episodes" in capsys.readouterr().out
+    monkeypatch.setenv("MINARI_DATASETS_PATH", str(root))
+    dataset = minari.load_dataset("point/random-v0")
+    assert dataset.total_episodes == 3 and dataset.spec.dataset_id == "point/random-v0"
+    for got, want in zip(dataset.iterate_episodes(), eps):
+        for k, v in got.observations.items():
+            np.testing.assert_array_equal(v, want[k])
+        np.testing.assert_array_equal(got.actions, want["action"])
+
+
+def test_a_failed_export_to_minari_leaves_none_of_the_directories_it_made(tmp_path, capsys):
+    """An export that fails once it has begun writing (episode 3 of 5 damaged; a store of images is read an episode at
+    a time) removes the dataset's partial directory and the directories it made above it."""
+    _store(tmp_path / "src", n=5)
+    _damage(tmp_path / "src", 3)
+    dest = tmp_path / "made" / "point" / "random-v0"
+    assert main(["export", str(tmp_path / "src"), "--to", "minari", str(dest), "--quiet"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("her-store export: ") and "episode 3" in err[0], err
+    assert sorted(os.listdir(tmp_path)) == ["src"]
+
+
+def test_export_to_minari_says_in_one_line_what_a_destination_must_look_like(tmp_path, capsys):
+    """A destination whose name is no Minari id, from a store whose card names none: one line says what a
+    destination must be, or how to name the id in the card; nothing is made. Following either works."""
+    _store(tmp_path / "src", n=2, card={k: v for k, v in CARD.items() if k != "dataset_id"})
+    src = str(tmp_path / "src")
+    assert main(["export", src, "--to", "minari", str(tmp_path / "out" / "dataset"), "--quiet"]) == 2
+    assert capsys.readouterr().err.splitlines() == [(
+        "her-store export: the destination's name 'dataset' is not a Minari dataset id, and the store's card has no "
+        "dataset_id: the destination must be a new directory named name-v<version> (e.g. datasets/random-v0), or the "
+        "card must name the id (her-store card STORE --set dataset_id=point/random-v0)"
+    )]
+    assert sorted(os.listdir(tmp_path)) == ["src"]
+    assert main(["export", src, "--to", "minari", str(tmp_path / "datasets" / "random-v0"), "--quiet"]) == 0
+    assert minari.MinariDataset(str(tmp_path / "datasets" / "random-v0" / "data")).spec.dataset_id == "random-v0"
+    assert main(["card", src, "--set", "dataset_id=point/random-v0"]) == 0
+    assert main(["export", src, "--to", "minari", str(tmp_path / "out" / "dataset"), "--quiet"]) == 0
+    assert minari.MinariDataset(str(tmp_path / "out" / "dataset" / "data")).spec.dataset_id == "point/random-v0"

@@ -446,10 +446,14 @@ def append_from(store: EpisodeStore, episode: Mapping[str, np.ndarray], where: s
         raise EpisodeValidationError(f"{where}: {e}") from None
 
 
-def check_hdf5(f: Any, source: str) -> None:
+def check_hdf5(f: Any, source: str, frames: Mapping[str, int] | None = None) -> None:
     """Refuse what an HDF5 file may hold that reads outside it or explodes in memory: soft and external links,
     datasets stored in external files or virtual (mapped from other files), datasets over ``MEMBER_LIMIT`` bytes, and
     groups (episodes) whose datasets take over ``EPISODE_LIMIT`` bytes together.
+
+    ``frames`` maps paths below each top-level group (``observations/pixels``) to the bytes one row decodes to, for
+    datasets of encoded images a reader decodes row by row: such a dataset counts as what it stores plus its rows
+    decoded, which a few bytes of deflated rows could otherwise claim without bound.
 
     Raises
     ------
@@ -463,6 +467,7 @@ def check_hdf5(f: Any, source: str) -> None:
     """
     import h5py
 
+    frames = frames or {}
     groups: dict[str, int] = {}  # bytes of the datasets under each top-level group (an episode's)
 
     def visit(name: str, link: Any) -> str | None:  # a message stops the walk (h5py cannot raise through it)
@@ -473,9 +478,14 @@ def check_hdf5(f: Any, source: str) -> None:
             if obj.external or obj.is_virtual:
                 return f"{name} keeps its data outside the file; refused"
             nbytes = math.prod(obj.shape or ()) * obj.dtype.itemsize
+            top, _, below = name.partition("/")
+            what = f"{obj.shape} of {obj.dtype}"
+            if below in frames:
+                rows = obj.shape[0] if obj.shape else 1
+                nbytes += rows * frames[below]
+                what += f", {rows:,} encoded frames of {frames[below]:,} bytes each decoded"
             if nbytes > MEMBER_LIMIT:
-                return f"{name} is {obj.shape} of {obj.dtype} ({nbytes:,} bytes); at most {MEMBER_LIMIT:,} per dataset"
-            top = name.split("/")[0]
+                return f"{name} is {what} ({nbytes:,} bytes); at most {MEMBER_LIMIT:,} per dataset"
             groups[top] = groups.get(top, 0) + nbytes
             if "/" in name and groups[top] > EPISODE_LIMIT:
                 return f"{top} holds datasets of more than {EPISODE_LIMIT:,} bytes together; at most that per episode"
@@ -818,7 +828,8 @@ DEST must not exist; nothing is left there unless the whole export succeeds.
            (JSON); numpy.load(DEST, allow_pickle=False) reads it
   hdf5     Minari's episode layout: groups episode_<id>/observations/<key>, actions, rewards, terminations,
            truncations, infos/<key>; spaces and card in the root attribute {HEADER_KEY}
-  minari   a local Minari dataset directory that minari.load_dataset opens, the card as its metadata
+  minari   a local Minari dataset directory that minari.load_dataset opens, the card as its metadata; DEST is
+           named name-v<version> unless the card has a dataset_id, and the directories above it are made
   ogbench  OGBench's npz layout (observations, actions, terminals; T+1 rows per episode, the last action zero,
            terminals 1 on it) that ogbench.utils.load_dataset reads, plus achieved_goal, desired_goal, rewards,
            masks, truncations and info keys"""

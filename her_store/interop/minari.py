@@ -15,6 +15,8 @@ store's info spaces as ``her_store_info_spaces``.
 
 Import reads ``metadata.json`` itself and checks it before Minari opens anything: the spaces must be declared there
 (Minari would otherwise build the environment, running its code), and are parsed by her_store's own checked parser.
+The HDF5 file is checked before Minari reads it, JPEG-encoded image frames by their headers: Minari decodes each at
+the size its header declares, so each must be a JPEG or PNG of its space's shape.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import contextlib
 import io
 import itertools
 import json
+import math
 import os
 import stat
 import warnings
@@ -33,7 +36,7 @@ import numpy as np
 from gymnasium import spaces
 
 from her_store.card import check_card
-from her_store.errors import SchemaMismatchError, short_repr
+from her_store.errors import EpisodeValidationError, SchemaMismatchError, short_repr
 from her_store.extras import require
 from her_store.interop import Batch, check_hdf5, exact_cast, minari_name, read_batches
 from her_store.progress import progress as progress_bar
@@ -54,6 +57,9 @@ _AUTHOR_KEYS = ("author", "author_email")
 _MAX_SPACE_DEPTH = 8
 # an inferred integer info's bounds: exact in the float64 a space's bounds pass through as JSON
 _INT_BOUND = 1 << 53
+# what an encoded frame may be (Minari writes JPEG; PNG is lossless), and the bytes of rows read at once to check them
+_FRAME_FORMATS = ("JPEG", "PNG")
+_FRAME_BLOCK = 1 << 22
 
 
 def minari_dataset_id(dataset_id: Any, what: str) -> str:
@@ -90,13 +96,15 @@ def export_minari(
     episode_ids : sequence of int
         Live episode ids, written in this order as Minari episodes 0, 1, ...
     dest : path
-        The dataset directory to create (``data/metadata.json`` and ``data/main_data.hdf5`` in it). Put it at
-        ``<Minari root>/<dataset_id>`` for ``minari.load_dataset(dataset_id)`` to find it.
+        The dataset directory to create (``data/metadata.json`` and ``data/main_data.hdf5`` in it), with the
+        directories above it that do not exist yet. Put it at ``<Minari root>/<dataset_id>`` for
+        ``minari.load_dataset(dataset_id)`` to find it.
     progress : bool
         Show a progress bar.
 
     The dataset id is the card's ``dataset_id``, else ``dest``'s name; either must be a Minari id
-    (``name-v0``, ``namespace/name-v1``). Nothing is left at ``dest`` unless every episode was written.
+    (``name-v0``, ``namespace/name-v1``). Nothing is left at ``dest``, nor the directories made above it, unless every
+    episode was written.
 
     Raises
     ------
@@ -123,7 +131,15 @@ def export_minari(
     if card.get("dataset_id") is not None:
         dataset_id = minari_dataset_id(card["dataset_id"], "the card's dataset_id")
     else:
-        dataset_id = minari_dataset_id(os.path.basename(dest), "the card has no dataset_id and the destination's name")
+        name = os.path.basename(dest)
+        try:
+            dataset_id = minari_dataset_id(name, "the destination's name")
+        except ValueError:
+            raise ValueError(
+                f"the destination's name {name!r} is not a Minari dataset id, and the store's card has no dataset_id: "
+                "the destination must be a new directory named name-v<version> (e.g. datasets/random-v0), or the card "
+                "must name the id (her-store card STORE --set dataset_id=point/random-v0)"
+            ) from None
     metadata = _minari_metadata(card, dataset_id, minari.__version__, store.schema.info_spaces)
     ids = np.asarray(episode_ids, np.int64).reshape(-1)
     if not len(ids):
@@ -156,7 +172,7 @@ def export_minari(
     batches = read_batches(store, ids, progress, "exporting to Minari")
     with contextlib.closing(batches):
         first = next(batches)
-        with staged_output(dest) as tmp:
+        with _made_parents(dest), staged_output(dest) as tmp:
             os.mkdir(tmp)
             data = os.path.join(tmp, "data")
             storage = MinariStorage.new(
@@ -186,6 +202,29 @@ def export_minari(
                     storage._file_path = file_path
                 writes.raise_kept()
     return counts[0], counts[1]
+
+
+@contextlib.contextmanager
+def _made_parents(path: str) -> Iterator[None]:
+    """The directories above ``path`` that do not exist, made for the block and removed again (those still empty,
+    innermost first) when it fails."""
+    missing = []
+    parent = os.path.dirname(path)
+    while not os.path.lexists(parent):
+        missing.append(parent)
+        parent = os.path.dirname(parent)
+    made = []
+    try:
+        for d in reversed(missing):
+            with contextlib.suppress(FileExistsError):  # made by someone else meanwhile: theirs, not removed
+                os.mkdir(d)
+                made.append(d)
+        yield
+    except BaseException:
+        for d in reversed(made):
+            with contextlib.suppress(OSError):
+                os.rmdir(d)
+        raise
 
 
 class _KeptWriteError(io.RawIOBase):
@@ -320,6 +359,9 @@ def import_minari(source: str | os.PathLike[str], store_path: str | os.PathLike[
     ValueError
         Not a Minari dataset, not a goal dataset, or metadata or an episode that does not fit (named), or an array
         whose values its space's dtype cannot hold exactly (named, with both dtypes).
+    EpisodeValidationError
+        A ValueError: an encoded image frame whose header declares another size or format than its space (named
+        with its episode and frame), found before anything decodes it.
     FileNotFoundError
         No such directory or dataset id.
     FileExistsError
@@ -333,6 +375,7 @@ def import_minari(source: str | os.PathLike[str], store_path: str | os.PathLike[
     require("minari", "minari")
     require("h5py", "minari")
     from minari import MinariDataset
+    from minari.dataset.minari_storage import MinariStorage
 
     data_dir = _data_dir(os.fspath(source))
     where = f"the Minari dataset at {data_dir}"
@@ -369,9 +412,13 @@ def import_minari(source: str | os.PathLike[str], store_path: str | os.PathLike[
     if INFO_SPACES_KEY not in meta and "env_id" not in card and "env_spec" in card:
         card["env_id"] = _env_id(card["env_spec"], where)  # a dataset from elsewhere: its env's id, for reward lookups
     card = check_card(card, f"{where}: its metadata")
-    _check_data_file(data_dir, meta, where)
     try:
-        dataset = MinariDataset(data_dir)
+        storage = MinariStorage.read(data_dir)  # the metadata only: the spaces and image encoding Minari reads with
+    except (KeyError, TypeError, AssertionError) as e:
+        raise ValueError(f"{where} cannot be read by Minari: {type(e).__name__}: {e}") from None
+    _check_data_file(data_dir, meta, _encoded_images(storage), where)
+    try:
+        dataset = MinariDataset(storage)
         episodes = iter(dataset.iterate_episodes())
         first = next(episodes, None)
     except (KeyError, TypeError, AssertionError) as e:
@@ -418,9 +465,11 @@ def import_minari(source: str | os.PathLike[str], store_path: str | os.PathLike[
     return count
 
 
-def _check_data_file(data_dir: str, meta: Mapping[str, Any], where: str) -> None:
+def _check_data_file(data_dir: str, meta: Mapping[str, Any], images: Mapping[str, spaces.Box], where: str) -> None:
     """Before Minari reads it: the HDF5 file holds nothing that reads outside it or explodes in memory
-    (:func:`~her_store.interop.check_hdf5`), and exactly the ``total_episodes`` episode groups the metadata says."""
+    (:func:`~her_store.interop.check_hdf5`, encoded ``images`` counted as they decode), exactly the
+    ``total_episodes`` episode groups the metadata says, and encoded frames that decode to their spaces' shapes
+    (:func:`_check_frames`)."""
     import h5py
 
     path = os.path.join(data_dir, "main_data.hdf5")
@@ -432,10 +481,89 @@ def _check_data_file(data_dir: str, meta: Mapping[str, Any], where: str) -> None
     except OSError as e:
         raise ValueError(f"{where}: {path} is not a readable HDF5 file ({e})") from None
     with f:
-        check_hdf5(f, path)
+        check_hdf5(f, path, {name: math.prod(space.shape) for name, space in images.items()})
         groups = sum(1 for name in f if name.startswith("episode_"))
-    if groups != total:
-        raise ValueError(f"{where}: metadata.json says {total:,} episodes, {path} holds {groups:,}")
+        if groups != total:
+            raise ValueError(f"{where}: metadata.json says {total:,} episodes, {path} holds {groups:,}")
+        for i in range(total):
+            episode = f.get(f"episode_{i}")
+            if isinstance(episode, h5py.Group):  # else Minari's reader refuses it, named below
+                _check_frames(episode, images, f"{where}: episode {i}")
+
+
+def _encoded_images(storage: Any) -> dict[str, spaces.Box]:
+    """The datasets Minari's reader decodes as images, by their path in an episode's group, with their spaces: the
+    image spaces (Minari's own test) of the observations and actions, when the dataset's images are encoded (Minari's
+    default, also when metadata.json does not say)."""
+    if not getattr(storage, "jpeg_encoding", False):  # a Minari that never encodes images reads them as stored
+        return {}
+    from minari.dataset.minari_storage import is_image_space
+
+    def walk(space: spaces.Space, path: str) -> Iterator[tuple[str, spaces.Box]]:  # as the reader walks the groups
+        if isinstance(space, spaces.Dict):
+            for key, sub in space.spaces.items():
+                yield from walk(sub, f"{path}/{key}")
+        elif isinstance(space, spaces.Tuple):
+            for i, sub in enumerate(space.spaces):
+                yield from walk(sub, f"{path}/_index_{i}")
+        elif is_image_space(space):
+            yield path, space
+
+    return dict(itertools.chain(walk(storage.observation_space, "observations"), walk(storage.action_space, "actions")))
+
+
+def _check_frames(episode: Any, images: Mapping[str, spaces.Box], where: str) -> None:
+    """Every encoded frame of ``episode`` (an HDF5 group) is a JPEG or PNG image that decodes to its space's shape in
+    8-bit samples, told from its header alone (PIL reads the header, nothing decodes): Minari's reader decodes each
+    frame at the size its header declares, and makes room for all of an episode's frames at the first one's size,
+    before anything compares them with the space.
+
+    Raises
+    ------
+    EpisodeValidationError
+        Naming the episode (``where``), the dataset, the frame, what its header declares and what the space does.
+    """
+    import h5py
+    from PIL import Image, ImageMode
+
+    for name, space in images.items():
+        frames = episode.get(name)
+        if frames is None:  # an observation key the file lacks: the episode is refused when it is read
+            continue
+        if not isinstance(frames, h5py.Dataset):
+            raise EpisodeValidationError(f"{where}: {name} is a group; encoded frames are a dataset of uint8 rows")
+        vlen = h5py.check_vlen_dtype(frames.dtype)  # rows of unequal lengths (Minari's when the files' lengths differ)
+        if not (frames.ndim == 1 and vlen == np.uint8 or frames.ndim == 2 and frames.dtype == np.uint8):
+            raise EpisodeValidationError(
+                f"{where}: {name} is {frames.shape} of {frames.dtype}; encoded frames are rows of uint8 bytes, one "
+                "image file each"
+            )
+        if not len(frames):
+            raise EpisodeValidationError(f"{where}: {name} holds no frame")
+        declared = f"its space declares {space.shape} uint8 frames"
+        # rows of a 2-D dataset are read a block at a time, variable-length rows one at a time (each is one file)
+        step = 1 if vlen is not None else max(1, _FRAME_BLOCK // max(1, frames.shape[1]))
+        for start in range(0, len(frames), step):
+            for j, raw in enumerate(frames[start : start + step], start):
+                try:
+                    with warnings.catch_warnings():
+                        warnings.simplefilter("ignore", Image.DecompressionBombWarning)  # its size is refused below
+                        with Image.open(io.BytesIO(raw), formats=_FRAME_FORMATS) as image:
+                            width, height, mode, kind = image.width, image.height, image.mode, image.format
+                            bands = len(image.getbands())
+                except (OSError, Image.DecompressionBombError) as e:
+                    why = str(e) if isinstance(e, Image.DecompressionBombError) else type(e).__name__
+                    raise EpisodeValidationError(
+                        f"{where}: {name} frame {j} is no {' or '.join(_FRAME_FORMATS)} image whose header can be read "
+                        f"({why}); {declared}"
+                    ) from None
+                shape = (height, width) if bands == 1 else (height, width, bands)
+                dtype = np.dtype(ImageMode.getmode(mode).typestr)
+                if shape != space.shape or dtype != np.uint8:
+                    raise EpisodeValidationError(
+                        f"{where}: {name} frame {j} is a {width}x{height} {mode} {kind} image, which decodes to "
+                        f"{shape} {dtype}; {declared}"
+                    )
 
 
 def _data_dir(source: str) -> str:
