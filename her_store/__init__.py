@@ -18,6 +18,7 @@ from her_store.errors import (
     StoreError,
     StoreExistsError,
     StoreLockedError,
+    StoreTimeoutError,
 )
 from her_store.format import FORMAT_VERSION
 from her_store.reader import ChunkReader
@@ -76,5 +77,6 @@ __all__ = [
     "EpisodeValidationError",
     "ReadOnlyStoreError",
     "StoreLockedError",
+    "StoreTimeoutError",
     "EpisodeNotFoundError",
 ]

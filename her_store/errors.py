@@ -15,6 +15,7 @@ __all__ = [
     "EpisodeValidationError",
     "ReadOnlyStoreError",
     "StoreLockedError",
+    "StoreTimeoutError",
     "EpisodeNotFoundError",
     "short_repr",
 ]
@@ -68,6 +69,11 @@ class ReadOnlyStoreError(StoreError, PermissionError):
 
 class StoreLockedError(StoreError):
     """Another live writer holds the store's writer lock (local) or lease (object storage)."""
+
+
+class StoreTimeoutError(StoreError, TimeoutError):
+    """A server holding the store sent nothing for the idle timeout, or did not finish an answer within the request
+    deadline (``storage_options["request_deadline"]`` over HTTP)."""
 
 
 class EpisodeNotFoundError(StoreError, KeyError):

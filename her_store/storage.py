@@ -37,7 +37,7 @@ import zarr
 import zarr.storage
 from zarr.core.array_spec import ArrayConfigParams
 
-from her_store.errors import CorruptStoreError, StoreLockedError
+from her_store.errors import CorruptStoreError, StoreLockedError, StoreTimeoutError
 from her_store.extras import require
 from her_store.values import is_number
 
@@ -55,6 +55,7 @@ METADATA_LIMIT = 64 << 20  # bytes a commit record, lease or zarr.json may hold 
 ZARR_CONFIG: ArrayConfigParams = {"write_empty_chunks": True}  # an all-zero chunk is data here, not absence
 OBJECT_LIMIT = 1 << 30  # bytes any object of a store read over HTTP may hold (a chunk is under 256 MiB)
 HTTP_TIMEOUT = 60.0  # seconds an HTTP server may take to answer, or to send the next bytes of a body
+HTTP_DEADLINE = 300.0  # seconds one HTTP request may take in all (storage_options["request_deadline"] sets another)
 
 
 class Location:
@@ -183,7 +184,8 @@ class Location:
     @functools.cached_property
     def ranged(self) -> bool:
         """Whether a ranged read fetches only its bytes: always on local disk and object storage; over HTTP when the
-        server answers a Range request with 206 Partial Content (asked once, of the root ``zarr.json``)."""
+        server answers a Range request with 206 Partial Content (asked once, of the root ``zarr.json``'s first byte: its
+        answer is read no further than that byte, see ``get_object``)."""
         if not self.is_http:
             return True
         return bool(fsspec.asyn.sync(self.fs.loop, self.fs.get_object, self.key_path("zarr.json"), "bytes=0-0")[3])
@@ -378,55 +380,125 @@ def _range_header(start: int | None, end: int | None) -> str | None:
 @functools.cache
 def _http_filesystem() -> type:
     """fsspec's HTTPFileSystem (aiohttp, imported only when a store is opened by http(s) URL), every GET of which is
-    bounded and checked: nothing a server sends is trusted (see ``get_object``)."""
+    bounded and checked: nothing a server sends is trusted (see ``get_object``); no request outlives its deadline."""
     aiohttp = require("aiohttp", "http")
     from fsspec.implementations.http import HTTPFileSystem
 
     class StoreHTTPFileSystem(HTTPFileSystem):  # type: ignore[misc]
-        """Reads of a her_store store over HTTP: bounded bodies, ranged and conditional GETs, one clear error each."""
+        """Reads of a her_store store over HTTP: bounded bodies, ranged and conditional GETs, one clear error each.
+
+        Parameters
+        ----------
+        request_deadline : float, optional
+            Seconds any one request may take in all, from its connection to its body's last byte (default
+            ``HTTP_DEADLINE``); beyond it, ``StoreTimeoutError``. A server must also send something at least every
+            ``HTTP_TIMEOUT`` s. Given as ``storage_options={"request_deadline": ...}``.
+        client_kwargs : dict, optional
+            As fsspec's; the session's default timeout is the idle one above unless these name another.
+        **storage_options
+            As fsspec's HTTPFileSystem's (headers, auth, and the like go with every request).
+        """
+
+        def __init__(
+            self, *args: Any, request_deadline: float = HTTP_DEADLINE, client_kwargs: dict | None = None, **kwargs: Any
+        ) -> None:
+            if not is_number(request_deadline, finite=True) or request_deadline <= 0:
+                raise ValueError(f"storage_options['request_deadline'] must be seconds > 0, got {request_deadline!r}")
+            idle = aiohttp.ClientTimeout(sock_connect=HTTP_TIMEOUT, sock_read=HTTP_TIMEOUT)  # no total: the deadline's
+            super().__init__(*args, client_kwargs={"timeout": idle, **(client_kwargs or {})}, **kwargs)
+            self.request_deadline = float(request_deadline)
+
+        async def _within_deadline(self, request: Any, what: str) -> Any:
+            """The result of coroutine ``request`` (about ``what``, e.g. "GET <url>"), or StoreTimeoutError once it
+            has run ``request_deadline`` seconds; it is then cancelled, which closes its connection."""
+            task = asyncio.ensure_future(request)
+            try:
+                done, _ = await asyncio.wait((task,), timeout=self.request_deadline)
+            except asyncio.CancelledError:
+                task.cancel()
+                raise
+            if not done:
+                task.cancel()
+                await asyncio.wait((task,))
+                raise StoreTimeoutError(
+                    f"{what}: no whole answer within the request deadline of {self.request_deadline:g} s "
+                    "(storage_options['request_deadline'])"
+                )
+            return task.result()
+
+        async def _info(self, url: str, **kwargs: Any) -> dict[str, Any]:
+            return await self._within_deadline(super()._info(url, **kwargs), f"HEAD {url}")
+
+        async def _ls_real(self, url: str, detail: bool = True, **kwargs: Any) -> list[Any]:
+            return await self._within_deadline(super()._ls_real(url, detail, **kwargs), f"GET {url} (a listing)")
+
+        async def _exists(self, path: str, strict: bool = False, **kwargs: Any) -> bool:
+            return await self._within_deadline(super()._exists(path, strict, **kwargs), f"GET {path}")
 
         async def _cat_file(self, url: str, start: int | None = None, end: int | None = None, **kwargs: Any) -> bytes:
             if start is not None and end is not None and 0 <= end <= start:
                 return b""
             rng = _range_header(start, end)
             limit = METADATA_LIMIT if url.endswith(".json") else OBJECT_LIMIT
-            stop = end if rng is not None and end is not None and (start or 0) >= 0 else None
-            body, _, _, partial = await self.get_object(url, rng, limit=limit, stop=stop)
+            body, _, _, partial = await self.get_object(url, rng, limit=limit)
             if body is None:
                 raise FileNotFoundError(url)
             return body if partial or rng is None and start is None and end is None else body[start:end]
 
         async def get_object(
-            self,
-            url: str,
-            rng: str | None = None,
-            if_match: str | None = None,
-            limit: int = OBJECT_LIMIT,
-            stop: int | None = None,
+            self, url: str, rng: str | None = None, if_match: str | None = None, limit: int = OBJECT_LIMIT
         ) -> tuple[bytes | None, str, int, bool]:
-            """One GET: (the body, None when the server has no such object; its ETag or ""; the object's size;
-            whether the server sent just the range asked for, 206).
+            """One GET, within ``request_deadline``: (the body, None when the server has no such object; its ETag or
+            ""; the object's size; whether the server sent just the range asked for, 206).
 
-            ``stop``: of a whole object sent for a range (a server that ignores Range), only the first ``stop`` bytes
-            are read (the range asked for lies within them; the size returned is then theirs): a body of any length
-            costs no more memory than the range.
+            What is read of an answer is bounded: the body of a 206 is read no further than the
+            bytes its ``Content-Range`` names (the range asked for, or less at the object's end) and one more, which
+            tells a server that sends more than it names; of a whole object sent for a range ``bytes=a-b`` (a server
+            that ignores Range), only the first ``b + 1`` bytes are read (the range lies within them; the size
+            returned is then theirs); any other body, at most ``limit`` bytes. So the 206 answers to the concurrent
+            GETs of a gather together hold no more than the ranges asked for and a byte each, whatever the server
+            sends or announces (Content-Length, Content-Range).
 
             Raises
             ------
             ObjectReplaced
                 ``if_match`` is given and the object no longer has that ETag (412).
             CorruptStoreError
-                A body longer than ``limit`` bytes, cut short, or not the range its Content-Range names.
+                A body longer than ``limit`` bytes or than its range, cut short, or not the range its Content-Range
+                names.
+            StoreTimeoutError
+                Nothing sent for ``HTTP_TIMEOUT`` s, or no whole answer within ``request_deadline`` s.
             OSError
-                Another answer than 200, 206, 404, 410, 412 or 416, no connection, or nothing for ``HTTP_TIMEOUT`` s.
+                Another answer than 200, 206, 404, 410, 412 or 416, or no connection.
             """
+            what = f"GET {url}" + (f" ({rng})" if rng else "")
+            return await self._within_deadline(self._get_object(url, rng, if_match, limit), what)
+
+        @staticmethod
+        def _range_of(url: str, rng: str | None, content_range: str, limit: int) -> tuple[int, int]:
+            """(the object's size, the bytes of the body) a 206's ``Content-Range`` names, checked to be the range
+            ``rng`` asked for and at most ``limit`` bytes: the body is then read no further."""
+            m = re.fullmatch(r"bytes (\d+)-(\d+)/(\d+)", content_range.strip())
+            if m is None or int(m[2]) >= int(m[3]) or not _range_answers(rng, int(m[1]), int(m[2]), int(m[3])):
+                raise CorruptStoreError(
+                    f"{url}: a ranged GET answered with Content-Range {content_range!r}; expected "
+                    f"'bytes first-last/size' naming the range asked for ({rng})"
+                )
+            want = int(m[2]) - int(m[1]) + 1
+            if want > limit:
+                raise CorruptStoreError(f"{url}: bytes {m[1]}-{m[2]} are {want:,}, more than the {limit:,} it may hold")
+            return int(m[3]), want
+
+        async def _get_object(
+            self, url: str, rng: str | None, if_match: str | None, limit: int
+        ) -> tuple[bytes | None, str, int, bool]:
             headers = dict(self.kwargs.get("headers") or {})
             if rng:
                 headers["Range"] = rng
             if if_match:
                 headers["If-Match"] = if_match
             kw = {**self.kwargs, "headers": headers}
-            kw.setdefault("timeout", aiohttp.ClientTimeout(sock_connect=HTTP_TIMEOUT, sock_read=HTTP_TIMEOUT))
+            closed = re.fullmatch(r"bytes=(\d+)-(\d+)", rng or "")
             session = await self.set_session()
             try:
                 async with session.get(self.encode_url(url), **kw) as r:
@@ -438,35 +510,40 @@ def _http_filesystem() -> type:
                         return b"", "", 0, True
                     if r.status not in (200, 206):
                         raise OSError(f"GET {url} answered HTTP {r.status} {r.reason}")
-                    if r.content_length is not None and r.content_length > limit:
-                        raise CorruptStoreError(f"{url} holds {r.content_length:,} bytes, more than the {limit:,} it may")
-                    body = bytearray()
-                    async for piece in r.content.iter_chunked(1 << 20):
-                        body += piece
-                        if len(body) > limit:
-                            raise CorruptStoreError(f"{url} holds more than the {limit:,} bytes it may")
-                        if stop is not None and r.status == 200 and len(body) >= stop:
-                            del body[stop:]
-                            break
-                    etag, size = r.headers.get("ETag", ""), len(body)
+                    size = None
                     if r.status == 206:
-                        m = re.fullmatch(r"bytes (\d+)-(\d+)/(\d+)", r.headers.get("Content-Range", "").strip())
-                        if m is None or int(m[2]) - int(m[1]) + 1 != len(body) or int(m[2]) >= int(m[3]) or not (
-                            _range_answers(rng, int(m[1]), int(m[2]), int(m[3]))
-                        ):
+                        size, want = self._range_of(url, rng, r.headers.get("Content-Range", ""), limit)
+                        if r.content_length is not None and r.content_length != want:
                             raise CorruptStoreError(
-                                f"{url}: a ranged GET answered {len(body):,} bytes with Content-Range "
-                                f"{r.headers.get('Content-Range')!r}; expected 'bytes first-last/size' naming them, "
-                                f"the range asked for ({rng})"
+                                f"{url}: a ranged GET ({rng}) announced {r.content_length:,} bytes for the {want:,} "
+                                f"its Content-Range {r.headers['Content-Range']!r} names"
                             )
-                        size = int(m[3])
+                        cap = want + 1  # one byte past the range tells a server that sends more than it names
+                    elif r.content_length is not None and r.content_length > limit:
+                        raise CorruptStoreError(f"{url} holds {r.content_length:,} bytes, more than the {limit:,} it may")
+                    else:  # a whole object: of one sent for a range bytes=a-b, the range lies in its first b + 1 bytes
+                        cap = min(int(closed[2]) + 1, limit + 1) if closed else limit + 1
+                    body = bytearray()
+                    while len(body) < cap:
+                        piece = await r.content.read(min(1 << 20, cap - len(body)))
+                        if not piece:
+                            break
+                        body += piece
+                    if r.status == 206 and len(body) != want:
+                        raise CorruptStoreError(
+                            f"{url}: a ranged GET ({rng}) answered {'more' if len(body) > want else 'fewer'} than the "
+                            f"{want:,} bytes its Content-Range {r.headers['Content-Range']!r} names"
+                        )
+                    if len(body) > limit:
+                        raise CorruptStoreError(f"{url} holds more than the {limit:,} bytes it may")
+                    etag = r.headers.get("ETag", "")
             except aiohttp.ClientPayloadError as e:
                 raise CorruptStoreError(f"{url}: the server's answer was cut short or malformed ({e})") from e
             except asyncio.TimeoutError as e:
-                raise TimeoutError(f"GET {url}: no answer within {HTTP_TIMEOUT:g} s") from e
+                raise StoreTimeoutError(f"GET {url}: nothing sent for {HTTP_TIMEOUT:g} s") from e
             except aiohttp.ClientError as e:
                 raise OSError(f"GET {url} failed: {e}") from e
-            return bytes(body), etag, size, r.status == 206
+            return bytes(body), etag, len(body) if size is None else size, r.status == 206
 
     return StoreHTTPFileSystem
 

@@ -364,11 +364,14 @@ class EpisodeStore:
             "r" reads (no lock; :meth:`refresh` sees new commits); "a" takes the writer lock and resumes appending
             after the last committed episode (rows written past it by a crashed writer are overwritten).
         storage_options, durability, commit_interval, lease_ttl
-            As in :meth:`create`.
+            As in :meth:`create`. Over http(s), ``storage_options["request_deadline"]`` is the seconds any one
+            request may take in all (default 300), the others are fsspec's HTTP filesystem's.
 
         Raises
         ------
         NotAStoreError, FormatVersionError, CorruptStoreError, StoreLockedError
+        StoreTimeoutError
+            Over HTTP, a request not ended within its deadline, or a server silent for 60 s.
 
         Examples
         --------

@@ -32,6 +32,14 @@ class RangeHandler(http.server.SimpleHTTPRequestHandler):
         """GET's headers (ETag included, as servers send them), without its body (hostile subclasses' GETs aside)."""
         RangeHandler.do_GET(self, body=False)
 
+    def asked(self, size: int) -> tuple[int, int] | None:
+        """The bytes ``a .. b`` (end exclusive) the request's Range asks of an object of ``size`` bytes, cut at its
+        end (None: no Range, the whole object)."""
+        m = re.fullmatch(r"bytes=(\d*)-(\d*)", self.headers.get("Range", ""))
+        if m is None or not (m[1] or m[2]):
+            return None
+        return (int(m[1]), min(size, int(m[2]) + 1 if m[2] else size)) if m[1] else (max(0, size - int(m[2])), size)
+
     def _send(self, fd: int, body: bool) -> None:
         st = os.fstat(fd)
         etag = f'"{st.st_ino:x}-{st.st_mtime_ns:x}-{st.st_size:x}"'
@@ -39,14 +47,11 @@ class RangeHandler(http.server.SimpleHTTPRequestHandler):
             self.send_error(412)
             return
         size = st.st_size
-        m = re.fullmatch(r"bytes=(\d*)-(\d*)", self.headers.get("Range", ""))
-        status, a, b = 200, 0, size
-        if m and (m[1] or m[2]):
-            a, b = (int(m[1]), min(size, int(m[2]) + 1 if m[2] else size)) if m[1] else (max(0, size - int(m[2])), size)
-            if a >= size:
-                self.send_error(416)
-                return
-            status = 206
+        asked = self.asked(size)
+        status, (a, b) = (200, (0, size)) if asked is None else (206, asked)
+        if asked is not None and a >= size:
+            self.send_error(416)
+            return
         self.send_response(status)
         self.send_header("ETag", etag)
         self.send_header("Content-Length", str(b - a))

@@ -3,11 +3,15 @@ sampling through the cache, ranged and conditional reads, no writes, and a hosti
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import http.server
+import json
 import os
 import re
 import shutil
+import subprocess
+import sys
 import threading
 import time
 from typing import ClassVar
@@ -367,3 +371,184 @@ def test_a_whole_object_sent_for_a_range_is_read_no_further_than_the_range(store
             for j, (e, t) in enumerate(zip(b.episode_ids.tolist()[:16], b.steps.tolist()[:16])):
                 np.testing.assert_array_equal(b.observations["observation"][j].numpy(), local.episode(e)["observation"][t])
     assert PaddedHandler.sent and max(PaddedHandler.sent) < 16 << 20, sorted(PaddedHandler.sent)[-3:]
+
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# Opens a store by URL and samples one batch in a process of its own under an address-space cap, whatever the
+# server sends: prints what it raised (or None) and how far its peak RSS rose above what it held before opening.
+BOUNDED_SAMPLE = """
+import json, resource, sys
+import numpy as np
+from her_store import EpisodeStore, HerSampler, StoreError
+
+def status(field):
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith(field + ":"))
+
+url, batch = sys.argv[1], int(sys.argv[2])
+before = status("VmRSS")
+hard = resource.getrlimit(resource.RLIMIT_AS)[1]
+resource.setrlimit(resource.RLIMIT_AS, (status("VmSize") + (2 << 30), hard))
+got = {"error": None}
+try:
+    with EpisodeStore.open(url) as store, HerSampler(
+        store, batch, reward_fn=lambda a, d, i: -(np.linalg.norm(a - d, axis=-1) > 0.05).astype(np.float32), seed=0
+    ) as sampler:
+        sampler.sample()
+except BaseException as e:
+    got = {"error": type(e).__name__, "store_error": isinstance(e, StoreError), "message": str(e)}
+got["grew"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before
+print(json.dumps(got))
+"""
+
+
+class EndlessRangeHandler(RangeHandler):
+    """Answers a Range of the objects ``hostile`` matches (a pattern of "<path> <Range>") with 206 and exactly the
+    Content-Range asked for, then zeros without end (no Content-Length: the body would end with the connection)."""
+
+    hostile: ClassVar[str] = "$^"
+
+    def do_GET(self, body: bool = True) -> None:
+        path = self.translate_path(self.path)
+        rng = self.headers.get("Range", "")
+        if not body or not rng or not os.path.isfile(path) or not re.search(self.hostile, f"{self.path} {rng}"):
+            super().do_GET(body)
+            return
+        size = os.path.getsize(path)
+        a, b = self.asked(size) or (0, size)
+        self.send_response(206)
+        self.send_header("Content-Range", f"bytes {a}-{b - 1}/{size}")
+        self.end_headers()
+        zeros = bytes(1 << 16)
+        with contextlib.suppress(OSError):  # until the client closes the connection
+            while True:
+                self.wfile.write(zeros)
+
+
+@pytest.mark.parametrize(
+    ("hostile", "batch"),
+    [
+        (r"^/img/zarr\.json bytes=0-0$", 256),  # the probe of whether the server honours Range
+        (r"^/img/episodes/\w+/c/", 256),  # the ten index columns, read together at open
+        (r"^/img/packs/", 256),  # a batch's low-dimensional rows, ~1 MiB blocks read together
+        (r"^/img/steps/.* bytes=\d+-\d+$", 1),  # a batch's frames (one row: one range of its shard)
+    ],
+    ids=["probe", "index", "rows", "frames"],
+)
+def test_an_endless_206_body_is_read_no_further_than_the_range(stores, serve, hostile, batch):
+    """A server that names exactly the range asked for in Content-Range, then never ends the body: each ranged GET
+    was read up to 1 GiB (the probe, index columns and rows; a shard's bound for frames), several at once, and a
+    sample grew past 5 GB to MemoryError. The body is now read no further than its range (and a byte), and the
+    reader gets a CorruptStoreError naming the object and the range, its memory hardly grown."""
+    EndlessRangeHandler.hostile = hostile
+    base = serve(stores, EndlessRangeHandler)
+    run = subprocess.run(
+        [sys.executable, "-c", BOUNDED_SAMPLE, f"{base}/img", str(batch)],
+        check=False, capture_output=True, text=True, cwd=ROOT, timeout=600,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    got = json.loads(run.stdout.splitlines()[-1])
+    assert got["grew"] < 256 << 20, f"peak RSS grew by {got['grew'] / 2**20:.0f} MiB: {got}"
+    assert got["error"] == "CorruptStoreError" and got["store_error"], got
+    named = re.match(rf"{re.escape(base)}(/\S+): a ranged GET \((bytes=\d*-\d*)\) answered more than", got["message"])
+    assert named and re.search(hostile, f"{named[1]} {named[2]}"), got["message"]  # the object and the range
+
+
+class DripHandler(RangeHandler):
+    """Sends an object's headers at once, then its body one byte every ``pause`` seconds (each well within the
+    60 s idle timeout); sets ``closed`` when its client has closed the connection."""
+
+    pause: ClassVar[float] = 1.0
+    closed: ClassVar[threading.Event] = threading.Event()
+
+    def do_GET(self, body: bool = True) -> None:
+        path = self.translate_path(self.path)
+        if not body or not os.path.isfile(path):
+            super().do_GET(body)
+            return
+        with open(path, "rb") as f:
+            data = f.read()
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        try:
+            for i in range(len(data)):
+                self.wfile.write(data[i : i + 1])
+                time.sleep(self.pause)
+        except OSError:
+            type(self).closed.set()
+
+
+# Opens a store by URL with a 2 s request deadline; prints what that raised, then waits for its stdin to close.
+DEADLINE_OPEN = """
+import json, sys
+from her_store import EpisodeStore, StoreError
+got = {"error": None}
+try:
+    EpisodeStore.open(sys.argv[1], storage_options={"request_deadline": 2}).close()
+except Exception as e:
+    kinds = [isinstance(e, StoreError), isinstance(e, TimeoutError)]
+    got = {"error": type(e).__name__, "kinds": kinds, "message": str(e)}
+print(json.dumps(got), flush=True)
+sys.stdin.read()
+"""
+
+
+def test_a_server_that_drips_its_answer_is_given_up_at_the_request_deadline(stores, serve):
+    """A server that sends a byte every second never trips the 60 s idle timeout: an open read its first record for
+    the record's length in seconds (a byte every 50 s: hours). Every request has a deadline now (here 2 s, from
+    storage_options): the open fails with a StoreTimeoutError naming the object and the deadline, and the
+    connection is closed (the server sees it) while the reader lives on."""
+    DripHandler.closed.clear()
+    base = serve(stores, DripHandler)
+    child = subprocess.Popen(
+        [sys.executable, "-c", DEADLINE_OPEN, f"{base}/low"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+    )
+    hang = threading.Timer(300, child.kill)  # without a deadline the open reads on for an hour: end it there
+    hang.start()
+    try:
+        line = child.stdout.readline()
+        assert line, f"the open never ended: {child.stderr.read()[-3000:]}"
+        got = json.loads(line)
+        assert got["error"] == "StoreTimeoutError" and got["kinds"] == [True, True], got
+        named = rf"GET {re.escape(base)}/low/\S+: no whole answer within the request deadline of 2 s \(storage_options"
+        assert re.match(named, got["message"]), got["message"]
+        assert DripHandler.closed.wait(60), "the server never saw the connection closed"
+    finally:
+        hang.cancel()
+        child.kill()
+        child.communicate()
+
+
+class HeaderCheckingHandler(RangeHandler):
+    """Refuses (403) every request without the header ``X-Token: t``; counts the requests it answered."""
+
+    answered: ClassVar[list[str]] = []
+
+    def do_GET(self, body: bool = True) -> None:
+        if self.headers.get("X-Token") != "t":
+            self.send_error(403)
+            return
+        type(self).answered.append(self.command)
+        super().do_GET(body)
+
+    def do_HEAD(self) -> None:
+        self.do_GET(body=False)
+
+
+def test_storage_options_over_http_keep_reaching_every_request(stores, serve):
+    """``request_deadline`` is the reader's own; every other storage option still goes with every request (here a
+    header the server requires), and a deadline that is not a positive number of seconds is refused."""
+    base = serve(stores, HeaderCheckingHandler)
+    HeaderCheckingHandler.answered.clear()
+    opts = {"headers": {"X-Token": "t"}, "request_deadline": 30}
+    with EpisodeStore.open(f"{base}/img", storage_options=opts) as remote, EpisodeStore.open(f"{stores}/img") as local:
+        assert_episode_equal(remote.episode(3), local.episode(3))
+        with HerSampler(remote, 16, reward_fn=_reward, seed=0) as sampler:
+            sampler.sample()
+        assert remote.refresh() == 0
+    assert {"GET", "HEAD"} <= set(HeaderCheckingHandler.answered)
+    for bad in (0, -1, float("inf"), "30", None):
+        with pytest.raises(ValueError, match="request_deadline"):
+            EpisodeStore.open(f"{base}/img", storage_options={**opts, "request_deadline": bad})
