@@ -323,17 +323,23 @@ typedef struct {
 #define TAKE 8
 
 /* A mapped file that shrinks under its mapping (cut short in place by another process) raises SIGBUS at the first
-   read of a page past its end, which would kill the process. A handler installed once, at the first decode from
-   mappings, turns such a fault into a failed row (EIO, as pread's short read): a fault (si_code > 0) of a thread
-   decoding from mappings, at an address inside one of its maps, jumps back to its decode. Any other SIGBUS goes to
-   the disposition the handler replaced: its handler is called, a default one ends the process, an ignored signal
-   sent by a process stays ignored. A handler installed after ours gets SIGBUS first: faulthandler's ends the
-   process, as it would have without ours; a Python handler returns, so the faulting copy runs again and faults
-   again forever (as numpy's copy did: Python cannot handle such a signal). */
+   read of a page past its end, which would kill the process. A handler of ours turns such a fault into a failed row
+   (EIO, as pread's short read): a fault (si_code > 0) of a thread decoding from mappings, at an address inside one of
+   its maps, jumps back to its decode. Every decode from mappings first makes one of ours SIGBUS's handler where none
+   is: the first in a process, and the first after another handler replaced ours (torch installs its own in each
+   DataLoader worker, after the fork, over ours inherited from a parent that had decoded). Any other SIGBUS goes to
+   the disposition that handler replaced: its handler is called, a default one ends the process, an ignored signal
+   sent by a process stays ignored. Each time ours is installed over another handler it is a handler of the next
+   level (a function of its own), so that the handler it replaced, which had replaced ours and may pass the signal
+   on to the one it replaced (faulthandler's puts it back and raises the signal again), reaches ours of the level
+   below, which passes it on below that; and if that handler's owner puts back ours of the level below (faulthandler
+   disabled), the levels above are forgotten. A Python handler returns, so a fault outside a decode from mappings
+   runs again and faults again forever (as numpy's copy did: Python cannot handle such a signal). */
 static __thread __attribute__((tls_model("initial-exec"))) const MapJob *volatile bus_job; /* the job this thread decodes from mappings, or NULL */
 static __thread __attribute__((tls_model("initial-exec"))) sigjmp_buf *bus_jump;
-static struct sigaction bus_before;
-static pthread_once_t bus_once = PTHREAD_ONCE_INIT;
+#define BUS_LEVELS 8
+static struct sigaction bus_before[BUS_LEVELS]; /* the disposition ours of each level replaced */
+static int bus_top = -1;                        /* the level of ours installed last, -1 before the first */
 
 static int in_maps(const MapJob *j, const char *addr) {
     for (Py_ssize_t k = 0; k < j->held; k++) {
@@ -343,18 +349,20 @@ static int in_maps(const MapJob *j, const char *addr) {
     return 0;
 }
 
-static void on_sigbus(int sig, siginfo_t *info, void *ctx) {
+/* SIGBUS reaching ours of level `level` */
+static void on_sigbus(int level, int sig, siginfo_t *info, void *ctx) {
     const MapJob *j = bus_job;
     if (j && info && info->si_code > 0 && in_maps(j, info->si_addr)) siglongjmp(*bus_jump, 1);
-    if (bus_before.sa_flags & SA_SIGINFO) {
-        if (bus_before.sa_sigaction) bus_before.sa_sigaction(sig, info, ctx);
+    const struct sigaction *before = &bus_before[level];
+    if (before->sa_flags & SA_SIGINFO) {
+        if (before->sa_sigaction) before->sa_sigaction(sig, info, ctx);
         return;
     }
-    if (bus_before.sa_handler != SIG_DFL && bus_before.sa_handler != SIG_IGN) {
-        bus_before.sa_handler(sig);
+    if (before->sa_handler != SIG_DFL && before->sa_handler != SIG_IGN) {
+        before->sa_handler(sig);
         return;
     }
-    if (bus_before.sa_handler == SIG_IGN && info && info->si_code <= 0) return; /* sent by a process, ignored */
+    if (before->sa_handler == SIG_IGN && info && info->si_code <= 0) return; /* sent by a process, ignored */
     struct sigaction dfl; /* the default: raised again, the signal ends the process once this handler returns */
     memset(&dfl, 0, sizeof dfl);
     dfl.sa_handler = SIG_DFL;
@@ -362,18 +370,50 @@ static void on_sigbus(int sig, siginfo_t *info, void *ctx) {
     raise(sig);
 }
 
-static void bus_install(void) {
-    struct sigaction ours;
-    memset(&ours, 0, sizeof ours);
-    ours.sa_sigaction = on_sigbus;
-    ours.sa_flags = SA_SIGINFO;
-    sigemptyset(&ours.sa_mask);
-    sigaction(SIGBUS, &ours, &bus_before);
+#define BUS_LEVEL(k) \
+    static void on_sigbus_##k(int sig, siginfo_t *info, void *ctx) { on_sigbus(k, sig, info, ctx); }
+BUS_LEVEL(0)
+BUS_LEVEL(1)
+BUS_LEVEL(2)
+BUS_LEVEL(3)
+BUS_LEVEL(4)
+BUS_LEVEL(5)
+BUS_LEVEL(6)
+BUS_LEVEL(7)
+static void (*const bus_handlers[BUS_LEVELS])(int, siginfo_t *, void *) = {
+    on_sigbus_0, on_sigbus_1, on_sigbus_2, on_sigbus_3, on_sigbus_4, on_sigbus_5, on_sigbus_6, on_sigbus_7};
+
+/* the level of ours that `sa` installs, or -1 when it is not ours */
+static int bus_level(const struct sigaction *sa) {
+    for (int k = 0; (sa->sa_flags & SA_SIGINFO) && k < BUS_LEVELS; k++) {
+        if (sa->sa_sigaction == bus_handlers[k]) return k;
+    }
+    return -1;
+}
+
+/* make ours SIGBUS's handler where another disposition is (one system call when ours is), at the level above the
+   last one installed (the top one, again, past BUS_LEVELS); of threads arming at once, one installs it and keeps
+   what it replaced, the others find it */
+static void bus_arm(void) {
+    struct sigaction now, ours, replaced;
+    if (sigaction(SIGBUS, NULL, &now) != 0) return;
+    int k = bus_level(&now);
+    if (k < 0) {
+        k = bus_top + 1 < BUS_LEVELS ? bus_top + 1 : BUS_LEVELS - 1;
+        bus_before[k] = now;
+        memset(&ours, 0, sizeof ours);
+        ours.sa_sigaction = bus_handlers[k];
+        ours.sa_flags = SA_SIGINFO;
+        sigemptyset(&ours.sa_mask);
+        if (sigaction(SIGBUS, &ours, &replaced) != 0) return;
+        if (bus_level(&replaced) < 0) bus_before[k] = replaced; /* (what another thread installed meanwhile) */
+    }
+    if (bus_top != k) bus_top = k;
 }
 
 /* guard the calling thread's reads from j's maps: a fault there jumps to `jump` (set by the caller's sigsetjmp) */
 static void bus_guard(sigjmp_buf *jump, const MapJob *j) {
-    pthread_once(&bus_once, bus_install);
+    bus_arm();
     bus_jump = jump;
     __atomic_signal_fence(__ATOMIC_SEQ_CST);
     bus_job = j;

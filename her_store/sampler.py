@@ -7,6 +7,7 @@ per array (ChunkReader, past zarr), recompute rewards of the relabelled rows, an
 
 from __future__ import annotations
 
+import os
 import queue
 import threading
 import time
@@ -167,7 +168,7 @@ class HerSampler:
         Pass the stored info keys of the sampled transitions to ``reward_fn`` (as SB3: one dict per
         transition) and return them in ``HerBatch.infos``; otherwise ``reward_fn`` gets empty dicts.
     prefetch : int
-        Batches prepared ahead in a background thread (0: none).
+        Batches prepared ahead in a background thread (0: none); a forked child starts a thread of its own.
     pin_memory : bool, optional
         Default: True when the device is CUDA.
     relabel_terminated : bool
@@ -237,6 +238,7 @@ class HerSampler:
         self._prefetch = int(prefetch)
         self._queue: queue.Queue | None = None
         self._thread: threading.Thread | None = None
+        self._thread_pid = -1  # the process the producer runs in
         self._stop = threading.Event()
         self._state_after = self.rng.bit_generator.state  # RNG state after the last batch handed out
 
@@ -532,11 +534,14 @@ class HerSampler:
                 return
 
     def _take_prefetched(self) -> HerBatch:
+        if self._thread is not None and self._thread_pid != os.getpid():
+            self._stop_prefetch()
         if self._thread is None:
             self._queue = queue.Queue(maxsize=self._prefetch)
             self._stop.clear()
             self._thread = threading.Thread(target=self._producer, name="her_store-prefetch", daemon=True)
             self._thread.start()
+            self._thread_pid = os.getpid()
         q = self._queue
         assert q is not None
         while True:
@@ -556,11 +561,21 @@ class HerSampler:
         return batch
 
     def _stop_prefetch(self) -> None:
-        """Stop the producer and rewind the generator to just after the last batch handed out."""
+        """Stop the producer and rewind the generator to just after the last batch handed out.
+
+        In a forked child the producer is the parent's: the child has no such thread, and the producer may have held
+        the locks of the queue, the stop event and the generator at the fork, so all three are replaced unused; the
+        child's next prefetched batch starts a producer of its own, which draws what the parent draws after the
+        batches it handed out.
+        """
         if self._thread is None:
             return
-        self._stop.set()
-        self._thread.join()
+        if self._thread_pid == os.getpid():
+            self._stop.set()
+            self._thread.join()
+        else:
+            self._stop = threading.Event()
+            self.rng = np.random.Generator(type(self.rng.bit_generator)(0))
         self._thread = None
         self._queue = None
         self.rng.bit_generator.state = self._state_after

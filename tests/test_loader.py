@@ -217,3 +217,35 @@ def test_bad_arguments_are_refused_here(store_path):
     with pytest.raises(TypeError, match="got int"):
         dataset(3)
     assert isinstance(dataset(store_path), torch.utils.data.IterableDataset)
+
+
+def test_a_chunk_cut_short_under_fork_workers_is_an_io_error_when_the_parent_sampled_first(tmp_path):
+    """The parent samples first (arming the SIGBUS guard of mapped reads in its process), then a DataLoader forks
+    workers, which install torch's own SIGBUS handler; a chunk of uncompressed frames cut short in place under the
+    workers' mappings killed a worker with a bus error. The worker's gather raises OSError EIO naming the chunk,
+    which the DataLoader raises in the parent."""
+    import os
+    import re
+
+    from her_store import HerSampler
+    from tests.test_reader import ACT, BIG, _big_episode
+
+    path = tmp_path / "s"
+    with EpisodeStore.create(path, BIG, ACT, chunk_rows=128, compressors={"pixels": None}) as store:
+        for e in range(6):
+            store.append_episode(_big_episode(e))
+        spec = store.layout.fields["pixels"][0]
+        assert store.episodes["length"].sum() + 6 <= 128  # every frame in chunk 0
+    with EpisodeStore.open(path) as store, HerSampler(store, B, reward_fn=sparse_reward, seed=0) as sampler:
+        assert type(sampler.reader.arrays[spec.path]).__name__ == "MappedArray"
+        sampler.sample()
+    chunk = spec.chunk_key(0)
+    loader = DataLoader(dataset(str(path), batch_size=32), batch_size=None, num_workers=2,
+                        multiprocessing_context="fork")
+    it = iter(loader)
+    assert len([next(it), next(it)]) == 2  # one from each worker: each has mapped chunk 0
+    os.truncate(path / chunk, 4096)  # the frames past the first page are gone
+    with pytest.raises(OSError, match=rf"{re.escape(chunk)}: reading row \d+ failed: Input/output error"):
+        for _ in range(100):
+            next(it)
+    del it

@@ -343,6 +343,52 @@ def test_an_uncompressed_chunk_cut_short_in_place_under_a_sampler_is_an_io_error
     store.close()
 
 
+_HANDLER_AFTER_A_GATHER = """
+import faulthandler, mmap, os, signal, sys
+import numpy as np
+from her_store import _frames
+
+path, case = sys.argv[1], sys.argv[2]
+row = 4096
+with open(path, "wb") as f:
+    f.write(bytes(8 * row))
+f = open(path, "r+b")
+m = mmap.mmap(f.fileno(), 8 * row, access=mmap.ACCESS_READ)
+rows, out = np.arange(8, dtype=np.int64), np.zeros((8, row), np.uint8)
+print(_frames.take_rows(m, rows, 0, 0, out, row), flush=True)
+if case == "python handler":  # installed over ours: a cut mapping still fails its row, a sent signal reaches it
+    signal.signal(signal.SIGBUS, lambda *_: print("handled", flush=True))
+    os.ftruncate(f.fileno(), 2 * row)
+    print(_frames.take_rows(m, rows, 0, 0, out, row), flush=True)
+    os.kill(os.getpid(), signal.SIGBUS)
+    print("on", flush=True)
+else:  # faulthandler installed over ours, a gather, faulthandler disabled: a fault outside a gather ends the process
+    faulthandler.enable()
+    print(_frames.take_rows(m, rows, 0, 0, out, row), flush=True)
+    faulthandler.disable()
+    os.ftruncate(f.fileno(), 0)
+    print(np.frombuffer(m, np.uint8).sum())
+"""
+
+
+@pytest.mark.parametrize("case", ["python handler", "faulthandler disabled"])
+def test_a_handler_installed_over_the_guard_after_a_gather(tmp_path, case):
+    """A SIGBUS handler installed after a gather armed the guard took SIGBUS first: a Python one returned, so a gather
+    from a chunk cut short under its mapping faulted forever. The next gather puts the guard back over it: the row
+    fails with EIO, and other SIGBUS reach the handler. A handler the guard was put back over and that its owner
+    takes away again (faulthandler disabled) is not called: the fault ends the process, as it did before."""
+    import signal
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", _HANDLER_AFTER_A_GATHER, str(tmp_path / "f"), case],
+                          capture_output=True, timeout=60, check=False)
+    if case == "python handler":
+        assert (done.returncode, done.stdout.split()) == (0, [b"(-1,", b"0)", b"(2,", b"5)", b"handled", b"on"])
+    else:
+        assert (done.returncode, done.stdout.split()) == (-signal.SIGBUS, [b"(-1,", b"0)", b"(-1,", b"0)"])
+
+
 def test_a_forked_child_gathers_with_threads_of_its_own(tmp_path):
     """A reader whose gathers are split across its threads, used before a fork: the child's first split gather
     waited forever for the parent's threads, which a child does not have; it starts its own."""

@@ -428,6 +428,55 @@ def test_a_sample_waiting_for_a_prefetched_batch_hears_when_another_thread_close
     sampler.close()
 
 
+def test_a_forked_child_samples_a_prefetching_sampler_from_a_producer_of_its_own(coded_store, tmp_path):
+    """A prefetching sampler that sampled before a fork: the child inherited the queue but not the producer thread,
+    and its sample() waited forever on a queue nobody filled. The child starts a producer of its own and draws what
+    the parent draws after the batches it handed out, each row the stored transition."""
+    import multiprocessing
+
+    writer, eps = coded_store
+    writer.flush()
+
+    def rows_of(b) -> tuple[list[int], list[int]]:
+        return b.episode_ids.tolist(), b.steps.tolist()
+
+    def wrong(b) -> int:
+        """Rows of ``b`` that are not the stored transition at their (episode, step)."""
+        bad = 0
+        for i, (e, t) in enumerate(zip(*rows_of(b))):
+            ep = eps[e]
+            bad += not np.array_equal(b.observations["observation"][i].numpy(), ep["observation"][t])
+            bad += not np.array_equal(b.next_observations["achieved_goal"][i].numpy(), ep["achieved_goal"][t + 1])
+            bad += not np.array_equal(b.actions[i].numpy(), ep["action"][t])
+        return bad
+
+    def child(sampler: HerSampler, conn) -> None:
+        batches = [sampler.sample() for _ in range(3)]
+        conn.send(([rows_of(b) for b in batches], sum(map(wrong, batches))))
+
+    ctx = multiprocessing.get_context("fork")
+    with EpisodeStore.open(tmp_path / "s") as store, HerSampler(store, 64, reward_fn=sparse_reward, seed=7,
+                                                               prefetch=2) as sampler:
+        before = [sampler.sample() for _ in range(2)]
+        assert sampler._thread is not None and wrong(before[0]) == 0
+        mine, theirs = ctx.Pipe()
+        proc = ctx.Process(target=child, args=(sampler, theirs))
+        proc.start()
+        try:
+            got = mine.recv() if mine.poll(60) else None
+        finally:
+            proc.join(10)
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+        after = [sampler.sample() for _ in range(3)]
+    assert got is not None, "the child sampled nothing within 60 s"
+    assert proc.exitcode == 0
+    child_rows, child_wrong = got
+    assert child_rows == [rows_of(b) for b in after] and child_wrong == 0
+    assert all(wrong(b) == 0 for b in after)
+
+
 def test_iteration_and_threaded_gathers_agree(coded_store):
     store, _ = coded_store
     it = iter(HerSampler(store, 512, reward_fn=sparse_reward, seed=3))
