@@ -759,6 +759,7 @@ def build_parser(prog: str = "her-store train") -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog=prog,
         description="Train an SB3 off-policy agent with HER on a disk-backed episode store; run again to resume.",
+        allow_abbrev=False,
     )
     p.add_argument("--env", default=d.env,
                    help="registered gymnasium goal env id (default: SB3's BitFlippingEnv, "
