@@ -449,12 +449,17 @@ def test_zarr_alone_reads_every_frame_of_sharded_images(tmp_path):
     assert out.returncode == 0 and out.stdout.split() == ["ok", "4"], out.stderr[-2000:]
 
 
-def test_episode_repr_shows_shapes_not_values(store_path, fetch):
+def test_episode_repr_shows_the_mapping_it_is_as_shapes_not_values(store_path, fetch):
     obs, act = fetch
     with EpisodeStore.create(store_path, obs, act) as store:
         store.append_episode(make_episode(obs, act, 4, seed=0))
-        text = repr(store.episode(0))
-        assert text.startswith("Episode(id=0, length=4,") and "observation=float32(5, 10)" in text
+        ep = store.episode(0)
+        text = repr(ep)
+        # the repr reads as the mapping: every field shown is an item, as its dtype and shape
+        fields = ", ".join(f"{k!r}: {ep[k].dtype}{ep[k].shape}" for k in ep)
+        assert text == f"Episode(id=0, length=4, {{{fields}}})"
+        assert "'observation': float32(5, 10)" in text and "observation=" not in text
+        assert ep["observation"].shape == (5, 10) and not hasattr(ep, "observation")
         assert "1 episodes, 4 transitions" in repr(store)
 
 
