@@ -269,12 +269,34 @@ def test_read_only_store_refuses_writes(store_path, fetch):
 
 def test_not_a_store(tmp_path, fetch):
     with pytest.raises(NotAStoreError, match="no Zarr group"):
-        EpisodeStore.open(tmp_path / "nothing")
+        EpisodeStore.open(tmp_path)  # a directory that holds no store
     zarr.open_group(str(tmp_path / "plain"), mode="w")
     with pytest.raises(NotAStoreError, match="not a her_store store"):
         EpisodeStore.open(tmp_path / "plain")
     with pytest.raises(ValueError, match="mode must be"):
         EpisodeStore.open(tmp_path / "plain", mode="w")
+
+
+def test_a_path_that_does_not_exist_is_said_not_to_exist(tmp_path, capsys):
+    from her_store.cli import main
+    from tests.http_server import serving
+
+    missing = tmp_path / "nothing"
+    with pytest.raises(NotAStoreError, match=f"^{missing} does not exist$"):
+        EpisodeStore.open(missing)
+    with pytest.raises(NotAStoreError, match=f"^{missing} does not exist; pass observation_space"):
+        her_store.open_store(missing)
+    assert main(["inspect", str(missing)]) == 2
+    assert capsys.readouterr().err == f"her-store inspect: {missing} does not exist\n"
+    (tmp_path / "afile").write_text("")
+    with pytest.raises(NotAStoreError, match="afile/store does not exist"):
+        EpisodeStore.open(tmp_path / "afile" / "store")
+    # a URL whose root object is missing: no store at that URL
+    with pytest.raises(NotAStoreError, match=r"^there is no store at memory://nothing-here \(.*zarr.json does not"):
+        EpisodeStore.open("memory://nothing-here")
+    with serving(str(tmp_path)) as base, pytest.raises(NotAStoreError, match=f"there is no store at {base}/nothing"):
+        EpisodeStore.open(f"{base}/nothing")
+    assert not missing.exists()
 
 
 def test_create_refuses_an_existing_store(store_path, fetch):
