@@ -92,7 +92,7 @@ def success_rate(env_id: str, act: Callable[[dict[str, np.ndarray]], np.ndarray]
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     p.add_argument("--store", type=Path, help="dataset store: opened if present, else collected into (default: temp)")
     p.add_argument("--env", default=ENV_ID, help=f"goal env to collect from and evaluate in (default: {ENV_ID})")
     p.add_argument("--collect-steps", type=int, default=50_000, help="env steps of random-policy data to collect")

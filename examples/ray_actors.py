@@ -104,7 +104,7 @@ def learn(root: str, storage_options: dict[str, Any] | None, pending: list, batc
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     p.add_argument("--actors", type=int, default=4, help="Ray actors, each writing its own shard")
     p.add_argument("--seconds", type=float, default=15.0, help="how long the actors collect")
     p.add_argument("--root", help="the dataset's root: a directory or an fsspec URL (default: a temporary directory)")

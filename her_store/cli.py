@@ -110,9 +110,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     >>> main(["inspect", "runs/fetch", "--json"])  # doctest: +SKIP
     """
     argv = list(sys.argv[1:] if argv is None else argv)
-    p = argparse.ArgumentParser(prog="her-store", description="Persistent episode stores for Hindsight Experience Replay")
+    # no option is taken for an abbreviation of another (--step is not --steps): every parser says allow_abbrev=False
+    p = argparse.ArgumentParser(
+        prog="her-store", description="Persistent episode stores for Hindsight Experience Replay", allow_abbrev=False
+    )
     sub = p.add_subparsers(dest="command", required=True)
-    d = sub.add_parser("demo", help="collect episodes with a random policy into a store, reopen it, read it back")
+    d = sub.add_parser("demo", help="collect episodes with a random policy into a store, reopen it, read it back",
+                       allow_abbrev=False)
     d.add_argument("path", nargs="?", default="demo_store", help="store path or URL (default: ./demo_store)")
     d.add_argument("--env", help="gymnasium goal env id (default: her_store/PointGoal-v0)")
     d.add_argument("--steps", type=int, default=5_000, help="steps per env")
@@ -121,12 +125,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     d.add_argument("--quiet", action="store_true", help="no progress bar")
     d.set_defaults(func=cmd_demo)
     # train's options are parsed by its own parser (her_store.integrations.train), imported only when it runs
-    t = sub.add_parser("train", add_help=False, help="train an SB3 agent with HER on a store; run again to resume")
+    t = sub.add_parser("train", add_help=False, help="train an SB3 agent with HER on a store; run again to resume",
+                       allow_abbrev=False)
     t.set_defaults(func=cmd_train)
     chosen = next((a for a in argv if not a.startswith("-")), None)
     for name, (_, text) in DATASET_COMMANDS.items():
         aliases = ALIASES.get(name, [])
-        c = sub.add_parser(name, help=text, description=text, aliases=aliases)
+        c = sub.add_parser(name, help=text, description=text, aliases=aliases, allow_abbrev=False)
         if chosen in (name, *aliases):  # only the command that runs imports its module
             module = importlib.import_module(DATASET_COMMANDS[name][0])
             module.add_arguments(c, name)

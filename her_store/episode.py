@@ -13,7 +13,9 @@ class Episode(Mapping[str, np.ndarray]):
     """One committed episode read back from a store.
 
     Observation keys hold ``T + 1`` rows (the last is the final next-observation); ``action``, ``reward``,
-    ``terminated``, ``truncated`` and info keys hold ``T`` rows. Iterating gives the field names in schema order.
+    ``terminated``, ``truncated`` and info keys hold ``T`` rows. Iterating gives the field names in schema order;
+    fields are read as items (``ep["observation"]``), and the repr shows them as the mapping they are, each as its
+    dtype and shape.
 
     Attributes
     ----------
@@ -26,7 +28,9 @@ class Episode(Mapping[str, np.ndarray]):
     --------
     >>> ep = Episode(3, {"observation": np.zeros((3, 2)), "action": np.zeros((2, 1))})
     >>> ep
-    Episode(id=3, length=2, observation=float64(3, 2), action=float64(2, 1))
+    Episode(id=3, length=2, {'observation': float64(3, 2), 'action': float64(2, 1)})
+    >>> ep["observation"].shape
+    (3, 2)
     """
 
     __slots__ = ("id", "length", "_data")
@@ -46,5 +50,5 @@ class Episode(Mapping[str, np.ndarray]):
         return len(self._data)
 
     def __repr__(self) -> str:
-        fields = ", ".join(f"{k}={v.dtype}{tuple(v.shape)}" for k, v in self._data.items())
-        return f"Episode(id={self.id}, length={self.length}, {fields})"
+        fields = ", ".join(f"{k!r}: {v.dtype}{tuple(v.shape)}" for k, v in self._data.items())
+        return f"Episode(id={self.id}, length={self.length}, {{{fields}}})"

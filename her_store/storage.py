@@ -199,7 +199,7 @@ class Location:
             return
         try:
             os.close(_open_bounded(self.root, key, limit)[0])
-        except FileNotFoundError:  # missing: what zarr then says of it is reported
+        except (FileNotFoundError, NotADirectoryError):  # missing (under a file too): what zarr then says is reported
             return
 
     def write_atomic(self, key: str, data: bytes, fsync: bool, if_match: str | None = None) -> str | None:

@@ -1111,6 +1111,10 @@ def _open_root(loc: Location, read_only: bool) -> zarr.Group:
                 f"{loc} is a sharded dataset's root: her_store.open_store(root) reads every shard; "
                 f"EpisodeStore.open(root + '/shards/<name>') opens one"
             ) from e
+        if loc.is_local and not os.path.lexists(loc.root):
+            raise NotAStoreError(f"{loc} does not exist") from e
+        if not loc.is_local and isinstance(e, zarr.errors.GroupNotFoundError):  # its root object is missing
+            raise NotAStoreError(f"there is no store at {loc} (no Zarr group: {loc}/zarr.json does not exist)") from e
         raise NotAStoreError(f"{loc} is not a her_store store (no Zarr group there)") from e
     except (ValueError, TypeError, KeyError, AttributeError, OverflowError, RecursionError) as e:  # zarr's parse
         raise CorruptStoreError(f"{loc}/zarr.json is not Zarr v3 group metadata ({short_repr(e)})") from e
@@ -1161,7 +1165,9 @@ def open_store(
         if sharded.is_sharded(loc):
             return sharded.open_view(loc, observation_space, action_space, kwargs)
         if observation_space is None or action_space is None:
-            raise NotAStoreError(f"{loc} holds no store; pass observation_space and action_space to create one")
+            missing = loc.is_local and not os.path.lexists(loc.root)
+            where = f"{loc} does not exist" if missing else f"{loc} holds no store"
+            raise NotAStoreError(f"{where}; pass observation_space and action_space to create one")
         try:
             return EpisodeStore.create(path_or_url, observation_space, action_space, **kwargs)
         except StoreExistsError:  # created meanwhile by another process: resume it

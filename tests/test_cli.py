@@ -2,8 +2,16 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
+import pytest
+
 from her_store import EpisodeStore
 from her_store.cli import main
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def test_demo_writes_resumes_and_info_reads(tmp_path, capsys):
@@ -20,3 +28,33 @@ def test_demo_writes_resumes_and_info_reads(tmp_path, capsys):
         assert (store.episodes["length"] == 50).all()
     assert main(["info", path]) == 0
     assert "PointGoal" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["train", "--step", "100"],  # taken for --steps, it would train
+        ["demo", "somewhere", "--step", "5"],
+        ["inspect", "somewhere", "--js"],
+        ["export", "somewhere", "--to", "npz", "out.npz", "--qu"],
+    ],
+)
+def test_an_abbreviated_option_is_refused(tmp_path, monkeypatch, capsys, argv):
+    monkeypatch.chdir(tmp_path)  # nothing may be written anywhere else, whatever the command did
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    bad = [a for a in argv if a.startswith("--")][-1]
+    assert e.value.code == 2 and f"unrecognized arguments: {bad}" in capsys.readouterr().err
+    assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize(
+    ("tool", "argv", "bad"),
+    [("train.py", ["--step", "100"], "--step 100"), ("store_inspect.py", ["somewhere", "--js"], "--js"),
+     ("bench.py", ["--quic", "--full"], "--quic")],  # --quic taken for --quick: "not allowed with --full"
+)
+def test_the_tools_refuse_abbreviated_options(tmp_path, tool, argv, bad):
+    done = subprocess.run([sys.executable, os.path.join(ROOT, "tools", tool), *argv], capture_output=True, text=True,
+                          check=False, cwd=tmp_path, timeout=300)
+    assert done.returncode == 2 and f"unrecognized arguments: {bad}" in done.stderr, done.stderr
+    assert os.listdir(tmp_path) == []

@@ -61,11 +61,13 @@ def _buffer(venv, buffer_size: int = 1000, **kw) -> ZarrHerReplayBuffer:
     )
 
 
-def _collect(buffers, venv, steps: int, seed: int = 0) -> None:
-    """Step ``venv`` with random actions and add every step to each buffer as SB3's _store_transition does."""
-    venv.seed(seed)
+def _collect(buffers, venv, steps: int, seed: int = 0, obs=None):
+    """Step ``venv`` with random actions and add every step to each buffer as SB3's _store_transition does; return
+    the last observations (``obs`` given: go on from them, without a reset)."""
     rng = np.random.default_rng(seed)
-    obs = venv.reset()
+    if obs is None:
+        venv.seed(seed)
+        obs = venv.reset()
     for _ in range(steps):
         action = rng.uniform(-1, 1, (venv.num_envs, 2)).astype(np.float32)
         new_obs, reward, done, infos = venv.step(action)
@@ -77,6 +79,7 @@ def _collect(buffers, venv, steps: int, seed: int = 0) -> None:
         for b in buffers:
             b.add(obs, next_obs, action, reward, done, infos)
         obs = new_obs
+    return obs
 
 
 def _rows_by_obs(store: EpisodeStore) -> dict[bytes, tuple[int, int]]:
@@ -555,7 +558,7 @@ def test_a_handle_loads_without_env_and_holds_no_data(tmp_path):
     assert back.sample(4).rewards.shape == (4, 1)
 
 
-def test_a_handle_whose_store_moved_on_drops_its_pending_steps(tmp_path):
+def test_a_handle_whose_run_went_on_and_ended_its_episodes_loads_without_a_word(tmp_path):
     venv = _venv(1, T=5)
     rb = _buffer(venv, path=tmp_path / "rb")
     _collect([rb], venv, 7)
@@ -563,9 +566,49 @@ def test_a_handle_whose_store_moved_on_drops_its_pending_steps(tmp_path):
     _collect([rb], venv, 5, seed=1)  # the run goes on: its reset ends that episode, then one more is stored
     rb.close()
     back = pickle.loads(blob)
-    with pytest.warns(UserWarning, match="unfinished episodes the saved buffer held are dropped"):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the expected resume of a run that went on: nothing to say
         back.truncate_last_trajectory()
     assert back.store.num_episodes == 3 and back.store.episodes["length"].tolist() == [5, 2, 5]
+
+
+def test_a_handle_stages_again_what_the_store_lacks_and_not_what_its_run_went_on_to_store(tmp_path):
+    # env 0's episodes are 3 steps, env 1's 8; the run saves its handle, goes on 2 steps and dies (no truncation)
+    venv = DummyVecEnv([lambda: RecordingPointGoal(3), lambda: RecordingPointGoal(8)])
+    rb = _buffer(venv, path=tmp_path / "rb")
+    obs = _collect([rb], venv, 4)
+    assert rb._writer.pending_steps.tolist() == [1, 4] and rb.store.num_episodes == 1
+    blob = pickle.dumps(rb)
+    saved = [rb._writer.pending(e) for e in range(2)]
+    _collect([rb], venv, 2, seed=1, obs=obs)  # env 0 ends the episode it had begun; env 1's goes on
+    assert rb._writer.pending_steps.tolist() == [0, 6]
+    rb.close()  # as a kill: env 1's 6 steps are not stored
+    back = pickle.loads(blob)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        back.truncate_last_trajectory()  # env 1's 4 saved steps are staged again, and ended here
+    assert [str(w.message).splitlines()[0] for w in caught] == ["The last trajectory in the replay buffer will be "
+                                                                 "truncated."]
+    table = back.store.episodes
+    assert table["length"].tolist() == [3, 3, 4] and table["env_index"].tolist() == [0, 0, 1]
+    assert all(np.array_equal(back.store.episode(2)[k], saved[1][k]) for k in ("observation", "action", "reward"))
+    assert np.array_equal(back.store.episode(1)["action"][:1], saved[0]["action"])  # env 0's went on in the store
+
+
+def test_a_handle_whose_store_another_writer_moved_on_drops_its_pending_steps_with_a_warning(tmp_path):
+    venv = _venv(1, T=5)
+    rb = _buffer(venv, path=tmp_path / "rb")
+    _collect([rb], venv, 7)
+    blob = pickle.dumps(rb)  # 2 steps pending
+    rb.close()  # not stored
+    other = _buffer(venv, path=tmp_path / "rb")  # another writer's episode, which does not continue them
+    _collect([other], venv, 5, seed=1)
+    other.close()
+    back = pickle.loads(blob)
+    dropped = r"holds episodes of envs \[0\] committed after this buffer was saved \(episode ids 1..1\) that do not "
+    with pytest.warns(UserWarning, match=dropped + r"continue .* those unfinished episodes \(2 steps\), which the store"):
+        back.truncate_last_trajectory()
+    assert back.store.episodes["length"].tolist() == [5, 5]
 
 
 def test_a_handle_whose_store_was_replaced_by_a_shorter_one_says_so(tmp_path):

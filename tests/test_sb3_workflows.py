@@ -263,7 +263,6 @@ def test_save_load_learn_goes_on_appending_to_the_store(tmp_path, no_gc):
 
 
 @pytest.mark.filterwarnings("ignore:The last trajectory in the replay buffer will be truncated")
-@pytest.mark.filterwarnings("ignore:.*holds episodes committed after this buffer was saved")  # loaded twice
 def test_sb3s_documented_save_and_load_flows_work_as_written(tmp_path, no_gc):
     """SB3's docs example (save, save_replay_buffer, del model, load, load_replay_buffer) and loading a handle
     into the model that saved it; a buffer still in use keeps the store to itself."""

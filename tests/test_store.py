@@ -269,12 +269,34 @@ def test_read_only_store_refuses_writes(store_path, fetch):
 
 def test_not_a_store(tmp_path, fetch):
     with pytest.raises(NotAStoreError, match="no Zarr group"):
-        EpisodeStore.open(tmp_path / "nothing")
+        EpisodeStore.open(tmp_path)  # a directory that holds no store
     zarr.open_group(str(tmp_path / "plain"), mode="w")
     with pytest.raises(NotAStoreError, match="not a her_store store"):
         EpisodeStore.open(tmp_path / "plain")
     with pytest.raises(ValueError, match="mode must be"):
         EpisodeStore.open(tmp_path / "plain", mode="w")
+
+
+def test_a_path_that_does_not_exist_is_said_not_to_exist(tmp_path, capsys):
+    from her_store.cli import main
+    from tests.http_server import serving
+
+    missing = tmp_path / "nothing"
+    with pytest.raises(NotAStoreError, match=f"^{missing} does not exist$"):
+        EpisodeStore.open(missing)
+    with pytest.raises(NotAStoreError, match=f"^{missing} does not exist; pass observation_space"):
+        her_store.open_store(missing)
+    assert main(["inspect", str(missing)]) == 2
+    assert capsys.readouterr().err == f"her-store inspect: {missing} does not exist\n"
+    (tmp_path / "afile").write_text("")
+    with pytest.raises(NotAStoreError, match="afile/store does not exist"):
+        EpisodeStore.open(tmp_path / "afile" / "store")
+    # a URL whose root object is missing: no store at that URL
+    with pytest.raises(NotAStoreError, match=r"^there is no store at memory://nothing-here \(.*zarr.json does not"):
+        EpisodeStore.open("memory://nothing-here")
+    with serving(str(tmp_path)) as base, pytest.raises(NotAStoreError, match=f"there is no store at {base}/nothing"):
+        EpisodeStore.open(f"{base}/nothing")
+    assert not missing.exists()
 
 
 def test_create_refuses_an_existing_store(store_path, fetch):
@@ -449,12 +471,17 @@ def test_zarr_alone_reads_every_frame_of_sharded_images(tmp_path):
     assert out.returncode == 0 and out.stdout.split() == ["ok", "4"], out.stderr[-2000:]
 
 
-def test_episode_repr_shows_shapes_not_values(store_path, fetch):
+def test_episode_repr_shows_the_mapping_it_is_as_shapes_not_values(store_path, fetch):
     obs, act = fetch
     with EpisodeStore.create(store_path, obs, act) as store:
         store.append_episode(make_episode(obs, act, 4, seed=0))
-        text = repr(store.episode(0))
-        assert text.startswith("Episode(id=0, length=4,") and "observation=float32(5, 10)" in text
+        ep = store.episode(0)
+        text = repr(ep)
+        # the repr reads as the mapping: every field shown is an item, as its dtype and shape
+        fields = ", ".join(f"{k!r}: {ep[k].dtype}{ep[k].shape}" for k in ep)
+        assert text == f"Episode(id=0, length=4, {{{fields}}})"
+        assert "'observation': float32(5, 10)" in text and "observation=" not in text
+        assert ep["observation"].shape == (5, 10) and not hasattr(ep, "observation")
         assert "1 episodes, 4 transitions" in repr(store)
 
 

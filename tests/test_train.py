@@ -109,6 +109,25 @@ class _GoalKeysNoReward(gym.Env):
 
 
 gym.register("test_train/NoReward-v0", entry_point=_GoalKeysNoReward)
+
+
+class _FailingBits(gym.Wrapper):
+    """BitFlipping (4 bits, 4-step episodes) that raises at its 30th step: an env failing mid-run."""
+
+    def __init__(self) -> None:
+        from stable_baselines3.common.envs import BitFlippingEnv
+
+        super().__init__(gym.wrappers.TimeLimit(BitFlippingEnv(n_bits=4), max_episode_steps=4))
+        self.steps = 0
+
+    def step(self, action):
+        self.steps += 1
+        if self.steps == 30:
+            raise RuntimeError("the env failed at its step 30")
+        return self.env.step(action)
+
+
+gym.register("test_train/FailingBits-v0", entry_point=_FailingBits)
 gym.register("test_train/DiscreteBits-v0", entry_point="stable_baselines3.common.envs:BitFlippingEnv")
 
 
@@ -420,3 +439,94 @@ def test_no_evaluation_says_na_and_sb3_leaves_no_log_directory(tmp_path, capsys,
 def test_an_env_module_that_cannot_be_imported_is_named(tmp_path, capsys):
     code, _, err = run_main(capsys, "--out", str(tmp_path / "run"), "--env", "nosuch_module_zz:Env-v0")
     assert code == 2 and err.startswith("her-store train: error: --env nosuch_module_zz:Env-v0: ") and "No module" in err
+
+
+gym.register("test_train/NoSuccessBits-v0", entry_point=lambda: _bits(True))
+
+
+def test_the_store_records_success_and_its_card_names_env_algorithm_and_versions(tmp_path, capsys):
+    import stable_baselines3
+
+    import her_store
+    from her_store.card import card_problems
+    from her_store.plot import plot_data
+
+    store_path = str(tmp_path / "run" / "store")
+    code, _, err = run_main(capsys, "--out", str(tmp_path / "run"), "--steps", "60", "--eval-episodes", "1", *FAST)
+    assert code == 0, err
+    assert cli_main(["inspect", store_path]) == 0
+    shown = capsys.readouterr().out
+    assert re.search(r"success rate\s+│?\s*\d+\.\d% of \d+ episodes with is_success", shown), shown
+    with EpisodeStore.open(store_path) as store:
+        assert store.info_keys == ("is_success",) and (store.episodes["success"] >= 0).all()
+        assert len(plot_data(store).success_ids) == store.num_episodes  # the plot's success panel has them all
+        card = store.metadata
+    assert card["env_id"] == job.DEFAULT_ENV and card["algorithm_name"] == "DQN+HER (future)"
+    assert card["versions"]["her_store"] == her_store.__version__
+    assert card["versions"]["stable_baselines3"] == stable_baselines3.__version__
+    assert json.loads(card["env_spec"])["id"] == job.DEFAULT_ENV
+    assert any(r.replace("-", "_").startswith("stable_baselines3==") for r in card["requirements"])
+    assert card_problems(card) == []
+
+    # an env whose infos carry no is_success: no info stored, success unknown, the card still written
+    store_path = str(tmp_path / "bare" / "store")
+    code, _, err = run_main(capsys, "--out", str(tmp_path / "bare"), "--env", "test_train/NoSuccessBits-v0",
+                            "--steps", "20", "--eval-episodes", "1", *FAST)
+    assert code == 0, err
+    with EpisodeStore.open(store_path) as store:
+        assert store.info_keys == () and (store.episodes["success"] == -1).all()
+        assert store.metadata["env_id"] == "test_train/NoSuccessBits-v0" and "env_spec" not in store.metadata
+
+
+def test_resuming_a_run_that_ended_on_a_checkpoint_step_says_nothing_of_dropped_episodes(tmp_path, capsys):
+    # the last step is a checkpoint step: that checkpoint's handle holds the episode under way, which the run then
+    # ended (truncated) itself; its resume is the expected one
+    import pickle
+
+    argv = ["--out", str(tmp_path / "run"), "--checkpoint-every", "36", "--eval-episodes", "1", *FAST]
+    code, _, err = run_main(capsys, *argv, "--steps", "108")  # 10-step episodes: the 11th is under way at step 108
+    assert code == 0, err
+    with open(os.path.join(job.latest_checkpoint(str(tmp_path / "run"))[1], "replay_buffer.pkl"), "rb") as f:
+        assert pickle.load(f)._restore is not None  # the checkpoint holds steps of an unfinished episode
+    with EpisodeStore.open(str(tmp_path / "run" / "store")) as store:
+        assert store.num_transitions == 108  # which the run ended itself, after that checkpoint
+    code, out, err = run_main(capsys, *argv, "--steps", "150")
+    assert code == 0, err
+    assert "resuming from step 108" in out and "note:" not in out and "dropped" not in out + err, out + err
+
+
+def test_a_failed_first_attempt_leaves_nothing_it_made_and_keeps_what_was_there(tmp_path, capsys):
+    # a bad --algo-kwargs: the run directory and its parent, made for it, go
+    code, _, err = run_main(capsys, "--out", str(tmp_path / "runs" / "rf"), "--algo-kwargs", '{"learning_rat": 1}',
+                            "--quiet")
+    assert code == 2 and "learning_rat" in err
+    assert os.listdir(tmp_path) == []
+    # an env that fails mid-run, after episodes were committed: what was there stays, what it made goes
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("kept")
+    code, _, err = run_main(capsys, "--out", str(tmp_path / "mine"), "--store", str(tmp_path / "stores" / "bits"),
+                            "--env", "test_train/FailingBits-v0", "--steps", "100", *FAST)
+    assert code == 1 and "RuntimeError: the env failed at its step 30" in err, err
+    assert sorted(os.listdir(tmp_path)) == ["mine"] and os.listdir(tmp_path / "mine") == ["notes.txt"]
+    # a store that was there before is kept, whatever a failed attempt did with it
+    assert cli_main(["demo", str(tmp_path / "point"), "--steps", "60", "--n-envs", "1", "--quiet"]) == 0
+    code, _, err = run_main(capsys, "--out", str(tmp_path / "mine"), "--store", str(tmp_path / "point"), *FAST)
+    assert code == 2 and os.listdir(tmp_path / "mine") == ["notes.txt"]
+    with EpisodeStore.open(str(tmp_path / "point")) as store:
+        assert store.num_episodes == 1
+    # the corrected command then runs
+    code, _, err = run_main(capsys, "--out", str(tmp_path / "runs" / "rf"), "--steps", "20", "--eval-episodes", "1",
+                            *FAST)
+    assert code == 0 and os.path.exists(tmp_path / "runs" / "rf" / "run.json"), err
+
+
+def test_the_run_directories_are_ignored_by_git():
+    paths = ["her_store_run/store/zarr.json", "runs/rf/run.json"]
+    try:
+        done = subprocess.run(["git", "check-ignore", "--no-index", *paths], cwd=ROOT, capture_output=True, text=True,
+                              check=False)
+    except FileNotFoundError:
+        pytest.skip("git is not installed")
+    if done.returncode == 128:
+        pytest.skip(f"not a git checkout: {done.stderr.strip()}")
+    assert done.stdout.split() == paths, done.stderr

@@ -1301,7 +1301,9 @@ def pin_allocator() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False
+    )
     size = p.add_mutually_exclusive_group()
     size.add_argument("--quick", action="store_true", help="smaller sizes, about a minute")
     size.add_argument("--full", action="store_true", help="also the larger-than-RAM image store (several minutes)")

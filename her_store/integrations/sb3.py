@@ -30,6 +30,7 @@ from her_store.relabel import GoalSelectionStrategy, GoalStrategy, her_ratio, pa
 from her_store.schema import Schema
 from her_store.store import EpisodeStore, open_store
 from her_store.values import is_int
+from her_store.writer import _same_bytes
 
 _her = require("stable_baselines3.her", "sb3")
 _types = require("stable_baselines3.common.type_aliases", "sb3")
@@ -205,9 +206,11 @@ class ZarrHerReplayBuffer(_her.HerReplayBuffer):
     -----
     ``save_replay_buffer``/pickle write a handle (store URL, spaces, configuration, unfinished episodes), not the
     data; loading it reopens the store at first use, needing no env (a removed store is an error, never replaced
-    by an empty one; unfinished episodes saved in the handle are dropped, with a warning, if the store committed
-    episodes after the save). A buffer holds its store's writer lock until it is closed or dropped: SB3's
-    documented flows work as written (``del model`` then ``SAC.load(..., env=env)`` and ``load_replay_buffer``, or
+    by an empty one). The unfinished episodes saved in the handle are staged again, but for those the store holds
+    already: an env's episode that the run which saved the handle went on to end is not staged twice (and nothing
+    is said); one whose env has episodes after the save that do not continue it (another writer's) is dropped with
+    a warning. A buffer holds its store's writer lock until it is closed or dropped: SB3's documented flows work
+    as written (``del model`` then ``SAC.load(..., env=env)`` and ``load_replay_buffer``, or
     ``load_replay_buffer`` into the model that saved the handle), as a store locked while this process holds
     buffers is opened again after one garbage collection; a buffer still in use here, e.g. of a second live model,
     must be ``close()``-d first. ``copy.deepcopy`` copies a local store into a fresh temporary directory (an
@@ -368,15 +371,19 @@ class ZarrHerReplayBuffer(_her.HerReplayBuffer):
         if self._restore is not None:
             pending, end_episode = self._restore
             self._restore = None
-            if store.end_episode == end_episode:
-                self._writer.restore_pending(pending)
-            elif store.end_episode > end_episode:
-                warnings.warn(
-                    f"{store.url} holds episodes committed after this buffer was saved (episode ids {end_episode}.."
-                    f"{store.end_episode - 1}); the unfinished episodes the saved buffer held are dropped, as the "
-                    "run that continued after the save has ended them",
-                    stacklevel=3,
-                )
+            if store.end_episode >= end_episode:
+                staged, lost = _unfinished_to_stage(store, pending, end_episode)
+                self._writer.restore_pending(staged)
+                if lost:
+                    steps = sum(len(pending[e]["action"]) for e in lost)
+                    warnings.warn(
+                        f"{store.url} holds episodes of envs {lost} committed after this buffer was saved (episode "
+                        f"ids {end_episode}..{store.end_episode - 1}) that do not continue the unfinished episodes it "
+                        "held for them, as the run that saved it would have (another writer appended to the store "
+                        f"since?); those unfinished episodes ({steps} steps), which the store does not hold, are "
+                        "dropped",
+                        stacklevel=3,
+                    )
             else:
                 warnings.warn(
                     f"{store.url} holds {store.end_episode} episode ids, fewer than the {end_episode} this buffer "
@@ -790,6 +797,44 @@ class ZarrHerReplayBuffer(_her.HerReplayBuffer):
         new.__setstate__(state)
         new._res.tmpdir = tmpdir
         return new
+
+
+def _unfinished_to_stage(
+    store: EpisodeStore, pending: Sequence[dict[str, np.ndarray]], end_episode: int
+) -> tuple[list[dict[str, np.ndarray]], list[int]]:
+    """What to stage again of a loaded handle's unfinished episodes (one per env, saved when the store's
+    ``end_episode`` was ``end_episode``), and the envs whose unfinished episode is dropped though nothing holds it.
+
+    An env's unfinished episode is staged again when the store holds no episode of that env committed after the
+    save. When the first such episode starts with its rows (observations, actions, rewards, infos), the run that
+    saved the handle went on and ended it: it is in the store, and is not staged twice. When episodes committed after
+    the save have been evicted since, its continuation may be among them: it is not staged either. Otherwise its
+    steps are nowhere but in the handle, and it is dropped (its env has episodes after the save that another writer
+    made): those envs are returned.
+    """
+    table = store.episodes
+    ids, envs = table["episode_id"], table["env_index"]
+    evicted = store.first_episode > end_episode
+    staged, lost = [], []
+    for e, episode in enumerate(pending):
+        later = ids[(envs == e) & (ids >= end_episode)]
+        if len(episode["action"]) == 0 or (not len(later) and not evicted):
+            staged.append(episode)
+            continue
+        staged.append({k: v[:0] for k, v in episode.items()})
+        if not evicted and not _starts_with(store.episode(int(later[0])), episode):
+            lost.append(e)
+    return staged, lost
+
+
+def _starts_with(episode: Mapping[str, np.ndarray], start: Mapping[str, np.ndarray]) -> bool:
+    """Whether ``episode`` begins with the rows of the unfinished episode ``start`` (its end flags aside: the last
+    step of ``start`` may have ended the episode as truncated since)."""
+    if len(episode["action"]) < len(start["action"]):
+        return False
+    heads = {k: episode[k][: len(rows)] for k, rows in start.items() if k not in ("terminated", "truncated")}
+    return all(h.shape == start[k].shape and h.dtype == start[k].dtype and _same_bytes(h, start[k])
+               for k, h in heads.items())
 
 
 def _in_process(env: Any) -> bool:

@@ -1,7 +1,7 @@
 """The training job: an SB3 off-policy agent with HER on a disk store, checkpointed and resumable (``her-store train``).
 
 A run lives in a run directory (``--out``): ``run.json`` (the options that define the run, written with the first
-checkpoint: a start that fails before leaves none, so the corrected command is accepted), ``checkpoints/``
+checkpoint: a start that fails before leaves nothing it made, so the corrected command is accepted), ``checkpoints/``
 (the model and the replay buffer's handle, each checkpoint written under a temporary name and renamed into place)
 and, unless ``--store`` says otherwise, ``store/`` (the episodes). Running the same command again resumes: the
 model of the last checkpoint (Ctrl-C and SIGTERM write one before the job exits), every episode the store
@@ -253,9 +253,21 @@ def _algo_class(name: str) -> type:
     return getattr(sb3, OFF_POLICY_ALGOS[key])
 
 
-def _env_factory(cfg: TrainConfig) -> tuple[Callable[[], Any], int | None]:
-    """A function making one env of the run, after checking once that it is a goal env the algorithm can drive, and
-    the env's episode step limit (None when its spec does not say)."""
+@dataclass(frozen=True)
+class _EnvFacts:
+    """What the job learns of ``--env`` by making one: how to make it, its episode step limit (None when its spec
+    does not say), whether its infos carry ``is_success`` (then stored, for the store's success figures) and its
+    spec."""
+
+    make: Callable[[], Any]
+    max_episode_steps: int | None
+    reports_success: bool
+    spec: Any
+
+
+def _env_factory(cfg: TrainConfig) -> _EnvFacts:
+    """The facts of ``--env``, after checking once that it is a goal env the algorithm can drive (and taking one step
+    of it, to see its infos)."""
     import gymnasium as gym
 
     _register_default_env()
@@ -286,9 +298,16 @@ def _env_factory(cfg: TrainConfig) -> tuple[Callable[[], Any], int | None]:
             raise ValueError(f"--algo dqn needs a Discrete action space; --env {cfg.env} has {act_space} (try --algo sac)")
         if not discrete and not isinstance(act_space, spaces.Box):
             raise ValueError(f"--algo {cfg.algo} needs a Box action space; --env {cfg.env} has {act_space} (try --algo dqn)")
+        from her_store.integrations.sb3 import _numeric
+
+        with _doing(f"taking a first step of --env {cfg.env}"):
+            _, info = env.reset(seed=cfg.seed)
+            act_space.seed(cfg.seed)
+            step_info = env.step(act_space.sample())[4]
+        reports = any(isinstance(i, dict) and _numeric(i.get("is_success")) for i in (info, step_info))
     finally:
         env.close()
-    return make, getattr(env.spec, "max_episode_steps", None)
+    return _EnvFacts(make, getattr(env.spec, "max_episode_steps", None), reports, env.spec)
 
 
 def _check_numbers(cfg: TrainConfig) -> None:
@@ -453,11 +472,11 @@ def save_checkpoint(model: Any, out: str) -> str:
 
 
 # -- measuring ---------------------------------------------------------------------------------------------------
-def _store_contents(cfg: TrainConfig) -> tuple[int, int, str] | None:
-    """(episodes, transitions, url) committed in the run's store, or None when there is no store yet."""
+def _store_contents(cfg: TrainConfig) -> tuple[int, int, str, tuple[str, ...]] | None:
+    """(episodes, transitions, url, info keys) committed in the run's store, or None when there is no store yet."""
     try:
         with EpisodeStore.open(cfg.store_location, "r", cfg.storage_options) as store:
-            return store.num_episodes, store.num_transitions, store.url
+            return store.num_episodes, store.num_transitions, store.url, store.info_keys
     except NotAStoreError:
         return None
 
@@ -477,15 +496,89 @@ def _bytes_on_disk(cfg: TrainConfig) -> int | None:
         return None
 
 
-def _remove_new_store(cfg: TrainConfig) -> None:
-    """Remove the store a failed start created, if it committed no episode."""
-    contents = _store_contents(cfg)
-    if contents is None or contents[0]:
-        return
+def _unmaker(url: str, storage_options: dict[str, Any] | None = None) -> Callable[[], None]:
+    """A function removing what is made at ``url`` (a local path or an fsspec URL) from now on: all of it, with the
+    local parent directories made for it, when nothing is there now; else what a directory there holds then and not
+    now. Nothing that is there now is ever removed (where that cannot be read, nothing is)."""
+    if "://" not in url or url.startswith("file://"):
+        path = os.path.abspath(url.removeprefix("file://"))
+        if not os.path.lexists(path):
+            top = path
+            while not os.path.lexists(os.path.dirname(top)):
+                top = os.path.dirname(top)
+            return lambda: shutil.rmtree(top, ignore_errors=True)
+        if not os.path.isdir(path) or os.path.islink(path):
+            return lambda: None
+        held = set(os.listdir(path))
+
+        def remove_new_entries() -> None:
+            for name in set(os.listdir(path)) - held:
+                entry = os.path.join(path, name)
+                if os.path.isdir(entry) and not os.path.islink(entry):
+                    shutil.rmtree(entry, ignore_errors=True)
+                else:
+                    os.remove(entry)
+
+        return remove_new_entries
     import fsspec
 
-    fs, root = fsspec.core.url_to_fs(cfg.store_location, **(cfg.storage_options or {}))
-    fs.rm(root, recursive=True)
+    try:
+        fs, root = fsspec.core.url_to_fs(url, **(storage_options or {}))
+        there = fs.exists(root)
+        listed = set(fs.ls(root, detail=False)) if there and fs.isdir(root) else set()
+    except Exception:  # noqa: BLE001 -- unreachable, no credentials: what is there is unknown, so nothing is removed
+        return lambda: None
+
+    def remove_new_objects() -> None:
+        fs.invalidate_cache()
+        if not there:
+            if fs.exists(root):
+                fs.rm(root, recursive=True)
+            return
+        for entry in set(fs.ls(root, detail=False)) - listed:
+            fs.rm(entry, recursive=True)
+
+    return remove_new_objects
+
+
+def _card(cfg: TrainConfig, spec: Any) -> dict[str, Any]:
+    """The dataset card of the run's store (:mod:`her_store.card`): the env, the algorithm, and the versions of the
+    code that trained it (``requirements``: the pip requirements of the env, where its package is installed)."""
+    import gymnasium
+    import stable_baselines3
+    import torch
+
+    import her_store
+
+    algo = f"{OFF_POLICY_ALGOS[cfg.algo.lower()]}+HER ({cfg.strategy})"
+    modules = {"her_store": her_store, "stable_baselines3": stable_baselines3, "gymnasium": gymnasium, "torch": torch,
+               "numpy": np}
+    card: dict[str, Any] = {
+        "env_id": cfg.env,
+        "algorithm_name": algo,
+        "description": f"the replay buffer of her-store train ({algo}, seed {cfg.seed})",
+        "versions": {name: str(m.__version__) for name, m in modules.items()},
+    }
+    try:
+        card["env_spec"] = spec.to_json()
+    except (AttributeError, TypeError, ValueError):  # an entry point or kwargs that are not JSON
+        pass
+    entry = getattr(spec, "entry_point", None)
+    module = entry.partition(":")[0] if isinstance(entry, str) else getattr(entry, "__module__", "")
+    requirements = [_requirement(m) for m in ("gymnasium", module)]
+    card["requirements"] = list(dict.fromkeys(r for r in requirements if r is not None))
+    return card
+
+
+def _requirement(module: str) -> str | None:
+    """``name==version`` of the installed distribution of ``module``'s top-level package, or None."""
+    from importlib import metadata
+
+    try:
+        dist = metadata.distribution(module.partition(".")[0])
+    except (metadata.PackageNotFoundError, ValueError):
+        return None
+    return f"{dist.metadata['Name']}=={dist.version}"
 
 
 def _memory() -> tuple[int, int]:
@@ -603,6 +696,11 @@ def _final_checkpoint(model: Any, cfg: TrainConfig) -> str:
 def train(cfg: TrainConfig, log: Callable[[str], None] = print) -> TrainResult:
     """Train (or resume) the run ``cfg`` describes; return what it reached.
 
+    The store records ``is_success`` when the env's infos carry it (a store that exists keeps its own info keys),
+    and a new store's dataset card names the env, the algorithm and the versions of the code that trained it. A
+    first attempt that fails before its first checkpoint removes what it made: the run directory, the store, the
+    parent directories they needed (never anything that was there before).
+
     Parameters
     ----------
     cfg : TrainConfig
@@ -627,24 +725,46 @@ def train(cfg: TrainConfig, log: Callable[[str], None] = print) -> TrainResult:
     t0 = time.perf_counter()
     _check_numbers(cfg)
     algo_cls = _algo_class(cfg.algo)
-    make_env, max_episode_steps = _env_factory(cfg)
-    from stable_baselines3.common.logger import Logger
-    from stable_baselines3.common.vec_env import DummyVecEnv
+    env_facts = _env_factory(cfg)
     from torch import set_num_threads
-
-    from her_store.integrations.sb3 import ZarrHerReplayBuffer
 
     _check_device(cfg.device)
     if cfg.threads:
         set_num_threads(cfg.threads)
+    record = os.path.join(cfg.out, "run.json")
+    first = not os.path.exists(record)
+    unmake_out = _unmaker(cfg.out)
+    unmake_store = _unmaker(cfg.store_location, cfg.storage_options)
     _check_run_dir(cfg)
+    store_is_new = False
+    try:
+        with _doing(f"reading the store {cfg.store_location}"):
+            before = _store_contents(cfg)
+        store_is_new = before is None
+        return _train(cfg, log, algo_cls, env_facts, before, t0)
+    except BaseException:
+        if first and not os.path.exists(record):  # no run was recorded: this attempt leaves nothing it made
+            if store_is_new:
+                unmake_store()
+            unmake_out()
+        raise
+
+
+def _train(
+    cfg: TrainConfig, log: Callable[[str], None], algo_cls: type, env_facts: _EnvFacts,
+    before: tuple[int, int, str, tuple[str, ...]] | None, t0: float,
+) -> TrainResult:
+    """:func:`train` once the options are checked, the run directory made and the store's contents read."""
+    from stable_baselines3.common.logger import Logger
+    from stable_baselines3.common.vec_env import DummyVecEnv
+
+    from her_store.integrations.sb3 import ZarrHerReplayBuffer
+
     if cfg.store_location.startswith("memory://"):
         log(f"note: --store {cfg.store_location} is held in this process's memory: it does not outlive the run, "
             "so a resumed run starts with an empty store")
-    with _doing(f"reading the store {cfg.store_location}"):
-        before = _store_contents(cfg)
     ckpt = latest_checkpoint(cfg.out)
-    env = DummyVecEnv([make_env] * cfg.n_envs)
+    env = DummyVecEnv([env_facts.make] * cfg.n_envs)
     resumed_from = None
     if ckpt is not None:
         with _doing(f"loading the checkpoint {ckpt[1]}"):
@@ -668,9 +788,12 @@ def train(cfg: TrainConfig, log: Callable[[str], None] = print) -> TrainResult:
         if before is not None and before[0]:
             log(f"starting at step 0 (no checkpoint yet); the store already holds {before[0]:,} episodes, kept")
         kwargs = {**_ALGO_DEFAULTS[cfg.algo.lower()], **cfg.algo_kwargs}
-        if max_episode_steps and "learning_starts" not in cfg.algo_kwargs:
+        if env_facts.max_episode_steps and "learning_starts" not in cfg.algo_kwargs:
             # HER samples whole committed episodes: let every env finish one before training starts
-            kwargs["learning_starts"] = max(kwargs["learning_starts"], cfg.n_envs * max_episode_steps)
+            kwargs["learning_starts"] = max(kwargs["learning_starts"], cfg.n_envs * env_facts.max_episode_steps)
+        # infos stored: is_success when the env reports it (success figures of inspect and plot); a store that
+        # exists keeps its own info keys
+        info_keys = list(before[3]) if before is not None else ["is_success"] if env_facts.reports_success else []
         with _doing(f"building the {OFF_POLICY_ALGOS[cfg.algo.lower()]} model"):
             model = algo_cls(
                 "MultiInputPolicy",
@@ -682,6 +805,7 @@ def train(cfg: TrainConfig, log: Callable[[str], None] = print) -> TrainResult:
                     "storage_options": cfg.storage_options,
                     "n_sampled_goal": cfg.n_sampled_goal,
                     "goal_selection_strategy": cfg.strategy,
+                    **({"copy_info_dict": True, "info_keys": info_keys} if info_keys else {}),
                 },
                 seed=cfg.seed,
                 device=cfg.device,
@@ -691,6 +815,11 @@ def train(cfg: TrainConfig, log: Callable[[str], None] = print) -> TrainResult:
     model.set_logger(Logger(folder=None, output_formats=[]))
     remaining = cfg.steps - model.num_timesteps
     try:
+        if ckpt is None:  # the card's fields the store lacks: a store made before keeps what its card says
+            with _doing(f"writing the dataset card of {cfg.store_location}"):
+                store = model.replay_buffer.store
+                card = store.metadata
+                store.update_metadata(**{k: v for k, v in _card(cfg, env_facts.spec).items() if k not in card})
         if remaining > 0:
             with _doing(f"training from step {model.num_timesteps:,}"):
                 model.learn(
@@ -703,18 +832,11 @@ def train(cfg: TrainConfig, log: Callable[[str], None] = print) -> TrainResult:
             log(f"the run already did {model.num_timesteps:,} of its {cfg.steps:,} steps; evaluating only")
         checkpoint = _final_checkpoint(model, cfg)
         with _doing("evaluating the policy"):
-            success, rule = _evaluate(model, make_env, cfg.eval_episodes, cfg.seed + 1_000_000)
+            success, rule = _evaluate(model, env_facts.make, cfg.eval_episodes, cfg.seed + 1_000_000)
     except KeyboardInterrupt as e:
         _final_checkpoint(model, cfg)
         how = "terminated (SIGTERM)" if isinstance(e, Terminated) else "interrupted"
         log(f"{how} at step {model.num_timesteps:,}; checkpoint saved, run the same command to resume")
-        raise
-    except Exception:
-        if before is None and not os.path.exists(os.path.join(cfg.out, "run.json")):
-            # a start that failed before its first checkpoint: the store it created is no run's, remove it so that
-            # the corrected command can create its own
-            model.replay_buffer.close()
-            _remove_new_store(cfg)
         raise
     finally:
         failing = sys.exc_info()[1] is not None
@@ -727,7 +849,7 @@ def train(cfg: TrainConfig, log: Callable[[str], None] = print) -> TrainResult:
         finally:
             env.close()
     train_success = float(np.mean(model.ep_success_buffer)) if len(model.ep_success_buffer) else None
-    episodes, transitions, url = _store_contents(cfg) or (0, 0, cfg.store_location)
+    episodes, transitions, url, _ = _store_contents(cfg) or (0, 0, cfg.store_location, ())
     rss, peak = _memory()
     return TrainResult(
         steps=model.num_timesteps,
@@ -759,6 +881,7 @@ def build_parser(prog: str = "her-store train") -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog=prog,
         description="Train an SB3 off-policy agent with HER on a disk-backed episode store; run again to resume.",
+        allow_abbrev=False,
     )
     p.add_argument("--env", default=d.env,
                    help="registered gymnasium goal env id (default: SB3's BitFlippingEnv, "
