@@ -23,7 +23,7 @@ import numpy as np
 from her_store.card import CARD_FIELDS, card_problems, json_object, parse_assignment
 from her_store.format import INDEX_COLUMNS, ArraySpec
 from her_store.selection import parse_selection
-from her_store.storage import chunk_of
+from her_store.storage import chunk_of, data_runs
 from her_store.store import EpisodeStore
 
 __all__ = ["add_arguments", "array_bytes", "episode_page", "print_summary", "print_table", "run", "summary"]
@@ -50,12 +50,15 @@ def _plain(value: Any) -> Any:
     return value
 
 
-def array_bytes(store: EpisodeStore) -> dict[str, dict[int, int]] | None:
-    """Sizes of the chunk (or shard) files of every array, by array path and row-chunk number.
+def array_bytes(store: EpisodeStore, *, on_disk: bool = False) -> dict[str, dict[int, int]] | None:
+    """Sizes of the chunk (or shard) files of every array, by array path and row-chunk number: apparent sizes (what
+    ``ls -l`` shows, the holes of an uncompressed array's chunk files counted), or with ``on_disk`` the bytes
+    allocated for them (what ``du`` shows, holes not counted).
 
-    Local stores list each array's directory (``os.scandir``, no file is opened); object storage lists the store
-    once (fsspec ``du``). Returns None over HTTP, which has no listing (only a server's HTML index pages, one
-    request per directory), and where the filesystem cannot list.
+    Local stores list each array's directory (``os.scandir``, no file is opened); a packed store reads its members'
+    sizes from the zip's directory; object storage lists the store once (fsspec ``du``), and its objects hold every
+    byte of their size. Returns None over HTTP, which has no listing (only a server's HTML index pages, one request
+    per directory), and where the filesystem cannot list.
 
     Examples
     --------
@@ -63,12 +66,27 @@ def array_bytes(store: EpisodeStore) -> dict[str, dict[int, int]] | None:
     >>> sum(sizes["packs/float32"].values())  # doctest: +SKIP
     25165824
     """
+    sizes = _chunk_sizes(store)
+    if sizes is None:
+        return None
+    return {path: {c: pair[on_disk] for c, pair in chunks.items()} for path, chunks in sizes.items()}
+
+
+def _chunk_sizes(store: EpisodeStore) -> dict[str, dict[int, tuple[int, int]]] | None:
+    """(apparent size, bytes on disk) of the chunk files of every array, by array path and row-chunk number, as
+    :func:`array_bytes` gives them."""
     loc = store._loc
     keys = {spec.path: (spec.separator, 1 + len(spec.row_shape)) for spec in store.layout.arrays}
     keys.update({f"{INDEX_DIR}/{name}": ("/", 1) for name in INDEX_COLUMNS})
-    out: dict[str, dict[int, int]] = {p: {} for p in keys}
-    if loc.archive is not None:  # a packed store: its members' sizes
-        _add_keys(((key, size) for key, (_, size) in loc.archive.members.items()), keys, out)
+    out: dict[str, dict[int, tuple[int, int]]] = {p: {} for p in keys}
+    archive = loc.archive
+    if archive is not None:  # a packed store: its members' sizes, and on local disk the bytes of them not holes
+        members = list(archive.members.items())
+        spans = np.array([m for _, m in members], np.int64).reshape(-1, 2)
+        held = spans[:, 1]
+        if archive.fd >= 0:  # a file on local disk
+            held = _data_between(data_runs(archive.fd, archive.size), spans[:, 0], spans[:, 0] + spans[:, 1])
+        _add_keys(((key, (size, int(h))) for (key, (_, size)), h in zip(members, held.tolist())), keys, out)
         return out
     if loc.is_local:
         for path, (separator, ndim) in keys.items():
@@ -82,12 +100,34 @@ def array_bytes(store: EpisodeStore) -> dict[str, dict[int, int]] | None:
     except (NotImplementedError, OSError, ValueError):
         return None
     root = loc.root.rstrip("/") + "/"
-    _add_keys(((key[len(root) :], size) for key, size in listing.items() if key.startswith(root)), keys, out)
+    _add_keys(((key[len(root) :], (size, size)) for key, size in listing.items() if key.startswith(root)), keys, out)
     return out
 
 
+def _data_between(runs: list[tuple[int, int]], starts: np.ndarray, ends: np.ndarray) -> np.ndarray:
+    """Bytes of the data ``runs`` (sorted, disjoint ``(start, end)``) that lie in each ``starts[i] .. ends[i]``.
+
+    Examples
+    --------
+    >>> _data_between([(0, 10), (20, 30)], np.array([5, 0]), np.array([25, 40])).tolist()
+    [10, 20]
+    """
+    if not runs:
+        return np.zeros(len(starts), np.int64)
+    r = np.asarray(runs, np.int64)
+    before = np.concatenate(([0], np.cumsum(r[:, 1] - r[:, 0])))  # data bytes before each run
+
+    def upto(x: np.ndarray) -> np.ndarray:  # data bytes below offset x
+        i = np.searchsorted(r[:, 0], x, side="right") - 1
+        inside = np.clip(x - r[np.maximum(i, 0), 0], 0, r[np.maximum(i, 0), 1] - r[np.maximum(i, 0), 0])
+        return np.where(i >= 0, before[np.maximum(i, 0)] + inside, 0)
+
+    return upto(ends) - upto(starts)
+
+
 def _add_keys(
-    listed: Iterable[tuple[str, int]], keys: Mapping[str, tuple[str, int]], out: dict[str, dict[int, int]]
+    listed: Iterable[tuple[str, tuple[int, int]]], keys: Mapping[str, tuple[str, int]],
+    out: dict[str, dict[int, tuple[int, int]]],
 ) -> None:
     """Add the sizes of store keys ``<array>/c/<i>/...`` (or ``<array>/c.<i>.0...``, by the array's separator and
     number of axes ``keys[array]``) to ``out[array][i]``."""
@@ -98,13 +138,19 @@ def _add_keys(
                 rest = key[len(prefix) :]
                 chunk = chunk_of(rest.split("/", 1)[0], "/") if sep == "/" else chunk_of(rest, ".", ndim)
                 if chunk is not None:
-                    out[array][chunk] = out[array].get(chunk, 0) + int(size)
+                    _add_size(out[array], chunk, size)
                     break
 
 
-def _scan_chunks(directory: str, separator: str, ndim: int, sizes: dict[int, int]) -> None:
-    """Add the sizes of the chunk files of the ``ndim``-axis array in ``directory`` to ``sizes[i]``: the files under
-    ``c/<i>/``, or for the ``"."`` separator the files ``c.<i>.0...`` (symbolic links are not followed)."""
+def _add_size(sizes: dict[int, tuple[int, int]], chunk: int, size: tuple[int, int]) -> None:
+    old = sizes.get(chunk, (0, 0))
+    sizes[chunk] = (old[0] + int(size[0]), old[1] + int(size[1]))
+
+
+def _scan_chunks(directory: str, separator: str, ndim: int, sizes: dict[int, tuple[int, int]]) -> None:
+    """Add the (apparent size, bytes on disk) of the chunk files of the ``ndim``-axis array in ``directory`` to
+    ``sizes[i]``: the files under ``c/<i>/``, or for the ``"."`` separator the files ``c.<i>.0...`` (symbolic links are
+    not followed)."""
     try:
         entries = list(os.scandir(os.path.join(directory, "c") if separator == "/" else directory))
     except (FileNotFoundError, NotADirectoryError):
@@ -114,19 +160,32 @@ def _scan_chunks(directory: str, separator: str, ndim: int, sizes: dict[int, int
         if i is None:
             continue
         if entry.is_file(follow_symlinks=False):
-            sizes[i] = sizes.get(i, 0) + entry.stat(follow_symlinks=False).st_size
+            _add_size(sizes, i, _file_sizes(entry))
         elif entry.is_dir(follow_symlinks=False):
             stack = [entry.path]
             while stack:
                 with os.scandir(stack.pop()) as inner:
                     for e in inner:
                         if e.is_file(follow_symlinks=False):
-                            sizes[i] = sizes.get(i, 0) + e.stat(follow_symlinks=False).st_size
+                            _add_size(sizes, i, _file_sizes(e))
                         elif e.is_dir(follow_symlinks=False):
                             stack.append(e.path)
 
 
-def _covered_bytes(spec: ArraySpec, chunks: Mapping[int, int], extent: int) -> int:
+def _file_sizes(entry: os.DirEntry[str]) -> tuple[int, int]:
+    """(apparent size, bytes allocated) of a file: what ``ls -l`` and ``du`` show."""
+    st = entry.stat(follow_symlinks=False)
+    return st.st_size, st.st_blocks * 512
+
+
+def _totals(chunks: Mapping[Any, tuple[int, int]] | None) -> tuple[int | None, int | None]:
+    """(apparent size, bytes on disk) of an array's chunk files, None where unknown."""
+    if chunks is None:
+        return None, None
+    return sum(a for a, _ in chunks.values()), sum(d for _, d in chunks.values())
+
+
+def _covered_bytes(spec: ArraySpec, chunks: Mapping[int, tuple[int, int]], extent: int) -> int:
     """Uncompressed bytes of the rows the chunk files of a compressed array hold: whole chunks for an unsharded
     array (zarr writes a chunk whole), the rows below ``extent`` (the rows ever written) for a shard, which stores
     only its written rows."""
@@ -152,16 +211,21 @@ def summary(store: EpisodeStore, *, sizes: bool = True) -> dict[str, Any]:
     store : EpisodeStore
         An open store (any mode).
     sizes : bool
-        List the store's files for bytes on disk and compression ratios (one directory listing per array locally,
+        List the store's files for their sizes and compression ratios (one directory listing per array locally,
         one listing of the store on object storage). False leaves them None.
 
     Returns
     -------
     dict
         ``location``, ``format_version``, ``spaces``, ``fields`` (name, dtype, shape, per_step, array,
-        bytes_on_disk, compression_ratio), ``arrays``, ``index_bytes``, ``bytes_on_disk``, ``episodes``,
-        ``transitions``, ``first_episode``, ``end_episode``, ``capacity``, ``evicted``, ``fill``, ``commit``,
-        ``statistics`` (length, return, success, terminated, truncated) and ``card`` with ``card_warnings``.
+        bytes_on_disk, apparent_bytes, compression_ratio), ``arrays``, ``index_bytes``, ``index_apparent_bytes``,
+        ``bytes_on_disk``, ``apparent_bytes``, ``episodes``, ``transitions``, ``first_episode``, ``end_episode``,
+        ``capacity``, ``evicted``, ``fill``, ``commit``, ``statistics`` (length, return, success, terminated,
+        truncated) and ``card`` with ``card_warnings``. ``*bytes_on_disk`` and ``index_bytes`` are the bytes the
+        files take (allocated: holes not counted, as ``du`` shows), ``*apparent_bytes`` their sizes (holes counted,
+        as ``ls -l`` shows: an uncompressed array's chunk files are full-size from their first row on local disk);
+        on object storage, where an object holds every byte of its size, the two are equal. A compression ratio is
+        the rows' bytes over the apparent size of the files holding them.
 
     Examples
     --------
@@ -174,17 +238,18 @@ def summary(store: EpisodeStore, *, sizes: bool = True) -> dict[str, Any]:
     first, end = store.first_episode, store.end_episode
     lengths = table["length"]
     extent = max(commit.write_row, int((table["start_row"] + lengths).max()) + 1 if len(lengths) else 0)
-    files = array_bytes(store) if sizes else None
+    files = _chunk_sizes(store) if sizes else None
     arrays = []
     for spec in store.layout.arrays:
         chunks = files[spec.path] if files is not None else None
-        disk = sum(chunks.values()) if chunks is not None else None
-        raw = _covered_bytes(spec, chunks, extent) if chunks is not None and spec.compressed else disk
+        apparent, disk = _totals(chunks)
+        raw = _covered_bytes(spec, chunks, extent) if chunks is not None and spec.compressed else apparent
         arrays.append({
             "path": spec.path, "dtype": spec.dtype.name, "row_shape": list(spec.row_shape),
             "chunk_rows": spec.chunk_rows, "sharded": spec.sharded, "compressed": spec.compressed,
             "fields": [name for name, _, _ in spec.columns], "chunk_files": None if chunks is None else len(chunks),
-            "bytes_on_disk": disk, "compression_ratio": raw / disk if disk and raw is not None else None,
+            "bytes_on_disk": disk, "apparent_bytes": apparent,
+            "compression_ratio": raw / apparent if apparent and raw is not None else None,
         })
     by_path = {a["path"]: a for a in arrays}
     fields = []
@@ -196,12 +261,15 @@ def summary(store: EpisodeStore, *, sizes: bool = True) -> dict[str, Any]:
             "name": f.name, "dtype": f.dtype.name, "shape": list(f.shape), "per_step": f.per_step, "role": f.role,
             "array": spec.path,
             "bytes_on_disk": None if a["bytes_on_disk"] is None else round(a["bytes_on_disk"] * share),
+            "apparent_bytes": None if a["apparent_bytes"] is None else round(a["apparent_bytes"] * share),
             "compression_ratio": a["compression_ratio"],
         })
-    index_bytes = None if files is None else sum(
-        sum(v.values()) for k, v in files.items() if k.startswith(f"{INDEX_DIR}/")
-    )
+    index = None if files is None else {
+        (k, c): pair for k, v in files.items() if k.startswith(f"{INDEX_DIR}/") for c, pair in v.items()
+    }
+    index_apparent, index_bytes = _totals(index)
     disk_total = None if files is None else index_bytes + sum(a["bytes_on_disk"] for a in arrays)
+    apparent_total = None if files is None else index_apparent + sum(a["apparent_bytes"] for a in arrays)
     success = table["success"]
     known = success >= 0
     card = store.metadata
@@ -217,7 +285,9 @@ def summary(store: EpisodeStore, *, sizes: bool = True) -> dict[str, Any]:
         "fields": fields,
         "arrays": arrays,
         "index_bytes": index_bytes,
+        "index_apparent_bytes": index_apparent,
         "bytes_on_disk": disk_total,
+        "apparent_bytes": apparent_total,
         "episodes": end - first,
         "transitions": transitions,
         "first_episode": first,
@@ -326,6 +396,7 @@ def _summary_sections(s: Mapping[str, Any]) -> tuple[list[Section], list[str]]:
         ("capacity", capacity),
         ("commit", f"generation {c['generation']:,}, next row {c['write_row']:,} of {c['array_rows']:,}"),
         ("bytes on disk", f"{_size(s['bytes_on_disk'])} (index {_size(s['index_bytes'])})"),
+        ("apparent size", f"{_size(s['apparent_bytes'])} (the files' sizes, unwritten rows of chunk files counted)"),
     ]
     spaces: list[Sequence[str]] = [(f"observation.{k}", v) for k, v in s["spaces"]["observation"].items()]
     spaces.append(("action", s["spaces"]["action"]))

@@ -45,7 +45,7 @@ from her_store.errors import CorruptStoreError, StoreError
 from her_store.format import ArraySpec
 from her_store.index import IndexView
 from her_store.shard import SPLIT_BYTES, FrameCodec, index_nbytes, parse_index, shard_limit
-from her_store.storage import FileShares, Location, ObjectReplaced, drop_page_cache
+from her_store.storage import FileShares, Location, ObjectReplaced, drop_page_cache, s3_get_object
 
 if TYPE_CHECKING:
     from her_store.store import EpisodeStore
@@ -391,14 +391,6 @@ class _Changed(Exception):
     """A conditional GET found its object replaced since its index was read (HTTP 412)."""
 
 
-def _precondition_failed(e: BaseException) -> bool:
-    """Whether an error s3fs raised is S3's 412 Precondition Failed (an If-Match that no longer holds)."""
-    response = getattr(e.__cause__, "response", None) or {}
-    return response.get("Error", {}).get("Code") == "PreconditionFailed" or (
-        response.get("ResponseMetadata", {}).get("HTTPStatusCode") == 412
-    )
-
-
 def _is_s3(fs: Any) -> bool:
     """Whether ``fs`` is s3fs's filesystem, whose GETs take S3's If-Match."""
     try:
@@ -511,50 +503,28 @@ class ShardedArray(CachedArray):
         return fsspec.asyn.sync(self.location.fs.loop, coro, *args)
 
     async def _get(self, chunk: int, rng: str | None = None, etag: str | None = None) -> tuple[bytes | None, str, int]:
-        """One GET of shard ``chunk`` (S3 or HTTP): its bytes (None when it does not exist), its ETag and the object's
-        size.
+        """One GET of shard ``chunk`` (S3, HTTP, or a packed store's member there): its bytes (None when it does not
+        exist), its ETag and the object's size.
 
         Raises
         ------
         _Changed
             ``etag`` is given and the object no longer has it.
         """
-        fs = self.location.fs
-        if self.location.is_http:
-            self.gets += 1
-            try:
-                body, tag, size, _ = await fs.get_object(
-                    self.location.key_path(self._key(chunk)), rng, etag, shard_limit(self.chunk_rows, self.spec.row_nbytes)
-                )
-            except ObjectReplaced:
-                raise _Changed from None
-            if body is None and etag is not None:  # the object its index was read from is gone: read the index again
-                raise _Changed
-            return body, tag, size
-        bucket, key, _ = fs.split_path(self.location.key_path(self._key(chunk)))
-        kw = {"Range": rng} if rng else {}
-        if etag is not None:
-            kw["IfMatch"] = etag
+        fs, key, limit = self.location.fs, self._key(chunk), shard_limit(self.chunk_rows, self.spec.row_nbytes)
         self.gets += 1
         try:
-            resp = await fs._call_s3("get_object", Bucket=bucket, Key=key, **kw)
-        except FileNotFoundError:
-            if etag is not None:  # the object its index was read from is gone: read the index again
-                raise _Changed from None
-            return None, "", 0
-        except OSError as e:
-            if etag is not None and _precondition_failed(e):
-                raise _Changed from e
-            raise
-        try:
-            length = int(resp.get("ContentLength") or 0)
-            if length > shard_limit(self.chunk_rows, self.spec.row_nbytes):  # refused before a byte is read
-                raise CorruptStoreError(f"{self.location}/{self._key(chunk)}: {length:,} bytes, more than a shard may hold")
-            body = await resp["Body"].read()
-        finally:
-            resp["Body"].close()
-        total = str(resp.get("ContentRange") or "").rpartition("/")[2]  # "bytes a-b/size" answers a ranged GET
-        return body, str(resp.get("ETag") or ""), int(total) if total.isdigit() else len(body)
+            if self.location.archive is not None:  # a packed store's member: a byte range of the zip
+                body, tag, size = await self.location.archive.get_object(key, rng, etag, limit)
+            elif self.location.is_http:
+                body, tag, size, _ = await fs.get_object(self.location.key_path(key), rng, etag, limit)
+            else:
+                body, tag, size = await s3_get_object(fs, self.location.key_path(key), rng, etag, limit)
+        except ObjectReplaced:
+            raise _Changed from None
+        if body is None and etag is not None:  # the object its index was read from is gone: read the index again
+            raise _Changed
+        return body, tag, size
 
     async def _fetch_one(self, chunk: int, whole: bool) -> _Shard:
         """Shard ``chunk`` from S3: whole (one GET), or its index alone (one GET of the object's last bytes: a

@@ -60,7 +60,8 @@ HTTP_DEADLINE = 300.0  # seconds one HTTP request may take in all (storage_optio
 
 class Location:
     """A store's place: a local directory or an fsspec URL (``s3://``, ``gs://``, ``memory://``, ``file://``, or
-    ``http(s)://``, read-only).
+    ``http(s)://``, read-only). A packed store (a zip file on local disk, or a URL ending in ``.zip`` that names a zip
+    object over HTTP(S) or S3) is read in place through :attr:`archive`.
 
     Examples
     --------
@@ -98,6 +99,10 @@ class Location:
 
             if is_archive(self.root):
                 self.archive = PackedArchive(self.root)
+        elif not self.is_local and self.url.lower().endswith(".zip"):  # a zip object, read by ranged GETs
+            from her_store.pack import open_remote_archive
+
+            self.archive = open_remote_archive(self.fs, self.root, self.url, self.is_http)
 
     def __str__(self) -> str:
         return self.url
@@ -155,7 +160,9 @@ class Location:
         """
         paths = [self.key_path(k) for k in keys]
         got: list[Any] = []
-        if self.is_local:
+        if self.archive is not None:  # members of a packed store: byte ranges of the archive
+            got = self.archive.read_ranges(keys, starts, ends)
+        elif self.is_local:
             for key, a, b in zip(keys, starts, ends):
                 try:
                     fd = open_beneath(self.root, key)
@@ -185,8 +192,9 @@ class Location:
     def ranged(self) -> bool:
         """Whether a ranged read fetches only its bytes: always on local disk and object storage; over HTTP when the
         server answers a Range request with 206 Partial Content (asked once, of the root ``zarr.json``'s first byte: its
-        answer is read no further than that byte, see ``get_object``)."""
-        if not self.is_http:
+        answer is read no further than that byte, see ``get_object``; a packed store is opened over HTTP only from a
+        server that does)."""
+        if not self.is_http or self.archive is not None:
             return True
         return bool(fsspec.asyn.sync(self.fs.loop, self.fs.get_object, self.key_path("zarr.json"), "bytes=0-0")[3])
 
@@ -548,6 +556,50 @@ def _http_filesystem() -> type:
     return StoreHTTPFileSystem
 
 
+async def s3_get_object(
+    fs: Any, path: str, rng: str | None, if_match: str | None, limit: int
+) -> tuple[bytes | None, str, int]:
+    """One GET of an object through s3fs (on its event loop), ranged by ``rng`` and conditioned on ``if_match``: (its
+    bytes, None when there is no such object; its ETag; the object's size, from the Content-Range of a range).
+
+    Raises
+    ------
+    ObjectReplaced
+        ``if_match`` is given and the object no longer has that ETag (412).
+    CorruptStoreError
+        The answer holds more than ``limit`` bytes (refused before a byte of it is read).
+    """
+    bucket, key, _ = fs.split_path(path)
+    kw = {"Range": rng} if rng else {}
+    if if_match is not None:
+        kw["IfMatch"] = if_match
+    try:
+        resp = await fs._call_s3("get_object", Bucket=bucket, Key=key, **kw)
+    except FileNotFoundError:
+        return None, "", 0
+    except OSError as e:
+        if if_match is not None and _precondition_failed(e):
+            raise ObjectReplaced(path) from e
+        raise
+    try:
+        length = int(resp.get("ContentLength") or 0)
+        if length > limit:
+            raise CorruptStoreError(f"{path}: an answer of {length:,} bytes, more than the {limit:,} it may hold")
+        body = await resp["Body"].read()
+    finally:
+        resp["Body"].close()
+    total = str(resp.get("ContentRange") or "").rpartition("/")[2]  # "bytes a-b/size" answers a ranged GET
+    return body, str(resp.get("ETag") or ""), int(total) if total.isdigit() else len(body)
+
+
+def _precondition_failed(e: BaseException) -> bool:
+    """Whether an error s3fs raised is S3's 412 Precondition Failed (an If-Match that no longer holds)."""
+    response = getattr(e.__cause__, "response", None) or {}
+    return response.get("Error", {}).get("Code") == "PreconditionFailed" or (
+        response.get("ResponseMetadata", {}).get("HTTPStatusCode") == 412
+    )
+
+
 @contextlib.contextmanager
 def staged_output(dest: str | os.PathLike[str]) -> Iterator[str]:
     """A temporary path beside ``dest`` (a file or a directory) that becomes ``dest`` only if the block succeeds.
@@ -851,9 +903,9 @@ def write_all(fd: int, data: Any, offset: int | None = None) -> None:
         done += n
 
 
-def data_runs(fd: int, size: int) -> list[tuple[int, int]]:
-    """(start, end) of each part of the first ``size`` bytes of a file that holds data, its holes (never written, read
-    as zeros) left out; the whole file where the file system cannot tell them apart (no ``SEEK_DATA``).
+def data_runs(fd: int, size: int, first: int = 0) -> list[tuple[int, int]]:
+    """(start, end) of each part of bytes ``first .. size`` of a file that holds data, its holes (never written, read
+    as zeros) left out; all of them where the file system cannot tell them apart (no ``SEEK_DATA``).
 
     Examples
     --------
@@ -864,7 +916,7 @@ def data_runs(fd: int, size: int) -> list[tuple[int, int]]:
     [(0, 4096)]
     """
     runs: list[tuple[int, int]] = []
-    at = 0
+    at = first
     try:
         while at < size:
             start = os.lseek(fd, at, os.SEEK_DATA)
@@ -877,7 +929,7 @@ def data_runs(fd: int, size: int) -> list[tuple[int, int]]:
             return runs
         if e.errno not in (errno.EINVAL, errno.EOPNOTSUPP):
             raise
-        return [(0, size)] if size else []
+        return [(first, size)] if size > first else []
     return runs
 
 

@@ -306,6 +306,12 @@ class _Check:
                     if not spare:
                         return os.pread(f.fileno(), n, offset + start), size, None
                     return self._pread_spare(f.fileno(), n, offset + start), size, None
+            if self.loc.archive is not None:  # a member of a packed store over the network: a range of the zip
+                got = self.loc.archive.member(key)
+                if got is None:
+                    raise FileNotFoundError(path)
+                size = got[1]
+                return self.loc.archive.pread(key, max(min(size, end) - start, 0), start), size, None
             size = int(self.loc.fs.size(path))
             return self.loc.fs.cat_file(path, start=start, end=max(min(size, end), start)), size, None
         except FileNotFoundError:

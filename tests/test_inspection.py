@@ -62,6 +62,11 @@ def _files_under(directory: str) -> int:
     return sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(directory) for f in files)
 
 
+def _du(directory: str) -> int:
+    """Bytes allocated for the files under ``directory`` (what ``du`` counts)."""
+    return sum(os.stat(os.path.join(d, f)).st_blocks * 512 for d, _, files in os.walk(directory) for f in files)
+
+
 def test_inspect_json_matches_the_store(tmp_path, capsys):
     path = str(tmp_path / "s")
     lengths = [5, 17, 1, 40, 9, 23]
@@ -83,20 +88,53 @@ def test_inspect_json_matches_the_store(tmp_path, capsys):
     fields = {f["name"]: f for f in s["fields"]}
     image = fields["observation"]
     assert (image["dtype"], image["shape"], image["array"]) == ("uint8", [48, 48, 3], "steps/observation")
-    # bytes on disk are the files' sizes; the ratio is the rows' raw bytes over them (the pattern compresses)
+    # apparent bytes are the files' sizes, bytes on disk what is allocated for them; the ratio is the rows' raw bytes
+    # over the files' sizes (the pattern compresses)
     shards = os.path.join(path, "steps", "observation")
-    shard_bytes = sum(os.path.getsize(os.path.join(shards, n)) for n in os.listdir(shards) if n.startswith("c."))
-    assert image["bytes_on_disk"] == shard_bytes > 0
+    named = [os.path.join(shards, n) for n in os.listdir(shards) if n.startswith("c.")]
+    assert image["apparent_bytes"] == sum(map(os.path.getsize, named)) > 0
+    assert image["bytes_on_disk"] == sum(os.stat(p).st_blocks * 512 for p in named) > 0
     rows = sum(lengths) + len(lengths)
-    assert image["compression_ratio"] == pytest.approx(rows * 48 * 48 * 3 / image["bytes_on_disk"])
+    assert image["compression_ratio"] == pytest.approx(rows * 48 * 48 * 3 / image["apparent_bytes"])
     assert image["compression_ratio"] > 3
     assert fields["action"]["compression_ratio"] == 1.0  # packs are raw
     columns = os.path.join(path, "episodes")
-    assert s["index_bytes"] == sum(_files_under(os.path.join(columns, c, "c")) for c in os.listdir(columns)) > 0
+    assert s["index_apparent_bytes"] == sum(_files_under(os.path.join(columns, c, "c")) for c in os.listdir(columns))
+    assert s["index_bytes"] == sum(_du(os.path.join(columns, c, "c")) for c in os.listdir(columns)) > 0
     arrays = {a["path"]: a for a in s["arrays"]}
-    assert s["bytes_on_disk"] == s["index_bytes"] + sum(a["bytes_on_disk"] for a in arrays.values())
-    assert sum(f["bytes_on_disk"] for f in s["fields"] if f["array"] == "packs/float32") == pytest.approx(
-        arrays["packs/float32"]["bytes_on_disk"], abs=4)
+    for key in ("bytes_on_disk", "apparent_bytes"):
+        index = s["index_bytes" if key == "bytes_on_disk" else "index_apparent_bytes"]
+        assert s[key] == index + sum(a[key] for a in arrays.values())
+        assert sum(f[key] for f in s["fields"] if f["array"] == "packs/float32") == pytest.approx(
+            arrays["packs/float32"][key], abs=4)
+
+
+def test_bytes_on_disk_are_the_bytes_allocated_and_the_files_sizes_are_called_apparent(tmp_path, capsys):
+    """A store of the default local layout with five episodes: its uncompressed chunk files are 1,048,576 rows each,
+    nearly all holes. inspect called their sizes (88 MB) its "bytes on disk", where du counts about 250 KB and the
+    main job's summary 0.4 MiB. Bytes on disk are now what is allocated (st_blocks); the sizes are the apparent size,
+    and both are given in --json and in the table."""
+    path = str(tmp_path / "s")
+    obs, act = fetch_spaces()
+    with EpisodeStore.create(path, obs, act) as store:
+        for i in range(5):
+            store.append_episode(make_episode(obs, act, 50, seed=i))
+    chunks = [os.path.join(path, top, name, "c") for top in ("packs", "episodes") for name in os.listdir(
+        os.path.join(path, top)) if os.path.isdir(os.path.join(path, top, name))]
+    allocated, apparent = sum(map(_du, chunks)), sum(map(_files_under, chunks))
+    if allocated * 4 > apparent:
+        pytest.skip("this file system keeps no holes")
+    s = _json(capsys, "inspect", path, "--json")
+    assert s["bytes_on_disk"] == allocated
+    assert s["apparent_bytes"] == apparent > 100 * allocated
+    index = [c for c in chunks if "/episodes/" in c]
+    assert (s["index_bytes"], s["index_apparent_bytes"]) == (sum(map(_du, index)), sum(map(_files_under, index)))
+    fields = {f["name"]: f for f in s["fields"]}
+    assert 0 < fields["observation"]["bytes_on_disk"] < fields["observation"]["apparent_bytes"]
+    assert main(["inspect", path]) == 0
+    lines = {line.split("  ")[1]: line for line in capsys.readouterr().out.splitlines() if line.count("  ") >= 2}
+    assert f"{allocated / 1000:.1f} KB" in lines["bytes on disk"]
+    assert f"{apparent / 1e6:.1f} MB" in lines["apparent size"]
 
 
 def test_inspect_a_ring_that_evicted(tmp_path, capsys):
@@ -128,8 +166,9 @@ def test_inspect_a_version_1_store(capsys):
     chunks = os.path.join(path, "steps", "pixels", "c")
     disk, files = _files_under(chunks), sum(len(f) for _, _, f in os.walk(chunks))
     chunk_rows = zarr.open_array(os.path.join(path, "steps", "pixels"), mode="r").chunks[0]
-    assert pixels["bytes_on_disk"] == disk and pixels["compression_ratio"] == pytest.approx(
+    assert pixels["apparent_bytes"] == disk and pixels["compression_ratio"] == pytest.approx(
         files * chunk_rows * 3 * 8 * 8 / disk)  # a chunk is written whole: its every row counts
+    assert pixels["bytes_on_disk"] == _du(chunks)
 
 
 def test_an_empty_store_without_sizes(tmp_path, capsys):
@@ -382,7 +421,7 @@ def test_inspect_and_card_on_s3(s3_url, capsys):
     fs = s3fs.S3FileSystem(**opts)
     root = url[len("s3://"):]
     listed = {k: v for k, v in fs.du(root, total=False).items() if "/c/" in k}
-    assert s["bytes_on_disk"] == sum(listed.values()) > 0
+    assert s["bytes_on_disk"] == s["apparent_bytes"] == sum(listed.values()) > 0  # an object holds its every byte
 
 
 def test_image_shards_are_counted_alike_on_disk_on_s3_and_in_a_pack(tmp_path, s3_url, capsys):
@@ -410,6 +449,6 @@ def test_image_shards_are_counted_alike_on_disk_on_s3_and_in_a_pack(tmp_path, s3
     for where, extra in ((path, []), (url, ["--storage-options", json.dumps(opts)]), (path + ".zip", [])):
         s = _json(capsys, "inspect", where, "--json", *extra)
         fields = {f["name"]: f for f in s["fields"]}
-        assert fields["observation"]["bytes_on_disk"] == on_disk > 0, where
+        assert fields["observation"]["apparent_bytes"] == on_disk > 0, where
         report = verify(where, storage_options=opts if extra else None)
         assert report.clean and report.episodes == 4, report.summary()

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import contextlib
+import http.server
+import json
 import os
+import re
 import shutil
 import stat
 import struct
@@ -12,17 +15,30 @@ import sys
 import time
 import zipfile
 from pathlib import Path
+from typing import ClassVar
 
 import numpy as np
 import pytest
 import zarr
 from gymnasium import spaces
 
-from her_store import CorruptStoreError, EpisodeStore, HerSampler, NotAStoreError, ReadOnlyStoreError, open_store
+from her_store import (
+    CorruptStoreError,
+    EpisodeStore,
+    HerSampler,
+    NotAStoreError,
+    ReadOnlyStoreError,
+    StoreError,
+    open_store,
+)
 from her_store.cli import main
+from her_store.format import INDEX_COLUMNS
 from her_store.pack import ALIGNMENT, PackedArchive, pack_store
+from her_store.reader import RangedArray, ShardedArray
 from her_store.storage import data_runs
+from her_store.verify import verify
 from tests.conftest import assert_episode_equal, fetch_spaces, make_episode
+from tests.http_server import RangeHandler, serving
 
 IMG_OBS = spaces.Dict(
     {
@@ -99,10 +115,22 @@ def test_the_archive_is_stored_aligned_and_holds_the_store_without_its_lock(pack
     on_disk = {str(p.relative_to(src)) for p in src.rglob("*") if p.is_file()} - {"writer.lock"}
     assert names == on_disk
     archive = PackedArchive(str(zpath))
-    assert all(offset % ALIGNMENT == 0 for offset, _ in archive.members.values())
+    data = [key for key in archive.members if key.startswith(("packs/", "steps/")) and "zarr.json" not in key]
+    assert data and all(archive.members[key][0] % ALIGNMENT == 0 for key in data)  # data chunks start on a page
     raw = zpath.read_bytes()
+    with EpisodeStore.open(src) as store:
+        index_rows = {f"episodes/{name}/zarr.json": col.chunk_rows for name, col in store._index_io.items()}
     for key, (offset, size) in archive.members.items():
-        assert raw[offset : offset + size] == (src / key).read_bytes(), key
+        member, source = raw[offset : offset + size], (src / key).read_bytes()
+        if not key.endswith("zarr.json"):  # chunks: the source's bytes (a pack's chunks hold fewer index rows)
+            assert member == source[:size], key
+            continue
+        doc, want = json.loads(member), json.loads(source)
+        if key in index_rows:  # an index column's chunks hold the rows its positions need
+            assert want["chunk_grid"]["configuration"]["chunk_shape"] == [index_rows[key]] > doc["chunk_grid"][
+                "configuration"]["chunk_shape"]
+            want["chunk_grid"] = doc["chunk_grid"]
+        assert doc == want, key
 
 
 def test_zarr_reads_the_archive_with_its_own_zip_store(packed):
@@ -368,11 +396,13 @@ def test_inspect_gives_a_packed_stores_bytes_from_its_members(tmp_path):
     pack_store(src, tmp_path / "s.zip")
     with EpisodeStore.open(src) as d, EpisodeStore.open(tmp_path / "s.zip") as z:
         unpacked, packed = summary(d), summary(z)
-    assert packed["bytes_on_disk"] == unpacked["bytes_on_disk"] > 0
-    assert [f["bytes_on_disk"] for f in packed["fields"]] == [f["bytes_on_disk"] for f in unpacked["fields"]]
+    images = [(a, b) for a, b in zip(packed["fields"], unpacked["fields"]) if b["array"].startswith("steps/")]
+    assert images and all(a["apparent_bytes"] == b["apparent_bytes"] > 0 for a, b in images)  # shards as they are
+    assert 0 < packed["bytes_on_disk"] <= packed["apparent_bytes"] < unpacked["apparent_bytes"]
+    assert packed["index_apparent_bytes"] < unpacked["index_apparent_bytes"]  # the index rows of 40 episodes, no more
 
 
-# -- sparse files: an uncompressed array's chunk files hold holes where no row was written yet --------------------------
+# -- holes: an uncompressed array's chunk files hold holes where no row was written yet; an archive holds none ------
 
 
 def _disk(path: Path) -> tuple[int, int]:
@@ -381,29 +411,47 @@ def _disk(path: Path) -> tuple[int, int]:
     return sum(st.st_size for st in found), sum(st.st_blocks * 512 for st in found)
 
 
-def test_an_archive_is_as_sparse_as_its_store_and_reads_bit_exact(tmp_path):
-    """A store whose uncompressed chunks of 65,536 rows hold about 300 rows: the archive leaves the rest holes, as the
-    store does, with every member's CRC-32 (zeros included) right for zipfile and zarr's ZipStore."""
+def test_an_archive_holds_the_data_not_the_holes_of_its_chunk_files(tmp_path):
+    """A store of the default local layout with five episodes: its uncompressed chunk files are 1,048,576 rows each,
+    nearly all holes (88 MB for 22 KB of rows), and the archive was their size: 90 MB to upload or copy. The archive's
+    uncompressed arrays now have chunks of the rows they hold (their zarr.json and the layout say so), so it holds
+    about the data; it reads bit-exact (episodes, sampled batches, plain zarr-python through its ZipStore, every
+    member's CRC-32) and verifies clean."""
+    from her_store.verify import verify
+
     obs, act = fetch_spaces()
     src = tmp_path / "store"
-    with EpisodeStore.create(src, obs, act, chunk_rows=1 << 16) as store:
-        for i in range(EPISODES):
-            store.append_episode(make_episode(obs, act, 3 + i % 11, i))
-    size, disk = _disk(src)
-    if disk * 4 > size:
-        pytest.skip("this file system keeps no holes")
+    with EpisodeStore.create(src, obs, act) as store:
+        for i in range(5):
+            store.append_episode(make_episode(obs, act, 50, i))
+        layout, commit = store.layout, store.commit_record
+    assert layout.arrays[0].chunk_rows == 1 << 20
     zpath = tmp_path / "store.zip"
     assert main(["pack", str(src), str(zpath), "--quiet"]) == 0
-    zsize, zdisk = _disk(zpath)
-    assert zsize > size - 4096 and zdisk < disk + 64 * 1024  # the holes counted in its size, not stored
+    rows = commit.num_transitions + 5  # every episode's T + 1 rows
+    data = rows * sum(spec.row_nbytes for spec in layout.arrays) + 5 * sum(dt.itemsize for dt in INDEX_COLUMNS.values())
+    archive = PackedArchive(str(zpath))
+    metadata = sum(size for key, (_, size) in archive.members.items() if key.endswith(".json"))
+    aligned = sum(1 for key in archive.members if key.startswith("packs/") and "/c/" in key)
+    overhead = 256 * len(archive.members) + ALIGNMENT * aligned  # headers, names, a page of padding per data chunk
+    assert zpath.stat().st_size < 2 * data + metadata + overhead, (zpath.stat().st_size, data, metadata, overhead)
+    assert _disk(src)[0] > 1000 * zpath.stat().st_size  # (the store's chunk files' apparent size)
     with zipfile.ZipFile(zpath) as zf:
         assert zf.testzip() is None
+    with EpisodeStore.open(src) as d, EpisodeStore.open(zpath) as z:
+        assert z.commit_record == d.commit_record and z.layout.arrays[0].chunk_rows < d.layout.arrays[0].chunk_rows
+        for i in range(5):
+            assert_episode_equal(z.episode(i, verify=True), d.episode(i))
+        for a, b in zip(_batches(z), _batches(d)):
+            for name in ("actions", "rewards", "terminated", "episode_ids", "steps"):
+                assert getattr(a, name).equal(getattr(b, name)), name
+            assert all(a.observations[k].equal(b.observations[k]) for k in a.observations)
     theirs = zarr.open_group(zarr.storage.ZipStore(zpath, mode="r"), mode="r")
     mine = zarr.open_group(src, mode="r")
-    np.testing.assert_array_equal(theirs["packs/float32"][:], mine["packs/float32"][:])
-    with EpisodeStore.open(zpath) as z:
-        for i in range(EPISODES):
-            assert_episode_equal(z.episode(i, verify=True), make_episode(obs, act, 3 + i % 11, i))
+    for path in ("packs/float32", "packs/bool", "episodes/start_row", "episodes/crc32"):
+        np.testing.assert_array_equal(theirs[path][: rows + 64], mine[path][: rows + 64], err_msg=path)
+    report = verify(zpath)
+    assert report.clean and report.episodes == 5, report.summary()
 
 
 def test_data_runs_leave_out_holes_and_are_the_whole_file_where_the_file_system_cannot_tell(tmp_path):
@@ -439,3 +487,169 @@ def test_a_linked_directory_on_the_way_to_a_member_stops_the_pack(tmp_path):
     with pytest.raises(CorruptStoreError, match="packs/float32/c is a symbolic link"):
         pack_store(src, tmp_path / "store.zip")
     assert not (tmp_path / "store.zip").exists()
+
+
+# -- a packed store read in place over HTTP and S3: the zip's directory, then each member as a byte range of it -------
+
+
+class RecordingHandler(RangeHandler):
+    """Static files with Range and If-Match, recording each GET's Range header."""
+
+    ranges: ClassVar[list[str | None]] = []
+
+    def do_GET(self, body: bool = True) -> None:
+        if body:
+            type(self).ranges.append(self.headers.get("Range"))
+        super().do_GET(body)
+
+
+class NoRangeHandler(http.server.SimpleHTTPRequestHandler):
+    """python's own file server: every GET answered with the whole file (no Range, no ETag)."""
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+@pytest.fixture(scope="module")
+def published(tmp_path_factory):
+    """A directory holding two stores and their archives: ``low`` of the default local layout (chunks of 1,048,576
+    rows) and ``img``, with an LZ4 image field in shards."""
+    d = tmp_path_factory.mktemp("published")
+    obs, act = fetch_spaces()
+    with EpisodeStore.create(d / "low", obs, act, info_keys=["is_success"]) as store:
+        for i in range(30):
+            store.append_episode(make_episode(obs, act, 5 + i % 17, i, ("is_success",)))
+    _build(d / "img")
+    for name in ("low", "img"):
+        pack_store(d / name, d / f"{name}.zip")
+    return d
+
+
+def _same_as_local(remote: EpisodeStore, local: EpisodeStore) -> None:
+    """Every episode (crc32 checked) and every sampled batch of ``remote`` is ``local``'s, bit for bit."""
+    assert remote.commit_record == local.commit_record and remote.metadata == local.metadata
+    for i in range(local.num_episodes):
+        assert_episode_equal(remote.episode(i, verify=True), local.episode(i))
+    for a, b in zip(_batches(remote), _batches(local)):
+        for name in ("actions", "rewards", "terminated", "episode_ids", "steps", "is_relabeled"):
+            assert getattr(a, name).equal(getattr(b, name)), name
+        for k in a.observations:
+            assert a.observations[k].equal(b.observations[k]) and a.next_observations[k].equal(b.next_observations[k])
+
+
+@pytest.mark.parametrize("name", ["low", "img"])
+def test_a_packed_store_opens_in_place_over_http(published, name, capsys):
+    """`EpisodeStore.open("http://.../point.zip")` said "is not a her_store store (no Zarr group there)": a packed
+    store could be published only to be downloaded. It now opens in place: the zip's end records, central directory and
+    local headers are read by ranged GETs, then every member (metadata, index and pack chunks, shards, image frames)
+    as a byte range of the zip, through the readers of directory stores over HTTP. Every GET names a range."""
+    pytest.importorskip("aiohttp", reason='pip install "her_store[http]"')
+    from her_store.inspection import summary
+    from her_store.verify import verify
+
+    RecordingHandler.ranges.clear()
+    with serving(str(published), RecordingHandler) as base:
+        url = f"{base}/{name}.zip"
+        with EpisodeStore.open(url) as remote, EpisodeStore.open(published / name) as local:
+            assert remote._loc.archive is not None and remote._loc.ranged
+            _same_as_local(remote, local)
+            with HerSampler(remote, 256, reward_fn=reward_fn, seed=3) as sampler:
+                sampler.sample()
+                kinds = {type(a) for a in sampler.reader.arrays.values()}
+                assert RangedArray in kinds and (ShardedArray in kinds) == (name == "img")
+                if name == "img":  # frames read by ranges of their shard's member, conditioned on the zip's ETag
+                    frames = sampler.reader.arrays["steps/observation"]
+                    assert frames._ranged is True and frames.gets > 0
+            with pytest.raises(ReadOnlyStoreError):
+                remote.append_episode(make_episode(*fetch_spaces(), 3, 0, ("is_success",)))
+        with EpisodeStore.open(published / f"{name}.zip") as z, EpisodeStore.open(url) as remote:
+            here, there = summary(z), summary(remote)
+        for key in ("episodes", "transitions", "apparent_bytes", "index_apparent_bytes", "fields", "card"):
+            if key != "fields":
+                assert here[key] == there[key], key
+        assert [f["apparent_bytes"] for f in here["fields"]] == [f["apparent_bytes"] for f in there["fields"]]
+        assert main(["inspect", url, "--json"]) == 0
+        assert json.loads(capsys.readouterr().out)["episodes"] == here["episodes"]
+        report = verify(url)
+        assert report.clean and report.episodes == here["episodes"], report.summary()
+    assert RecordingHandler.ranges and None not in RecordingHandler.ranges  # nothing fetched whole
+
+
+def test_a_packed_store_on_s3_opens_in_place(published, s3_url):
+    """The same over S3 (moto's server on loopback): the zip object's bytes by ranged GETs conditioned on its ETag."""
+    import s3fs
+
+    from her_store.inspection import summary
+
+    url, opts = s3_url
+    fs = s3fs.S3FileSystem(**opts)
+    bucket = url[len("s3://") :].split("/")[0]
+    for name in ("low", "img"):
+        fs.put_file(str(published / f"{name}.zip"), f"{bucket}/published/{name}.zip")
+        zurl = f"s3://{bucket}/published/{name}.zip"
+        with EpisodeStore.open(zurl, storage_options=opts) as remote, EpisodeStore.open(published / name) as local:
+            assert remote._loc.archive is not None
+            _same_as_local(remote, local)
+            with HerSampler(remote, 256, reward_fn=reward_fn, seed=3) as sampler:
+                sampler.sample()
+                if name == "img":  # frames read by ranges of their shard's member
+                    assert sampler.reader.arrays["steps/observation"]._ranged is True
+            there, episodes = summary(remote), local.num_episodes
+        with EpisodeStore.open(published / f"{name}.zip") as z:
+            assert there["apparent_bytes"] == summary(z)["apparent_bytes"] > 0
+        with pytest.raises(ReadOnlyStoreError, match="packed store"):
+            EpisodeStore.open(zurl, "a", storage_options=opts)
+        report = verify(zurl, storage_options=opts)
+        assert report.clean and report.episodes == episodes, report.summary()
+
+
+def test_a_packed_store_over_http_that_is_no_zip_or_whose_server_ignores_range(published, tmp_path):
+    """A server without Range would have each member's read fetch the zip up to its end: opening says so at once,
+    having read no more than the first bytes. A .zip URL that holds no zip is no store; one where nothing is, is
+    looked for as a store directory (a directory may end in .zip), and is none."""
+    pytest.importorskip("aiohttp", reason='pip install "her_store[http]"')
+    (tmp_path / "notes.zip").write_text("not a zip")
+    shutil.copy(published / "low.zip", tmp_path / "low.zip")
+    with serving(str(tmp_path), NoRangeHandler) as base, pytest.raises(StoreError, match="Range request with the"):
+        EpisodeStore.open(f"{base}/low.zip")
+    with serving(str(tmp_path)) as base:
+        with pytest.raises(NotAStoreError, match="is not a zip archive"):
+            EpisodeStore.open(f"{base}/notes.zip")
+        with pytest.raises(NotAStoreError):
+            EpisodeStore.open(f"{base}/missing.zip")
+
+
+@pytest.mark.parametrize("kind", ["offset past the end", "size past the end", "truncated", "deflated", "dotdot"])
+def test_a_hostile_archive_over_http_is_refused_as_on_disk(packed, tmp_path, kind):
+    """The same checks as a local archive's, each read bounded: no GET asks for more than a record or a header
+    (the tail, the central directory, the local headers) before the archive is refused."""
+    pytest.importorskip("aiohttp", reason='pip install "her_store[http]"')
+    src, _ = packed
+    make, message = HOSTILE[kind]
+    (tmp_path / "pub").mkdir()
+    bad = tmp_path / "pub" / "bad.zip"
+    make(src, bad)
+    RecordingHandler.ranges.clear()
+    with serving(str(tmp_path / "pub"), RecordingHandler) as base, pytest.raises(CorruptStoreError, match=message):
+        EpisodeStore.open(f"{base}/bad.zip")
+    asked = [re.fullmatch(r"bytes=(\d+)-(\d+)", r) for r in RecordingHandler.ranges]
+    assert all(asked), RecordingHandler.ranges
+    sizes = [int(m[2]) - int(m[1]) + 1 for m in asked]
+    # the first bytes, the end records with the longest comment a zip may have (the directory is smaller), the
+    # local headers: one GET each
+    members = 0 if kind == "truncated" else len(zipfile.ZipFile(bad).infolist())
+    assert max(sizes) <= 22 + 0xFFFF and len(sizes) <= 3 + members, sizes
+
+
+def test_an_archive_replaced_under_its_reader_over_http_is_refused(published, tmp_path):
+    """Every ranged GET of a packed store is conditioned on the zip's ETag when it was opened: a zip replaced at its
+    URL (another pack published) under an open reader is a CorruptStoreError, never its new bytes read at the old
+    offsets."""
+    pytest.importorskip("aiohttp", reason='pip install "her_store[http]"')
+    shutil.copy(published / "img.zip", tmp_path / "point.zip")
+    with serving(str(tmp_path)) as base, EpisodeStore.open(f"{base}/point.zip") as remote:
+        remote.episode(0)
+        shutil.copy(published / "low.zip", tmp_path / "new.zip")
+        os.replace(tmp_path / "new.zip", tmp_path / "point.zip")
+        with pytest.raises(CorruptStoreError, match="replaced since it was opened"):
+            remote.episode(1)
