@@ -18,7 +18,7 @@ from typing import Any, cast
 import numpy as np
 import zarr
 
-from her_store import _frames
+from her_store import _kernels
 from her_store.errors import EpisodeValidationError, StoreError, StoreLockedError
 from her_store.format import COMMIT_KEY, INDEX_COLUMNS, ArraySpec, Commit, Layout
 from her_store.index import EpisodeIndex
@@ -221,7 +221,7 @@ class Committer:
         need, crc = at + T + 1, 0
         if not self._sharded:  # low-dimensional arrays alone: staged and checksummed in one pass
             for path, members, step_cols in self._plan:
-                crc = _frames.crc32(self._stage_array(path, members, step_cols, at, T, data)[at:need].data, crc)
+                crc = _kernels.crc32(self._stage_array(path, members, step_cols, at, T, data)[at:need].data, crc)
             self._stage_n = need
             return crc
         # the encoder threads read the episode's frames in place while its other fields are staged here
@@ -238,9 +238,9 @@ class Committer:
                 e.wait()  # no thread reads the caller's rows past this call (after frames(): nothing to wait for)
         for path, _, _ in self._plan:
             if path in encoded:  # one field, T + 1 rows: its frames as they will be stored
-                crc = _frames.crc32_all(encoded[path], crc)
+                crc = _kernels.crc32_all(encoded[path], crc)
             else:
-                crc = _frames.crc32(self._stage[path][at:need].data, crc)
+                crc = _kernels.crc32(self._stage[path][at:need].data, crc)
         for path, frames in encoded.items():
             self._frames[path].extend(frames)
         self._stage_n = need

@@ -39,7 +39,7 @@ import fsspec.asyn
 import numpy as np
 import zarr
 
-from her_store import _frames
+from her_store import _kernels
 from her_store.balance import Balance
 from her_store.errors import CorruptStoreError, StoreError
 from her_store.format import ArraySpec
@@ -139,7 +139,7 @@ class MappedArray:
         m, skip, end = self._map(chunk)
         first = chunk * self.chunk_rows
         args = (m, rows, first, skip, out, self.spec.row_nbytes)
-        failed, err = _frames.take_rows(*args) if at is None else _frames.take_rows(*args, at)
+        failed, err = _kernels.take_rows(*args) if at is None else _kernels.take_rows(*args, at)
         size = m.size() if failed < 0 else end
         if size < end:  # cut short in place, but not below these rows' pages
             past = np.flatnonzero(end + (rows - first + 1 - self.chunk_rows) * self.spec.row_nbytes > size)
@@ -383,7 +383,7 @@ class _Shard(NamedTuple):
     offsets: np.ndarray  # int64, -1 for a row never written
     nbytes: np.ndarray
     etag: str | None = None  # remotely, the ETag of the object whose index this is, when rows are read by ranges
-    mapping: Any = None  # locally, the shard's bytes mapped (_frames.map_file), None where the file cannot be mapped
+    mapping: Any = None  # locally, the shard's bytes mapped (_kernels.map_file), None where the file cannot be mapped
     base: int = 0  # locally, where the shard's bytes start in its file (a packed store's member), and its mapping
 
 
@@ -485,8 +485,8 @@ class ShardedArray(CachedArray):
         need = min(size, index_nbytes(self.chunk_rows))
         index = _Tail(size, os.pread(buf.fileno(), need, base + size - need))
         offsets, nbytes = parse_index(index, self.chunk_rows, f"{self.location}/{key}")
-        try:  # holds no descriptor: bounded with its file by OPEN
-            mapping = _frames.map_file(buf.fileno(), base, size)
+        try:  # bounded with its file by OPEN (a compiled mapping holds no descriptor, a pure one mmap's duplicate)
+            mapping = _kernels.map_file(buf.fileno(), base, size)
         except (OSError, ValueError):  # a file system that cannot map files (or an empty shard): read with pread
             mapping = None
         return _Shard(buf, np.where(offsets < 0, offsets, offsets + base), nbytes, mapping=mapping, base=base)
@@ -714,7 +714,7 @@ class ShardedArray(CachedArray):
 
         def decode(i: int) -> int:
             a, b = int(edges[i]), int(edges[i + 1])
-            failed, _ = _frames.decode_lz4(buffers[int(src[a])], pos[a:b], nbytes[a:b], dst[a:b], self.spec.row_nbytes)
+            failed, _ = _kernels.decode_lz4(buffers[int(src[a])], pos[a:b], nbytes[a:b], dst[a:b], self.spec.row_nbytes)
             return a + failed if failed >= 0 else -1
 
         k = len(edges) - 1
@@ -821,9 +821,9 @@ class ShardedArray(CachedArray):
 
         def decode(a: int, b: int, files: list[Any] = held) -> None:  # the files stay open while their rows are read
             if mapped:
-                note(a, *_frames.map_lz4(maps, slots[a:b], offsets[a:b], nbytes[a:b], order[a:b], out, rn))
+                note(a, *_kernels.map_lz4(maps, slots[a:b], offsets[a:b], nbytes[a:b], order[a:b], out, rn))
             else:
-                note(a, *_frames.pread_lz4(fds[a:b], offsets[a:b], nbytes[a:b], order[a:b], out, rn))
+                note(a, *_kernels.pread_lz4(fds[a:b], offsets[a:b], nbytes[a:b], order[a:b], out, rn))
 
         if mapped:
             self.mapped_gathers += 1
@@ -831,7 +831,9 @@ class ShardedArray(CachedArray):
             # calling thread takes its share of the rows once the rest of its batch is done (threads and caller take
             # the rows not taken yet, 8 at a time, so each decodes what it has time for)
             threads = min(parts, CORES, len(rows) * rn // SPLIT_BYTES + 1) - 1
-            task = _frames.map_lz4_start(maps, slots, offsets, nbytes, order, out, rn, threads) if threads > 0 else None
+            task = None
+            if threads > 0:
+                task = _kernels.map_lz4_start(maps, slots, offsets, nbytes, order, out, rn, threads)
 
             def pieces() -> None:
                 if task is not None:

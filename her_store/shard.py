@@ -36,7 +36,7 @@ import zarr
 import zarr.codecs as zc
 from zarr.codecs.numcodecs import LZ4
 
-from her_store import _frames
+from her_store import _kernels
 from her_store.balance import Balance
 from her_store.errors import CorruptStoreError, StoreError, short_repr
 from her_store.lossy import check_frames, frame_codec, is_lossy
@@ -142,7 +142,7 @@ class FrameCodec:
                 f"{where}: inner codecs {inner!r}; her_store reads bytes alone or bytes + one of numcodecs.lz4, blosc, "
                 "zstd, gzip, jpeg"
             )
-        self.is_lz4 = self._lz4 is not None  # encoded and decoded in batches by her_store._frames
+        self.is_lz4 = self._lz4 is not None  # encoded and decoded in batches by her_store._kernels
         self.lz4_acceleration = self._lz4 or 1
 
     def encode(self, row: np.ndarray) -> bytes:
@@ -247,7 +247,7 @@ def frame_codecs(codecs: Any, field: Field) -> Any:
 
 def build_shard(frames: Sequence[bytes | None]) -> bytearray:
     """A shard's bytes: the encoded rows in order, then the index and its crc32c (rows that are None: empty)."""
-    out = _frames.shard_body(frames)  # one pass in C: a shard is hundreds of KB of rows
+    out = _kernels.shard_body(frames)  # one pass in C: a shard is hundreds of KB of rows
     index = bytes(out[len(out) - index_nbytes(len(frames)) : len(out) - 4])
     struct.pack_into("<I", out, len(out) - 4, google_crc32c.value(index))
     return out
@@ -412,7 +412,7 @@ class ShardWriter:
 
     def _encode_part(self, rows: np.ndarray) -> list[bytes]:
         if self.codec.is_lz4:  # in C, the GIL released
-            return _frames.encode_lz4(self._lz4_rows(rows), self.codec.nbytes, self.codec.lz4_acceleration)  # type: ignore[no-any-return]
+            return _kernels.encode_lz4(self._lz4_rows(rows), self.codec.nbytes, self.codec.lz4_acceleration)  # type: ignore[no-any-return]
         return [self.codec.encode(r) for r in rows]
 
     def encode(self, rows: np.ndarray) -> Encoded:
@@ -431,7 +431,7 @@ class ShardWriter:
             threads = min(self._threads, len(rows) * self.codec.nbytes // SPLIT_BYTES)
             if threads < 1:
                 return Encoded(self, rows, done=self._encode_part(rows))
-            task = _frames.encode_lz4_start(rows, self.codec.nbytes, self.codec.lz4_acceleration, threads)
+            task = _kernels.encode_lz4_start(rows, self.codec.nbytes, self.codec.lz4_acceleration, threads)
             return Encoded(self, rows, task=task)
         edges = self._balance.edges(len(rows), self._threads, MIN_ROWS_PER_THREAD)
         if len(edges) == 2:

@@ -35,7 +35,7 @@ from typing import Any
 
 import numpy as np
 
-from her_store import _frames
+from her_store import _kernels
 from her_store.errors import CorruptStoreError, StoreError
 from her_store.format import LOCK_KEY, ArraySpec
 from her_store.index import EpisodeIndex, chunks_holding
@@ -461,7 +461,7 @@ class _Check:
         a = (np.maximum(self.starts[pk.start : pk.stop], p0) - p0) * rb
         b = (np.minimum(self.ends[pk.start : pk.stop], p1) - p0) * rb
         crcs = self.crcs[pk.start : pk.stop].copy()
-        _frames.crc32_runs(memoryview(data), a.astype(np.int64), b.astype(np.int64), crcs)  # one call, no GIL
+        _kernels.crc32_runs(memoryview(data), a.astype(np.int64), b.astype(np.int64), crcs)  # one call, no GIL
         self.crcs[pk.start : pk.stop] = crcs
         return len(data)
 
@@ -513,10 +513,10 @@ class _Check:
                 self.bad[i] = True
             elif self.checksums:
                 if follows[a : b - 1].all():
-                    self.crcs[i] = _frames.crc32(view[offsets[a] : offsets[b - 1] + nbytes[b - 1]], self.crcs[i])
+                    self.crcs[i] = _kernels.crc32(view[offsets[a] : offsets[b - 1] + nbytes[b - 1]], self.crcs[i])
                 else:
                     for o, n in zip(offsets[a:b].tolist(), nbytes[a:b].tolist()):
-                        self.crcs[i] = _frames.crc32(view[o : o + n], self.crcs[i])
+                        self.crcs[i] = _kernels.crc32(view[o : o + n], self.crcs[i])
         if missing:
             self.report.problems.append(Problem("file", f"{where}: committed rows are missing from the shard", tuple(missing)))
         return len(data)
@@ -544,7 +544,7 @@ class _Check:
         view = memoryview(rows).cast("B")
         for i in k:
             a, b = max(int(self.starts[i]), r0) - r0, min(int(self.ends[i]), r1) - r0
-            self.crcs[i] = _frames.crc32(view[a * rb : b * rb], self.crcs[i])
+            self.crcs[i] = _kernels.crc32(view[a * rb : b * rb], self.crcs[i])
         return rows.nbytes
 
     # -- past the commit record ------------------------------------------------------------------------------

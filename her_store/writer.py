@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 
-from her_store import _frames
+from her_store import _kernels
 from her_store.errors import EpisodeValidationError, StoreError, short_repr
 from her_store.schema import Field, conform
 from her_store.values import is_int
@@ -503,7 +503,7 @@ class StepWriter:
 def _same_bytes(a: np.ndarray, b: np.ndarray) -> bool:
     """Whether two arrays of one shape and dtype hold the same bytes (NaNs by their bits)."""
     try:
-        return bool(_frames.same_bytes(a, b))
+        return bool(_kernels.same_bytes(a, b))
     except (BufferError, ValueError):  # not C-contiguous
         return a.tobytes() == b.tobytes()
 

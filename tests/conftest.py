@@ -10,7 +10,15 @@ import numpy as np
 import pytest
 from gymnasium import spaces
 
+from her_store import _kernels
+
 GOAL_KEYS = ("observation", "achieved_goal", "desired_goal")
+
+
+# what only the compiled kernels do (her_store._kernels.pure says why the pure twins cannot)
+requires_compiled = pytest.mark.skipif(
+    not _kernels.COMPILED, reason="the compiled kernels' behaviour (her_store._frames not built, or HER_STORE_PURE=1)"
+)
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -120,7 +128,7 @@ def s3_url(s3_endpoint):
 
 
 class FailingTask:
-    """A C encoding task (``_frames.encode_lz4_start``) whose wait() joins its threads, then fails as one whose thread
+    """An encoding task (``_kernels.encode_lz4_start``) whose wait() joins its threads, then fails as one whose thread
     ran out of memory."""
 
     def __init__(self, task) -> None:

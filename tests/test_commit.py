@@ -193,17 +193,17 @@ def _image_spaces():
 @pytest.fixture
 def lz4_threads(monkeypatch) -> list:
     """LZ4 frames of these small images encoded on C threads, as an episode of real frames is: the tasks started."""
-    from her_store import _frames
+    from her_store import _kernels
     from her_store import shard as shard_module
 
     monkeypatch.setattr(shard_module, "SPLIT_BYTES", 1)
-    real, tasks = _frames.encode_lz4_start, []
+    real, tasks = _kernels.encode_lz4_start, []
 
     def start(*args):
         tasks.append(real(*args))
         return tasks[-1]
 
-    monkeypatch.setattr(_frames, "encode_lz4_start", start)
+    monkeypatch.setattr(_kernels, "encode_lz4_start", start)
     return tasks
 
 
@@ -292,7 +292,7 @@ def _reads_back(store_path, eps: list) -> None:
 def test_an_append_whose_lz4_task_and_caller_fail_leaves_no_trace(store_path, monkeypatch, lz4_threads):
     """The C threads' task fails (out of memory), and so does the calling thread's encode of the rows again: append
     raises once no thread reads the caller's rows, and nothing of the episode is kept."""
-    from her_store import _frames
+    from her_store import _kernels
 
     obs, act = _image_spaces()
     eps = [make_episode(obs, act, 30, seed=i) for i in range(3)]
@@ -300,8 +300,8 @@ def test_an_append_whose_lz4_task_and_caller_fail_leaves_no_trace(store_path, mo
     if not store._committer._sharded["steps/observation"]._threads:
         pytest.skip("one core: no encoder thread")
     store.append_episode(eps[0])
-    counting, real_part = _frames.encode_lz4_start, ShardWriter._encode_part
-    monkeypatch.setattr(_frames, "encode_lz4_start", lambda *a: FailingTask(counting(*a)))
+    counting, real_part = _kernels.encode_lz4_start, ShardWriter._encode_part
+    monkeypatch.setattr(_kernels, "encode_lz4_start", lambda *a: FailingTask(counting(*a)))
 
     def encode_part(self, rows):
         raise MemoryError("no memory for the encoded rows")
@@ -310,7 +310,7 @@ def test_an_append_whose_lz4_task_and_caller_fail_leaves_no_trace(store_path, mo
     with pytest.raises(MemoryError):
         store.append_episode(eps[1])
     assert len(lz4_threads) == 2 and all(t.done() for t in lz4_threads)
-    monkeypatch.setattr(_frames, "encode_lz4_start", counting)
+    monkeypatch.setattr(_kernels, "encode_lz4_start", counting)
     monkeypatch.setattr(ShardWriter, "_encode_part", real_part)
     _appended_again(store, store_path, eps)
 
@@ -358,7 +358,7 @@ def test_an_append_failing_on_one_lz4_image_key_waits_for_the_c_threads_encoding
 ):
     """Two LZ4 image keys: C threads still encode the first key's frames when starting the second's fails; append
     raises only once they are done with the caller's rows, and the retry stores the episode."""
-    from her_store import _frames
+    from her_store import _kernels
 
     obs, act = _image_spaces()
     obs = spaces.Dict({**obs.spaces, "pixels": spaces.Box(0, 255, (3, 16, 16), np.uint8)})
@@ -367,7 +367,7 @@ def test_an_append_failing_on_one_lz4_image_key_waits_for_the_c_threads_encoding
         pytest.skip("one core: no encoder thread")
     eps = [make_episode(obs, act, 30, seed=i) for i in range(2)]
     store.append_episode(eps[0])
-    counting, log = _frames.encode_lz4_start, []
+    counting, log = _kernels.encode_lz4_start, []
 
     class Logged:  # the first key's task, whose wait() is logged
         def __init__(self, task) -> None:
@@ -383,13 +383,13 @@ def test_an_append_failing_on_one_lz4_image_key_waits_for_the_c_threads_encoding
         log.append("started")
         return Logged(counting(*args))
 
-    monkeypatch.setattr(_frames, "encode_lz4_start", start)
+    monkeypatch.setattr(_kernels, "encode_lz4_start", start)
     with pytest.raises(MemoryError):
         store.append_episode(eps[1])
     log.append("append raised")
     assert [e if isinstance(e, str) else e[0] for e in log] == ["started", "waited", "append raised"]
     assert lz4_threads[-1].done()
-    monkeypatch.setattr(_frames, "encode_lz4_start", counting)
+    monkeypatch.setattr(_kernels, "encode_lz4_start", counting)
     store.append_episode(eps[1])
     store.close()
     _reads_back(store_path, eps)

@@ -1,5 +1,6 @@
-"""The C crc32 (her_store/crc32.c through _frames.crc32 and crc32_runs) is zlib.crc32 at every length, alignment and
-starting value: a wrong fold constant or a mishandled tail shows up as a mismatch."""
+"""The kernels' crc32 (her_store/crc32.c in the compiled ones, isal's or zlib's in the pure ones; through
+_kernels.crc32 and crc32_runs) is zlib.crc32 at every length, alignment and starting value: a wrong fold constant or
+a mishandled tail shows up as a mismatch."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import zlib
 import numpy as np
 import pytest
 
-from her_store import _frames
+from her_store import _kernels
 
 BOUNDARIES = sorted({n + d for n in (64, 128, 256, 512, 4096) for d in range(-3, 4)})
 STARTS = (0, 1, 0xFFFFFFFF, 0xEDB88320, 0x12345678)
@@ -24,7 +25,7 @@ def _runs(data: bytes, pieces: list[tuple[int, int]], start: int) -> list[int]:
     crcs = np.full(len(pieces), start, np.uint32)
     a = np.array([p[0] for p in pieces], np.int64)
     b = np.array([p[1] for p in pieces], np.int64)
-    _frames.crc32_runs(data, a, b, crcs)
+    _kernels.crc32_runs(data, a, b, crcs)
     return crcs.tolist()
 
 
@@ -32,7 +33,7 @@ def test_every_short_length_and_the_fold_boundaries():
     data = _bytes(5000, seed=1)
     for n in [*range(301), *BOUNDARIES]:
         for start in STARTS:
-            assert _frames.crc32(data[:n], start) == zlib.crc32(data[:n], start), (n, start)
+            assert _kernels.crc32(data[:n], start) == zlib.crc32(data[:n], start), (n, start)
     pieces = [(0, n) for n in [*range(301), *BOUNDARIES]]
     for start in STARTS:
         assert _runs(data, pieces, start) == [zlib.crc32(data[a:b], start) for a, b in pieces]
@@ -40,13 +41,13 @@ def test_every_short_length_and_the_fold_boundaries():
 
 def test_default_value_and_empty_input():
     data = _bytes(1000, seed=2)
-    assert _frames.crc32(data) == zlib.crc32(data)
-    assert _frames.crc32(b"") == 0
-    assert _frames.crc32(b"", 0xDEADBEEF) == 0xDEADBEEF
+    assert _kernels.crc32(data) == zlib.crc32(data)
+    assert _kernels.crc32(b"") == 0
+    assert _kernels.crc32(b"", 0xDEADBEEF) == 0xDEADBEEF
     # values are masked to 32 bits, as zlib masks them
-    assert _frames.crc32(data, -1) == zlib.crc32(data, -1)
-    assert _frames.crc32(data, 2**32 + 5) == zlib.crc32(data, 2**32 + 5)
-    assert _frames.crc32(data, np.uint32(7)) == zlib.crc32(data, 7)
+    assert _kernels.crc32(data, -1) == zlib.crc32(data, -1)
+    assert _kernels.crc32(data, 2**32 + 5) == zlib.crc32(data, 2**32 + 5)
+    assert _kernels.crc32(data, np.uint32(7)) == zlib.crc32(data, 7)
 
 
 @pytest.mark.parametrize("seed", [3, 4])
@@ -55,8 +56,8 @@ def test_large_random_buffers(seed: int):
     n = int(rng.integers(3 << 20, 5 << 20))  # a few MB, of no round length
     data = rng.integers(0, 256, n, dtype=np.uint8)
     start = int(rng.integers(0, 2**32))
-    assert _frames.crc32(data) == zlib.crc32(data)
-    assert _frames.crc32(data, start) == zlib.crc32(data, start)
+    assert _kernels.crc32(data) == zlib.crc32(data)
+    assert _kernels.crc32(data, start) == zlib.crc32(data, start)
     assert _runs(data.tobytes(), [(0, n), (17, n - 5)], start) == [
         zlib.crc32(data, start),
         zlib.crc32(data[17 : n - 5], start),
@@ -69,7 +70,7 @@ def test_every_alignment_of_a_memoryview_slice():
     for offset in range(16):
         for n in (63, 64, 65, 100, 1000, 4096 + 7, 8000):
             piece = view[offset : offset + n]
-            assert _frames.crc32(piece, 0x89ABCDEF) == zlib.crc32(piece, 0x89ABCDEF), (offset, n)
+            assert _kernels.crc32(piece, 0x89ABCDEF) == zlib.crc32(piece, 0x89ABCDEF), (offset, n)
         pieces = [(offset, offset + n) for n in (64, 129, 2000, 8192 - 16)]
         assert _runs(data, pieces, 0) == [zlib.crc32(data[a:b]) for a, b in pieces], offset
 
@@ -81,7 +82,7 @@ def test_chaining_equals_one_pass():
     for start in STARTS:
         crc, at = start, 0
         for cut in [*cuts, len(data)]:
-            crc = _frames.crc32(data[at:cut], crc)
+            crc = _kernels.crc32(data[at:cut], crc)
             at = cut
         assert crc == zlib.crc32(data, start)
 
@@ -92,11 +93,11 @@ def test_mmap_and_numpy_buffers():
         m[:] = data
         view = memoryview(m)
         try:
-            assert _frames.crc32(view[3:], 5) == zlib.crc32(data[3:], 5)
+            assert _kernels.crc32(view[3:], 5) == zlib.crc32(data[3:], 5)
         finally:
             view.release()
     rows = np.frombuffer(data, np.uint8)[:69_999].reshape(-1, 3).astype(np.float32)  # multi-byte items, 2-d
-    assert _frames.crc32(rows) == zlib.crc32(rows.tobytes())
+    assert _kernels.crc32(rows) == zlib.crc32(rows.tobytes())
 
 
 def test_non_contiguous_input_is_refused_as_zlib_refuses_it():
@@ -104,6 +105,6 @@ def test_non_contiguous_input_is_refused_as_zlib_refuses_it():
     with pytest.raises(BufferError, match="not C-contiguous"):
         zlib.crc32(strided)
     with pytest.raises(BufferError, match="not C-contiguous"):
-        _frames.crc32(strided)
+        _kernels.crc32(strided)
     with pytest.raises(TypeError):
-        _frames.crc32("text")
+        _kernels.crc32("text")

@@ -35,7 +35,7 @@ import numpy as np
 import pytest
 from gymnasium import spaces
 
-from her_store import EpisodeStore, HerBatch, HerSampler, _frames, reader, shard
+from her_store import EpisodeStore, HerBatch, HerSampler, _kernels, reader, shard
 from her_store.cli import main
 from her_store.reader import ShardedArray
 from tests.http_server import serving
@@ -185,13 +185,13 @@ def _split_small_batches(monkeypatch):
 @pytest.fixture
 def encode_tasks(monkeypatch) -> list[Any]:
     """The C encoding tasks the writer starts (LZ4 frames on threads of their own)."""
-    real, tasks = _frames.encode_lz4_start, []
+    real, tasks = _kernels.encode_lz4_start, []
 
     def start(*args: Any) -> Any:
         tasks.append(real(*args))
         return tasks[-1]
 
-    monkeypatch.setattr(_frames, "encode_lz4_start", start)
+    monkeypatch.setattr(_kernels, "encode_lz4_start", start)
     return tasks
 
 

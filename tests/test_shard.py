@@ -18,7 +18,7 @@ import pytest
 import zarr
 import zarr.codecs as zc
 
-from her_store import _frames
+from her_store import _kernels
 from her_store import shard as shard_module
 from her_store.balance import STEP
 from her_store.errors import CorruptStoreError
@@ -33,7 +33,7 @@ from her_store.shard import (
     parse_index,
 )
 from her_store.storage import Location, chunk_key
-from tests.conftest import FailingTask
+from tests.conftest import FailingTask, requires_compiled
 
 ROW = (3, 8, 8)
 ROW_NBYTES = 192
@@ -181,10 +181,10 @@ def test_build_shard_refuses_rows_that_are_not_bytes():
 
 def test_crc32_all_is_zlibs_crc32_of_the_buffers_joined():
     parts = [b"", b"abc", bytearray(b"d" * 20000), memoryview(np.arange(999, dtype=np.uint8))]
-    assert _frames.crc32_all(parts, 7) == zlib.crc32(b"".join(bytes(p) for p in parts), 7)
-    assert _frames.crc32_all((), 5) == 5
+    assert _kernels.crc32_all(parts, 7) == zlib.crc32(b"".join(bytes(p) for p in parts), 7)
+    assert _kernels.crc32_all((), 5) == 5
     with pytest.raises(TypeError, match=r"buffers\[0\] is NoneType"):
-        _frames.crc32_all([None])
+        _kernels.crc32_all([None])
 
 
 def _with_index(data: bytes, index: np.ndarray) -> bytes:
@@ -376,13 +376,13 @@ def test_lz4_rows_are_encoded_on_c_threads_the_caller_joins(tmp_path, monkeypatc
     assert pending._task is not None and pending._rows is rows  # in place, no copy
     np.testing.assert_array_equal(w.decode(pending.frames()), rows)
     assert pending._task is None and pending._rows is None
-    real, tasks = _frames.encode_lz4_start, []
+    real, tasks = _kernels.encode_lz4_start, []
 
     def failing_start(*args):
         tasks.append(real(*args))
         return FailingTask(tasks[-1])
 
-    monkeypatch.setattr(_frames, "encode_lz4_start", failing_start)
+    monkeypatch.setattr(_kernels, "encode_lz4_start", failing_start)
     pending = w.encode(rows[::-1])
     np.testing.assert_array_equal(w.decode(pending.frames()), rows[::-1])  # encoded again by the caller
     pending = w.encode(rows)
@@ -435,13 +435,13 @@ def test_a_damaged_shard_on_disk_is_a_corrupt_store_for_the_writer(tmp_path):
     w.close()
 
 
-# -- her_store._frames ---------------------------------------------------------------------------------------------------
+# -- her_store._kernels ------------------------------------------------------------------------------------------------
 DST3, DST5 = np.arange(3, dtype=np.int64), np.arange(5, dtype=np.int64)  # pread_lz4 decodes row i into out[i]
 
 
 def _lz4_rows(n: int) -> tuple[bytes, np.ndarray, np.ndarray, np.ndarray]:
     rows = _frames_of(n)
-    encoded = _frames.encode_lz4(rows, ROW_NBYTES, 1)
+    encoded = _kernels.encode_lz4(rows, ROW_NBYTES, 1)
     assert isinstance(encoded, list) and all(type(f) is bytes for f in encoded)
     nbytes = np.array([len(f) for f in encoded], np.int64)
     return b"".join(encoded), np.cumsum(nbytes) - nbytes, nbytes, rows
@@ -454,22 +454,23 @@ def test_encode_lz4_writes_numcodecs_lz4_and_the_decoders_read_it(tmp_path):
             np.frombuffer(numcodecs.lz4.decompress(blob[offsets[i] : offsets[i] + nbytes[i]]), np.uint8), rows[i].ravel()
         )
     out = np.full((5, *ROW), 7, np.uint8)
-    assert _frames.decode_lz4(blob, offsets, nbytes, out, ROW_NBYTES) == (-1, 0)
+    assert _kernels.decode_lz4(blob, offsets, nbytes, out, ROW_NBYTES) == (-1, 0)
     np.testing.assert_array_equal(out, rows)
     (tmp_path / "f").write_bytes(b"pad" + blob)
     with open(tmp_path / "f", "rb") as f:
         out[:] = 7
         fds = np.full(5, f.fileno(), np.int32)
-        assert _frames.pread_lz4(fds, offsets + 3, nbytes, DST5, out, ROW_NBYTES)[:2] == (-1, 0)
+        assert _kernels.pread_lz4(fds, offsets + 3, nbytes, DST5, out, ROW_NBYTES)[:2] == (-1, 0)
         np.testing.assert_array_equal(out, rows)
-        mapping = _frames.map_file(f.fileno(), 3, len(blob))
+        mapping = _kernels.map_file(f.fileno(), 3, len(blob))
         out[:] = 7
-        assert _frames.map_lz4((mapping,), np.zeros(5, np.int32), offsets, nbytes, DST5, out, ROW_NBYTES)[:2] == (-1, 0)
+        slots = np.zeros(5, np.int32)
+        assert _kernels.map_lz4((mapping,), slots, offsets, nbytes, DST5, out, ROW_NBYTES)[:2] == (-1, 0)
         np.testing.assert_array_equal(out, rows)
         nbytes[2] = -1  # a row never written is not a row to decode: the gathers ask only for committed rows
-        assert _frames.pread_lz4(fds, offsets + 3, nbytes, DST5, out, ROW_NBYTES)[:2] == (2, 0)
-        assert _frames.map_lz4((mapping,), np.zeros(5, np.int32), offsets, nbytes, DST5, out, ROW_NBYTES)[:2] == (2, 0)
-    assert _frames.decode_lz4(blob, offsets, nbytes, out, ROW_NBYTES) == (2, 0)
+        assert _kernels.pread_lz4(fds, offsets + 3, nbytes, DST5, out, ROW_NBYTES)[:2] == (2, 0)
+        assert _kernels.map_lz4((mapping,), slots, offsets, nbytes, DST5, out, ROW_NBYTES)[:2] == (2, 0)
+    assert _kernels.decode_lz4(blob, offsets, nbytes, out, ROW_NBYTES) == (2, 0)
 
 
 def test_encode_lz4_refuses_buffers_that_are_not_whole_rows():
@@ -482,10 +483,10 @@ def test_encode_lz4_refuses_buffers_that_are_not_whole_rows():
         (np.zeros((4, 3, 5), np.uint8), 12, "whole rows"),  # contiguous rows of another size
     ):
         with pytest.raises(ValueError, match=why):
-            _frames.encode_lz4(rows, row_nbytes, 1)
+            _kernels.encode_lz4(rows, row_nbytes, 1)
     with pytest.raises(TypeError):
-        _frames.encode_lz4([1, 2, 3], 3, 1)
-    assert _frames.encode_lz4(b"", 3, 1) == []
+        _kernels.encode_lz4([1, 2, 3], 3, 1)
+    assert _kernels.encode_lz4(b"", 3, 1) == []
 
 
 @pytest.mark.parametrize(
@@ -496,7 +497,7 @@ def test_encode_lz4_reads_rows_taken_at_a_stride_in_place(take):
     """An env's frames in a StepWriter's (step, env, ...) buffer: each row contiguous, the rows a stride apart."""
     rows = take(np.random.default_rng(0).integers(0, 9, (8, 3, *ROW), np.uint8))
     assert not rows.flags.c_contiguous or len(rows) == 1  # (a broadcast: one row, repeated at stride 0)
-    encoded = _frames.encode_lz4(rows, ROW_NBYTES, 1)
+    encoded = _kernels.encode_lz4(rows, ROW_NBYTES, 1)
     assert [np.frombuffer(numcodecs.lz4.decompress(f), np.uint8).reshape(ROW).tolist() for f in encoded] == rows.tolist()
 
 
@@ -515,7 +516,7 @@ def test_encode_lz4_packs_rows_of_any_compressibility_in_threads_at_once():
     ]
 
     def encode(rows: np.ndarray) -> list[bytes]:
-        return _frames.encode_lz4(rows, rows[0].nbytes, 1)
+        return _kernels.encode_lz4(rows, rows[0].nbytes, 1)
 
     want = [encode(rows) for rows in calls]  # one thread, one call after another
     for rows, frames in zip(calls, want):
@@ -537,18 +538,18 @@ def test_encode_lz4_start_encodes_on_threads_of_its_own_and_holds_the_rows_until
         np.zeros((0, *ROW), np.uint8),
     ]
     for rows in calls:
-        want = _frames.encode_lz4(rows, rows[0].nbytes if len(rows) else ROW_NBYTES, 1)
+        want = _kernels.encode_lz4(rows, rows[0].nbytes if len(rows) else ROW_NBYTES, 1)
         for threads in (1, 3, 64):
-            task = _frames.encode_lz4_start(rows, rows[0].nbytes if len(rows) else ROW_NBYTES, 1, threads)
+            task = _kernels.encode_lz4_start(rows, rows[0].nbytes if len(rows) else ROW_NBYTES, 1, threads)
             assert task.wait() == want and task.done() and task.wait() == want
     blob = bytearray(_frames_of(2_000, seed=5).tobytes())
-    want = _frames.encode_lz4(blob, ROW_NBYTES, 1)
-    task = _frames.encode_lz4_start(blob, ROW_NBYTES, 1)
+    want = _kernels.encode_lz4(blob, ROW_NBYTES, 1)
+    task = _kernels.encode_lz4_start(blob, ROW_NBYTES, 1)
     with pytest.raises(BufferError):  # the task holds the rows: they cannot change size under its threads
         blob += b"x" * ROW_NBYTES
     assert task.wait() == want
     blob += b"x" * ROW_NBYTES  # waited for: the rows are let go
-    task = _frames.encode_lz4_start(blob, ROW_NBYTES, 1, 2)
+    task = _kernels.encode_lz4_start(blob, ROW_NBYTES, 1, 2)
     del task  # dropped unwaited: its threads end before the rows go
     blob += b"x" * ROW_NBYTES
     for args, error, words in (
@@ -561,15 +562,15 @@ def test_encode_lz4_start_encodes_on_threads_of_its_own_and_holds_the_rows_until
         ((np.zeros((4, 3, 5), np.uint8)[:, :, :4], 12, 1), ValueError, "each C-contiguous"),
     ):
         with pytest.raises(error, match=words):
-            _frames.encode_lz4_start(*args)
+            _kernels.encode_lz4_start(*args)
 
 
 def test_an_encode_task_waited_for_from_many_threads_and_in_a_forked_child():
     """wait() from two threads: one joins, both get the rows. A forked child has none of the task's threads: its
     wait() gives every row or raises, never a list with rows missing."""
     rows = _frames_of(30_000, seed=6)
-    want = _frames.encode_lz4(rows, ROW_NBYTES, 1)
-    task = _frames.encode_lz4_start(rows, ROW_NBYTES, 1)
+    want = _kernels.encode_lz4(rows, ROW_NBYTES, 1)
+    task = _kernels.encode_lz4_start(rows, ROW_NBYTES, 1)
     answers: list[list[bytes]] = []
     threads = [threading.Thread(target=lambda: answers.append(task.wait())) for _ in range(2)]
     for t in threads:
@@ -578,7 +579,7 @@ def test_an_encode_task_waited_for_from_many_threads_and_in_a_forked_child():
         t.join(timeout=30)
     assert not any(t.is_alive() for t in threads) and answers == [want, want]
     for waiting in (False, True):  # another thread of the parent inside wait() when it forks (its lock held)
-        task = _frames.encode_lz4_start(rows, ROW_NBYTES, 1)
+        task = _kernels.encode_lz4_start(rows, ROW_NBYTES, 1)
         waiter = threading.Thread(target=task.wait)
         if waiting:
             waiter.start()
@@ -610,10 +611,10 @@ def test_take_rows_copies_rows_of_a_mapping_and_fails_one_the_file_no_longer_has
     out = np.zeros((5, row_nbytes), np.uint8)
     with open(tmp_path / "f", "r+b") as f:
         m = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-        assert _frames.take_rows(m, rows, 100, skip, out, row_nbytes) == (-1, 0)
+        assert _kernels.take_rows(m, rows, 100, skip, out, row_nbytes) == (-1, 0)
         np.testing.assert_array_equal(out, table[rows - 100])
-        assert _frames.take_rows(m, np.array([101, 140], np.int64), 100, skip, out, row_nbytes) == (1, 0)  # outside
-        assert _frames.take_rows(m, np.array([101, 99], np.int64), 100, skip, out, row_nbytes) == (1, 0)
+        assert _kernels.take_rows(m, np.array([101, 140], np.int64), 100, skip, out, row_nbytes) == (1, 0)  # outside
+        assert _kernels.take_rows(m, np.array([101, 99], np.int64), 100, skip, out, row_nbytes) == (1, 0)
         for args in (
             (m, rows.astype(np.int32)[:3], 100, skip, out, row_nbytes),  # not int64 rows
             (m, rows, 100, skip, out[:4], row_nbytes),  # out too small
@@ -622,11 +623,11 @@ def test_take_rows_copies_rows_of_a_mapping_and_fails_one_the_file_no_longer_has
             (m, rows, 100, skip, out, row_nbytes, np.array([0, 1], np.int64)),  # at: not one per row
         ):
             with pytest.raises(ValueError, match=r"rows \(and at\) must be int64"):
-                _frames.take_rows(*args)
+                _kernels.take_rows(*args)
         out[:] = 0
-        assert _frames.take_rows(m, rows, 100, skip, out, row_nbytes, np.array([4, 3, 2, 1, 0])) == (-1, 0)
+        assert _kernels.take_rows(m, rows, 100, skip, out, row_nbytes, np.array([4, 3, 2, 1, 0])) == (-1, 0)
         np.testing.assert_array_equal(out[::-1], table[rows - 100])  # row i into out[at[i]]
-        assert _frames.take_rows(m, rows, 100, skip, out, row_nbytes, np.array([0, 1, 2, 3, 5])) == (4, 0)  # outside
+        assert _kernels.take_rows(m, rows, 100, skip, out, row_nbytes, np.array([0, 1, 2, 3, 5])) == (4, 0)  # outside
         # at sharing memory with out, each entry checked as it is used: a row copied over the next entry (a huge
         # value) fails that row, rather than writing far outside out (a segmentation fault)
         huge = np.full(8, 2**44, np.int64).view(np.uint8)
@@ -635,17 +636,17 @@ def test_take_rows_copies_rows_of_a_mapping_and_fails_one_the_file_no_longer_has
             rows8 = mmap.mmap(g.fileno(), 0, access=mmap.ACCESS_READ)
             into = np.zeros(16, np.int64)
             into[:2] = [1, 0]  # at = into[:2]: row 0 goes to into[1], which is at[1]
-            assert _frames.take_rows(rows8, np.array([0, 1], np.int64), 0, 0, into.view(np.uint8), 8, into[:2]) == (1, 0)
+            assert _kernels.take_rows(rows8, np.array([0, 1], np.int64), 0, 0, into.view(np.uint8), 8, into[:2]) == (1, 0)
             del rows8
         m.madvise(mmap.MADV_DONTNEED)
         os.ftruncate(f.fileno(), skip + 20 * row_nbytes)  # rows 20.. gone; row 19 ends on the last page kept
         big = np.arange(40, dtype=np.int64) + 100
         out = np.zeros((40, row_nbytes), np.uint8)
-        failed, err = _frames.take_rows(m, big, 100, skip, out, row_nbytes)
+        failed, err = _kernels.take_rows(m, big, 100, skip, out, row_nbytes)
         assert err == errno.EIO and 20 <= failed <= 24  # the first row on a page past the end
         np.testing.assert_array_equal(out[:failed], table[:failed])
-        assert _frames.take_rows(m, big[:3], 100, skip, out, row_nbytes) == (-1, 0)
-        assert _frames.take_rows(m, big[30:33], 100, skip, out, row_nbytes) == (0, errno.EIO)
+        assert _kernels.take_rows(m, big[:3], 100, skip, out, row_nbytes) == (-1, 0)
+        assert _kernels.take_rows(m, big[30:33], 100, skip, out, row_nbytes) == (0, errno.EIO)
         del m
 
 
@@ -666,7 +667,7 @@ def test_decode_lz4_refuses_bad_arguments():
     ]
     for args, error, msg in bad:
         with pytest.raises(error, match=msg):
-            _frames.decode_lz4(*args)
+            _kernels.decode_lz4(*args)
 
 
 @pytest.mark.parametrize(
@@ -696,17 +697,17 @@ def test_decode_lz4_and_pread_lz4_report_the_first_bad_row(tmp_path, change):
     else:
         src[offsets[i] + 4 : offsets[i] + nbytes[i]] = b"\xff" * (int(nbytes[i]) - 4)
     out = np.zeros((3, *ROW), np.uint8)
-    failed, err = _frames.decode_lz4(bytes(src), offsets, nbytes, out, ROW_NBYTES)
+    failed, err = _kernels.decode_lz4(bytes(src), offsets, nbytes, out, ROW_NBYTES)
     assert (failed, err) == (i, 0)
     np.testing.assert_array_equal(out[0], rows[0])
     (tmp_path / "f").write_bytes(bytes(src))
     with open(tmp_path / "f", "rb") as f:
-        mapping = _frames.map_file(f.fileno(), 0, len(src))
-        failed, err, _ = _frames.pread_lz4(np.full(3, f.fileno(), np.int32), offsets, nbytes, DST3, out, ROW_NBYTES)
+        mapping = _kernels.map_file(f.fileno(), 0, len(src))
+        failed, err, _ = _kernels.pread_lz4(np.full(3, f.fileno(), np.int32), offsets, nbytes, DST3, out, ROW_NBYTES)
     slots = np.zeros(3, np.int32)
     for decoded in (  # from the mapped file: checked against the mapping's length, as decode_lz4 against its source
-        _frames.map_lz4((mapping,), slots, offsets, nbytes, DST3, out, ROW_NBYTES),
-        _frames.map_lz4_start((mapping,), slots, offsets, nbytes, DST3, out, ROW_NBYTES).wait(),
+        _kernels.map_lz4((mapping,), slots, offsets, nbytes, DST3, out, ROW_NBYTES),
+        _kernels.map_lz4_start((mapping,), slots, offsets, nbytes, DST3, out, ROW_NBYTES).wait(),
     ):
         assert decoded[:2] == (i, 0)
     assert failed == i
@@ -721,18 +722,18 @@ def test_pread_lz4_reports_a_closed_fd_a_short_file_and_bad_arguments(tmp_path):
     with open(tmp_path / "f", "rb") as f:
         fds = np.full(3, f.fileno(), np.int32)
         with pytest.raises(ValueError, match="one entry per row"):
-            _frames.pread_lz4(fds[:2], offsets, nbytes, DST3, out, ROW_NBYTES)
+            _kernels.pread_lz4(fds[:2], offsets, nbytes, DST3, out, ROW_NBYTES)
         with pytest.raises(ValueError, match="out is smaller"):
-            _frames.pread_lz4(fds, offsets, nbytes, DST3, out[:1], ROW_NBYTES)
-    assert _frames.pread_lz4(fds, offsets, nbytes, DST3, out, ROW_NBYTES)[:2] == (0, errno.EBADF)
+            _kernels.pread_lz4(fds, offsets, nbytes, DST3, out[:1], ROW_NBYTES)
+    assert _kernels.pread_lz4(fds, offsets, nbytes, DST3, out, ROW_NBYTES)[:2] == (0, errno.EBADF)
     fds[:] = -1
     nbytes[:] = -1  # a row never written fails before its (absent) file is read
-    assert _frames.pread_lz4(fds, offsets, nbytes, DST3, out, ROW_NBYTES)[:2] == (0, 0)
+    assert _kernels.pread_lz4(fds, offsets, nbytes, DST3, out, ROW_NBYTES)[:2] == (0, 0)
     _, offsets, nbytes, _ = _lz4_rows(3)
     (tmp_path / "f").write_bytes(blob[: offsets[2] + 3])  # the file cut inside the last row
     with open(tmp_path / "f", "rb") as f:
         fds[:] = f.fileno()
-        assert _frames.pread_lz4(fds, offsets, nbytes, DST3, out, ROW_NBYTES)[:2] == (2, errno.EIO)
+        assert _kernels.pread_lz4(fds, offsets, nbytes, DST3, out, ROW_NBYTES)[:2] == (2, errno.EIO)
     np.testing.assert_array_equal(out[:2], rows[:2])
 
 
@@ -744,25 +745,26 @@ def test_pread_lz4_reads_adjacent_rows_together_into_the_rows_dst_names(tmp_path
     out = np.zeros((5, *ROW), np.uint8)
     with open(tmp_path / "f", "rb") as f:
         fds = np.full(5, f.fileno(), np.int32)
-        assert _frames.pread_lz4(fds, offsets, nbytes, dst, out, ROW_NBYTES)[:2] == (-1, 0)
+        assert _kernels.pread_lz4(fds, offsets, nbytes, dst, out, ROW_NBYTES)[:2] == (-1, 0)
         np.testing.assert_array_equal(out[dst], rows)
         for bad in (np.array([0, 1, 2, 3, 5]), np.array([0, 1, -1, 3, 4]), np.arange(4)):
             with pytest.raises(ValueError, match="dst"):
-                _frames.pread_lz4(fds, offsets, nbytes, bad.astype(np.int64), out, ROW_NBYTES)
+                _kernels.pread_lz4(fds, offsets, nbytes, bad.astype(np.int64), out, ROW_NBYTES)
         nbytes[3] += 1  # a row whose range runs into the next: the run reads on, the row fails to decode
-        failed, err, _ = _frames.pread_lz4(fds, offsets, nbytes, dst, out, ROW_NBYTES)
+        failed, err, _ = _kernels.pread_lz4(fds, offsets, nbytes, dst, out, ROW_NBYTES)
         assert (failed, err) == (3, 0)
 
 
 def test_map_file_maps_bytes_of_a_file_without_keeping_a_descriptor(tmp_path):
     """A mapping holds the bytes it was given (from any offset: mappings start on a page), not the file: it stays
-    readable once the file is closed and replaced by a rename, as a commit replaces a shard."""
+    readable once the file is closed and replaced by a rename, as a commit replaces a shard. The compiled mapping
+    holds no descriptor; the pure one holds the duplicate Python's mmap keeps (by which it sees the file's size)."""
     data = np.random.default_rng(0).integers(0, 256, 3 * 4096 + 100, np.uint8).tobytes()
     (tmp_path / "f").write_bytes(data)
     before = len(os.listdir("/proc/self/fd"))
     with open(tmp_path / "f", "rb") as f:
-        mappings = [(a, n, _frames.map_file(f.fileno(), a, n)) for a, n in ((0, len(data)), (4097, 5000), (8191, 1))]
-    assert len(os.listdir("/proc/self/fd")) == before
+        mappings = [(a, n, _kernels.map_file(f.fileno(), a, n)) for a, n in ((0, len(data)), (4097, 5000), (8191, 1))]
+    assert len(os.listdir("/proc/self/fd")) == before + (0 if _kernels.COMPILED else len(mappings))
     (tmp_path / "g").write_bytes(b"another file")
     os.replace(tmp_path / "g", tmp_path / "f")
     for a, n, m in mappings:
@@ -775,9 +777,9 @@ def test_map_file_maps_bytes_of_a_file_without_keeping_a_descriptor(tmp_path):
         for a, n, why in ((-1, 10, "offset >= 0"), (0, 0, "at least one byte"), (0, -5, "at least one byte"),
                           (0, size + 1, "past the end"), (size, 1, "past the end"), (1 << 62, 1, "past the end")):
             with pytest.raises(ValueError, match=why):
-                _frames.map_file(f.fileno(), a, n)
+                _kernels.map_file(f.fileno(), a, n)
     with pytest.raises(OSError) as e:
-        _frames.map_file(-1, 0, 10)
+        _kernels.map_file(-1, 0, 10)
     assert e.value.errno == errno.EBADF
 
 
@@ -789,7 +791,7 @@ def test_map_lz4_fails_the_row_of_a_file_cut_short_under_its_mapping(tmp_path):
 
     rows = np.random.default_rng(0).integers(0, 256, (40, 3, 64, 64), np.uint8)  # 12 KiB rows LZ4 cannot shrink
     row_nbytes = rows[0].nbytes
-    encoded = _frames.encode_lz4(rows, row_nbytes, 1)
+    encoded = _kernels.encode_lz4(rows, row_nbytes, 1)
     nbytes = np.array([len(f) for f in encoded], np.int64)
     offsets = np.cumsum(nbytes) - nbytes
     (tmp_path / "f").write_bytes(b"".join(encoded))
@@ -798,16 +800,16 @@ def test_map_lz4_fails_the_row_of_a_file_cut_short_under_its_mapping(tmp_path):
     out = np.zeros_like(rows)
     args = (np.zeros(40, np.int32), offsets, nbytes, np.arange(40), out, row_nbytes)
     with open(tmp_path / "f", "r+b") as f:
-        mapping = _frames.map_file(f.fileno(), 0, int(nbytes.sum()))
-        assert _frames.map_lz4((mapping,), *args) == (-1, 0, 0)
+        mapping = _kernels.map_file(f.fileno(), 0, int(nbytes.sum()))
+        assert _kernels.map_lz4((mapping,), *args) == (-1, 0, 0)
         mapping.drop_pages()
         os.ftruncate(f.fileno(), cut)
         for start in (False, True):
-            got = _frames.map_lz4_start((mapping,), *args).wait() if start else _frames.map_lz4((mapping,), *args)
+            got = _kernels.map_lz4_start((mapping,), *args).wait() if start else _kernels.map_lz4((mapping,), *args)
             assert got[:2] == (first_past, errno.EIO)
             np.testing.assert_array_equal(out[:first_past], rows[:first_past])
     # outside a decode, SIGBUS does what it did before: end the process, be ignored, or run Python's handler
-    decode = "from her_store import _frames; _frames.map_lz4((b'',), b'', b'', b'', b'', bytearray(1), 1)"
+    decode = "from her_store import _kernels; _kernels.map_lz4((b'',), b'', b'', b'', b'', bytearray(1), 1)"
     for before, returncode, said in (
         ("pass", -signal.SIGBUS, b""),
         ("signal.signal(signal.SIGBUS, signal.SIG_IGN)", 0, b"on"),
@@ -831,17 +833,17 @@ def test_map_lz4_fails_the_row_of_a_file_cut_short_under_its_mapping(tmp_path):
 _SIGBUS_DURING_DECODES = """
 import os, signal, sys, threading, time
 import numpy as np
-from her_store import _frames
+from her_store import _kernels
 
 path, mode = sys.argv[1], sys.argv[2]
 row = 64 << 10
 rows = np.random.default_rng(0).integers(0, 256, (256, row), np.uint8)  # rows LZ4 cannot shrink: 16 MiB
-encoded = _frames.encode_lz4(rows, row, 1)
+encoded = _kernels.encode_lz4(rows, row, 1)
 nbytes = np.array([len(f) for f in encoded], np.int64)
 with open(path, "wb") as f:
     f.write(b"".join(encoded))
 f = open(path, "r+b")
-mapping = _frames.map_file(f.fileno(), 0, int(nbytes.sum()))
+mapping = _kernels.map_file(f.fileno(), 0, int(nbytes.sum()))
 args = (np.zeros(256, np.int32), np.cumsum(nbytes) - nbytes, nbytes, np.arange(256), np.zeros_like(rows), row)
 seen = []
 signal.signal(signal.SIGBUS, lambda *_: seen.append(1))
@@ -849,7 +851,7 @@ answers = []
 
 def decode(until):
     while time.monotonic() < until:
-        answers.append(_frames.map_lz4((mapping,), *args)[:2])
+        answers.append(_kernels.map_lz4((mapping,), *args)[:2])
 
 thread = threading.Thread(target=decode, args=(time.monotonic() + 1.5,))
 thread.start()
@@ -870,7 +872,7 @@ else:  # a signal to the process, then the file cut short under the decodes: the
 """
 
 
-@pytest.mark.parametrize("mode", ["sent", "stray then cut"])
+@pytest.mark.parametrize("mode", ["sent", pytest.param("stray then cut", marks=requires_compiled)])
 def test_a_sigbus_a_process_sends_during_decodes_reaches_its_handler_and_leaves_the_guard(tmp_path, mode):
     """A SIGBUS sent (not a fault) to a decoding thread failed a good row with EIO and was lost; one sent to the
     process put the old disposition back under decodes still running, so a map cut short then killed the process
@@ -888,7 +890,7 @@ def test_a_sigbus_a_process_sends_during_decodes_reaches_its_handler_and_leaves_
 def test_map_lz4_decodes_rows_of_many_maps_and_refuses_bad_arguments(tmp_path):
     blob_a, offsets_a, nbytes_a, rows_a = _lz4_rows(3)
     rows_b = _frames_of(2, seed=1)
-    encoded_b = _frames.encode_lz4(rows_b, ROW_NBYTES, 1)
+    encoded_b = _kernels.encode_lz4(rows_b, ROW_NBYTES, 1)
     blob_b = b"".join(encoded_b)
     nbytes_b = np.array([len(f) for f in encoded_b], np.int64)
     offsets_b = np.cumsum(nbytes_b) - nbytes_b
@@ -899,7 +901,7 @@ def test_map_lz4_decodes_rows_of_many_maps_and_refuses_bad_arguments(tmp_path):
     dst = np.array([0, 4, 1, 3, 2], np.int64)
     want = np.stack([rows_b[1], rows_a[2], rows_a[1], rows_b[0], rows_a[0]])
     out = np.zeros((5, *ROW), np.uint8)
-    assert _frames.map_lz4(maps, slots, offsets, nbytes, dst, out, ROW_NBYTES) == (-1, 0, 0)
+    assert _kernels.map_lz4(maps, slots, offsets, nbytes, dst, out, ROW_NBYTES) == (-1, 0, 0)
     np.testing.assert_array_equal(out, want)
     bad = [
         ((list(maps), slots, offsets, nbytes, dst, out, ROW_NBYTES), TypeError, ""),  # maps: a tuple
@@ -914,7 +916,7 @@ def test_map_lz4_decodes_rows_of_many_maps_and_refuses_bad_arguments(tmp_path):
         ((maps, slots, offsets, nbytes, dst, out, 0), ValueError, "row_nbytes"),
     ]
     for args, error, msg in bad:
-        for call in (_frames.map_lz4, _frames.map_lz4_start):
+        for call in (_kernels.map_lz4, _kernels.map_lz4_start):
             with pytest.raises(error, match=msg):
                 call(*args)
 
@@ -924,44 +926,44 @@ def test_map_lz4_start_decodes_on_a_thread_of_its_own_and_holds_its_buffers_unti
     dropped unwaited still ends before its buffers go (its out is complete). With several threads, they and the
     waiting caller share the rows."""
     rows = _frames_of(2_000, seed=3)
-    encoded = _frames.encode_lz4(rows, ROW_NBYTES, 1)
+    encoded = _kernels.encode_lz4(rows, ROW_NBYTES, 1)
     nbytes = np.array([len(f) for f in encoded], np.int64)
     offsets = np.cumsum(nbytes) - nbytes
     blob = bytearray(b"".join(encoded))
     slots, dst = np.zeros(len(rows), np.int32), np.arange(len(rows), dtype=np.int64)
     out = np.zeros_like(rows)
-    task = _frames.map_lz4_start((blob,), slots, offsets, nbytes, dst, out, ROW_NBYTES)
+    task = _kernels.map_lz4_start((blob,), slots, offsets, nbytes, dst, out, ROW_NBYTES)
     with pytest.raises(BufferError):  # the task holds the source: it cannot change size under the decoding thread
         blob += b"x"
     assert task.wait() == (-1, 0, 0) and task.done() and task.wait() == (-1, 0, 0)
     np.testing.assert_array_equal(out, rows)
     blob += b"x"  # waited for: the source is let go
     out = np.zeros_like(rows)
-    task = _frames.map_lz4_start((blob,), slots, offsets, nbytes, dst, out, ROW_NBYTES)
+    task = _kernels.map_lz4_start((blob,), slots, offsets, nbytes, dst, out, ROW_NBYTES)
     del task
     np.testing.assert_array_equal(out, rows)
     for threads in (1, 3, 64):  # threads and the waiting caller share the rows, each taking those not taken yet
         out = np.zeros_like(rows)
-        assert _frames.map_lz4_start((blob,), slots, offsets, nbytes, dst, out, ROW_NBYTES, threads).wait() == (-1, 0, 0)
+        assert _kernels.map_lz4_start((blob,), slots, offsets, nbytes, dst, out, ROW_NBYTES, threads).wait() == (-1, 0, 0)
         np.testing.assert_array_equal(out, rows)
     nbytes[[1500, 700]] += 1  # two rows that do not decode: the first is named, whichever thread met it
     for threads in (1, 3):
-        assert _frames.map_lz4_start((blob,), slots, offsets, nbytes, dst, out, ROW_NBYTES, threads).wait()[:2] == (700, 0)
+        assert _kernels.map_lz4_start((blob,), slots, offsets, nbytes, dst, out, ROW_NBYTES, threads).wait()[:2] == (700, 0)
     for threads, error in ((0, ValueError), (65, ValueError), ("2", TypeError)):
         with pytest.raises(error):
-            _frames.map_lz4_start((blob,), slots, offsets, nbytes, dst, out, ROW_NBYTES, threads)
+            _kernels.map_lz4_start((blob,), slots, offsets, nbytes, dst, out, ROW_NBYTES, threads)
 
 
 def test_a_tasks_wait_from_many_threads_joins_once_and_answers_each():
     """Two threads waiting for one task: both calls joined its thread (one hung forever); now one joins and both
     get its answer."""
     rows = _frames_of(3_000, seed=4)
-    encoded = _frames.encode_lz4(rows, ROW_NBYTES, 1)
+    encoded = _kernels.encode_lz4(rows, ROW_NBYTES, 1)
     nbytes = np.array([len(f) for f in encoded], np.int64)
     blob = b"".join(encoded)
     for _ in range(20):
         out = np.zeros_like(rows)
-        task = _frames.map_lz4_start(
+        task = _kernels.map_lz4_start(
             (blob,), np.zeros(len(rows), np.int32), np.cumsum(nbytes) - nbytes, nbytes, np.arange(len(rows)), out, ROW_NBYTES
         )
         answers: list[tuple[int, int, int]] = []
@@ -980,12 +982,12 @@ def test_a_task_waited_for_in_a_forked_child_never_says_rows_it_did_not_decode_a
     when another thread of the parent was inside wait(); now a task not done when the process forked fails its first
     row with ESRCH."""
     rows = _frames_of(30_000, seed=6)
-    encoded = _frames.encode_lz4(rows, ROW_NBYTES, 1)
+    encoded = _kernels.encode_lz4(rows, ROW_NBYTES, 1)
     nbytes = np.array([len(f) for f in encoded], np.int64)
     blob = b"".join(encoded)
     for waiting in (False, True):  # another thread of the parent inside wait() when it forks (its lock held)
         out = np.zeros_like(rows)
-        task = _frames.map_lz4_start(
+        task = _kernels.map_lz4_start(
             (blob,), np.zeros(len(rows), np.int32), np.cumsum(nbytes) - nbytes, nbytes, np.arange(len(rows)), out,
             ROW_NBYTES,
         )
@@ -1018,7 +1020,7 @@ def test_pread_lz4_and_map_lz4_count_the_blocks_read_from_disk(tmp_path):
     if _on_tmpfs(tmp_path):
         pytest.skip("a file system in memory reads nothing from a disk")
     rows = _frames_of(64, seed=5)
-    encoded = _frames.encode_lz4(rows, ROW_NBYTES, 1)
+    encoded = _kernels.encode_lz4(rows, ROW_NBYTES, 1)
     nbytes = np.array([len(f) for f in encoded], np.int64)
     gap = 8192  # rows two pages apart: each is a read of its own
     offsets = np.arange(len(rows), dtype=np.int64) * gap
@@ -1035,12 +1037,12 @@ def test_pread_lz4_and_map_lz4_count_the_blocks_read_from_disk(tmp_path):
         for read in ("pread", "map"):
             os.fdatasync(fd)
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            mapping = _frames.map_file(fd, 0, os.fstat(fd).st_size)
+            mapping = _kernels.map_file(fd, 0, os.fstat(fd).st_size)
             for cold in (True, False):
                 if read == "pread":
-                    got = _frames.pread_lz4(fds, offsets, nbytes, dst, out, ROW_NBYTES)
+                    got = _kernels.pread_lz4(fds, offsets, nbytes, dst, out, ROW_NBYTES)
                 else:
-                    got = _frames.map_lz4((mapping,), np.zeros(len(rows), np.int32), offsets, nbytes, dst, out, ROW_NBYTES)
+                    got = _kernels.map_lz4((mapping,), np.zeros(len(rows), np.int32), offsets, nbytes, dst, out, ROW_NBYTES)
                 assert got[:2] == (-1, 0)
                 np.testing.assert_array_equal(out, rows)
                 assert (got[2] >= 8 * len(rows)) if cold else (got[2] == 0), (read, cold, got)
@@ -1053,23 +1055,23 @@ def test_crc32_runs_is_zlibs_crc32_of_each_run_chained_and_checks_its_arguments(
     ends = np.array([5, 5, 4_096, 10_000, 10_000], np.int64)
     seeds = np.array([0, 7, 123456, 2**32 - 1, 42], np.uint32)
     crcs = seeds.copy()
-    assert _frames.crc32_runs(data, starts, ends, crcs) is None
+    assert _kernels.crc32_runs(data, starts, ends, crcs) is None
     want = [zlib.crc32(data[a:b], int(c)) for a, b, c in zip(starts, ends, seeds)]
     assert crcs.tolist() == want
     for bad_starts, bad_ends in (([-1], [3]), ([4], [3]), ([0], [10_001])):  # before, backwards, past the end
         with pytest.raises(ValueError, match="outside data"):
-            _frames.crc32_runs(data, np.array(bad_starts, np.int64), np.array(bad_ends, np.int64), np.zeros(1, np.uint32))
+            _kernels.crc32_runs(data, np.array(bad_starts, np.int64), np.array(bad_ends, np.int64), np.zeros(1, np.uint32))
     with pytest.raises(ValueError, match="one entry per run"):
-        _frames.crc32_runs(data, np.zeros(2, np.int64), np.zeros(2, np.int64), np.zeros(1, np.uint32))
+        _kernels.crc32_runs(data, np.zeros(2, np.int64), np.zeros(2, np.int64), np.zeros(1, np.uint32))
     with pytest.raises(BufferError):  # crcs are written: a read-only buffer is refused
-        _frames.crc32_runs(data, np.zeros(1, np.int64), np.zeros(1, np.int64), bytes(4))
+        _kernels.crc32_runs(data, np.zeros(1, np.int64), np.zeros(1, np.int64), bytes(4))
     for starts, ends, crcs, name in (  # the bytes of other integer types are not taken as int64 / uint32
         (np.zeros(1), np.zeros(1, np.int64), np.zeros(1, np.uint32), "starts"),
         (np.zeros(2, np.int64), np.zeros(4, np.int32), np.zeros(2, np.uint32), "ends"),
         (np.zeros(1, np.int64), np.zeros(1, np.int64), np.zeros(4, np.uint8), "crcs"),
     ):
         with pytest.raises(ValueError, match=f"{name} must be"):
-            _frames.crc32_runs(data, starts, ends, crcs)
+            _kernels.crc32_runs(data, starts, ends, crcs)
 
 
 def test_pread_lz4_and_map_lz4_check_each_dst_as_they_use_it(tmp_path):
@@ -1082,7 +1084,7 @@ def test_pread_lz4_and_map_lz4_check_each_dst_as_they_use_it(tmp_path):
     dst = out[4].reshape(-1).view(np.int64)[:5]
     dst[:] = [4, 0, 1, 2, 3]  # row 0 goes to out[4], over dst itself
     with open(tmp_path / "f", "rb") as f:
-        assert _frames.pread_lz4(np.full(5, f.fileno(), np.int32), offsets, nbytes, dst, out, ROW_NBYTES)[:2] == (1, 0)
+        assert _kernels.pread_lz4(np.full(5, f.fileno(), np.int32), offsets, nbytes, dst, out, ROW_NBYTES)[:2] == (1, 0)
     np.testing.assert_array_equal(out[4], rows[0])
     assert not (0 <= dst[1] < 5)  # what row 1 found: no row of out
     out[:] = 0
@@ -1090,7 +1092,7 @@ def test_pread_lz4_and_map_lz4_check_each_dst_as_they_use_it(tmp_path):
     slots = out[4].reshape(-1)[64:].view(np.int32)[:5]  # the maps' slots too: row 0 overwrites them
     slots[:] = 0
     for start in (False, True):
-        call = _frames.map_lz4_start if start else _frames.map_lz4
+        call = _kernels.map_lz4_start if start else _kernels.map_lz4
         got = call((blob,), slots, offsets, nbytes, dst, out, ROW_NBYTES)
         assert (got.wait() if start else got)[:2] == (1, 0)
         out[4] = 0
@@ -1104,5 +1106,5 @@ def test_crc32_runs_uses_the_runs_as_they_were_when_checked():
     ends = np.full(8, 4096, np.int64)
     crcs = ends.view(np.uint32)[8:]  # the last 4 ends, as 8 uint32
     seeds = crcs.copy()
-    _frames.crc32_runs(data, np.zeros(8, np.int64), ends, crcs)
+    _kernels.crc32_runs(data, np.zeros(8, np.int64), ends, crcs)
     assert crcs.tolist() == [zlib.crc32(data, int(c)) for c in seeds]

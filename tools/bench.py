@@ -667,7 +667,7 @@ def _encode_ceiling(pool: list[dict[str, np.ndarray]], disk: float) -> dict[str,
     the same frames): the ceiling the writer's compressed bytes/s are bounded by on this machine."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from her_store import _frames
+    from her_store import _kernels
 
     frames = [ep["observation"] for ep in pool]
     nbytes = frames[0][0].nbytes
@@ -677,7 +677,7 @@ def _encode_ceiling(pool: list[dict[str, np.ndarray]], disk: float) -> dict[str,
         for t in sorted({1, threads}):
             written, start = 0, time.perf_counter()
             for _ in range(4):
-                encode = lambda f: sum(map(len, _frames.encode_lz4(f, nbytes, 1)))
+                encode = lambda f: sum(map(len, _kernels.encode_lz4(f, nbytes, 1)))
                 written += sum(ex.map(encode, frames) if t > 1 else map(encode, frames))
             seconds = time.perf_counter() - start
             out[f"writer: LZ4 encode alone, {t} thread(s), compressed MB/s"] = written / seconds / 1e6

@@ -37,7 +37,7 @@ from typing import Any, BinaryIO, NamedTuple
 
 import numpy as np
 
-from her_store import _frames
+from her_store import _kernels
 from her_store.card import check_card
 from her_store.errors import (
     CorruptStoreError,
@@ -335,7 +335,7 @@ def _gathered(
         data = reader.gather(spec.path, rows)
         raw = np.ascontiguousarray(data).reshape(len(rows), -1).view(np.uint8)
         width = raw.shape[1]  # each episode's rows are one run of bytes: checksummed in one call, as verify does
-        _frames.crc32_runs(raw, (first * width).astype(np.int64), ((first + n) * width).astype(np.int64), crc)
+        _kernels.crc32_runs(raw, (first * width).astype(np.int64), ((first + n) * width).astype(np.int64), crc)
         for name, lo, hi in spec.columns:
             f = store.schema.by_name[name]
             part = (data[:, lo:hi] if spec.is_pack else data).reshape(len(rows), *f.shape)
