@@ -110,6 +110,16 @@ class MixtureSampler:
     are the relabelled ones (by store within them), ``is_relabeled`` marks them, and ``source`` (int64 ``(B,)``)
     is the position of each row's store, whose ids ``episode_ids`` are.
 
+    Random goals (the ``random`` strategy and a :class:`~her_store.relabel.GoalMixture`'s random share) are the
+    achieved goals of transitions drawn uniformly from one dataset's committed transitions. A :class:`StoreSet`, such
+    as a sharded dataset's view, is one dataset: a row's random goal comes from any of its stores, drawn uniformly
+    from all their committed transitions (each store's view as of its last refresh), whichever store the row came from.
+    A sequence of stores is a mixture of separate datasets (online experience and an offline dataset, say), and a
+    row's random goal comes from its own store: each store's rows are then exactly the rows a
+    :class:`~her_store.sampler.HerSampler` on that store gives, whatever the other stores hold, and the weights set
+    how much each dataset contributes, goals included (from all stores, a store's goals would follow its share of
+    the transitions rather than its weight). To draw goals from all the stores of a list, pass them as a StoreSet.
+
     Parameters
     ----------
     stores : sequence of EpisodeStore, or StoreSet
@@ -241,6 +251,8 @@ class MixtureSampler:
             sampler = HerSampler(store, self.batch_size, **self._kwargs, seed=int.from_bytes(seed.tobytes(), "little"))
             if not self._samplers:
                 self.her_ratio = sampler.her_ratio
+            if self._set is not None:  # one dataset: random goals come from all its stores
+                sampler._random_goals = self._set_goals
             if store.url in self._pending:
                 sampler.load_state_dict(self._pending.pop(store.url))
             self._intervals.append(sampler.refresh_interval)
@@ -248,6 +260,25 @@ class MixtureSampler:
             self._samplers.append(sampler)
             self._counts = np.append(self._counts, sampler.refresh().num_transitions)
             self._refreshed.append(time.monotonic())
+
+    def _set_goals(self, rng: np.random.Generator, n: int) -> np.ndarray:
+        """A store set's random goals: the achieved goals of the next observations of ``n`` transitions drawn
+        uniformly, with ``rng`` (the relabelling sampler's), from the committed transitions of all its stores, as
+        their samplers' views hold them."""
+        counts = np.array([0 if s._view is None else s._view.num_transitions for s in self._samplers], np.int64)
+        ends = np.cumsum(counts)
+        k = rng.integers(0, int(ends[-1]), n)
+        store = np.searchsorted(ends, k, side="right")
+        k -= (ends - counts)[store]
+        goals: np.ndarray | None = None
+        for pos in np.unique(store):
+            sel = store == pos
+            got = self._samplers[pos]._transition_goals(k[sel], rng)
+            if goals is None:
+                goals = np.empty((n, *got.shape[1:]), got.dtype)
+            goals[sel] = got
+        assert goals is not None  # n >= 1
+        return goals
 
     def _refresh_set(self) -> None:
         """The set's refresh, which refreshes its stores too: each sampler then takes its store's new view without

@@ -5,8 +5,9 @@ the step ``j`` whose next achieved goal becomes the new desired goal. The formul
 (stable_baselines3/her/her_replay_buffer.py): future ``j ~ U[t, L-1]``, final ``j = L-1``, episode
 ``j ~ U[0, L-1]``; the goal is the achieved goal of the next observation at step ``j``, i.e. row
 ``start + j + 1``. ``random`` (SB2, TorchRL) takes the next achieved goal of a transition drawn uniformly
-from the whole store. :class:`GoalMixture` is offline goal-conditioned RL's mixture (OGBench's GCDataset): the
-current step, a future step (uniform or geometric) or a random transition of the store.
+from the whole store (from every shard of a sharded dataset, whose sampler draws over all of them; see
+:class:`~her_store.mixture.MixtureSampler`). :class:`GoalMixture` is offline goal-conditioned RL's mixture
+(OGBench's GCDataset): the current step, a future step (uniform or geometric) or a random transition of the store.
 """
 
 from __future__ import annotations
@@ -76,8 +77,9 @@ class GoalMixture:
     ``discount`` is None, else ``j = min(t + k, L-1)`` with ``k ~ Geometric(1 - discount)`` on ``{1, 2, ...}``
     (truncated at the episode's end, as OGBench does, so the final step takes the rest of the mass); at the last
     step, where no later one exists, ``j = t``; with ``p_random`` the step of a transition drawn uniformly from
-    the committed transitions of the live episodes (the ``random`` strategy's draw). The new goal is the achieved
-    goal of the next observation at step ``j`` (row ``start + j + 1``), as for every strategy here.
+    the committed transitions of the live episodes (the ``random`` strategy's draw: of every shard, for a sharded
+    dataset's sampler). The new goal is the achieved goal of the next observation at step ``j`` (row
+    ``start + j + 1``), as for every strategy here.
 
     This is OGBench's ``GCDataset.sample_goals`` (``value_p_curgoal``, ``value_p_trajgoal``,
     ``value_p_randomgoal``, ``value_geom_sample``, ``discount``) with OGBench's state index read as the step

@@ -69,6 +69,10 @@ class _Draw(NamedTuple):
     her: np.ndarray  # which samples are relabelled
     goal_rows: np.ndarray | None  # rows whose achieved_goal is the new goal of each relabelled sample (built-ins)
     goal_ids: np.ndarray | None  # the episodes those rows belong to
+    # relabelled samples whose goal was read at the draw (random goals from other stores, HerSampler._random_goals),
+    # and those goals, (relabelled samples, *goal shape), valid where ``given``; their goal rows are the samples' own
+    given: np.ndarray | None = None
+    given_goals: np.ndarray | None = None
 
 
 def _finish_all(pending: list[Callable[[], None]]) -> None:
@@ -92,6 +96,9 @@ def _replace_samples(d: _Draw, sub: np.ndarray, d2: _Draw) -> tuple[_Draw, np.nd
     if d.goal_rows is not None and d.goal_ids is not None and d2.goal_rows is not None and d2.goal_ids is not None:
         fields["goal_rows"], fields["goal_ids"] = d.goal_rows.copy(), d.goal_ids.copy()
         fields["goal_rows"][at], fields["goal_ids"][at] = d2.goal_rows, d2.goal_ids
+    if d.given is not None and d.given_goals is not None and d2.given is not None and d2.given_goals is not None:
+        fields["given"], fields["given_goals"] = d.given.copy(), d.given_goals.copy()
+        fields["given"][at], fields["given_goals"][at] = d2.given, d2.given_goals
     return d._replace(**fields), at
 
 
@@ -192,6 +199,11 @@ class HerSampler:
     >>> batch = sampler.sample()  # doctest: +SKIP
     >>> q = critic(batch.observations, batch.actions)  # doctest: +SKIP
     """
+
+    # the goals of relabelled samples that take a random transition's goal (``random``, a GoalMixture's random share):
+    # when set, ``_random_goals(rng, n)`` reads ``n`` of them, drawn with the sampler's generator, instead of the
+    # sampler drawing them from its own store (a MixtureSampler over a store set draws them from all its stores)
+    _random_goals: Callable[[np.random.Generator, int], np.ndarray] | None = None
 
     def __init__(
         self,
@@ -295,19 +307,24 @@ class HerSampler:
         ids, steps = view.locate(rng.integers(0, view.num_transitions, len(her)))
         pos = ids - view.first
         starts, lengths = view.start_rows[pos], view.lengths[pos]
-        goal_rows = goal_ids = None
+        goal_rows = goal_ids = anywhere = given = given_goals = None
         n_her = int(her.sum())
         if n_her and isinstance(self.strategy, GoalMixture):
             j, anywhere = self.strategy.select(steps[her], lengths[her], rng)
             goal_ids, goal_rows = ids[her], starts[her] + j + 1
-            goal_ids[anywhere], goal_rows[anywhere] = _random_goal_rows(view, rng, int(anywhere.sum()))
+        elif n_her and self.strategy is GoalSelectionStrategy.RANDOM:
+            anywhere = np.ones(n_her, bool)
+            goal_ids, goal_rows = ids[her], starts[her] + steps[her] + 1
         elif n_her and isinstance(self.strategy, GoalSelectionStrategy):
-            if self.strategy is GoalSelectionStrategy.RANDOM:
-                goal_ids, goal_rows = _random_goal_rows(view, rng, n_her)
-            else:
-                goal_ids = ids[her]
-                goal_rows = starts[her] + select_goal_steps(self.strategy, steps[her], lengths[her], rng) + 1
-        return _Draw(ids, steps, starts + steps, lengths, her, goal_rows, goal_ids)
+            goal_ids = ids[her]
+            goal_rows = starts[her] + select_goal_steps(self.strategy, steps[her], lengths[her], rng) + 1
+        if anywhere is not None and goal_ids is not None and goal_rows is not None:
+            if self._random_goals is None:
+                goal_ids[anywhere], goal_rows[anywhere] = _random_goal_rows(view, rng, int(anywhere.sum()))
+            else:  # read elsewhere; the samples' own next rows (gathered anyway) stand in for them until relabelling
+                given, given_goals = anywhere, np.zeros((n_her, *self._goal_shape), self._goal_dtype)
+                given_goals[anywhere] = self._random_goals(rng, int(anywhere.sum()))
+        return _Draw(ids, steps, starts + steps, lengths, her, goal_rows, goal_ids, given, given_goals)
 
     def _gather(
         self, d: _Draw
@@ -367,6 +384,34 @@ class HerSampler:
             return self._field("achieved_goal", rows[:, a:b] if spec.is_pack else rows, self._goal_shape)
 
         return read
+
+    def _transition_goals(self, k: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+        """The achieved goals of the next observations of transitions ``k`` of the view sampled from (``0 <= k <
+        num_transitions``): another store's random goals, when a mixture draws them from all its stores. From a ring,
+        those whose episode the writer evicted meanwhile are drawn again, with ``rng``, among the live ones."""
+        view = self._view if self._view is not None else self.refresh()
+        spec, a, b = self.store.layout.fields["achieved_goal"]
+
+        def read(rows: np.ndarray) -> np.ndarray:
+            got = self._rows(spec.path, rows)
+            return self._field("achieved_goal", got[:, a:b] if spec.is_pack else got, self._goal_shape)
+
+        ids, steps = view.locate(k)
+        goals = read(view.start_rows[ids - view.first] + steps + 1)
+        if self.store.capacity is None:
+            return goals
+        for _ in range(100):
+            first = self.store.live_first()
+            stale = ids < first
+            if not stale.any():
+                return goals
+            view = view.since(first)
+            if view.num_transitions == 0:
+                view = self.refresh()
+                continue
+            ids[stale], rows = _random_goal_rows(view, rng, int(stale.sum()))
+            goals[stale] = read(rows)
+        raise StoreError(f"{self.store.url}: the ring writer overtakes the sampler; sample from a larger ring")
 
     def _rewards(self, achieved: np.ndarray, desired: np.ndarray, infos: Any) -> np.ndarray:
         assert self.reward_fn is not None  # set whenever n_sampled_goal > 0
@@ -462,6 +507,8 @@ class HerSampler:
                 goals = np.asarray(self.strategy(ctx), dtype=self._goal_dtype)
                 if goals.shape != (n, *self._goal_shape):
                     raise ValueError(f"goal strategy returned shape {goals.shape}, expected {(n, *self._goal_shape)}")
+            if d.given is not None and d.given_goals is not None:
+                goals[d.given] = d.given_goals[d.given]
             desired[:n] = goals
             nxt["desired_goal"][:n] = goals
             info_arg = (

@@ -488,6 +488,8 @@ class ShardedView:
         """A sampler of HER batches drawn uniformly from every committed transition of every shard: a
         :class:`her_store.mixture.MixtureSampler` over this view weighted by transitions, which calls :meth:`refresh`
         and so follows new episodes and new shards. A batch's ``source`` is the shard's position in :attr:`shards`.
+        The shards are one dataset: a random goal (``random``, a GoalMixture's random share) is the next achieved goal
+        of a transition drawn uniformly from every shard's committed transitions, whichever shard the row came from.
 
         Parameters
         ----------

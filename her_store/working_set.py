@@ -3,12 +3,12 @@
 For a store on object storage or larger than RAM: whole episodes are copied into a ring of rows of a fixed byte
 budget by large reads (runs of consecutive episodes, read through the store's ChunkReader: whole chunks, ranged blocks
 or frame runs, never a request per row), a background thread replaces part of the set at each refill, and batches are
-drawn from the set with :class:`~her_store.sampler.HerSampler`'s own drawing, relabelling and reward recomputation.
+drawn from the set, with weights that give every transition of the store the same long-run share, and relabelled by
+:class:`~her_store.sampler.HerSampler`'s own relabelling and reward recomputation.
 """
 
 from __future__ import annotations
 
-import math
 import threading
 import time
 from collections.abc import Callable
@@ -34,9 +34,23 @@ _HOST_FIELDS = frozenset({"achieved_goal", "desired_goal", "reward", "terminated
 _IDLE_WAIT = 0.05  # seconds the refill thread waits after a refill that found nothing to load
 
 
-def _empty_view() -> IndexView:
-    none = np.zeros(0, np.int64)
-    return IndexView(0, 0, none, none, none, 0)
+class _SetView(IndexView):
+    """The set's episodes as a batch draws from them (positions in the set, ring rows as start rows).
+
+    ``locate(k)`` takes episode ``i`` for the ``k`` in its share of ``weights`` (the transitions of it that its arc
+    covers), and the step uniformly among all the episode's steps, with ``rng`` (the batches' generator): episode
+    ``i`` with probability ``weights[i] / sum(weights)``, each of its ``T`` steps alike.
+    """
+
+    __slots__ = ("_rng",)
+
+    def __init__(self, starts: np.ndarray, lengths: np.ndarray, weights: np.ndarray, rng: np.random.Generator) -> None:
+        super().__init__(0, len(starts), starts, lengths, np.cumsum(weights), 0)
+        self._rng = rng
+
+    def locate(self, k: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        i, _ = super().locate(k)
+        return i, (self._rng.random(len(i)) * self.lengths[i]).astype(np.int64)
 
 
 def _episode_rows(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
@@ -49,46 +63,51 @@ class WorkingSetSampler(HerSampler):
     """Hindsight Experience Replay batches from a bounded working set of whole episodes of a store.
 
     The set is a ring of ``budget_bytes // row_bytes`` rows (``row_bytes``: one row of every array a batch reads),
-    allocated once on ``device``; each resident episode owns ``T + 1`` consecutive rows of it, so future, final and
-    episode goals stay within the episode. A refill (:meth:`refill`, or a background thread) places an *arc* of
-    ``W`` rows uniformly at random on the circle of all live episodes' rows (in id order, the newest followed by the
-    oldest), ``W`` being ``refill_fraction`` of the ring's rows or the longest live episode's ``T + 1`` rows,
-    whichever is more (so that any arc holds some episode's first row), takes the episodes whose first row falls
-    inside it and are not resident yet, evicts the oldest-loaded resident episodes until they fit, and reads their
-    rows (a run of consecutive episodes: large sequential reads of whole chunks, or ranged blocks, through the store's
-    :class:`~her_store.reader.ChunkReader`) straight into the ring. The first batch fills the set arc by arc, until
-    the next arc's episodes do not fit in the free rows or the whole store is in it. Batches are drawn uniformly over
-    the transitions in the set, relabelled and rewarded exactly as :class:`HerSampler` does it.
+    allocated once on ``device``; each episode in it owns ``T + 1`` consecutive rows (past the ring's last row, on
+    from its first), so future, final and episode goals stay within the episode. When the live episodes' rows
+    (``T + 1`` each, ``R`` in all) fit in the ring, the set is the store: the first batch loads every episode, a
+    refill loads the new ones, and sampling is exactly :class:`HerSampler`'s.
 
-    **How this deviates from uniform sampling over the store.** At a refill, every live episode is taken with the
-    same probability, ``W / R`` (``W`` the arc's rows, ``R`` the live episodes' rows counting ``T + 1`` each),
-    whatever its length or position: the arc starts at a row ``u`` drawn uniformly from the ``R`` rows of the circle
-    and an episode is taken when its first row is one of the ``W`` rows from ``u`` on, which happens for exactly
-    ``W`` of the ``R`` values of ``u`` whichever episode it is. ``W`` depends on the live episodes only (not on
-    ``u``), so lengthening the arc to the longest episode keeps every probability equal. On a circle the store's first
-    and last episodes (and the ring's wrap point) have no edge effect, and an episode is taken whole or not at all by
-    where its first row falls, never cut at a window's edge. Eviction is first in, first out, so an episode stays for
-    about ``capacity_rows / W`` refills (``1 / refill_fraction`` unless the longest episode sets ``W``) whichever
-    episode it is. Hence, over many refills, every committed transition is equally likely to be in the set, and
-    (drawn uniformly within the set) equally likely to be sampled, to within the spread of the set's transition count
-    (a set holding longer episodes holds a few more transitions in its rows).
-    The differences from :class:`HerSampler`'s independent uniform draws:
+    Otherwise the set holds ``K`` *arcs*. An arc is ``A`` consecutive transitions placed uniformly at random on the
+    circle of all ``N`` live transitions (in id order, the newest followed by the oldest); the set holds the episodes
+    it reaches, whole, even the two it covers only in part at its ends. A refill (:meth:`refill`, or a background
+    thread) places a new arc, evicts the oldest arc and reads the new arc's episodes (a run of consecutive episodes:
+    large sequential reads of whole chunks, or ranged blocks, through the store's
+    :class:`~her_store.reader.ChunkReader`) straight into the ring; the first batch fills the set arc by arc. ``K =
+    capacity_rows // max(refill_fraction * capacity_rows, 4 * longest)``, at least 1 (``longest``: the longest live
+    episode's ``T + 1`` rows), and ``A`` is the most transitions whose episodes always fit in ``capacity_rows // K``
+    rows (at the arc's ends two episodes of at most ``longest`` rows, between them whole episodes of at least the
+    shortest length), so that the ring always holds ``K`` arcs. A batch draws an episode of the set with
+    probability proportional to the transitions of it that its arc covers (:attr:`episode_shares`; an episode that
+    two arcs reached is in the set twice, with each one's share) and the step uniformly among all the episode's
+    ``T`` steps, then relabels and rewards exactly as :class:`HerSampler` does.
 
-    - Correlation in time: batches between two refills come from the same set, which holds about
-      ``capacity_rows / W`` arcs, each a run of consecutive episodes (collected together, by similar policies).
-      A transition in the set is sampled about ``k * batch_size / set transitions`` times per refill when the learner
-      takes ``k`` batches per refill, and not at all while it is out of the set: the sample stream is a mixture over
-      slowly changing subsets, not i.i.d. over the store. More refills per batch (a larger ``refill_fraction``, the
-      refill keeping up) bring it closer.
-    - New commits become eligible at the next refill with the same probability as any episode, so a new episode
-      enters the batches after a geometric number of refills (mean ``R / W``), not at the next refresh.
+    **Every committed transition has the same long-run share of the batches, 1 / N, whatever the episode lengths.**
+    A batch takes one of the ``K`` arcs with probability ``1 / K``, within it episode ``e`` with probability
+    ``c / A`` (``c``: the transitions of ``e`` the arc covers) and each of its steps with probability ``1 / T_e``. An
+    arc placed uniformly covers on average ``A T_e / N`` transitions of ``e``, so each arc gives every transition
+    of ``e`` an expected ``1 / (K N)``, and the ``K`` arcs ``1 / N``: exactly, for a given set of live episodes. The
+    number of arcs never depends on which episodes they hold (the ring is sized for the worst arc), and during a
+    refill's read the set holds the ``K - 1`` others, under the same law. Drawing uniformly over the set's
+    transitions instead would favour short episodes: a set holding many of them holds fewer transitions, each then
+    drawn more often. The differences from :class:`HerSampler`'s independent uniform draws:
+
+    - Correlation in time: batches between two refills come from the same ``K`` arcs, each a run of consecutive
+      episodes (collected together, by similar policies), and each refill replaces one of them: the sample stream is
+      a mixture over slowly changing subsets, not i.i.d. over the store. More refills per batch (a larger
+      ``refill_fraction``, the refill keeping up) bring it closer.
+    - The set holds ``K A`` covered transitions, fewer than its rows could hold: an arc's episodes are sized for the
+      worst arc, and its two end episodes are loaded whole for their covered part's weight. With episodes of one
+      length ``L`` much shorter than an arc, ``A`` is about ``(capacity_rows / K - 2 (L + 1)) L / (L + 1)``; with
+      very unequal lengths (1 and 300 steps), far fewer. With ``K = 1`` (a set smaller than eight of the longest
+      episode) a batch waits for each refill's read.
+    - New commits become eligible at the next refill, covered by each arc with probability ``A / N`` per transition,
+      so a new episode enters the batches after a geometric number of refills, not at the next refresh.
     - Goals of the ``random`` strategy (and a :class:`~her_store.relabel.GoalMixture`'s random share) are drawn from
-      the set's transitions, not the whole store's.
+      the set, by the same law as the batch's transitions.
     - An episode the ring evicts leaves the set at the next refill. Until then it may be sampled: its rows are the
       intact copy read while it was live (a refill checks :meth:`EpisodeStore.live_first` after each read and keeps
       only episodes that were still live, so rows the writer was overwriting are never kept).
-    - When the whole store fits in one arc (``R <= W``), every refill takes every live episode: the set is the store
-      and sampling is exactly HerSampler's.
 
     Parameters
     ----------
@@ -101,8 +120,8 @@ class WorkingSetSampler(HerSampler):
     batch_size : int
         Default batch size of :meth:`sample`.
     refill_fraction : float
-        The share of the set's rows one refill's arc spans (it loads, and once the set is full evicts, about as
-        many), in ``(0, 0.5]``; an arc spans at least the longest live episode's rows.
+        The share of the set one refill replaces, in ``(0, 0.5]``: the set holds ``capacity_rows //
+        max(refill_fraction * capacity_rows, 4 * longest)`` arcs (at least one), and a refill replaces the oldest.
     refill_interval : float
         Seconds the background thread waits between refills (0: back to back, as fast as the reads go). The default,
         0.05 s, leaves the learner most of the interpreter for about two thirds of the refill rate (100,000
@@ -205,10 +224,15 @@ class WorkingSetSampler(HerSampler):
                 f"({e}); lower budget_bytes"
             ) from e
         self._refill_rng = np.random.default_rng(np.random.SeedSequence(seed).spawn(1)[0])
-        # resident episodes, oldest loaded first (their ring positions increase, wrapping once at most)
-        self._ids = self._lengths = self._pos = np.zeros(0, np.int64)
-        self._tail = 0  # ring row where the next block goes (if it fits before the oldest resident)
-        self._published: tuple[IndexView, np.ndarray] = (_empty_view(), self._ids)
+        # the set's episodes, oldest loaded first: store id, steps, first ring row (rows run on past the ring's end at
+        # its start), the transitions of it its arc covers (its weight), and its arc (-1: loaded whole, the store
+        # fitting in the set); one arc's episodes follow each other, in the ring as in this order
+        self._ids = self._lengths = self._pos = self._weights = self._arcs = np.zeros(0, np.int64)
+        self._tail = 0  # ring row where the next arc's rows go: after the newest episode's rows
+        self._next_arc = 0
+        self._published: tuple[_SetView, np.ndarray, np.ndarray] = (
+            _SetView(self._pos, self._lengths, self._weights, self.rng), self._ids, self._weights
+        )
         self._lock = threading.Lock()  # a batch's draw and gather, against a refill changing which rows are live
         self._refill_lock = threading.Lock()  # one refill at a time
         self._halt = threading.Event()
@@ -227,19 +251,25 @@ class WorkingSetSampler(HerSampler):
 
     @property
     def resident_bytes(self) -> int:
-        """Bytes of the rows the resident episodes own (``T + 1`` rows each)."""
-        view = self._published[0]
-        return (view.num_transitions + len(view)) * self.row_bytes
+        """Bytes of the rows the set's episodes own (``T + 1`` rows each)."""
+        return int((self._published[0].lengths + 1).sum()) * self.row_bytes
 
     @property
     def episode_ids(self) -> np.ndarray:
-        """Ids of the episodes in the set, oldest loaded first."""
+        """Ids of the episodes in the set, oldest loaded first (an episode that two arcs reached is in it twice)."""
         return self._published[1].copy()
 
     @property
+    def episode_shares(self) -> np.ndarray:
+        """Each of the set's episodes' share of a batch (in the order of :attr:`episode_ids`): the transitions of it
+        that its arc covers, over all the set's arcs' transitions; its steps are drawn uniformly."""
+        weights = self._published[2]
+        return weights / weights.sum() if len(weights) else np.zeros(0)
+
+    @property
     def num_transitions(self) -> int:
-        """Transitions in the set (what a batch is drawn from)."""
-        return self._published[0].num_transitions
+        """Transitions of the set's episodes (what a batch is drawn from; an episode in it twice counts twice)."""
+        return int(self._published[0].lengths.sum())
 
     # -- refills -------------------------------------------------------------------------------------------
     def refill(self) -> int:
@@ -253,91 +283,116 @@ class WorkingSetSampler(HerSampler):
         self._require_open()
         return self._refill(self._current_view()) or 0
 
-    def _arc_rows(self, view: IndexView) -> int:
-        """Rows of an arc: ``refill_fraction`` of the ring's, at least the longest episode's ``T + 1``."""
-        return max(int(self.refill_fraction * self.capacity_rows), int(view.lengths.max()) + 1 if len(view) else 1)
+    def _shape(self, view: IndexView) -> tuple[int, int]:
+        """``(K, A)`` for a view whose rows the set cannot hold all at once: the set holds ``K`` arcs of ``A``
+        transitions each, in slots of ``S = capacity // K`` rows, ``K = capacity // max(refill_fraction * capacity,
+        4 * longest)``, at least 1 (``longest``: the longest episode's ``T + 1`` rows). ``A`` is the most transitions
+        whose episodes always fit in a slot: an arc reaches at most two episodes it does not cover whole (``longest``
+        rows each) and, between them, whole episodes of at least ``shortest`` steps holding at most ``A - 2`` of its
+        transitions, on at most ``(A - 2) (1 + 1 / shortest)`` rows. Slots of four of the longest episode, where the
+        set can give ``K >= 2`` of them, keep those two ends to half a slot at most."""
+        longest, shortest = int(view.lengths.max()) + 1, int(view.lengths.min())
+        C = self.capacity_rows
+        arcs = max(1, C // max(int(self.refill_fraction * C), 4 * longest))
+        return arcs, 2 + (C // arcs - 2 * longest) * shortest // (shortest + 1)
 
-    def _arc(self, view: IndexView) -> np.ndarray:
-        """Positions in ``view`` of the episodes whose first row lies in an arc of :meth:`_arc_rows` rows placed
-        uniformly on the circle of the view's rows: each episode with probability arc / total, at least one."""
-        rows = view.lengths + 1
-        total = int(rows.sum())
-        arc = self._arc_rows(view)
-        if arc >= total:
-            return np.arange(len(view))
-        offsets = np.cumsum(rows) - rows
-        u = int(self._refill_rng.integers(total))
-        return np.flatnonzero((offsets - u) % total < arc)
+    def _arc(self, view: IndexView, A: int) -> tuple[np.ndarray, np.ndarray]:
+        """An arc of ``A`` transitions placed uniformly on the circle of the view's transitions (in id order, the
+        newest followed by the oldest): positions in ``view`` of the episodes it reaches, in circle order, and how
+        many of each one's transitions it covers (``A`` in all)."""
+        N = view.num_transitions
+        u = int(self._refill_rng.integers(N))
+        (s, e), (first, last) = view.locate(np.array([u, (u + A - 1) % N]))
+        s, e = int(s) - view.first, int(e) - view.first
+        pos = np.arange(s, e + 1) if e >= s else np.concatenate([np.arange(s, len(view)), np.arange(e + 1)])
+        covered = view.lengths[pos].copy()
+        covered[0] -= first
+        covered[-1] -= view.lengths[pos[-1]] - 1 - last
+        return pos, covered
 
-    def _place(self, n: int) -> int | None:
-        """Ring row where a block of ``n`` rows fits between the newest and the oldest resident, or None."""
+    def _free(self) -> int:
+        """Ring rows from the end of the newest episode's rows to the first row of the oldest one."""
         if not len(self._ids):
-            return 0
-        head, tail, C = int(self._pos[0]), self._tail, self.capacity_rows
-        if tail > head:  # residents in [head, tail): room after them, or before them from row 0
-            return tail if C - tail >= n else 0 if head >= n else None
-        return tail if head - tail >= n else None  # residents in [head, C) and [0, tail)
+            return self.capacity_rows
+        return self.capacity_rows - ((self._tail - int(self._pos[0]) - 1) % self.capacity_rows + 1)
 
     def _keep(self, which: Any) -> None:
         self._ids, self._lengths, self._pos = self._ids[which], self._lengths[which], self._pos[which]
+        self._weights, self._arcs = self._weights[which], self._arcs[which]
 
     def _publish(self) -> None:
-        view = IndexView(0, len(self._ids), self._pos, self._lengths, np.cumsum(self._lengths), 0)
-        self._published = (view, self._ids)
+        self._published = (_SetView(self._pos, self._lengths, self._weights, self.rng), self._ids, self._weights)
 
     def _refill(self, view: IndexView, evict: bool = True) -> int | None:
-        """One refill from the committed ``view``; returns the transitions loaded, or None when no arc can load
-        anything: every live episode of the view is in the set, or (without ``evict``, which loads only what fits in
-        the free rows) the arc's new episodes do not fit."""
+        """One refill from the committed ``view``; returns the transitions loaded, or None when it loads nothing: the
+        whole view fits in the set and is in it, or (without ``evict``, which keeps the arcs in the set) the set holds
+        its arcs."""
         with self._refill_lock:
             self._require_open()
             started = time.perf_counter()
+            C = self.capacity_rows
             ring = self.store.capacity is not None
-            if ring:  # the arc goes round the episodes the writer has not evicted, and those it evicted leave the set
+            if ring:  # arcs go round the episodes the writer has not evicted, and those it evicted leave the set
                 view = view.since(self.store.live_first())
                 with self._lock:
                     self._keep(self._ids >= view.first)
                     self._publish()
-            if np.count_nonzero(self._ids < view.end) == len(view):
+            if not len(view):
                 return None
-            ids = view.first + self._arc(view)
-            ids = ids[~np.isin(ids, self._ids)]
-            lengths = view.lengths[ids - view.first]
-            starts = view.start_rows[ids - view.first]
-            n = int((lengths + 1).sum())
-            longest = int(view.lengths.max()) + 1 if len(view) else 0
-            # an arc's new episodes span under W + longest <= capacity rows (W <= capacity / 2) when this holds
-            if 2 * longest > self.capacity_rows:
+            longest = int(view.lengths.max()) + 1
+            if 2 * longest > C:
                 raise StoreError(
-                    f"{self.store.url}: the working set holds {self.capacity_rows} rows of {self.row_bytes} bytes "
+                    f"{self.store.url}: the working set holds {C} rows of {self.row_bytes} bytes "
                     f"(budget_bytes={self.budget_bytes}); it must hold two of the longest episode ({longest} rows): "
                     f"raise budget_bytes to at least {2 * longest * self.row_bytes}"
                 )
             with self._lock:  # batches drawn from now on see neither the evicted episodes nor the rows being read
-                at = self._place(n) if n else None
-                while at is None and n and evict and len(self._ids):
-                    self._keep(slice(1, None))
-                    at = self._place(n)
-                self._publish()
-            if at is None:
-                return None if n else 0
-            rows = _episode_rows(starts, lengths)
-            for path, buf in self._buffers.items():
-                block = buf[at : at + n]
-                if block.device.type == "cpu":
-                    self.reader.gather(path, rows, out=block.numpy())
+                if view.num_transitions + len(view) <= C:  # the store fits: the set is the store, loaded whole
+                    if (self._arcs >= 0).any():  # arcs of a time the store did not fit (a ring's episodes vary)
+                        self._keep(slice(0, 0))
+                    pos = np.flatnonzero(~np.isin(np.arange(view.first, view.end), self._ids))
+                    n = int((view.lengths[pos] + 1).sum())
+                    if n > self._free():  # rows of evicted episodes lie between: load the whole store afresh
+                        self._keep(slice(0, 0))
+                        pos, n = np.arange(len(view)), view.num_transitions + len(view)
+                    covered, arc = view.lengths[pos], -1
                 else:
-                    block.copy_(torch.from_numpy(self.reader.gather(path, rows)))
+                    arcs, A = self._shape(view)
+                    pos, covered = self._arc(view, A)
+                    n, arc = int((view.lengths[pos] + 1).sum()), self._next_arc
+                    while len(self._ids) and (len(np.unique(self._arcs[self._arcs >= 0])) >= arcs or self._free() < n):
+                        if not evict:
+                            return None
+                        self._keep(self._arcs != self._arcs[0])  # the oldest arc (or the store loaded whole)
+                    self._next_arc += 1
+                self._publish()
+                at = self._tail if len(self._ids) else 0
+            if not len(pos):
+                return None
+            ids, starts, lengths = view.first + pos, view.start_rows[pos], view.lengths[pos]
+            rows = _episode_rows(starts, lengths)
+            split = min(n, C - at)  # the rows past the ring's end go to its start
+            for path, buf in self._buffers.items():
+                for where, part in ((at, rows[:split]), (0, rows[split:])):
+                    if not len(part):
+                        continue
+                    block = buf[where : where + len(part)]
+                    if block.device.type == "cpu":
+                        self.reader.gather(path, part, out=block.numpy())
+                    else:
+                        block.copy_(torch.from_numpy(self.reader.gather(path, part)))
             # a ring may have overwritten rows of episodes it evicted during the read: keep only those still live
             first = self.store.live_first() if ring else view.first
             live = ids >= first
             r = lengths + 1
             with self._lock:
-                self._keep(self._ids >= first)  # and residents evicted meanwhile leave with them
+                self._keep(self._ids >= first)  # and episodes of the set evicted meanwhile leave with them
                 self._ids = np.concatenate([self._ids, ids[live]])
                 self._lengths = np.concatenate([self._lengths, lengths[live]])
-                self._pos = np.concatenate([self._pos, at + (np.cumsum(r) - r)[live]])
-                self._tail = at + n
+                self._pos = np.concatenate([self._pos, ((at + np.cumsum(r) - r) % C)[live]])
+                self._weights = np.concatenate([self._weights, covered[live]])
+                self._arcs = np.concatenate([self._arcs, np.full(int(live.sum()), arc, np.int64)])
+                self._tail = (at + n) % C
                 self._publish()
             loaded = int(lengths[live].sum())
             self.refills += 1
@@ -346,15 +401,9 @@ class WorkingSetSampler(HerSampler):
             return loaded
 
     def _fill(self, view: IndexView) -> None:
-        """Fill the free rows arc by arc (the first batch: the set starts as a full set of independent arcs), until
-        an arc's new episodes do not fit or the whole view is in the set.
-
-        An arc that brings only resident episodes is drawn again. Bounded: about ``max(capacity, R) / W`` arcs fill
-        the set, and collecting every one of ``N`` episodes when the set holds the store takes about ``ln N`` times
-        as many (a coupon collector); four times that, whatever is then in the set is the first set.
-        """
-        arcs = -(-max(self.capacity_rows, view.num_transitions + len(view)) // self._arc_rows(view))
-        for _ in range(4 * arcs * (1 + math.ceil(math.log(len(view) + 1)))):
+        """Fill the set (the first batch): with the whole view when it fits, else arc by arc until it holds its
+        arcs (bounded: each refill adds rows to the ring, two at least, or returns None)."""
+        for _ in range(self.capacity_rows):
             if self._refill(view, evict=False) is None:
                 return
 
@@ -400,9 +449,10 @@ class WorkingSetSampler(HerSampler):
         for _ in range(tries):
             self._ready(view)
             with self._lock:
-                # a refill that had to evict the whole set to place its episodes leaves it empty until its read ends
                 if self._published[0].num_transitions or not view.num_transitions:
                     return super()._make_batch(self._published[0], B, may_refresh)
+            with self._refill_lock:  # a refill that evicted the set's only arc leaves it empty until its read ends
+                pass
         if self.store.capacity is not None:
             raise StoreError(
                 f"{self.store.url}: {tries} refills in a row kept no episode: the ring writer evicted the episodes of "
@@ -427,11 +477,11 @@ class WorkingSetSampler(HerSampler):
         return view, d, now, nxt, goals, finish
 
     def _rows(self, path: str, rows: np.ndarray) -> Any:
-        """HerSampler's gather reads from the ring: ``numpy.take`` of its rows on the CPU (as the reader gathers a
-        local store's rows), one ``index_select`` on another device."""
+        """HerSampler's gather reads from the ring, rows past its end at its start: ``numpy.take`` of its rows on the
+        CPU (as the reader gathers a local store's rows), one ``index_select`` on another device."""
         if self._numpy_gather:
-            return np.take(self._buffers[path].numpy(), rows, axis=0)
-        return self._buffers[path].index_select(0, torch.as_tensor(rows, device=self.device))
+            return np.take(self._buffers[path].numpy(), rows, axis=0, mode="wrap")
+        return self._buffers[path].index_select(0, torch.as_tensor(rows % self.capacity_rows, device=self.device))
 
     def _rows_later(self, path: str, rows: np.ndarray) -> tuple[Any, Callable[[], None]]:
         """The ring's rows are gathered at once (:meth:`_rows`)."""

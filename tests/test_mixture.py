@@ -13,12 +13,12 @@ import pytest
 import torch
 from gymnasium import spaces
 
-from her_store import EpisodeStore, HerSampler, SchemaMismatchError, StoreError, open_store
+from her_store import EpisodeStore, GoalMixture, HerSampler, SchemaMismatchError, StoreError, open_store
 from her_store.mixture import MixtureSampler, StoreSet
 from her_store.transfer import copy_store
 from tests.conftest import fetch_spaces, make_episode
 from tests.http_server import RangeHandler, Server
-from tests.test_sampler import _chi2, _chi2_crit
+from tests.test_sampler import _chi2, _chi2_crit, coded_episode
 
 
 def sparse_reward(achieved, desired, infos):
@@ -287,6 +287,40 @@ def test_refresh_picks_up_a_new_store_of_a_store_set(tmp_path):
         shards.stores.reverse()  # a set that moves its stores breaks the meaning of source: refused
         with pytest.raises(StoreError, match="no longer lists store 0"):
             m.refresh()
+    shards.close()
+
+
+@pytest.mark.parametrize("strategy", ["random", GoalMixture(0.0, 0.5, 0.5)], ids=["random", "mixture"])
+def test_random_goals_come_from_a_rows_own_store_of_a_list_and_from_every_store_of_a_set(tmp_path, strategy):
+    """A list of stores is a mixture of separate datasets: a row's random goal (``random``, a GoalMixture's random
+    share) is an achieved goal of its own store. The same stores as a StoreSet are one dataset: a random goal comes
+    from either store by its share of the transitions (3/4 and 1/4), whichever store the row came from."""
+    obs, act = fetch_spaces()
+    root = tmp_path / "set"
+    root.mkdir()
+    for k, n in enumerate((12, 4)):  # achieved goal (1000 k + i, r, 0) at row r of episode i of store k
+        with EpisodeStore.create(root / f"s{k}", obs, act) as store:
+            for i in range(n):
+                store.append_episode(coded_episode(obs, act, 1000 * k + i, T=6, seed=i))
+    share, p_random = np.array([0.75, 0.25]), 1.0 if strategy == "random" else strategy.p_random
+    kw = {"goal_selection_strategy": strategy, "reward_fn": sparse_reward, "seed": 1}
+
+    def goal_stores(m: MixtureSampler) -> tuple[np.ndarray, np.ndarray]:
+        b = m.sample()
+        her = b.is_relabeled.numpy()
+        return b.observations["desired_goal"].numpy()[her, 0].astype(np.int64) // 1000, b.source.numpy()[her]
+
+    stores = [EpisodeStore.open(root / f"s{k}") for k in range(2)]
+    with MixtureSampler(stores, "transitions", 8192, **kw) as m:
+        goal, source = goal_stores(m)
+        assert len(goal) > 4000 and (goal == source).all()
+    for s in stores:
+        s.close()
+    shards = Directory(root)
+    with MixtureSampler(shards, "transitions", 8192, **kw) as m:
+        goal, source = goal_stores(m)
+        q = p_random * (1 - share[source])  # the chance that a row's goal comes from the other store
+        assert abs((goal != source).sum() - q.sum()) < 5 * np.sqrt((q * (1 - q)).sum())
     shards.close()
 
 

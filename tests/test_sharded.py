@@ -17,6 +17,7 @@ from her_store import (
     EpisodeNotFoundError,
     EpisodeStore,
     FormatVersionError,
+    GoalMixture,
     NotAStoreError,
     ReadOnlyStoreError,
     SchemaMismatchError,
@@ -32,6 +33,7 @@ from her_store.storage import Location
 from tests.conftest import assert_episode_equal, fetch_spaces, make_episode
 from tests.crash_writer import ACT, OBS, episode_for
 from tests.http_server import serving
+from tests.test_sampler import _chi2, _chi2_crit, coded_episode, sparse_reward
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 INFO = ["is_success"]
@@ -386,6 +388,107 @@ def test_view_sampler_draws_uniformly_over_every_shard(tmp_path):
     assert abs(share[2] - 0.5) < 5 * np.sqrt(0.25 / 4000), share
     sampler.close()
     view.close()
+
+
+def _coded_shards(root: str, counts: tuple[int, ...], **kw) -> list[np.ndarray]:
+    """Shard ``actor-k`` holds ``counts[k]`` episodes; episode i of shard k has ``3 + (i * (k + 2)) % 9`` steps and
+    achieved goal (1000 k + i, r, 0) at row r. Returns each shard's episode lengths."""
+    obs, act = fetch_spaces()
+    lengths = []
+    for k, n in enumerate(counts):
+        lengths.append(3 + (np.arange(n) * (k + 2)) % 9)
+        with open_store(root, obs, act, shard=f"actor-{k}", **kw) as store:
+            for i, T in enumerate(lengths[k]):
+                store.append_episode(coded_episode(obs, act, 1000 * k + i, T=int(T), seed=i))
+    return lengths
+
+
+@pytest.mark.parametrize("counts", [(40, 40), (50, 10)], ids=["equal", "unequal"])
+@pytest.mark.parametrize("strategy", ["random", GoalMixture(0.2, 0.3, 0.5)], ids=["random", "mixture"])
+def test_random_goals_of_a_view_come_from_every_shard_by_its_share_of_transitions(tmp_path, counts, strategy):
+    """A sharded dataset is one dataset: a random goal (``random``, a GoalMixture's random share) is the next achieved
+    goal of a transition drawn uniformly from every shard's committed transitions, whichever shard the row came from.
+    Over 204,800 rows, the goals from the row's other shard number ``sum p_random * (1 - share of the row's shard)``
+    within 5 standard deviations, and those goals fall on the other shard's episodes in proportion to their lengths
+    (chi-square, p = 0.001); every goal is the achieved goal of a real (shard, episode, step), and every relabelled
+    reward is recomputed for it."""
+    root = str(tmp_path / "dataset")
+    lengths = _coded_shards(root, counts)
+    share = np.array([ls.sum() for ls in lengths]) / sum(ls.sum() for ls in lengths)
+    p_random = 1.0 if strategy == "random" else strategy.p_random
+    foreign, expected, variance = 0, 0.0, 0.0
+    cells = [np.zeros(n, np.int64) for n in counts]  # goals each shard's episodes gave to rows of the other shard
+    with open_store(root) as view, view.sampler(4096, goal_selection_strategy=strategy, reward_fn=sparse_reward,
+                                                 seed=11) as sampler:
+        for _ in range(50):
+            b = sampler.sample()
+            her = b.is_relabeled.numpy()
+            goal = b.observations["desired_goal"].numpy()[her]
+            reached = b.next_observations["achieved_goal"].numpy()[her]
+            np.testing.assert_array_equal(b.rewards.numpy()[her, 0], sparse_reward(reached, goal, None))
+            np.testing.assert_array_equal(b.next_observations["desired_goal"].numpy()[her], goal)
+            shard, i, r = goal[:, 0].astype(np.int64) // 1000, goal[:, 0].astype(np.int64) % 1000, goal[:, 1]
+            assert (goal[:, 0] == 1000 * shard + i).all() and (goal[:, 2] == 0).all()
+            assert np.isin(shard, [0, 1]).all() and (i < np.array(counts)[shard]).all()
+            T = np.array([lengths[s][e] for s, e in zip(shard, i)])
+            assert ((1 <= r) & (r <= T)).all() and (r == np.round(r)).all()  # row j + 1 of a step j of the episode
+            own = b.source.numpy()[her]
+            other = shard != own
+            q = p_random * (1 - share[own])
+            foreign += int(other.sum())
+            expected += float(q.sum())
+            variance += float((q * (1 - q)).sum())
+            for s in (0, 1):
+                cells[s] += np.bincount(i[other & (shard == s)], minlength=counts[s])
+    assert abs(foreign - expected) < 5 * np.sqrt(variance), (foreign, expected)
+    for s in (0, 1):
+        want = cells[s].sum() * lengths[s] / lengths[s].sum()
+        assert _chi2(cells[s], want) < _chi2_crit(counts[s] - 1)
+
+
+def test_random_goals_from_a_ring_shard_are_never_of_an_episode_its_writer_evicted(tmp_path):
+    """A ring shard's writer evicts while another shard's rows read random goals from it: goals of episodes evicted
+    by the time the read ends (whose rows may have been overwritten under it) are drawn again among the live ones,
+    from a fresh view of the shard when the writer evicted all of the one sampled."""
+    obs, act = fetch_spaces()
+    root = str(tmp_path / "dataset")
+    _coded_shards(root, (10,))
+    with open_store(root, obs, act, shard="actor-1", capacity=120, chunk_rows=16, commit_interval=0) as writer:
+
+        def append() -> None:  # episode i of the ring shard: achieved goal (1000 + i, r, 0)
+            i = writer.end_episode
+            writer.append_episode(coded_episode(obs, act, 1000 + i, T=5, seed=i))
+
+        for _ in range(30):  # 20 episodes of 6 rows fill the ring: it has wrapped
+            append()
+        with open_store(root) as view, view.sampler(512, goal_selection_strategy="random", reward_fn=sparse_reward,
+                                                     seed=3, refresh_interval=1e9) as sampler:
+            ring = sampler.samplers[1]
+            gather, evict_to = ring.reader.gather, []
+
+            def evicting(path, rows, out=None):  # after the first read of a batch, the writer evicts episodes it read
+                got = gather(path, rows, out=out)
+                if evict_to:
+                    v = ring._view
+                    hit = (rows[:, None] >= v.start_rows) & (rows[:, None] <= v.start_rows + v.lengths)
+                    read = v.first + np.flatnonzero(hit.any(axis=0))
+                    last = int(np.median(read)) if evict_to.pop() == "some" else v.end - 1
+                    while writer.first_episode <= last:
+                        append()
+                return got
+
+            ring.reader.gather = evicting
+            for how in ("some", "all") * 3:
+                sampler.refresh()
+                evict_to.append(how)
+                b = sampler.sample()
+                assert not evict_to  # the ring shard was read, first for the random goals of shard 0's rows
+                her = b.is_relabeled.numpy()
+                goal, source = b.observations["desired_goal"].numpy()[her], b.source.numpy()[her]
+                from_ring = goal[:, 0] >= 1000
+                assert (from_ring & (source == 0)).any()
+                assert (goal[from_ring, 0] - 1000 >= writer.first_episode).all()
+                assert (goal[from_ring, 1] >= 1).all() and (goal[from_ring, 1] <= 5).all()
 
 
 def test_a_view_samplers_refresh_reads_each_shards_commit_record_once(tmp_path, monkeypatch):

@@ -67,7 +67,7 @@ def test_every_sampled_row_is_its_episodes_row_with_relabelled_rewards(coded_sto
                            refill_fraction=0.25) as s:
         assert s.row_bytes == 86 and s.capacity_rows == 300
         seen: set[int] = set()
-        for _ in range(30):
+        for _ in range(50):
             b = s.sample()
             assert_rows_are_the_stores(b, eps)
             assert set(b.episode_ids.tolist()) <= set(s.episode_ids.tolist())  # drawn from the set only
@@ -83,38 +83,67 @@ def test_every_sampled_row_is_its_episodes_row_with_relabelled_rewards(coded_sto
 
 
 def test_each_episodes_long_run_share_of_samples_is_its_share_of_transitions(tmp_path):
-    """Over 600 refills, each episode's expected share of samples (``L_e / set transitions`` summed over the sets it
-    was in) is within 40 % of its share of the store's transitions ``L_e / N``, and the spread of that ratio over the
-    60 episodes is under 16 %; samples drawn every 5th refill agree with those expectations (chi-square, p > 1e-4).
+    """Over 1,200 refills, each episode's expected share of samples (its ``episode_shares`` summed over the sets it
+    was in) is within 30 % of its share of the store's transitions ``L_e / N``, and the spread of that ratio over the
+    60 episodes is under 13 %; samples drawn every 5th refill agree with those expectations (chi-square, p > 1e-4).
 
-    Why these bounds: each refill loads an arc of W = 75 rows of the store's R = 541, so over 600 refills the arcs
-    cover each episode about 83 times and its time in the set has a relative spread of about sqrt(R / (600 W)) =
-    11 % (9 % measured over seeds): 40 % is 3.6 spreads. An arc that does not wrap around the store's ends, which
-    gives the first episodes almost no share, fails both (ratio 0.01-0.03, spread 0.27-0.31)."""
+    Why these bounds: the set holds two arcs of A = 37 transitions of the store's N = 481, one replaced at each
+    refill, so over 1,200 refills the arcs cover each transition about 92 times and its share has a relative spread
+    of about sqrt(N / (1200 A)) = 10 % (7-9 % measured over seeds, the largest deviation 22 %). An arc that does not
+    wrap around the store's ends, which gives the first episodes almost no share, fails both bounds (ratio 0.05,
+    spread 0.25)."""
     with EpisodeStore.create(tmp_path / "s", OBS, ACT, chunk_rows=64) as store:
         for i in range(60):
             store.append_episode(coded(i))
     with EpisodeStore.open(tmp_path / "s") as store:
         view = store.snapshot()
         share = view.lengths / view.num_transitions
-        refills, B = 600, 256
+        refills, B = 1200, 256
         with WorkingSetSampler(store, 150 * 86, B, reward_fn=sparse_reward, seed=3, background=False,
                                refill_fraction=0.5) as s:
             in_set, expected, drawn = np.zeros(len(share)), np.zeros(len(share)), np.zeros(len(share))
             s.sample()
             for k in range(refills):
                 s.refill()
-                pos = s.episode_ids - view.first
-                p = view.lengths[pos] / s.num_transitions
-                in_set[pos] += p
+                pos, p = s.episode_ids - view.first, s.episode_shares
+                np.add.at(in_set, pos, p)  # an episode two arcs reached is in the set twice
                 if k % 5 == 0:
-                    expected[pos] += B * p
+                    np.add.at(expected, pos, B * p)
                     drawn += np.bincount(s.sample().episode_ids.numpy() - view.first, minlength=len(share))
     ratio = in_set / (refills * share)
-    assert 0.6 < ratio.min() and ratio.max() < 1.4 and ratio.std() < 0.16, (ratio.min(), ratio.max(), ratio.std())
+    assert 0.7 < ratio.min() and ratio.max() < 1.3 and ratio.std() < 0.13, (ratio.min(), ratio.max(), ratio.std())
     from scipy.stats import chisquare
 
     assert chisquare(drawn, expected).pvalue > 1e-4
+
+
+@pytest.mark.parametrize("long_T, n_long, rows", [(300, 10, 700), (100, 30, 1000)])
+def test_each_length_class_gets_its_share_of_the_transitions_in_the_long_run(tmp_path, long_T, n_long, rows):
+    """Episodes of 1 and of 300 steps in a set of 700 rows (just over two of the longest), and of 1 and 100 steps in
+    1,000 rows, half the store's transitions in each class, in a shuffled order: over 20,000 refills driven by hand,
+    each followed by a batch of 256, each class's share of the sampled transitions is within 3 % of its share of the
+    store's, and within 4 standard errors of it (from the means of 100 runs of 200 refills: a set shares arcs with
+    the sets before it, so single batches are not independent). Before each batch, the set's own law
+    (``episode_shares``) gives the class the share that its sampled rows have over all refills, within 4 standard
+    errors as well. A set that loads and evicts whole episodes by arcs of rows and draws uniformly over the transitions
+    it holds fails both: the 1-step class gets +29 % (z = 42) and +4.2 % (z = 7), for a set holding short episodes
+    holds fewer transitions, each then drawn more often."""
+    order = np.random.default_rng(0).permutation(np.r_[np.full(n_long, long_T), np.ones(n_long * long_T, np.int64)])
+    with EpisodeStore.create(tmp_path / "s", OBS, ACT, chunk_rows=256) as store:
+        for i, T in enumerate(order):
+            store.append_episode(coded_episode(OBS, ACT, i, T=int(T), seed=i))
+    refills = 20_000
+    short, law = np.zeros(refills), np.zeros(refills)
+    with EpisodeStore.open(tmp_path / "s") as store, WorkingSetSampler(store, rows * 86, 256, n_sampled_goal=0,
+                                                                        seed=0, background=False) as s:
+        for k in range(refills):
+            s.refill()
+            law[k] = s.episode_shares[order[s.episode_ids] == 1].sum()
+            short[k] = np.mean(order[s.sample().episode_ids.numpy()] == 1)
+    for got in (short, law):
+        share = got.mean()
+        se = got.reshape(100, -1).mean(axis=1).std(ddof=1) / np.sqrt(100)
+        assert abs(share / 0.5 - 1) < 0.03 and abs(share - 0.5) < 4 * se, (share, (share - 0.5) / se)
 
 
 def test_the_set_never_holds_more_than_its_budget_while_a_writer_appends(tmp_path):
@@ -154,20 +183,22 @@ def test_over_s3_a_refill_reads_whole_chunks(s3_url):
         for i in range(60):
             store.append_episode(eps[i])
     with EpisodeStore.open(url, storage_options=opts) as store:
-        view = store.snapshot()
         with WorkingSetSampler(store, 200 * 86, 64, reward_fn=sparse_reward, seed=2, background=False) as s:
             arrays = s.reader.arrays.values()
             assert_rows_are_the_stores(s.sample(), eps)
-            for _ in range(3):
+            gather, asked = s.reader.gather, []
+
+            def recording(path, rows, out=None):  # the rows a refill asks the reader for
+                asked.append(np.array(rows))
+                return gather(path, rows, out=out)
+
+            s.reader.gather = recording
+            for _ in range(5):
                 before = {id(a): a.misses for a in arrays}
-                ids = set(s.episode_ids.tolist())
-                for _ in range(50):  # the set is full: an arc of resident episodes only reads nothing
-                    if s.refill():
-                        break
-                new = np.array(sorted(set(s.episode_ids.tolist()) - ids), np.int64)
-                rows = np.concatenate([view.start_rows[e] + np.arange(view.lengths[e] + 1) for e in new])
-                chunks = len(np.unique(rows // 32))
-                for a in arrays:  # one GET per chunk the new episodes reach (the last chunk read may still be cached)
+                asked.clear()
+                assert s.refill() > 0  # every refill reads the episodes its arc reaches
+                chunks = len(np.unique(np.concatenate(asked) // 32))
+                for a in arrays:  # one GET per chunk those episodes reach (the last chunk read may still be cached)
                     assert a.chunk_rows == 32 and chunks - 1 <= a.misses - before[id(a)] <= chunks
                 assert_rows_are_the_stores(s.sample(), eps)
         with WorkingSetSampler(store, 200 * 86, 64, reward_fn=sparse_reward, seed=2) as s:  # background refills
@@ -289,27 +320,40 @@ def long_episodes(tmp_path):
         yield store
 
 
-def test_every_refill_takes_an_episode_however_small_refill_fraction(long_episodes):
-    """An arc is at least the longest episode's rows, so it holds some episode's first row: a refill of an empty
-    set loads one episode at every seed (a 1-row arc would find one 6 times in 306)."""
+def test_every_refill_loads_the_whole_episodes_its_arc_reaches_however_small_refill_fraction(long_episodes):
+    """A set of 130 rows holds one arc (a slot of at least four of the longest episode does not fit twice), of
+    2 + (130 - 2 * 51) * 50 // 51 = 29 transitions: a refill loads the one or two whole episodes those reach, next
+    to each other on the circle of episodes, and the set is that arc, at every seed."""
     for seed in range(20):
         with WorkingSetSampler(long_episodes, 130 * 86, 8, reward_fn=sparse_reward, seed=seed, background=False,
                                refill_fraction=1e-4) as s:
-            assert s.refill() == 50 and len(s.episode_ids) == 1
+            for _ in range(3):
+                loaded, ids = s.refill(), s.episode_ids
+                assert loaded == 50 * len(ids) and len(ids) in (1, 2) and (len(ids) == 1 or (ids[1] - ids[0]) % 6 == 1)
+                assert s.episode_shares.sum() == pytest.approx(1.0) and s.resident_bytes <= s.nbytes
 
 
-def test_the_first_batch_fills_the_set(long_episodes):
-    """The first batch fills the set arc by arc until no arc fits (five of the six episodes), or until the whole
-    store is in it, not until the first arc that brings nothing new."""
+def test_the_first_batch_fills_the_set(tmp_path, long_episodes):
+    """The first batch fills the set with its arcs, one refill each (four of 37 transitions in 300 rows of 14-row
+    episodes at refill_fraction=0.25), or with the whole store at once when it fits."""
+    with EpisodeStore.create(tmp_path / "coded", OBS, ACT, chunk_rows=64) as store:
+        for i in range(120):
+            store.append_episode(coded(i))
+    store = EpisodeStore.open(tmp_path / "coded")
     for seed in range(5):
-        with WorkingSetSampler(long_episodes, 260 * 86, 8, reward_fn=sparse_reward, seed=seed, background=False,
-                               refill_fraction=0.1) as s:
+        with WorkingSetSampler(store, 300 * 86, 8, reward_fn=sparse_reward, seed=seed, background=False,
+                               refill_fraction=0.25) as s:
             s.sample()
-            assert len(s.episode_ids) == 5 and s.refills == 5
+            assert s.refills == 4 and s.resident_bytes <= s.nbytes
+            assert s.episode_shares.sum() == pytest.approx(1.0)
+            assert np.isclose(s.episode_shares * 4 * 37, np.rint(s.episode_shares * 4 * 37)).all()  # covered steps
         with WorkingSetSampler(long_episodes, 400 * 86, 8, reward_fn=sparse_reward, seed=seed, background=False,
                                refill_fraction=0.1) as s:
             s.sample()
-            assert sorted(s.episode_ids.tolist()) == list(range(6))
+            assert sorted(s.episode_ids.tolist()) == list(range(6)) and s.refills == 1
+            np.testing.assert_allclose(s.episode_shares, 1 / 6)
+            assert s.refill() == 0  # the whole store is in the set: nothing to load
+    store.close()
 
 
 def test_a_closed_sampler_says_so(long_episodes):
