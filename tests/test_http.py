@@ -397,7 +397,7 @@ try:
         sampler.sample()
 except BaseException as e:
     got = {"error": type(e).__name__, "store_error": isinstance(e, StoreError), "message": str(e)}
-got["grew"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before
+got["grew"] = status("VmHWM") - before  # this image's peak RSS (ru_maxrss keeps the forking parent's across exec)
 print(json.dumps(got))
 """
 
