@@ -4,15 +4,23 @@ from __future__ import annotations
 
 import gc
 import os
+import subprocess
+import time
 import uuid
 
 import numpy as np
 import pytest
 from gymnasium import spaces
+from hypothesis import HealthCheck, settings
 
 from her_store import _kernels
 
 GOAL_KEYS = ("observation", "achieved_goal", "desired_goal")
+
+# Property tests have no wall-clock limit per example or on generating them: on a loaded machine a slow example is
+# not a failing one.
+settings.register_profile("her_store", deadline=None, suppress_health_check=[HealthCheck.too_slow])
+settings.load_profile("her_store")
 
 
 # what only the compiled kernels do (her_store._kernels.pure says why the pure twins cannot)
@@ -83,6 +91,18 @@ def assert_episode_equal(got, want) -> None:
     for k in want:
         np.testing.assert_array_equal(np.asarray(got[k]), np.asarray(want[k]), err_msg=f"field {k}")
         assert np.asarray(got[k]).dtype == np.asarray(want[k]).dtype or k in ("reward",), k
+
+
+def until_stopped(proc: subprocess.Popen, patience_s: float = 300.0) -> None:
+    """Until the child ``proc`` has stopped itself (SIGSTOP, at a point a test chose for a kill); the test fails if
+    it ended instead, or after ``patience_s`` (only a hang takes that long)."""
+    deadline = time.monotonic() + patience_s
+    while not (found := os.waitpid(proc.pid, os.WUNTRACED | os.WNOHANG))[0]:
+        assert time.monotonic() < deadline, f"pid {proc.pid} did not stop in {patience_s:g} s"
+        time.sleep(0.05)
+    if not os.WIFSTOPPED(found[1]):
+        out = proc.stdout.read() if proc.stdout is not None else ""
+        raise AssertionError(f"pid {proc.pid} ended (wait status {found[1]}) instead of stopping: {out}")
 
 
 @pytest.fixture

@@ -98,12 +98,12 @@ class WriteFaults:
 
     # -- the patched calls ----------------------------------------------------------------------------------------
     def __enter__(self) -> Self:
-        import s3fs
         import zarr.storage._local as zlocal
 
+        s3fs = _s3fs()
         write, pwrite, fsync, replace, rename, real_open = os.write, os.pwrite, os.fsync, os.replace, os.rename, io.open
         real_removals = {name: getattr(os, name) for name in ("unlink", "remove", "rmdir")}
-        put, pipe = zlocal._put, s3fs.S3FileSystem._pipe_file
+        put = zlocal._put
 
         def p_write(fd: int, data: Any) -> int:
             if (path := self._ours_fd(fd)) and self._fault(False, path) == "short":
@@ -164,11 +164,6 @@ class WriteFaults:
                 self._fault(True, str(path))
             return put(path, *args, **kwargs)
 
-        async def p_pipe(fs: Any, path: str, *args: Any, **kwargs: Any) -> Any:
-            if path.startswith(self.prefix):
-                self._fault(True, path)
-            return await pipe(fs, path, *args, **kwargs)
-
         self._patch(os, "write", p_write)
         self._patch(os, "pwrite", p_pwrite)
         self._patch(os, "fsync", p_fsync)
@@ -180,9 +175,17 @@ class WriteFaults:
         self._patch(io, "open", p_open)
         self._patch(builtins, "open", p_open)
         self._patch(zlocal, "_put", p_put)
-        self._patch(s3fs.S3FileSystem, "_pipe_file", p_pipe)
-        # a filesystem instance binds its sync methods (fs.pipe_file) to _pipe_file when it is made: new ones only
-        s3fs.S3FileSystem.clear_instance_cache()
+        if s3fs is not None:
+            pipe = s3fs.S3FileSystem._pipe_file
+
+            async def p_pipe(fs: Any, path: str, *args: Any, **kwargs: Any) -> Any:
+                if path.startswith(self.prefix):
+                    self._fault(True, path)
+                return await pipe(fs, path, *args, **kwargs)
+
+            self._patch(s3fs.S3FileSystem, "_pipe_file", p_pipe)
+            # a filesystem instance binds its sync methods (fs.pipe_file) to _pipe_file when it is made: new ones only
+            s3fs.S3FileSystem.clear_instance_cache()
         return self
 
     def _patch(self, owner: Any, name: str, fn: Callable[..., Any]) -> None:
@@ -190,12 +193,21 @@ class WriteFaults:
         setattr(owner, name, fn)
 
     def __exit__(self, *exc: object) -> None:
-        import s3fs
-
         for owner, name, fn in reversed(self._saved):
             setattr(owner, name, fn)
         self._saved.clear()
-        s3fs.S3FileSystem.clear_instance_cache()
+        if (s3fs := _s3fs()) is not None:
+            s3fs.S3FileSystem.clear_instance_cache()
+
+
+def _s3fs() -> Any:
+    """The s3fs module, or None where it is not installed (an optional dependency: then no store is written
+    through it, and its PUTs need no patch)."""
+    try:
+        import s3fs
+    except ImportError:
+        return None
+    return s3fs
 
 
 class FileSizeLimit:

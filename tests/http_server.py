@@ -68,7 +68,11 @@ class Server(http.server.ThreadingHTTPServer):
 
 @contextlib.contextmanager
 def serving(directory: str, handler: type[RangeHandler] = RangeHandler) -> Iterator[str]:
-    """Serve ``directory`` from a Server on loopback, in threads of this process, for the block; its base URL."""
+    """Serve ``directory`` from a Server on loopback, in threads of this process, for the block; its base URL. The
+    test skips without aiohttp, which her_store reads HTTP through (an optional dependency)."""
+    import pytest
+
+    pytest.importorskip("aiohttp", reason='pip install "her_store[http]"')
     server = Server(("127.0.0.1", 0), functools.partial(handler, directory=directory))
     server.daemon_threads = True
     threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()

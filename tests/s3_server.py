@@ -17,7 +17,7 @@ CREDENTIALS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing
 
 
 @contextlib.contextmanager
-def moto_server(timeout: float = 60.0) -> Iterator[str]:
+def moto_server(timeout: float = 180.0) -> Iterator[str]:
     """Start ``python -m moto.server`` on a free loopback port; yields its endpoint URL, stops it on exit.
 
     Raises

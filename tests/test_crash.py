@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 
 import numpy as np
 import pytest
@@ -45,6 +46,23 @@ def _last_committed(out: str) -> int:
     complete = out.split("\n")[:-1]
     lines = [ln.split() for ln in complete if ln.startswith("committed ")]
     return int(lines[-1][1]) if lines else 0
+
+
+# A reader checks CHECKED distinct committed episodes while the writer process commits past WRITTEN (a ring of 300
+# rows, about 20 rows an episode, wraps many times over meanwhile); a sampler checks BATCHES batches.
+CHECKED, WRITTEN, BATCHES = 60, 200, 20
+# Only a writer that hangs keeps a test waiting this long for what it counts: a slow machine never does.
+PATIENCE_S = 300.0
+
+
+def _beside(proc: subprocess.Popen) -> Iterator[None]:
+    """Rounds of a loop beside the writer process, which must still run in each; after PATIENCE_S the test fails."""
+    deadline = time.monotonic() + PATIENCE_S
+    while True:
+        if proc.poll() is not None:
+            raise AssertionError(f"the writer process ended ({proc.returncode}): {proc.communicate()[1][-2000:]}")
+        assert time.monotonic() < deadline, f"the writer made too little progress in {PATIENCE_S:g} s"
+        yield
 
 
 @pytest.mark.parametrize("capacity", [0, 400])
@@ -106,25 +124,28 @@ def test_concurrent_reader_never_sees_a_torn_or_uncommitted_episode(tmp_path, ca
     EpisodeStore.create(path, *episode_space(), capacity=capacity or None, info_keys=["is_success"], chunk_rows=64).close()
     proc = _spawn(path, capacity)
     assert proc.stdout.readline().startswith("start")
-    checked = evicted = 0
-    seen_end = 0
+    checked: set[int] = set()
+    evicted = seen_end = 0
     try:
         with EpisodeStore.open(path) as reader:
-            deadline = time.monotonic() + 4.0
-            while time.monotonic() < deadline:
+            for _ in _beside(proc):
+                if len(checked) >= CHECKED and seen_end >= WRITTEN:
+                    break
                 reader.refresh()
                 assert reader.end_episode >= seen_end
                 seen_end = reader.end_episode
                 for i in range(max(reader.first_episode, seen_end - 5), seen_end):
                     try:
                         assert_episode_equal(reader.episode(i), episode_for(i))
-                        checked += 1
+                        checked.add(i)
                     except EpisodeNotFoundError:
                         evicted += 1  # overwritten by the ring while we read: refused, never returned torn
+            if capacity:  # the ring evicted episodes this reader had checked
+                reader.refresh()
+                assert reader.first_episode > min(checked), (reader.first_episode, min(checked), evicted)
     finally:
         proc.kill()
         proc.communicate()
-    assert checked > 50, (checked, evicted)
 
 
 def episode_space():
@@ -141,12 +162,13 @@ def test_sampler_in_a_reader_process_never_returns_overwritten_rows(tmp_path):
     EpisodeStore.create(path, *episode_space(), capacity=300, info_keys=["is_success"], chunk_rows=64).close()
     proc = _spawn(path, 300)
     assert proc.stdout.readline().startswith("start")
-    batches = 0
+    batches, first_ids = 0, None
     try:
         with EpisodeStore.open(path) as reader:
             sampler = HerSampler(reader, 256, n_sampled_goal=0, seed=0, refresh_interval=0)
-            deadline = time.monotonic() + 4.0
-            while time.monotonic() < deadline:
+            for _ in _beside(proc):
+                if batches >= BATCHES and first_ids.max() < reader.first_episode:  # (refreshed by each sample)
+                    break  # the ring has evicted every episode of the first batch since
                 try:
                     b = sampler.sample()
                 except StoreError as e:  # only "nothing committed yet" is acceptable
@@ -159,7 +181,7 @@ def test_sampler_in_a_reader_process_never_returns_overwritten_rows(tmp_path):
                     np.testing.assert_array_equal(b.next_observations["observation"][i].numpy(), ep["observation"][t[i] + 1])
                     np.testing.assert_array_equal(b.actions[i].numpy(), ep["action"][t[i]])
                 batches += 1
+                first_ids = ids if first_ids is None else first_ids
     finally:
         proc.kill()
         proc.communicate()
-    assert batches > 20

@@ -636,7 +636,7 @@ def test_a_fill_value_or_storage_transformer_the_format_does_not_have(store, key
 
 
 @contextlib.contextmanager
-def _no_hang(seconds: int = 30) -> Iterator[None]:
+def _no_hang(seconds: int = 120) -> Iterator[None]:
     """A call that blocks (on a FIFO) fails the test rather than hanging the suite."""
     import signal
 

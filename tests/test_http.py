@@ -13,7 +13,6 @@ import shutil
 import subprocess
 import sys
 import threading
-import time
 from typing import ClassVar
 
 import numpy as np
@@ -174,24 +173,30 @@ def test_a_store_served_over_http_created_again_under_a_reader_is_refused(tmp_pa
 
 
 class SlowIndexHandler(RangeHandler):
-    """Answers each GET of an index column's chunk after 0.2 s (a distant server), counting how many are in flight."""
+    """A distant server, once ``armed``: each GET of an index column's chunk is held until ``hold`` of them are in
+    flight at once, counting the most in flight. A client asking for them one after the other has its first answer
+    held for ``patience`` seconds, and the rest not (the test then fails on the count, not on a timeout)."""
 
-    lock = threading.Lock()
+    cond = threading.Condition()
+    armed = False
+    hold, patience = 5, 30.0
     in_flight = most = 0
 
     def do_GET(self, body: bool = True) -> None:
-        if "/episodes/" not in self.path or self.path.endswith("zarr.json"):
+        cls = type(self)
+        if not cls.armed or "/episodes/" not in self.path or self.path.endswith("zarr.json"):
             super().do_GET(body)
             return
-        cls = type(self)
-        with cls.lock:
+        with cls.cond:
             cls.in_flight += 1
             cls.most = max(cls.most, cls.in_flight)
+            cls.cond.notify_all()
+            if not cls.cond.wait_for(lambda: cls.most >= cls.hold, timeout=cls.patience):
+                cls.armed = False
         try:
-            time.sleep(0.2)
             super().do_GET(body)
         finally:
-            with cls.lock:
+            with cls.cond:
                 cls.in_flight -= 1
 
 
@@ -205,8 +210,9 @@ def test_a_refresh_over_http_reads_the_index_columns_at_once(tmp_path, serve):
         for i in range(3):
             writer.append_episode(make_episode(obs, act, 7, 100 + i, ("is_success",)))
         writer.flush()
-        SlowIndexHandler.most = 0
+        SlowIndexHandler.most, SlowIndexHandler.armed = 0, True
         assert reader.refresh() == 3
+        SlowIndexHandler.armed = False
         assert reader.num_episodes == 7
         assert_episode_equal(reader.episode(6), make_episode(obs, act, 7, 102, ("is_success",)))
     assert SlowIndexHandler.most >= 5, f"at most {SlowIndexHandler.most} index requests were in flight at once"

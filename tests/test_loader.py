@@ -120,9 +120,9 @@ def test_rank_and_world_size_default_to_torch_distributeds(store_path, tmp_path)
     learners = [ctx.Process(target=_learner, args=(f"file://{tmp_path}/pg", r, store_path, out)) for r in (0, 1)]
     for p in learners:
         p.start()
-    got = sorted(out.get(timeout=30) for _ in learners)
+    got = sorted(out.get(timeout=120) for _ in learners)
     for p in learners:
-        p.join(30)
+        p.join(120)
     assert got == [(0, 0, 2), (1, 1, 2)]
 
 

@@ -8,7 +8,6 @@ import subprocess
 import sys
 
 import google_crc32c
-import imagecodecs
 import numpy as np
 import pytest
 from gymnasium import spaces
@@ -19,6 +18,8 @@ from her_store.shard import build_shard, parse_index
 from her_store.storage import chunk_key
 
 from .conftest import make_episode
+
+imagecodecs = pytest.importorskip("imagecodecs", reason='pip install "her_store[lossy]"')
 
 T = 5
 SHAPE = (3, 16, 16)

@@ -25,6 +25,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 OBS, ACT = fetch_spaces()
 SHARDS = ("actor-0", "actor-1", "actor-2", "actor-3")
 KILLED = "actor-3"
+PATIENCE_S = 300.0  # how long the test waits for what its processes report: only a hang takes this long
 
 
 def model(shard: str, i: int) -> dict[str, np.ndarray]:
@@ -180,14 +181,14 @@ def test_four_writers_and_a_learner_on_s3_and_a_writer_killed(s3_url, tmp_path):
         while not ready():
             for name, p in procs.items():
                 assert p.returncode is not None or p.poll() is None, f"{what}: {name} exited: {_text(errors[name])}"
-            assert time.monotonic() < deadline, f"{what}: not within 60 s"
+            assert time.monotonic() < deadline, f"{what}: not in {PATIENCE_S:g} s"
             time.sleep(0.25)  # this process serves S3: it polls lightly
 
     try:
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + PATIENCE_S
         wait_for("a commit", lambda: any(w == "committed" for w, _ in _report(reports[KILLED])))
         os.kill(procs[KILLED].pid, signal.SIGKILL)
-        assert procs[KILLED].wait(60) == -signal.SIGKILL
+        assert procs[KILLED].wait(PATIENCE_S) == -signal.SIGKILL
         before = len(learner())
         wait_for(  # the learner samples every shard after the kill, and its refreshes follow the others' commits
             "the learner's batches of every shard after the kill, from a view that grew",
@@ -195,9 +196,9 @@ def test_four_writers_and_a_learner_on_s3_and_a_writer_killed(s3_url, tmp_path):
         )
         open(stop, "w").close()
         for s in SHARDS[:3]:
-            assert procs[s].wait(60) == 0, _text(errors[s])  # the kill of another writer went unnoticed
+            assert procs[s].wait(PATIENCE_S) == 0, _text(errors[s])  # the kill of another writer went unnoticed
         open(done, "w").close()
-        assert procs["learner"].wait(60) == 0, _text(errors["learner"])
+        assert procs["learner"].wait(PATIENCE_S) == 0, _text(errors["learner"])
     finally:
         for p in procs.values():
             if p.poll() is None:

@@ -20,7 +20,7 @@ from her_store.errors import CorruptStoreError, EpisodeValidationError
 from tests.conftest import assert_episode_equal, fetch_spaces, make_episode
 
 minari = pytest.importorskip("minari", reason='pip install "her_store[minari]"')
-pytest.importorskip("h5py")
+pytest.importorskip("h5py", reason='pip install "her_store[minari]"')
 
 from her_store.interop.minari import export_minari, import_minari  # noqa: E402
 
@@ -427,7 +427,7 @@ def test_a_data_file_that_is_no_regular_file_of_the_dataset_is_refused_at_once(t
         os.symlink(tmp_path / "elsewhere.hdf5", data)
     code = "import sys; from her_store.interop.minari import import_minari; import_minari(sys.argv[1], sys.argv[2])"
     proc = subprocess.run([sys.executable, "-c", code, out, str(tmp_path / "back")], capture_output=True, text=True,
-                          timeout=60, check=False)
+                          timeout=120, check=False)
     assert proc.returncode == 1
     assert f"ValueError: the Minari dataset at {os.path.dirname(data)}: {data} is " in proc.stderr
     assert not os.path.exists(tmp_path / "back")

@@ -284,7 +284,12 @@ from her_store import EpisodeStore
 obs, act = fetch_spaces()
 store = EpisodeStore.open(sys.argv[1], "a", commit_interval=0)
 i = store.end_episode
-while not os.path.exists(sys.argv[2]) and i < 3000:
+while not os.path.exists(sys.argv[2]) and os.getppid() == int(sys.argv[5]):  # until told, or the test is gone
+    with open(sys.argv[4]) as f:
+        target = int(f.read())  # the episodes to commit before waiting for more
+    if i >= target:
+        time.sleep(0.005)
+        continue
     store.append_episode(make_episode(obs, act, 3 + i % 11, i))
     i += 1
     time.sleep(float(sys.argv[3]))
@@ -300,19 +305,31 @@ def test_pack_while_a_writer_appends_gives_a_committed_prefix(tmp_path, capacity
     src = tmp_path / "store"
     with EpisodeStore.create(src, obs, act, capacity=capacity, chunk_rows=512) as store:
         store.append_episode(make_episode(obs, act, 3, 0))
-    stop = tmp_path / "stop"
+    stop, target = tmp_path / "stop", tmp_path / "target"
+
+    def write_up_to(end: int) -> None:  # the writer appends up to episode end - 1, then waits for a new target
+        (tmp_path / "target.tmp").write_text(str(end))
+        os.replace(tmp_path / "target.tmp", target)
+
+    write_up_to(60)
     root = str(Path(__file__).resolve().parents[1])
     pause = "0" if capacity else "0.001"
-    writer = subprocess.Popen([sys.executable, "-c", WRITER.format(root=root), str(src), str(stop), pause])
+    args = [str(src), str(stop), pause, str(target), str(os.getpid())]
+    writer = subprocess.Popen([sys.executable, "-c", WRITER.format(root=root), *args])
+    commits = []
     try:
         with EpisodeStore.open(src) as reader:
-            while reader.end_episode < 60:
-                time.sleep(0.02)
-                reader.refresh()
-        commits = [pack_store(src, tmp_path / f"p{k}.zip") for k in range(3)]
+            deadline = time.monotonic() + 300  # only a hang takes this long
+            for k in range(3):
+                while reader.end_episode < (commits[-1].end_episode + 1 if commits else 60):  # the writer went on
+                    assert writer.poll() is None and time.monotonic() < deadline, reader.end_episode
+                    time.sleep(0.02)
+                    reader.refresh()
+                write_up_to(reader.end_episode + 200)  # appending while the store is packed: the ring laps
+                commits.append(pack_store(src, tmp_path / f"p{k}.zip"))
     finally:
         stop.touch()
-        writer.wait(30)
+        writer.wait(120)
     assert writer.returncode == 0
     assert commits[-1].end_episode > commits[0].end_episode  # the writer went on while packing
     for k, commit in enumerate(commits):

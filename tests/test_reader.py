@@ -404,7 +404,7 @@ def test_a_forked_child_gathers_with_threads_of_its_own(tmp_path):
     pid = os.fork()
     if pid == 0:  # the child: exit 0 when its gathers are right, 1 otherwise; a hang is killed
         signal.signal(signal.SIGALRM, signal.SIG_DFL)  # (whatever a test runner's plugins set)
-        signal.alarm(20)
+        signal.alarm(120)
         ok = np.array_equal(reader.gather(spec.path, rows).reshape(want.shape), want)
         os._exit(0 if ok else 1)
     assert os.waitpid(pid, 0)[1] == 0
@@ -569,7 +569,7 @@ def test_evicting_the_page_cache_passes_over_what_is_no_file_of_the_store(tmp_pa
             raise TimeoutError("evict_page_cache blocked")
 
         old = signal.signal(signal.SIGALRM, stop)
-        signal.alarm(10)  # a blocked open fails the test rather than hanging the suite
+        signal.alarm(120)  # a blocked open fails the test rather than hanging the suite
         try:
             sampler.reader.evict_page_cache()
         finally:

@@ -119,11 +119,12 @@ def test_lease_names_the_holder_and_a_dead_holder_is_taken_over(s3_url, fetch):
     EpisodeStore.open(url, mode="a", storage_options=opts).close()
     # a writer killed with -9 leaves its lease behind; a dead pid on this host makes it stale
     code = (
-        "import sys, json, time\nfrom her_store import EpisodeStore\n"
+        "import sys, json\nfrom her_store import EpisodeStore\n"
         "s = EpisodeStore.open(sys.argv[1], mode='a', storage_options=json.loads(sys.argv[2]))\n"
-        "print('locked', flush=True)\ntime.sleep(60)\n"
+        "print('locked', flush=True)\nsys.stdin.read()\n"
     )
-    proc = subprocess.Popen([sys.executable, "-c", code, url, json.dumps(opts)], stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen([sys.executable, "-c", code, url, json.dumps(opts)], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True)
     assert proc.stdout.readline().strip() == "locked"
     with pytest.raises(StoreLockedError, match=f"pid {proc.pid}"):
         EpisodeStore.open(url, mode="a", storage_options=opts)
@@ -142,7 +143,7 @@ def test_an_expired_lease_of_another_host_is_taken_over(s3_url, fetch):
     fs = s3fs.S3FileSystem(**opts)
     lease = url[len("s3://") :] + "/writer.lock"
     now = time.time()
-    fs.pipe_file(lease, json.dumps({"pid": 1, "host": "elsewhere", "since": now, "expires": now + 60}).encode())
+    fs.pipe_file(lease, json.dumps({"pid": 1, "host": "elsewhere", "since": now, "expires": now + 3600}).encode())
     with pytest.raises(StoreLockedError, match="pid 1 on host elsewhere"):
         EpisodeStore.open(url, mode="a", storage_options=opts)
     fs.pipe_file(lease, json.dumps({"pid": 1, "host": "elsewhere", "since": now - 120, "expires": now - 60}).encode())
@@ -270,10 +271,11 @@ def test_an_idle_writer_keeps_its_lease_past_its_ttl(s3_url, fetch):
     obs, act = fetch
     ttl = 3.0
     with EpisodeStore.create(url, obs, act, storage_options=opts, lease_ttl=ttl, commit_interval=0) as a:
-        first = _lease(url, opts)
-        while time.time() < first["expires"] + 1.0:  # idle: no append, no commit
+        first, deadline = _lease(url, opts), time.monotonic() + 300
+        while _lease(url, opts)["expires"] <= first["expires"] + ttl:  # idle: no append, no commit
+            assert time.monotonic() < deadline, "the lease was not renewed after its first expiry in 300 s"
             time.sleep(0.2)
-        assert _lease(url, opts)["expires"] > first["expires"]  # renewed in the background
+        # renewed in the background after the time the first lease expired: still held
         with pytest.raises(StoreLockedError, match=rf"pid {os.getpid()} on host"):
             EpisodeStore.open(url, mode="a", storage_options=opts)
         e = make_episode(obs, act, 5, seed=1)
@@ -289,7 +291,7 @@ def test_a_writer_checks_its_lease_before_every_commit(s3_url, fetch):
     url, opts = s3_url
     obs, act = fetch
     # a long TTL: its background renewal does not run during this test, so only the pre-commit check can refuse
-    a = EpisodeStore.create(url, obs, act, storage_options=opts, lease_ttl=600, commit_interval=3600)
+    a = EpisodeStore.create(url, obs, act, storage_options=opts, lease_ttl=3600, commit_interval=3600)
     for seed in (100, 101):
         a.append_episode(make_episode(obs, act, 7, seed=seed))
     # another host judged the lease expired (its clock runs ahead) and broke it; B then takes over
@@ -364,7 +366,7 @@ def test_a_writer_frozen_in_the_middle_of_a_commit_cannot_replace_the_next_write
         assert [b.append_episode(e) for e in theirs] == [1, 2, 3]
     os.kill(a.pid, signal.SIGCONT)
     assert a.stdout.readline().strip() == "refused"
-    a.wait(timeout=60)
+    a.wait(timeout=120)
     with EpisodeStore.open(url, storage_options=opts) as store:
         assert store.end_episode == 4 and list(store.episodes["length"]) == [5, 4, 4, 4]
         assert_episode_equal(store.episode(0), first)

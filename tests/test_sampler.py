@@ -392,15 +392,19 @@ def test_a_sample_waiting_for_a_prefetched_batch_hears_when_another_thread_close
     store, _ = coded_store
     sampler = HerSampler(store, 64, reward_fn=sparse_reward, seed=5, prefetch=1)
     sampler.sample()
-    make, slow = sampler._make_batch, threading.Event()
+    make, slow, producing = sampler._make_batch, threading.Event(), threading.Event()
 
-    def slow_batch(*args, **kwargs):  # storage that has become slow: the producer's next batch takes a while
+    def slow_batch(*args, **kwargs):  # storage that has become slow: the producer's batch takes until it is stopped
         if slow.is_set():
-            time.sleep(0.5)
+            producing.set()
+            sampler._stop.wait(300)
         return make(*args, **kwargs)
 
     sampler._make_batch = slow_batch
     slow.set()
+    queue, gets = sampler._queue, []
+    get = queue.get
+    queue.get = lambda *args, **kwargs: (gets.append(1), get(*args, **kwargs))[1]  # each look for a batch
     outcome: list[str] = []
 
     def consume() -> None:
@@ -413,9 +417,14 @@ def test_a_sample_waiting_for_a_prefetched_batch_hears_when_another_thread_close
 
     consumer = threading.Thread(target=consume, daemon=True)
     consumer.start()
-    time.sleep(0.2)
+    assert producing.wait(300)  # the producer is inside its batch until the sampler stops
+    while not queue.empty():  # a batch made before: the consumer takes it
+        time.sleep(0.01)
+    looked = len(gets)
+    while len(gets) < looked + 2:  # then waits for the next, looking again every 0.1 s
+        time.sleep(0.01)
     sampler.close()
-    consumer.join(timeout=10)
+    consumer.join(timeout=120)
     assert not consumer.is_alive()
     assert outcome == [
         (

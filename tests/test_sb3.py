@@ -17,11 +17,6 @@ import numpy as np
 import pytest
 import torch as th
 from gymnasium import spaces
-from stable_baselines3 import DDPG, DQN, SAC, TD3
-from stable_baselines3.common.envs import BitFlippingEnv
-from stable_baselines3.common.vec_env import DummyVecEnv, SubprocVecEnv, VecEnvWrapper, VecNormalize
-from stable_baselines3.her import GoalSelectionStrategy as SB3Strategy
-from stable_baselines3.her import HerReplayBuffer
 
 from her_store import (
     EpisodeStore,
@@ -33,6 +28,15 @@ from her_store import (
     open_store,
 )
 from her_store.envs import PointGoalEnv
+
+pytest.importorskip("stable_baselines3", reason='pip install "her_store[sb3]"')
+
+from stable_baselines3 import DDPG, DQN, SAC, TD3
+from stable_baselines3.common.envs import BitFlippingEnv
+from stable_baselines3.common.vec_env import DummyVecEnv, SubprocVecEnv, VecEnvWrapper, VecNormalize
+from stable_baselines3.her import GoalSelectionStrategy as SB3Strategy
+from stable_baselines3.her import HerReplayBuffer
+
 from her_store.integrations.sb3 import ZarrHerReplayBuffer
 
 
@@ -512,10 +516,9 @@ def test_save_and_load_replay_buffer_write_a_small_handle_and_resume(tmp_path):
     T = len(pending["action"])
     assert T > 0
     committed = len(rb.store)
-    t0 = time.perf_counter()
     model.save_replay_buffer(tmp_path / "handle")
-    assert time.perf_counter() - t0 < 0.5
     assert os.path.getsize(tmp_path / "handle.pkl") < 8_000
+    assert sorted(os.listdir(tmp_path)) == ["handle.pkl", "rb"]  # no copy of the data anywhere
     model.save(tmp_path / "model")
     rb.close()
     del model, rb
@@ -884,8 +887,9 @@ def test_a_killed_run_resumes_from_its_last_commit(tmp_path):
     path = str(tmp_path / "rb")
     proc = subprocess.Popen([sys.executable, "-c", KILLED_RUN, path])
     try:
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
+        deadline = time.monotonic() + 300  # only a hang takes this long
+        while True:
+            assert proc.poll() is None and time.monotonic() < deadline, "the run never committed 5 episodes"
             try:
                 with EpisodeStore.open(path) as store:
                     if store.num_episodes >= 5:

@@ -5,11 +5,14 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from gymnasium import spaces
-from stable_baselines3.her import HerReplayBuffer
 
 from her_store import EpisodeStore, open_store
 from her_store.integrations.sb3_layout import SB3Arrays, env_columns, sb3_arrays
 from tests.conftest import fetch_spaces, make_episode, random_rows
+
+pytest.importorskip("stable_baselines3", reason='pip install "her_store[sb3]"')
+
+from stable_baselines3.her import HerReplayBuffer
 
 FIELDS = ("actions", "rewards", "dones", "timeouts", "ep_start", "ep_length")
 

@@ -9,6 +9,12 @@ import warnings
 import numpy as np
 import pytest
 import torch as th
+
+from her_store import EpisodeStore, GoalSelectionStrategy, StoreLockedError
+from her_store.integrations.sb3_layout import sb3_arrays
+
+pytest.importorskip("stable_baselines3", reason='pip install "her_store[sb3]"')
+
 from stable_baselines3 import DDPG, DQN, SAC, TD3
 from stable_baselines3.common.callbacks import EvalCallback
 from stable_baselines3.common.envs import BitFlippingEnv
@@ -18,9 +24,7 @@ from stable_baselines3.common.vec_env import SubprocVecEnv
 from stable_baselines3.her import GoalSelectionStrategy as SB3Strategy
 from stable_baselines3.her import HerReplayBuffer
 
-from her_store import EpisodeStore, GoalSelectionStrategy, StoreLockedError
 from her_store.integrations.sb3 import ZarrHerReplayBuffer
-from her_store.integrations.sb3_layout import sb3_arrays
 
 
 def tiny() -> dict:

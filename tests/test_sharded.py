@@ -108,7 +108,7 @@ def test_writer_processes_append_to_their_shards_and_a_kill_9_loses_only_its_own
         lines = iter(killed.stdout.readline, "")
         committed = next(int(ln.split()[1]) for ln in lines if ln.startswith("committed"))
         killed.kill()  # as soon as it has committed once: the others are still starting or writing
-        out, err = killed.communicate(timeout=60)
+        out, err = killed.communicate(timeout=120)
         assert killed.returncode == -9, err
         committed = max([committed] + [int(ln.split()[1]) for ln in out.split("\n")[:-1] if ln.startswith("committed")])
         while procs["actor-0"].poll() is None or procs["actor-1"].poll() is None or view is None:
@@ -124,7 +124,7 @@ def test_writer_processes_append_to_their_shards_and_a_kill_9_loses_only_its_own
                     assert_episode_equal(view.episode(shard, last), shard_episode(shard, last))
                     checks += 1
         for name in ("actor-0", "actor-1"):
-            out, err = procs[name].communicate(timeout=60)
+            out, err = procs[name].communicate(timeout=120)
             assert procs[name].returncode == 0, err  # the kill of another writer went unnoticed
             assert out.split()[-1] == "3", out
     finally:
@@ -174,6 +174,10 @@ def test_where_a_sharded_dataset_cannot_be_written_or_listed(tmp_path):
         open_store(root, commit_interval=0)
     with pytest.raises(NotAStoreError, match=r"sharded dataset's root: her_store.open_store\(root\) reads every shard"):
         EpisodeStore.open(root)  # the root of a dataset is not itself a store: say what it is
+    packed = tmp_path / "packed.zip"
+    packed.write_bytes(b"PK\x05\x06" + bytes(18))  # an empty zip archive
+    with pytest.raises(ReadOnlyStoreError, match="packed"):
+        open_store(str(packed), OBS, ACT, shard="actor-0")
     with serving(str(tmp_path)) as base:
         with pytest.raises(ReadOnlyStoreError, match="HTTP"):
             open_store(f"{base}/dataset", OBS, ACT, shard="actor-0", info_keys=INFO)
@@ -181,10 +185,6 @@ def test_where_a_sharded_dataset_cannot_be_written_or_listed(tmp_path):
             open_store(f"{base}/dataset")
         with EpisodeStore.open(f"{base}/dataset/shards/actor-0") as shard:  # one shard reads as any store
             assert_episode_equal(shard.episode(0), shard_episode("actor-0", 0))
-    packed = tmp_path / "packed.zip"
-    packed.write_bytes(b"PK\x05\x06" + bytes(18))  # an empty zip archive
-    with pytest.raises(ReadOnlyStoreError, match="packed"):
-        open_store(str(packed), OBS, ACT, shard="actor-0")
 
 
 def _make_unfinished_create(path: str) -> None:

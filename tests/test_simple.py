@@ -350,7 +350,7 @@ for x in range(250):
 print(len(her), flush=True)
 os.kill(os.getpid(), signal.SIGKILL)
 """
-    out = subprocess.run([sys.executable, "-c", child], check=False, capture_output=True, text=True, timeout=60)
+    out = subprocess.run([sys.executable, "-c", child], check=False, capture_output=True, text=True, timeout=120)
     assert out.returncode == -signal.SIGKILL and out.stdout.split() == ["250"], out.stderr
     with HindsightExperienceReplay(2, 1, 400, 16, path=path) as her:
         assert len(her) == 200  # two segments of 100 survive; only the unfinished 50 steps are lost

@@ -381,8 +381,12 @@ def test_second_writer_gets_a_clear_error_naming_the_holder(store_path, fetch):
 def test_lock_of_a_killed_writer_is_taken_over(store_path, fetch):
     obs, act = fetch
     EpisodeStore.create(store_path, obs, act).close()
-    code = "import her_store, sys, time\ns = her_store.EpisodeStore.open(sys.argv[1], mode='a')\nprint('locked', flush=True)\ntime.sleep(60)\n"
-    proc = subprocess.Popen([sys.executable, "-c", code, store_path], stdout=subprocess.PIPE, text=True)
+    code = (
+        "import her_store, sys\ns = her_store.EpisodeStore.open(sys.argv[1], mode='a')\nprint('locked', flush=True)\n"
+        "sys.stdin.read()\n"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", code, store_path], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            text=True)
     assert proc.stdout.readline().strip() == "locked"
     with pytest.raises(StoreLockedError, match=f"pid {proc.pid}"):
         EpisodeStore.open(store_path, mode="a")
@@ -767,17 +771,19 @@ def test_a_forked_child_cannot_write_through_its_parents_handle(store_path, fetc
         assert_episode_equal(r.episode(1), make_episode(obs, act, 6, seed=2))
     # the writer dies; a forked child of it lingers and must not keep the lock
     code = (
-        "import os, sys, time\nfrom her_store import EpisodeStore\n"
+        "import os, sys\nfrom her_store import EpisodeStore\n"
         "s = EpisodeStore.open(sys.argv[1], mode='a')\nr, w = os.pipe()\n"
-        "if os.fork() == 0:\n    os.write(w, b'x'); time.sleep(30); os._exit(0)\n"
+        "if os.fork() == 0:\n    os.write(w, b'x'); sys.stdin.read(); os._exit(0)\n"
         "os.read(r, 1)\n"  # the child runs (its after-fork handlers have run): only then is the writer killed
-        "print('ready', flush=True); time.sleep(60)\n"
+        "print('ready', flush=True); sys.stdin.read()\n"
     )
-    proc = subprocess.Popen([sys.executable, "-c", code, store_path], stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen([sys.executable, "-c", code, store_path], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            text=True)
     assert proc.stdout.readline().strip() == "ready"
     proc.kill()
     proc.wait()
-    EpisodeStore.open(store_path, mode="a").close()
+    EpisodeStore.open(store_path, mode="a").close()  # while the child lingers, until its stdin closes
+    proc.stdin.close()
 
 
 def test_a_restart_of_an_unfinished_create_cut_short_anywhere_still_restarts(store_path, fetch, monkeypatch):

@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import time
+from importlib.util import find_spec
 
 import gymnasium as gym
 import numpy as np
@@ -19,8 +20,11 @@ from gymnasium import spaces
 from her_store import EpisodeStore, StoreError
 from her_store.cli import main as cli_main
 from her_store.integrations import train as job
+from tests.conftest import until_stopped
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# the job trains with SB3 (an optional dependency): a test that runs it that far skips where SB3 is not installed
+needs_sb3 = pytest.mark.skipif(find_spec("stable_baselines3") is None, reason='pip install "her_store[train]"')
 # DQN training from step 50 on every 4th step: a cheap run for the kill -9 test
 FAST = ["--algo-kwargs", '{"learning_starts": 50, "train_freq": 4}', "--quiet"]
 
@@ -31,6 +35,7 @@ def run_main(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, 
     return code, out, err
 
 
+@needs_sb3
 def test_default_run_trains_stores_checkpoints_and_resumes(tmp_path, capsys):
     # the default job (DQN+HER, BitFlippingEnv, its hyperparameters) on a short budget, stopping mid-episode
     out_dir = str(tmp_path / "run")
@@ -82,12 +87,12 @@ def test_default_run_trains_stores_checkpoints_and_resumes(tmp_path, capsys):
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        (["--env", "NoSuchEnv-v9"], "--env NoSuchEnv-v9: "),
-        (["--env", "CartPole-v1"], "--env CartPole-v1 is not a goal env"),
+        pytest.param(["--env", "NoSuchEnv-v9"], "--env NoSuchEnv-v9: ", marks=needs_sb3),
+        pytest.param(["--env", "CartPole-v1"], "--env CartPole-v1 is not a goal env", marks=needs_sb3),
         (["--algo", "ppo"], "--algo ppo is an on-policy algorithm"),
         (["--algo", "a2c"], "needs an off-policy one: dqn, sac, td3, ddpg"),
         (["--algo", "rainbow"], "--algo rainbow is not an algorithm this job trains"),
-        (["--env", "her_store/PointGoal-v0"], "--algo dqn needs a Discrete action space"),
+        pytest.param(["--env", "her_store/PointGoal-v0"], "--algo dqn needs a Discrete action space", marks=needs_sb3),
         (["--env", "her_store/PointGoal-v0", "--algo", "sac", "--strategy", "nearest"], "--strategy nearest is not"),
         (["--steps", "0"], "--steps must be at least 1, got 0"),
         (["--eval-episodes", "-1"], "--eval-episodes must be at least 0"),
@@ -139,6 +144,7 @@ gym.register("test_train/DiscreteBits-v0", entry_point="stable_baselines3.common
         (["--algo", "sac", "--algo-kwargs", '{"learning_rat": 0.1}'], "learning_rat"),
     ],
 )
+@needs_sb3
 def test_envs_and_arguments_the_algorithm_cannot_use(tmp_path, capsys, argv, message):
     code, out, err = run_main(capsys, "--out", str(tmp_path / "run"), "--quiet", *argv)
     assert code == 2 and err.count("\n") == 1 and message in err and "Traceback" not in out + err, err
@@ -150,6 +156,7 @@ def test_other_commands_refuse_unknown_options(capsys):
     assert e.value.code == 2 and "unrecognized arguments: --steps 5" in capsys.readouterr().err
 
 
+@needs_sb3
 def test_bad_json_and_other_runs_options_are_refused(tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         job.main(["--algo-kwargs", "{not json"])
@@ -199,28 +206,41 @@ def _episodes(path: str) -> int:
         return 0
 
 
+# The training command (its arguments follow), which stops itself (SIGSTOP) once its first checkpoint is written: a
+# kill -9 there lands at a point chosen, not timed (a run left to go on may have finished before a timed kill).
+_STOPPED_AT_ITS_FIRST_CHECKPOINT = """
+import os, runpy, signal, sys
+from her_store.integrations import train as job
+save = job.save_checkpoint
+
+def save_then_stop(model, out):
+    final = save(model, out)
+    os.kill(os.getpid(), signal.SIGSTOP)
+    return final
+
+job.save_checkpoint = save_then_stop
+sys.argv = sys.argv[1:]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+@needs_sb3
 def test_kill_9_then_the_same_command_resumes(tmp_path):
     out_dir = str(tmp_path / "run")
     store_path = os.path.join(out_dir, "store")
     cmd = [sys.executable, os.path.join(ROOT, "tools", "train.py"), "--out", out_dir, "--steps", "400",
            "--checkpoint-every", "100", "--eval-episodes", "2", *FAST]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen([sys.executable, "-c", _STOPPED_AT_ITS_FIRST_CHECKPOINT, *cmd[1:]], cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline and proc.poll() is None:
-            ckpt = job.latest_checkpoint(out_dir)
-            if ckpt is not None and _episodes(store_path) > 0:
-                break
-            time.sleep(0.02)
-        assert proc.poll() is None, proc.communicate()[0]
-        proc.send_signal(signal.SIGKILL)
-        proc.wait()
+        until_stopped(proc)
     finally:
-        if proc.poll() is None:
-            proc.kill()
+        proc.kill()
+        proc.wait()
     with EpisodeStore.open(store_path) as store:
         killed_with = store.num_episodes
         kept = store.episode(store.first_episode)
+    assert killed_with > 0
     step = job.latest_checkpoint(out_dir)[0]
     assert 100 <= step < 400
 
@@ -268,6 +288,7 @@ def _bits(no_success_key: bool):
     return _NoSuccessKey(env) if no_success_key else env
 
 
+@needs_sb3
 @pytest.mark.parametrize("wrong", [False, True])
 def test_success_without_is_success_is_judged_by_the_reward(wrong):
     policy = _FlipTheWrongBit(wrong)
@@ -284,6 +305,7 @@ def test_success_without_is_success_is_judged_by_the_reward(wrong):
     assert job.TrainResult(success_rule=with_rule, **fields).rows()[1][0].startswith("success rate (last 100")
 
 
+@needs_sb3
 def test_a_failed_start_leaves_no_run_and_the_corrected_command_is_accepted(tmp_path, capsys):
     out_dir = str(tmp_path / "run")
     short = ["--out", out_dir, "--steps", "30", "--eval-episodes", "1", *FAST]
@@ -312,6 +334,7 @@ def test_a_relative_store_is_the_same_store_from_any_working_directory(tmp_path,
     assert job._run_record(job.TrainConfig(out=str(tmp_path / "run"), store="../stores/bits")) == job._run_record(cfg)
 
 
+@needs_sb3
 def test_many_envs_wait_for_an_episode_of_each_before_training(tmp_path, capsys):
     # 16 envs of 10-step episodes: 100 steps (DQN's learning_starts) end no episode; the job waits for 160
     code, _, err = run_main(capsys, "--out", str(tmp_path / "run"), "--n-envs", "16", "--steps", "200",
@@ -323,6 +346,7 @@ def test_many_envs_wait_for_an_episode_of_each_before_training(tmp_path, capsys)
     assert data["learning_starts"] == 16 * job.DEFAULT_N_BITS
 
 
+@needs_sb3
 def test_training_waits_for_an_episode_of_an_env_without_a_known_limit(tmp_path, capsys):
     # PointGoal's spec has no max_episode_steps: with 8 envs its 50-step episodes outlast learning_starts 200
     code, out, err = run_main(capsys, "--out", str(tmp_path / "run"), "--env", "her_store/PointGoal-v0", "--algo",
@@ -335,12 +359,16 @@ def test_training_waits_for_an_episode_of_an_env_without_a_known_limit(tmp_path,
 @pytest.mark.parametrize(
     ("argv", "code", "message"),
     [
-        (["--device", "foo"], 2, "--device foo is not a torch device; expected e.g. auto, cpu, cuda"),
-        (["--device", "cuda:0"], 2, "--device cuda:0: no cuda device is available here (try --device cpu)"),
+        pytest.param(["--device", "foo"], 2, "--device foo is not a torch device; expected e.g. auto, cpu, cuda",
+                     marks=needs_sb3),
+        pytest.param(["--device", "cuda:0"], 2, "--device cuda:0: no cuda device is available here (try --device cpu)",
+                     marks=needs_sb3),
         (["--threads", "100000"], 2, "--threads must be at most 256 (0: torch's default), got 100000"),
-        (["--algo-kwargs", '{"learning_rate": "abc"}'], 1,
-         "building the DQN model: AssertionError: The learning rate schedule must be a float or a callable"),
-        (["--store", "s3://nonexistent-bucket-zz/x"], 1, "reading the store s3://nonexistent-bucket-zz/x: "),
+        pytest.param(["--algo-kwargs", '{"learning_rate": "abc"}'], 1,
+                     "building the DQN model: AssertionError: The learning rate schedule must be a float or a callable",
+                     marks=needs_sb3),
+        pytest.param(["--store", "s3://nonexistent-bucket-zz/x"], 1, "reading the store s3://nonexistent-bucket-zz/x: ",
+                     marks=needs_sb3),
     ],
 )
 def test_failures_anywhere_say_what_failed_in_one_line(tmp_path, capsys, monkeypatch, argv, code, message):
@@ -354,6 +382,7 @@ def test_failures_anywhere_say_what_failed_in_one_line(tmp_path, capsys, monkeyp
     assert "Traceback" not in out + err
 
 
+@needs_sb3
 def test_a_damaged_checkpoint_is_named_in_one_line(tmp_path, capsys):
     out_dir = str(tmp_path / "run")
     short = ["--out", out_dir, "--eval-episodes", "1", *FAST]
@@ -366,18 +395,20 @@ def test_a_damaged_checkpoint_is_named_in_one_line(tmp_path, capsys):
     assert err.startswith(f"her-store train: error: loading the checkpoint {ckpt}: "), err
 
 
+@needs_sb3
 def test_sigterm_writes_a_checkpoint_and_exits_143(tmp_path):
     out_dir = str(tmp_path / "run")
     cmd = [sys.executable, os.path.join(ROOT, "tools", "train.py"), "--out", out_dir, "--steps", "100000",
            "--checkpoint-every", "100000", "--eval-episodes", "1", *FAST]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline and proc.poll() is None and _episodes(os.path.join(out_dir, "store")) < 3:
+        deadline = time.monotonic() + 300  # only a hang takes this long
+        while proc.poll() is None and _episodes(os.path.join(out_dir, "store")) < 3:
+            assert time.monotonic() < deadline, "the run committed no 3 episodes in 300 s"
             time.sleep(0.05)
         assert proc.poll() is None, proc.communicate()
         proc.send_signal(signal.SIGTERM)
-        out, err = proc.communicate(timeout=60)
+        out, err = proc.communicate(timeout=120)
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -387,6 +418,7 @@ def test_sigterm_writes_a_checkpoint_and_exits_143(tmp_path):
     assert f"terminated (SIGTERM) at step {step:,}; checkpoint saved" in out and "Traceback" not in out + err
 
 
+@needs_sb3
 def test_a_checkpoint_that_cannot_be_written_is_named_and_leaves_nothing(tmp_path):
     import resource
 
@@ -412,12 +444,14 @@ def test_a_checkpoint_that_cannot_be_written_is_named_and_leaves_nothing(tmp_pat
     assert os.listdir(os.path.join(out_dir, "checkpoints")) == [os.path.basename(first)]
 
 
+@needs_sb3
 def test_out_naming_a_file_is_refused(tmp_path, capsys):
     (tmp_path / "afile").write_text("")
     code, _, err = run_main(capsys, "--out", str(tmp_path / "afile"), "--quiet")
     assert code == 2 and f"--out {tmp_path / 'afile'} is a file; the run directory must be a directory" in err
 
 
+@needs_sb3
 def test_a_memory_store_is_said_not_to_outlive_the_run(tmp_path, capsys):
     code, out, err = run_main(capsys, "--out", str(tmp_path / "run"), "--store", "memory://test-train-note",
                               "--steps", "20", "--eval-episodes", "1", *FAST)
@@ -428,6 +462,7 @@ def test_a_memory_store_is_said_not_to_outlive_the_run(tmp_path, capsys):
     assert job._bytes_label(str(tmp_path)) == "store bytes on disk"
 
 
+@needs_sb3
 def test_no_evaluation_says_na_and_sb3_leaves_no_log_directory(tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("SB3_LOGDIR", str(tmp_path / "sb3-log"))  # where SB3's default logger would make its directory
     code, out, err = run_main(capsys, "--out", str(tmp_path / "run"), "--steps", "20", "--eval-episodes", "0", *FAST)
@@ -436,6 +471,7 @@ def test_no_evaluation_says_na_and_sb3_leaves_no_log_directory(tmp_path, capsys,
     assert not os.path.exists(tmp_path / "sb3-log")
 
 
+@needs_sb3
 def test_an_env_module_that_cannot_be_imported_is_named(tmp_path, capsys):
     code, _, err = run_main(capsys, "--out", str(tmp_path / "run"), "--env", "nosuch_module_zz:Env-v0")
     assert code == 2 and err.startswith("her-store train: error: --env nosuch_module_zz:Env-v0: ") and "No module" in err

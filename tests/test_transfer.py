@@ -8,8 +8,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
-from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -20,7 +18,7 @@ from her_store.cli import main
 from her_store.errors import CorruptStoreError, StoreExistsError
 from her_store.transfer import MANIFEST_KEY, copy_store
 from her_store.verify import verify
-from tests.conftest import assert_episode_equal
+from tests.conftest import assert_episode_equal, until_stopped
 from tests.crash_writer import ACT, OBS, episode_for
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -117,7 +115,13 @@ def test_a_copy_while_a_writer_appends_is_a_committed_prefix(tmp_path, capacity)
         assert writer.stdout.readline().startswith("start")
         for _ in range(60):  # a ring of 1,000 transitions is full after about 50 episodes
             writer.stdout.readline()
-        results = [copy_store(src, str(tmp_path / f"copy{k}")) for k in range(2)]
+        results = [copy_store(src, str(tmp_path / "copy0"))]
+        with EpisodeStore.open(str(tmp_path / "copy0")) as copied:
+            end = copied.end_episode
+        while (line := writer.stdout.readline()).startswith("committed ") and int(line.split()[1]) <= end:
+            pass  # until the writer has committed past the first copy
+        assert line.startswith("committed "), f"the writer ended: {line!r}"
+        results.append(copy_store(src, str(tmp_path / "copy1")))  # of a later commit
     finally:
         writer.kill()
         writer.communicate()
@@ -130,29 +134,23 @@ def test_a_copy_while_a_writer_appends_is_a_committed_prefix(tmp_path, capacity)
         assert all(r.transitions <= capacity and r.episodes < r.generation for r in results)
 
 
-def _slow_copy(args: str) -> subprocess.Popen:
-    """copy_store(args) in a process that pauses 0.5 s after each batch of files it writes: killed half-way, not
-    after the end."""
+def _copy_stopped_half_way(args: str, files: int = 30) -> subprocess.Popen:
+    """copy_store(args) in a process that stops itself (SIGSTOP) once its manifest lists ``files`` files, before the
+    copy ends: returned stopped, for the test to kill half-way, never after the end."""
     code = (
-        "import time, her_store.transfer as t\n"
+        "import os, signal, her_store.transfer as t\n"
         "write = t._Dest.write\n"
-        "t._Dest.write = lambda self, *a: (write(self, *a), time.sleep(0.5))[0]\n"
+        "def write_then_stop(self, items, identity, files):\n"
+        "    done = write(self, items, identity, files)\n"
+        f"    if len(files) >= {files}:\n"
+        "        os.kill(os.getpid(), signal.SIGSTOP)\n"
+        "    return done\n"
+        "t._Dest.write = write_then_stop\n"
         f"t.copy_store({args})\n"
     )
-    return subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT})
-
-
-def _wait_for_manifest(read: Callable[[], bytes], files: int = 30) -> None:
-    """Until the copy manifest that ``read`` returns lists ``files`` files (absent or half written: not yet)."""
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        try:
-            if len(json.loads(read())["files"]) >= files:
-                return
-        except (FileNotFoundError, ValueError):
-            pass
-        time.sleep(0.01)
-    raise AssertionError(f"the manifest did not list {files} files in 60 s")
+    proc = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT})
+    until_stopped(proc)
+    return proc
 
 
 def test_a_copy_killed_half_way_resumes(tmp_path, s3_url, s3_endpoint):
@@ -161,10 +159,10 @@ def test_a_copy_killed_half_way_resumes(tmp_path, s3_url, s3_endpoint):
     url, opts = s3_url
     src = str(tmp_path / "src")
     _make(src, 60)
-    proc = _slow_copy(f"{src!r}, {url!r}, storage_options={opts!r}")
+    proc = _copy_stopped_half_way(f"{src!r}, {url!r}, storage_options={opts!r}")
     fs = s3fs.S3FileSystem(**opts)
     manifest = url[len("s3://") :] + "/" + MANIFEST_KEY
-    _wait_for_manifest(lambda: fs.cat_file(manifest))
+    assert len(json.loads(fs.cat_file(manifest))["files"]) >= 30
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
     fs.invalidate_cache()
@@ -184,8 +182,7 @@ def test_a_copy_killed_half_way_resumes(tmp_path, s3_url, s3_endpoint):
 def test_a_local_copy_killed_half_way_resumes_from_its_partial_directory(tmp_path):
     src, dest = str(tmp_path / "src"), str(tmp_path / "dest")
     _make(src, 60)
-    proc = _slow_copy(f"{src!r}, {dest!r}")
-    _wait_for_manifest(Path(tmp_path, ".dest.copy-partial", MANIFEST_KEY).read_bytes)
+    proc = _copy_stopped_half_way(f"{src!r}, {dest!r}")
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
     assert not os.path.exists(dest)
@@ -198,9 +195,8 @@ def test_a_local_copy_killed_half_way_resumes_from_its_partial_directory(tmp_pat
 def _killed_copy(src: str, dest: str) -> Path:
     """A store of 60 episodes at ``src``, and a local copy of it to ``dest`` killed half-way: its partial directory."""
     _make(src, 60)
-    proc = _slow_copy(f"{src!r}, {dest!r}")
+    proc = _copy_stopped_half_way(f"{src!r}, {dest!r}")
     partial = Path(os.path.dirname(dest), f".{os.path.basename(dest)}.copy-partial")
-    _wait_for_manifest((partial / MANIFEST_KEY).read_bytes)
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
     return partial

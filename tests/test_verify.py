@@ -257,9 +257,9 @@ def test_index_and_rows_past_the_commit_are_reported_and_cleared(tmp_path):
             store.append_episode(_tagged(store.observation_space, store.action_space, i))
     open(os.path.join(path, "commit.json"), "wb").write(record)
     holder = subprocess.Popen(  # while a live writer holds the lock, rows past the commit are its work in progress
-        [sys.executable, "-c", "import sys, time; from her_store import EpisodeStore\n"
-         "s = EpisodeStore.open(sys.argv[1], mode='a'); print('held', flush=True); time.sleep(60)", path],
-        stdout=subprocess.PIPE, text=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT},
+        [sys.executable, "-c", "import sys; from her_store import EpisodeStore\n"
+         "s = EpisodeStore.open(sys.argv[1], mode='a'); print('held', flush=True); sys.stdin.read()", path],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT},
     )
     try:
         assert holder.stdout.readline().strip() == "held"
@@ -270,9 +270,9 @@ def test_index_and_rows_past_the_commit_are_reported_and_cleared(tmp_path):
         holder.kill()
         holder.communicate()
     closed = subprocess.Popen(  # a process that closed its writer (the record still names it) is writing nothing
-        [sys.executable, "-c", ("import sys, time; from her_store import EpisodeStore\n"
-         "EpisodeStore.open(sys.argv[1], mode='a').close(); print('closed', flush=True); time.sleep(60)"), path],
-        stdout=subprocess.PIPE, text=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT},
+        [sys.executable, "-c", ("import sys; from her_store import EpisodeStore\n"
+         "EpisodeStore.open(sys.argv[1], mode='a').close(); print('closed', flush=True); sys.stdin.read()"), path],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT},
     )
     try:
         assert closed.stdout.readline().strip() == "closed"

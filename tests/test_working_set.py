@@ -112,8 +112,7 @@ def test_each_episodes_long_run_share_of_samples_is_its_share_of_transitions(tmp
                     drawn += np.bincount(s.sample().episode_ids.numpy() - view.first, minlength=len(share))
     ratio = in_set / (refills * share)
     assert 0.7 < ratio.min() and ratio.max() < 1.3 and ratio.std() < 0.13, (ratio.min(), ratio.max(), ratio.std())
-    from scipy.stats import chisquare
-
+    chisquare = pytest.importorskip("scipy.stats", reason="the chi-square test is scipy's: pip install scipy").chisquare
     assert chisquare(drawn, expected).pvalue > 1e-4
 
 
@@ -162,7 +161,7 @@ def test_the_set_never_holds_more_than_its_budget_while_a_writer_appends(tmp_pat
                 assert s.resident_bytes <= s.nbytes <= budget
                 assert_rows_are_the_stores(b, eps)
                 newest = max(newest, int(b.episode_ids.max()))
-            deadline = time.monotonic() + 30  # the background refills run at their own pace: give them time
+            deadline = time.monotonic() + 300  # the background refills run at their own pace (300 s: a hang)
             while (s.refills <= 10 or newest < 150) and time.monotonic() < deadline:
                 b = s.sample()
                 assert_rows_are_the_stores(b, eps)

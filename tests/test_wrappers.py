@@ -15,7 +15,6 @@ from gymnasium import spaces
 from gymnasium.vector import AsyncVectorEnv, AutoresetMode, SyncVectorEnv
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from stable_baselines3.common.envs import BitFlippingEnv
 
 from her_store import (
     EpisodeStore,
@@ -45,6 +44,12 @@ class SpaceEnv(gym.Env):
 
     def compute_reward(self, achieved_goal, desired_goal, info):
         return -np.any(np.asarray(achieved_goal) != np.asarray(desired_goal), axis=-1).astype(np.float32)
+
+
+def bit_flipping_env(**kwargs: object) -> gym.Env:
+    """SB3's BitFlippingEnv (a goal env of MultiBinary or Discrete observations); the test skips without SB3."""
+    envs = pytest.importorskip("stable_baselines3.common.envs", reason='pip install "her_store[sb3]"')
+    return envs.BitFlippingEnv(**kwargs)
 
 
 def goal_dict(**subs: spaces.Space) -> spaces.Dict:
@@ -109,7 +114,7 @@ def test_box_round_trip_is_exact_for_any_shapes_dtypes_and_batch(case, seed):
 
 
 def test_multibinary_spaces_become_one_multibinary_and_the_bit_flipping_env_runs_through():
-    env = GoalEnvFlattener(BitFlippingEnv(n_bits=4))
+    env = GoalEnvFlattener(bit_flipping_env(n_bits=4))
     assert env.observation_space == spaces.MultiBinary(12) and env.observation_space.dtype == np.int8
     obs, _ = env.reset(seed=0)
     assert obs.dtype == np.int8 and env.observation_space.contains(obs)
@@ -124,7 +129,7 @@ def test_multibinary_spaces_become_one_multibinary_and_the_bit_flipping_env_runs
 
 
 def test_discrete_spaces_become_one_entry_each_of_a_multidiscrete():
-    env = GoalEnvFlattener(BitFlippingEnv(n_bits=3, discrete_obs_space=True))
+    env = GoalEnvFlattener(bit_flipping_env(n_bits=3, discrete_obs_space=True))
     assert env.observation_space == spaces.MultiDiscrete([8, 8, 8]) and (env.obs_dim, env.goal_dim) == (1, 1)
     obs, _ = env.reset(seed=1)
     assert obs.shape == (3,) and obs[2] == 7 and env.observation_space.contains(obs)
@@ -181,7 +186,7 @@ def test_bad_values_to_convert_are_refused_by_name():
         env.convert_obs_to_dict(np.zeros((3, 7)))
     with pytest.raises(ValueError, match=r"shape \(\), expected"):
         env.convert_obs_to_dict(np.float32(0))
-    bits = GoalEnvFlattener(BitFlippingEnv(n_bits=2))
+    bits = GoalEnvFlattener(bit_flipping_env(n_bits=2))
     with pytest.raises(TypeError, match="dtype float64, which does not cast to the flat int8"):
         bits.convert_obs_to_dict(np.zeros(6))
 
@@ -302,7 +307,7 @@ def test_every_episode_of_a_single_env_is_recorded_as_the_env_produced_it(tmp_pa
     if kind == "point":
         env = Log(gym.make(ENV_ID, max_episode_steps=6), log)
     else:
-        env = Log(BitFlippingEnv(n_bits=2, max_steps=4, discrete_obs_space=kind == "bits-discrete"), log)
+        env = Log(bit_flipping_env(n_bits=2, max_steps=4, discrete_obs_space=kind == "bits-discrete"), log)
     env = RecordEpisodes(env, tmp_path / "run", info_keys=["is_success", "t"], commit_interval=0)
     assert env.store.metadata["env_id"] == (ENV_ID if kind == "point" else "BitFlippingEnv-v0")
     env.action_space.seed(0)
@@ -394,7 +399,7 @@ def test_recorders_inside_a_sync_vector_env_share_one_open_store(tmp_path):
 
 
 def test_sb3_trains_on_the_flattened_env_and_every_step_it_took_is_in_the_store(tmp_path):
-    from stable_baselines3 import SAC
+    SAC = pytest.importorskip("stable_baselines3", reason='pip install "her_store[sb3]"').SAC
 
     env = GoalEnvFlattener(RecordEpisodes(gym.make(ENV_ID, max_episode_steps=8), tmp_path / "run"))
     model = SAC("MlpPolicy", env, buffer_size=100, learning_starts=30, batch_size=16, seed=0,
@@ -415,7 +420,7 @@ def test_sb3_trains_on_the_flattened_env_and_every_step_it_took_is_in_the_store(
 
 def test_a_store_that_does_not_fit_the_env_is_refused_and_left_intact(tmp_path):
     path = tmp_path / "bits"
-    bits = BitFlippingEnv(n_bits=3)
+    bits = bit_flipping_env(n_bits=3)
     with RecordEpisodes(bits, path) as env:
         env.reset(seed=0)
         for _ in range(3):
@@ -425,7 +430,7 @@ def test_a_store_that_does_not_fit_the_env_is_refused_and_left_intact(tmp_path):
     assert n >= 1
     with pytest.raises(SchemaMismatchError, match="observation_space differs"):
         RecordEpisodes(gym.make(ENV_ID), path)
-    other = BitFlippingEnv(n_bits=3)
+    other = bit_flipping_env(n_bits=3)
     other.spec = gym.envs.registration.EnvSpec("other-v0", "no-entry-point")
     with pytest.raises(SchemaMismatchError, match="holds episodes of env 'BitFlippingEnv-v0', this env is 'other-v0'"):
         RecordEpisodes(other, path)
@@ -435,7 +440,7 @@ def test_a_store_that_does_not_fit_the_env_is_refused_and_left_intact(tmp_path):
         with pytest.raises(SchemaMismatchError, match="this env is 'other-v0'"):
             RecordEpisodes(other, store)
         with pytest.raises(SchemaMismatchError, match="action_space differs"):
-            RecordEpisodes(BitFlippingEnv(n_bits=3, continuous=True), store)
+            RecordEpisodes(bit_flipping_env(n_bits=3, continuous=True), store)
         with pytest.raises(TypeError, match=r"store options \['capacity'\] apply only when the recorder opens"):
             RecordEpisodes(bits, store, capacity=10)
     with pytest.raises(SchemaMismatchError, match="capacity=None"):
@@ -445,7 +450,7 @@ def test_a_store_that_does_not_fit_the_env_is_refused_and_left_intact(tmp_path):
     with pytest.raises(TypeError, match="store must be an EpisodeStore or a path, got int"):
         RecordEpisodes(bits, 3)
     with pytest.raises(TypeError, match="wrap a vector env with RecordVectorEpisodes"):
-        RecordEpisodes(SyncVectorEnv([lambda: BitFlippingEnv(n_bits=3)]), path)
+        RecordEpisodes(SyncVectorEnv([lambda: bit_flipping_env(n_bits=3)]), path)
     with pytest.raises(TypeError, match="wrap a single env with RecordEpisodes"):
         RecordVectorEpisodes(bits, path)
     assert len(stored(path)) == n  # nothing lost, nothing added
@@ -522,8 +527,8 @@ def test_a_vector_env_must_be_reset_before_it_is_recorded(tmp_path):
 
 def test_a_masked_reset_whose_episode_is_refused_drops_the_running_episodes_of_the_other_envs(tmp_path):
     logs: list[list] = [[], []]
-    fns = [lambda: Corrupt(Log(BitFlippingEnv(n_bits=8, max_steps=5), logs[0]), 2, "obs"),
-           lambda: Log(BitFlippingEnv(n_bits=8, max_steps=3), logs[1])]
+    fns = [lambda: Corrupt(Log(bit_flipping_env(n_bits=8, max_steps=5), logs[0]), 2, "obs"),
+           lambda: Log(bit_flipping_env(n_bits=8, max_steps=3), logs[1])]
     envs = RecordVectorEpisodes(SyncVectorEnv(fns, autoreset_mode="Disabled"), tmp_path / "run")
     envs.reset(seed=0)
     for t in range(12):
