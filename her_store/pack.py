@@ -79,8 +79,6 @@ __all__ = [
 
 # a data array's chunk starts on a page boundary, so it is mapped at its own offset and its zeros stay pages
 ALIGNMENT = 4096
-PACKED_CHUNK_BYTES = 1 << 16  # a packed chunk of the widest rows holds at least this much, where the rows do
-PACKED_CHUNKS = 8  # a packed array's chunks: about an eighth of its rows each, until they are as large as the source's
 MAX_MEMBERS = 1 << 22  # a store of 10^9 frames in shards of 256 rows has about 4 million files
 MAX_DIRECTORY_BYTES = 1 << 30  # the central directory is read whole: about 250 bytes per member at most
 COPY_BLOCK = 8 << 20
@@ -650,25 +648,22 @@ def _store_files(root: str, keep: set[str]) -> list[tuple[str, int]]:
     return found
 
 
-def packed_chunk_rows(rows: int, row_nbytes: int, most: int, least: int = 1) -> int:
-    """Rows per chunk of an uncompressed array in a pack, whose live rows number ``rows`` and the widest of whose
-    rows holds ``row_nbytes`` bytes: a power of two no larger than ``rows`` need (so the chunks hold fewer than twice
-    the rows they are written for, the zeros of the last one included) and, within that, about an eighth of them but
-    at least ``PACKED_CHUNK_BYTES`` of the widest rows (few members); then at most ``most`` (the source's) and at
-    least ``least``.
+def packed_chunk_rows(rows: int, most: int, least: int = 1) -> int:
+    """Rows per chunk of an uncompressed array in a pack whose live rows number ``rows``: the smallest power of two
+    that holds them all (so the chunks hold fewer than twice the rows they are written for, the zeros of the last one
+    included, and a gather maps as few members as it does in the source), at most ``most`` (the source's) and at least
+    ``least``.
 
     Examples
     --------
-    >>> packed_chunk_rows(255, 84, most=1 << 20)  # five episodes of 50 steps: FetchReach's float32 pack
+    >>> packed_chunk_rows(255, most=1 << 20)  # five episodes of 50 steps
     256
-    >>> packed_chunk_rows(100_000, 84, most=1 << 20)
-    16384
-    >>> packed_chunk_rows(10_000_000, 84, most=1 << 20)  # as many rows as a chunk of the source holds
+    >>> packed_chunk_rows(100_000, most=1 << 20)
+    131072
+    >>> packed_chunk_rows(10_000_000, most=1 << 20)  # as many rows as a chunk of the source holds
     1048576
     """
-    floor = 1 << max(0, (PACKED_CHUNK_BYTES // max(1, row_nbytes)).bit_length() - 1)
-    want = max(_pow2_at_least(-(-rows // PACKED_CHUNKS)), floor)
-    return int(min(most, max(least, min(_pow2_at_least(rows), want))))
+    return int(min(most, max(least, _pow2_at_least(rows))))
 
 
 def _pow2_at_least(n: int) -> int:
@@ -751,10 +746,8 @@ def _members(store: Any, root: str, zeros: bytes) -> list[_Member]:
     layout, table, commit = store.layout, store.episodes, store.commit_record
     starts = table["start_row"].astype(np.int64)
     runs = _runs(starts, starts + table["length"] + 1)
-    raw = [spec for spec in layout.arrays if not spec.compressed]
     rows = packed_chunk_rows(
         int((runs[:, 1] - runs[:, 0]).sum()),
-        max((spec.row_nbytes for spec in raw), default=1),
         max(spec.chunk_rows for spec in layout.arrays),
         max((spec.chunk_rows for spec in layout.arrays if spec.compressed), default=1),  # compressed arrays as they are
     )
@@ -766,7 +759,7 @@ def _members(store: Any, root: str, zeros: bytes) -> list[_Member]:
     positions = _runs(at, at + 1)
     columns = store._index_io
     index_rows = packed_chunk_rows(
-        slots if slots is not None else commit.end_episode, 8, min(col.chunk_rows for col in columns.values())
+        slots if slots is not None else commit.end_episode, min(col.chunk_rows for col in columns.values())
     )
 
     groups = ["zarr.json", "packs/zarr.json", "steps/zarr.json", "episodes/zarr.json"]
