@@ -30,7 +30,7 @@ from torch import nn
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # runs from a checkout, too
 
 from her_store import EpisodeStore, GoalMixture, HerSampler
-from her_store.cli import collect
+from her_store.cli.main import collect
 from her_store.envs import ENV_ID
 
 

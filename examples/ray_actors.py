@@ -34,7 +34,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)  # runs from a checkout, too
 
 from her_store import NotAStoreError, open_store
-from her_store.cli import collect
+from her_store.cli.main import collect
 from her_store.envs import ENV_ID
 
 ROUND_STEPS = 500  # env steps between two looks at the clock (ten PointGoal episodes)

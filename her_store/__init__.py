@@ -5,8 +5,8 @@ Public API: :class:`EpisodeStore`, :func:`open_store`, :class:`ShardedView`, :cl
 :class:`GoalSelectionStrategy`, :class:`GoalMixture`, :class:`Episode` and the errors in :mod:`her_store.errors`.
 """
 
+from her_store.datasets.sharded import ShardedView
 from her_store.envs import register as _register_envs
-from her_store.episode import Episode
 from her_store.errors import (
     CorruptStoreError,
     EpisodeNotFoundError,
@@ -20,12 +20,12 @@ from her_store.errors import (
     StoreLockedError,
     StoreTimeoutError,
 )
-from her_store.format import FORMAT_VERSION
-from her_store.reader import ChunkReader
-from her_store.relabel import GoalContext, GoalMixture, GoalSelectionStrategy
-from her_store.sharded import ShardedView
-from her_store.store import EpisodeStore, open_store
-from her_store.writer import StepWriter
+from her_store.format.layout import FORMAT_VERSION
+from her_store.sampling.relabel import GoalContext, GoalMixture, GoalSelectionStrategy
+from her_store.store.episode import Episode
+from her_store.store.episode_store import EpisodeStore, open_store
+from her_store.store.rows import ChunkReader
+from her_store.store.step_writer import StepWriter
 
 __version__ = "0.1.0"
 
@@ -33,19 +33,19 @@ __version__ = "0.1.0"
 def __getattr__(name: str) -> object:
     # The samplers import torch (seconds); writers, readers and tools that never sample should not pay for it.
     if name in ("HerSampler", "HerBatch"):
-        from her_store import sampler
+        from her_store.sampling import sampler
 
         return getattr(sampler, name)
     if name == "MixtureSampler":
-        from her_store.mixture import MixtureSampler
+        from her_store.sampling.mixture import MixtureSampler
 
         return MixtureSampler
     if name == "WorkingSetSampler":
-        from her_store.working_set import WorkingSetSampler
+        from her_store.sampling.working_set import WorkingSetSampler
 
         return WorkingSetSampler
     if name == "HerIterableDataset":
-        from her_store.loader import HerIterableDataset
+        from her_store.sampling.loader import HerIterableDataset
 
         return HerIterableDataset
     raise AttributeError(f"module 'her_store' has no attribute {name!r}")

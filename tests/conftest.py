@@ -16,6 +16,8 @@ from hypothesis import HealthCheck, settings
 from her_store import _kernels
 
 GOAL_KEYS = ("observation", "achieved_goal", "desired_goal")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository
+DATA = os.path.join(ROOT, "tests", "data")  # stores made by earlier format versions (tests/data/make_old_store.py)
 
 # Property tests have no wall-clock limit per example or on generating them: on a loaded machine a slow example is
 # not a failing one.
@@ -25,7 +27,7 @@ settings.load_profile("her_store")
 
 # what only the compiled kernels do (her_store._kernels.pure says why the pure twins cannot)
 requires_compiled = pytest.mark.skipif(
-    not _kernels.COMPILED, reason="the compiled kernels' behaviour (her_store._frames not built, or HER_STORE_PURE=1)"
+    not _kernels.COMPILED, reason="the compiled kernels' behaviour (her_store._kernels._frames not built, or HER_STORE_PURE=1)"
 )
 
 

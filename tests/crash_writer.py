@@ -20,7 +20,8 @@ from gymnasium import spaces
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from her_store import open_store, storage
+from her_store import open_store
+from her_store.storage import location as storage
 from tests.conftest import fetch_spaces, make_episode, random_rows
 
 OBS, ACT = fetch_spaces()

@@ -250,7 +250,7 @@ def run_cli(*args: str) -> subprocess.CompletedProcess:
     """``her-store ARGS`` through its entry point in this process (faults patch this process; a subprocess also
     costs seconds): its exit status, stdout and stderr. An exception the command does not turn into a message
     propagates."""
-    from her_store.cli import main
+    from her_store.cli.main import main
 
     if any("://" in a for a in args):  # the HTTP sessions of s3fs instances dropped before: their notices not in here
         gc.collect()

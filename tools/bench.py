@@ -32,13 +32,13 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from frames import FRAME_KINDS, FrameKind, image_episode  # tools/frames.py
 from bench_writers import bench_writers  # tools/bench_writers.py
+from frames import FRAME_KINDS, FrameKind, image_episode  # tools/frames.py
 from gymnasium import spaces
 
 from her_store import EpisodeStore
 from her_store.errors import StoreError
-from her_store.storage import drop_page_cache
+from her_store.storage.location import drop_page_cache
 
 OBS = spaces.Dict(
     {
@@ -533,7 +533,7 @@ def _frame_disk_bytes(store: EpisodeStore) -> float:
 def _warm_up(fns: dict[str, Callable[[], Any]]) -> None:
     """Call each sampling function as often as a sampler needs to find its frames in the page cache and read them
     where their shards are mapped (WARM_GATHERS gathers), and once more."""
-    from her_store.reader import WARM_GATHERS
+    from her_store.store.rows import WARM_GATHERS
 
     for f in fns.values():
         for _ in range(WARM_GATHERS + 1):
@@ -847,7 +847,7 @@ def bench_inspect(workdir: str, quick: bool) -> dict[str, Any]:
     import io
     import subprocess
 
-    from her_store.cli import main as cli_main
+    from her_store.cli.main import main as cli_main
 
     n_eps = 100_000 if quick else 1_000_000
     path = os.path.join(workdir, "inspect")
@@ -882,7 +882,7 @@ def bench_inspect(workdir: str, quick: bool) -> dict[str, Any]:
 def bench_verify(workdir: str, quick: bool) -> dict[str, Any]:
     """her-store verify of a ~1 GB image store (3x84x84, LZ4) and a ~1 GB low-dim one, files evicted first, against the
     disk's sequential read bandwidth measured in the same run."""
-    from her_store.verify import verify
+    from her_store.ops.verify import verify
 
     target = (1 << 27) if quick else (1 << 30)  # bytes on disk
     stores = {
@@ -943,7 +943,7 @@ def bench_pack(workdir: str, quick: bool) -> dict[str, Any]:
     """Packed stores: pack MB/s, and warm sampling (batch 256, future) from the zip against the same store unpacked:
     low-dim (members memory-mapped) and 3x84x84 LZ4 images (frames read by range)."""
     from her_store import HerSampler
-    from her_store.pack import pack_store
+    from her_store.ops.pack import pack_store
 
     out: dict[str, Any] = {}
     n_low, n_img = (200_000, 20_000) if quick else (1_000_000, 50_000)
@@ -1005,7 +1005,7 @@ def bench_remote(workdir: str, quick: bool) -> dict[str, Any]:
     import multiprocessing
 
     from her_store import HerSampler
-    from her_store.transfer import copy_store
+    from her_store.ops.copy import copy_store
 
     ctx = multiprocessing.get_context("fork")
     port: Any = ctx.Queue()
@@ -1046,8 +1046,8 @@ def bench_working_set(workdir: str, quick: bool) -> dict[str, Any]:
     time, against the same store's warm local HerSampler: FetchReach-shaped and 3x84x84 LZ4 images; the background
     refill's rate (transitions loaded/s) beside the sampling rate."""
     from her_store import HerSampler
-    from her_store.transfer import copy_store
-    from her_store.working_set import WorkingSetSampler
+    from her_store.ops.copy import copy_store
+    from her_store.sampling.working_set import WorkingSetSampler
 
     seconds = 3.0 if quick else 15.0
     n_low, n_img = (100_000, 10_000) if quick else (1_000_000, 50_000)

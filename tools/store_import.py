@@ -1,5 +1,5 @@
 import sys
 
-from her_store.cli import main
+from her_store.cli.main import main
 
 sys.exit(main(["import", *sys.argv[1:]]))

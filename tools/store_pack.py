@@ -2,6 +2,6 @@
 
 import sys
 
-from her_store.cli import main
+from her_store.cli.main import main
 
 sys.exit(main(["pack", *sys.argv[1:]]))

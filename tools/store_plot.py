@@ -8,7 +8,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from her_store.cli import main  # noqa: E402
+from her_store.cli.main import main  # noqa: E402
 
 if __name__ == "__main__":
     sys.exit(main(["plot", *sys.argv[1:]]))

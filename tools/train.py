@@ -9,7 +9,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from her_store.cli import main
+from her_store.cli.main import main
 
 if __name__ == "__main__":
     sys.exit(main(["train", *sys.argv[1:]]))

@@ -1,7 +1,7 @@
 """The kernels of her_store's hot paths (batch LZ4 decoding and encoding of image rows, gathers from mapped files,
 crc32 runs, shard bodies), from the one place that chooses them.
 
-They are the C extension's (her_store._frames, built from her_store/_frames.c where a C compiler was found at
+They are the C extension's (her_store._kernels._frames, built from her_store/_kernels/_frames.c where a C compiler was found at
 install) when it imports and the environment variable HER_STORE_PURE is not ``1``; else their pure-Python twins
 (her_store._kernels.pure: numpy, numcodecs' LZ4, zlib's crc32), which take the same arguments and give the same
 answers, slower; a file cut short in place during a gather from its mapping is survived by the compiled path only.
@@ -33,14 +33,14 @@ __all__ = [
 COMPILED: bool = False
 if os.environ.get("HER_STORE_PURE") != "1":
     try:
-        from her_store import _frames  # noqa: F401
+        from her_store._kernels import _frames  # noqa: F401
     except ImportError:  # not built (no C compiler at install): the pure twins
         pass
     else:
         COMPILED = True
 
 if COMPILED:
-    from her_store._frames import (  # type: ignore[import-not-found]
+    from her_store._kernels._frames import (  # type: ignore[import-not-found]
         crc32,
         crc32_all,
         crc32_runs,

@@ -1,7 +1,7 @@
-"""The kernels of her_store._frames in Python: numpy, numcodecs' LZ4 and zlib's crc32 (isal's where installed: the
+"""The kernels of her_store._kernels._frames in Python: numpy, numcodecs' LZ4 and zlib's crc32 (isal's where installed: the
 same values, faster), for an install without a C compiler (or HER_STORE_PURE=1; her_store._kernels chooses).
 
-Each function takes the arguments of its C twin (her_store/_frames.c describes them) and returns or raises what that
+Each function takes the arguments of its C twin (her_store/_kernels/_frames.c describes them) and returns or raises what that
 one does: the same rows decoded and encoded byte for byte, the same (index, errno[, inblock]) answers, the same
 ValueErrors for arguments that do not fit together, and every offset and size checked against its source. An
 uncompressed gather (take_rows) is numpy's fancy indexing; LZ4 rows are a loop of numcodecs calls (it has no batch
@@ -203,7 +203,7 @@ class Mapping(np.ndarray):
 
 def map_file(fd: int, offset: int, length: int, /) -> Mapping:
     """Bytes ``offset .. offset + length`` of an open file, mapped read-only (MADV_RANDOM: a page fault reads its page
-    alone); see her_store/_frames.c."""
+    alone); see her_store/_kernels/_frames.c."""
     fd = _c_int(fd)
     offset = _index(offset, -(2**63), 2**63 - 1, "long long")
     length = _index(length, -(2**63), 2**63 - 1, "long long")

@@ -1,7 +1,7 @@
 """rllte's HerReplayStorage over the disk store: the same constructor, add, sample and update, episodes on disk.
 
-Steps go to a :class:`~her_store.writer.StepWriter` (an episode is appended when its env reports terminated or
-truncated, or cut as truncated at ``segment_steps``), batches come from a :class:`~her_store.sampler.HerSampler`. rllte itself need not be installed.
+Steps go to a :class:`~her_store.store.step_writer.StepWriter` (an episode is appended when its env reports terminated or
+truncated, or cut as truncated at ``segment_steps``), batches come from a :class:`~her_store.sampling.sampler.HerSampler`. rllte itself need not be installed.
 """
 
 from __future__ import annotations
@@ -19,12 +19,12 @@ import numpy as np
 import torch
 from gymnasium import spaces
 
+from her_store.checks import is_int
 from her_store.errors import StoreError
-from her_store.relabel import GoalStrategy, parse_strategy
-from her_store.sampler import HerSampler, RewardFn
-from her_store.store import EpisodeStore, open_store
-from her_store.values import is_int
-from her_store.writer import StepWriter
+from her_store.sampling.relabel import GoalStrategy, parse_strategy
+from her_store.sampling.sampler import HerSampler, RewardFn
+from her_store.store.episode_store import EpisodeStore, open_store
+from her_store.store.step_writer import StepWriter
 
 __all__ = ["HerReplayBatch", "HerReplayStorage", "NoEpisodeError"]
 
@@ -156,7 +156,7 @@ class HerReplayStorage:
     batch_size : int
         Transitions per :meth:`sample`.
     goal_selection_strategy : {"future", "final", "episode", "random"} or callable
-        As :class:`~her_store.sampler.HerSampler`: SB3's formulas; ``random`` takes the achieved goal of any
+        As :class:`~her_store.sampling.sampler.HerSampler`: SB3's formulas; ``random`` takes the achieved goal of any
         stored transition.
     num_goals : int
         Relabelled transitions per real one: ``her_ratio = 1 - 1 / (num_goals + 1)``.

@@ -1,7 +1,7 @@
 """ZarrHerReplayBuffer: stable-baselines3's HerReplayBuffer, with the episodes in a disk-backed her_store store.
 
 Pass it as ``replay_buffer_class`` to any SB3 off-policy algorithm (SAC, TD3, DDPG, DQN): steps go through a
-:class:`~her_store.writer.StepWriter`, batches come from a :class:`~her_store.sampler.HerSampler` with SB3's
+:class:`~her_store.store.step_writer.StepWriter`, batches come from a :class:`~her_store.sampling.sampler.HerSampler` with SB3's
 relabelling (her_ratio split, future/final/episode formulas, rewards from the env's ``compute_reward``), and
 ``save_replay_buffer`` writes a small handle to the store instead of the data.
 """
@@ -23,14 +23,14 @@ import numpy as np
 import torch as th
 from gymnasium import spaces
 
+from her_store.checks import is_int
 from her_store.errors import NotAStoreError, StoreError, StoreLockedError
+from her_store.format.schema import Schema
 from her_store.integrations import require
 from her_store.integrations.sb3_layout import SB3Arrays, env_columns, sb3_arrays
-from her_store.relabel import GoalSelectionStrategy, GoalStrategy, her_ratio, parse_strategy
-from her_store.schema import Schema
-from her_store.store import EpisodeStore, open_store
-from her_store.values import is_int
-from her_store.writer import _same_bytes
+from her_store.sampling.relabel import GoalSelectionStrategy, GoalStrategy, her_ratio, parse_strategy
+from her_store.store.episode_store import EpisodeStore, open_store
+from her_store.store.step_writer import _same_bytes
 
 _her = require("stable_baselines3.her", "sb3")
 _types = require("stable_baselines3.common.type_aliases", "sb3")
@@ -159,7 +159,7 @@ class ZarrHerReplayBuffer(_her.HerReplayBuffer):
         Virtual transitions per real one: ``her_ratio = 1 - 1 / (n_sampled_goal + 1)``.
     goal_selection_strategy : str, SB3's or her_store's GoalSelectionStrategy, or callable
         "future", "final", "episode" (SB3), "random" (a goal from anywhere in the buffer, as stable-baselines v2),
-        or a callable taking a :class:`~her_store.relabel.GoalContext`.
+        or a callable taking a :class:`~her_store.sampling.relabel.GoalContext`.
     copy_info_dict : bool
         Store numeric info entries (e.g. ``is_success``) and pass them to ``compute_reward`` as one dict per
         transition. Only the stored keys are passed (SB3 passes whole info dicts).
@@ -551,7 +551,7 @@ class ZarrHerReplayBuffer(_her.HerReplayBuffer):
         if sampler is not None:
             return sampler
         store = self._require_store()
-        from her_store.sampler import HerSampler
+        from her_store.sampling.sampler import HerSampler
 
         ref = weakref.ref(self)
         success_fn = None

@@ -14,9 +14,9 @@ from typing import NamedTuple
 
 import numpy as np
 
+from her_store.checks import is_int
 from her_store.integrations import require
-from her_store.store import EpisodeStore
-from her_store.values import is_int
+from her_store.store.episode_store import EpisodeStore
 
 __all__ = ["SB3Arrays", "env_columns", "sb3_arrays"]
 

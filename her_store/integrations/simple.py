@@ -3,7 +3,7 @@
 Flat states become the store's goal-style observations: ``observation`` is the state, ``achieved_goal`` its first
 ``goal_dim`` entries, ``desired_goal`` the goal. Episodes are delimited by ``done`` (and cut into segments of at
 most ``segment_steps``) and kept in a store on disk (through :class:`~her_store.integrations.rllte.HerReplayStorage`);
-batches are relabelled with the future strategy by :class:`~her_store.sampler.HerSampler`, the unfinished segment in
+batches are relabelled with the future strategy by :class:`~her_store.sampling.sampler.HerSampler`, the unfinished segment in
 the same way.
 """
 
@@ -20,9 +20,9 @@ from gymnasium import spaces
 
 from her_store.errors import NotAStoreError, SchemaMismatchError, StoreError
 from her_store.integrations.rllte import HerReplayStorage, _as_flags, _as_numpy, _check_int, _checked_device
-from her_store.relabel import GoalSelectionStrategy, select_goal_steps
-from her_store.sampler import RewardFn
-from her_store.store import EpisodeStore
+from her_store.sampling.relabel import GoalSelectionStrategy, select_goal_steps
+from her_store.sampling.sampler import RewardFn
+from her_store.store.episode_store import EpisodeStore
 
 __all__ = ["MAX_SEGMENT_STEPS", "HindsightExperienceReplay", "goal_reached_reward"]
 

@@ -28,11 +28,11 @@ from typing import Any
 import numpy as np
 from gymnasium import spaces
 
-from her_store.card import json_object
 from her_store.errors import NotAStoreError, StoreError
+from her_store.format.card import json_object
 from her_store.integrations import require
-from her_store.storage import fsync_file
-from her_store.store import EpisodeStore
+from her_store.storage.location import fsync_file
+from her_store.store.episode_store import EpisodeStore
 
 __all__ = [
     "DEFAULT_ENV",
@@ -542,7 +542,7 @@ def _unmaker(url: str, storage_options: dict[str, Any] | None = None) -> Callabl
 
 
 def _card(cfg: TrainConfig, spec: Any) -> dict[str, Any]:
-    """The dataset card of the run's store (:mod:`her_store.card`): the env, the algorithm, and the versions of the
+    """The dataset card of the run's store (:mod:`her_store.format.card`): the env, the algorithm, and the versions of the
     code that trained it (``requirements``: the pip requirements of the env, where its package is installed)."""
     import gymnasium
     import stable_baselines3
@@ -951,7 +951,7 @@ def main(argv: Sequence[str] | None = None, prog: str = "her-store train") -> in
     >>> main(["--steps", "5000", "--out", "runs/bits"])  # doctest: +SKIP
     0
     """
-    from her_store.inspection import print_table
+    from her_store.ops.inspect import print_table
 
     args = build_parser(prog).parse_args(argv)
     cfg = TrainConfig(

@@ -3,7 +3,7 @@
 :class:`GoalEnvFlattener` is stable-baselines (v2)'s ``HERGoalEnvWrapper`` for gymnasium: a goal env's Dict
 observation as one flat vector (``observation``, ``achieved_goal``, ``desired_goal``), reversibly.
 :class:`RecordEpisodes` (one env) and :class:`RecordVectorEpisodes` (a gymnasium vector env) turn any policy's
-rollouts into a her_store dataset through the store's :class:`~her_store.writer.StepWriter`.
+rollouts into a her_store dataset through the store's :class:`~her_store.store.step_writer.StepWriter`.
 """
 
 from __future__ import annotations
@@ -20,9 +20,9 @@ from gymnasium import spaces
 from gymnasium.vector import AutoresetMode, VectorEnv, VectorWrapper
 
 from her_store.errors import EpisodeValidationError, SchemaMismatchError, StoreError
-from her_store.schema import GOAL_KEYS, Field, Schema, conform
-from her_store.store import EpisodeStore, open_store
-from her_store.writer import DroppedEpisode
+from her_store.format.schema import GOAL_KEYS, Field, Schema, conform
+from her_store.store.episode_store import EpisodeStore, open_store
+from her_store.store.step_writer import DroppedEpisode
 
 __all__ = ["GoalEnvFlattener", "RecordEpisodes", "RecordVectorEpisodes", "RecordingWarning"]
 
@@ -94,7 +94,7 @@ def _exact_dtype(keys: Sequence[str], subs: Sequence[spaces.Space]) -> np.dtype:
 def _cast(value: np.ndarray, dtype: np.dtype, label: str) -> np.ndarray:
     """``value`` in ``dtype``, or ValueError if the cast would change a value.
 
-    The store's rules (:func:`~her_store.schema.conform`: no integer wrapped, no finite float turned into inf, a
+    The store's rules (:func:`~her_store.format.schema.conform`: no integer wrapped, no finite float turned into inf, a
     narrower float rounds), plus: an integer becomes a float only if the float holds it exactly, and a float becomes
     an integer (a flat float vector's integer sub-space) or a signed integer an unsigned one only if the integer
     dtype holds it.
@@ -449,7 +449,7 @@ class _Recording:
 
     @property
     def dropped(self) -> list[DroppedEpisode]:
-        """The episodes not recorded, as :class:`~her_store.writer.DroppedEpisode` (env, steps, the store's reason)."""
+        """The episodes not recorded, as :class:`~her_store.store.step_writer.DroppedEpisode` (env, steps, the store's reason)."""
         return self._recorder.dropped
 
     def flush(self) -> None:
@@ -467,7 +467,7 @@ class _Recording:
 class RecordEpisodes(_Recording, gym.Wrapper):
     """Write every episode of a running env into a her_store store, whatever policy drives it.
 
-    Each step is staged in the store's :class:`~her_store.writer.StepWriter`; an episode is appended when the env
+    Each step is staged in the store's :class:`~her_store.store.step_writer.StepWriter`; an episode is appended when the env
     reports ``terminated`` or ``truncated`` (its final observation is the one that step returned), with the info
     keys the store declares. An episode still running when the env is reset or closed is ended as truncated at its
     last step: every step the env produced is kept, and a truncated end lets HER bootstrap from it as from a time
@@ -498,9 +498,9 @@ class RecordEpisodes(_Recording, gym.Wrapper):
         A goal env; for a vector env use :class:`RecordVectorEpisodes`.
     store : EpisodeStore or path
         A store opened for appending, whose spaces must be the env's; or a path or URL, opened or created with
-        :func:`~her_store.store.open_store` with the env's spaces (and then closed by :meth:`close`).
+        :func:`~her_store.store.episode_store.open_store` with the env's spaces (and then closed by :meth:`close`).
     **store_options
-        For a path: passed to :func:`~her_store.store.open_store` (``capacity``, ``info_keys``, ``metadata``, ...).
+        For a path: passed to :func:`~her_store.store.episode_store.open_store` (``capacity``, ``info_keys``, ``metadata``, ...).
 
     Attributes
     ----------
@@ -586,7 +586,7 @@ class RecordVectorEpisodes(_Recording, VectorWrapper):
     """Write every episode of every env of a gymnasium vector env into one her_store store.
 
     A store has one writer (a lock), so the recorder wraps the whole vector env, sync or async, in the process that
-    steps it, and feeds one :class:`~her_store.writer.StepWriter` of ``num_envs`` envs. Episodes end and are
+    steps it, and feeds one :class:`~her_store.store.step_writer.StepWriter` of ``num_envs`` envs. Episodes end and are
     appended as with :class:`RecordEpisodes`, each with its env's index in the store's episode table. The vector
     env's autoreset mode is read from its metadata: next-step (gymnasium's default: the step after an env's last
     is its reset, and is not recorded), same-step (the final observation and info of an ended episode come from
@@ -604,7 +604,7 @@ class RecordVectorEpisodes(_Recording, VectorWrapper):
     store : EpisodeStore or path
         As for :class:`RecordEpisodes`: a store open for appending with the envs' single spaces, or a path.
     **store_options
-        For a path: passed to :func:`~her_store.store.open_store`.
+        For a path: passed to :func:`~her_store.store.episode_store.open_store`.
 
     Examples
     --------

@@ -9,7 +9,7 @@ its own module (``npz``, ``hdf5``, ``minari``, ``ogbench``, ``sb3_pickle``), imp
   episodes imported).
 
 Both write under a temporary name beside the destination and rename it at the end (:func:`staged_store`,
-:func:`her_store.storage.staged_output`): nothing is left at the destination unless the whole operation succeeded.
+:func:`her_store.storage.location.staged_output`): nothing is left at the destination unless the whole operation succeeded.
 The helpers here are shared by the format modules: the JSON header that carries spaces and card
 (:func:`header_of`, :func:`parse_header`), the exported episodes read in checked batches (:func:`read_batches`),
 streamed npz members (:func:`write_npz`, :class:`NpzReader`), staged destinations (:func:`staged_store`,
@@ -38,7 +38,7 @@ from typing import Any, BinaryIO, NamedTuple
 import numpy as np
 
 from her_store import _kernels
-from her_store.card import check_card
+from her_store.checks import is_int
 from her_store.errors import (
     CorruptStoreError,
     EpisodeNotFoundError,
@@ -46,13 +46,13 @@ from her_store.errors import (
     SchemaMismatchError,
     short_repr,
 )
+from her_store.format.card import check_card
+from her_store.format.schema import Field, Schema
+from her_store.ops.selection import parse_selection
 from her_store.progress import progress as progress_bar
-from her_store.reader import ChunkReader, MappedArray
-from her_store.schema import Field, Schema
-from her_store.selection import parse_selection
-from her_store.storage import METADATA_LIMIT, staged_output
-from her_store.store import EpisodeStore
-from her_store.values import is_int
+from her_store.storage.location import METADATA_LIMIT, staged_output
+from her_store.store.episode_store import EpisodeStore
+from her_store.store.rows import ChunkReader, MappedArray
 
 __all__ = [
     "EXPORTS",
@@ -210,7 +210,7 @@ def staged_store(store_path: str | os.PathLike[str], schema: Schema, card: Mappi
 
 
 def staged_file(dest: str | os.PathLike[str]) -> contextlib.AbstractContextManager[str]:
-    """:func:`her_store.storage.staged_output` for an export's destination, refusing a URL."""
+    """:func:`her_store.storage.location.staged_output` for an export's destination, refusing a URL."""
     return staged_output(_local(dest, "the destination"))
 
 
@@ -736,7 +736,7 @@ def export_store(
     *,
     progress: bool = False,
 ) -> tuple[int, int]:
-    """Export the episodes ``episodes`` names (a selection, :func:`her_store.selection.parse_selection`; None: all)
+    """Export the episodes ``episodes`` names (a selection, :func:`her_store.ops.selection.parse_selection`; None: all)
     of the store at ``source`` to ``dest`` as ``fmt``. Returns ``(episodes, transitions)`` written (fewer than
     selected when a ring's writer evicted some while they were read: :func:`read_batches`).
 

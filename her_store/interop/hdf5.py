@@ -23,7 +23,9 @@ from typing import Any
 
 import numpy as np
 
+from her_store.checks import is_int
 from her_store.extras import require
+from her_store.format.schema import Field
 from her_store.interop import (
     HEADER_KEY,
     append_from,
@@ -36,9 +38,7 @@ from her_store.interop import (
     staged_store,
 )
 from her_store.progress import progress as progress_bar
-from her_store.schema import Field
-from her_store.store import EpisodeStore
-from her_store.values import is_int
+from her_store.store.episode_store import EpisodeStore
 
 __all__ = ["export_hdf5", "import_hdf5"]
 

@@ -35,15 +35,15 @@ from typing import Any
 import numpy as np
 from gymnasium import spaces
 
-from her_store.card import check_card
+from her_store.checks import is_int
 from her_store.errors import EpisodeValidationError, SchemaMismatchError, short_repr
 from her_store.extras import require
+from her_store.format.card import check_card
+from her_store.format.schema import DTYPES, GOAL_KEYS, Schema, space_from_json, space_to_json
 from her_store.interop import Batch, check_hdf5, exact_cast, minari_name, read_batches
 from her_store.progress import progress as progress_bar
-from her_store.schema import DTYPES, GOAL_KEYS, Schema, space_from_json, space_to_json
-from her_store.storage import Location, staged_output
-from her_store.store import EpisodeStore
-from her_store.values import is_int
+from her_store.storage.location import Location, staged_output
+from her_store.store.episode_store import EpisodeStore
 
 __all__ = ["export_minari", "import_minari", "minari_dataset_id"]
 

@@ -35,7 +35,7 @@ from her_store.interop import (
     write_npz,
 )
 from her_store.progress import progress as progress_bar
-from her_store.store import EpisodeStore
+from her_store.store.episode_store import EpisodeStore
 
 __all__ = ["export_npz", "import_npz"]
 

@@ -37,6 +37,7 @@ import numpy as np
 from gymnasium import spaces
 
 from her_store.errors import SchemaMismatchError
+from her_store.format.schema import Field, Schema
 from her_store.interop import (
     HEADER_KEY,
     NpzReader,
@@ -51,8 +52,7 @@ from her_store.interop import (
     write_npz,
 )
 from her_store.progress import progress as progress_bar
-from her_store.schema import Field, Schema
-from her_store.store import EpisodeStore
+from her_store.store.episode_store import EpisodeStore
 
 __all__ = ["export_ogbench", "import_ogbench"]
 

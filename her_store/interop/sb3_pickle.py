@@ -31,9 +31,9 @@ from typing import Any
 import numpy as np
 
 from her_store.extras import require
+from her_store.format.schema import Schema
 from her_store.interop import open_input, staged_store
 from her_store.progress import progress as progress_bar
-from her_store.schema import Schema
 
 __all__ = ["import_sb3"]
 

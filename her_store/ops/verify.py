@@ -1,0 +1,891 @@
+"""``her-store verify``: check a store against FORMAT.md and every live episode's crc32, reading chunk files in order; repair.
+
+Opening a store (:meth:`EpisodeStore.open`) already checks its attributes, its arrays' metadata, the commit record
+against the store and the index (episode ids, row ranges inside the arrays, no two live episodes sharing a row, the
+lengths against ``num_transitions``); a store it refuses is reported with that reason. :func:`verify` then checks
+what opening does not read: every chunk file and shard holding committed rows (present, of its size, a shard's index
+parsing and holding every committed row), every live episode's crc32 (the rule of FORMAT.md, Checksums, computed
+from chunk files read in order, a shard in one read and a raw chunk in pieces of PIECE_BYTES, into buffers used again,
+the next reads under way while the current one is checksummed), and what a commit that never completed left past
+the record (index rows of ids never committed; an unbounded store's rows past ``write_row``, of which only the
+file's data is read, not its holes), and in any store the chunks holding no committed row that a writer could not
+read or write in place (something else in their place, a file with another hard link).
+
+:func:`repair` drops, with a new commit, the episodes that fail their crc32 or whose rows are missing, clears an
+uncommitted tail, removes such chunks and gives a committed chunk with another hard link a copy of its own. Episode ids are consecutive, so episodes are dropped as the ring drops them: bad episodes at the
+start of the live range are evicted; from the first bad episode after them the live range is cut, and the good
+episodes that followed it are appended again (new ids, each printed beside its old one).
+"""
+
+from __future__ import annotations
+
+import argparse
+import bisect
+import errno
+import json
+import os
+import shutil
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from her_store import _kernels
+from her_store.errors import CorruptStoreError, StoreError
+from her_store.format.frames import parse_index, shard_limit
+from her_store.format.layout import LOCK_KEY, ArraySpec
+from her_store.progress import progress as progress_bar
+from her_store.storage.location import Location, active_writer, blocks_directory, chunk_of, open_beneath
+from her_store.store.episode_store import EpisodeStore
+from her_store.store.index import EpisodeIndex, chunks_holding
+
+__all__ = ["Problem", "Report", "add_arguments", "repair", "run", "verify"]
+
+INDEX_TAIL_PIECE = 4096  # index positions read at a time when looking for rows of ids never committed
+READ_AHEAD = 64 << 20  # bytes of chunk files read ahead of the one being checked
+READ_THREADS = 4  # reads in flight: small files (shards) keep the disk's queue filled
+PIECE_BYTES = 16 << 20  # a raw chunk is read and checksummed this much at a time (whole rows)
+SPARE_BYTES = READ_AHEAD + PIECE_BYTES  # read buffers kept for later reads, at most: as many as are read ahead
+SPARE_MIN = 256 << 10  # smaller reads are not kept: malloc serves them from memory used before, without a page fault
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One thing wrong with a store: what, and which episodes it affects (ids as they were when checked).
+
+    ``kind`` is ``"open"`` (the store cannot be opened), ``"file"`` (a chunk or shard file), ``"checksum"`` (episodes
+    whose rows fail their crc32), ``"uncommitted"`` (left past the commit record by a commit that never completed) or
+    ``"repair"`` (a repair that stopped before it had appended the good episodes it was moving again).
+    """
+
+    kind: str
+    what: str
+    episodes: tuple[int, ...] = ()
+
+    def __str__(self) -> str:
+        return f"{self.what} (episodes {id_ranges(self.episodes)})" if self.episodes else self.what
+
+
+@dataclass
+class Report:
+    """What :func:`verify` found.
+
+    Attributes
+    ----------
+    url : str
+    problems : list of Problem
+        Empty when the store is clean.
+    episodes, transitions : int
+        Live episodes and transitions checked.
+    bytes_read : int
+        Bytes of chunk and shard files read.
+    seconds : float
+    bad_episodes : numpy.ndarray
+        Live episode ids that fail their crc32 or whose rows are missing or unreadable (what :func:`repair` drops).
+    """
+
+    url: str
+    problems: list[Problem] = field(default_factory=list)
+    episodes: int = 0
+    transitions: int = 0
+    bytes_read: int = 0
+    seconds: float = 0.0
+    bad_episodes: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    damaged_files: list[str] = field(default_factory=list)  # entries (ArraySpec.chunk_entry) of unreadable chunks
+    short_files: list[tuple[str, int]] = field(default_factory=list)  # raw chunk keys not of their size, and the size
+    linked_files: list[str] = field(default_factory=list)  # raw chunk keys of committed rows with other (hard) links
+    tail_positions: list[int] = field(default_factory=list)  # index positions holding ids never committed
+    tail_chunks: dict[str, list[int]] = field(default_factory=dict)  # per array, chunks holding rows past write_row
+    junk_chunks: dict[str, list[int]] = field(default_factory=dict)  # per array, unreadable chunks with no committed row
+    notes: list[str] = field(default_factory=list)  # what is not wrong but worth saying (a live writer's tail)
+
+    @property
+    def clean(self) -> bool:
+        return not self.problems
+
+    @property
+    def opened(self) -> bool:
+        return not any(p.kind == "open" for p in self.problems)
+
+    def summary(self) -> str:
+        """The report as lines of text: a verdict, then one line per problem."""
+        rate = self.bytes_read / self.seconds / 1e6 if self.seconds > 0 else 0.0
+        checked = (
+            f"{self.episodes:,} episodes ({self.transitions:,} transitions), {self.bytes_read / 1e6:,.1f} MB read in "
+            f"{self.seconds:.2f} s ({rate:,.0f} MB/s)"
+        )
+        if self.clean:
+            return "\n".join([f"{self.url}: clean: {checked}", *(f"  note: {n}" for n in self.notes)])
+        lines = [f"{self.url}: {len(self.problems)} problem{'s' * (len(self.problems) != 1)}"]
+        if self.opened:
+            lines[0] += f" ({checked})"
+        lines += [f"  - {p}" for p in self.problems]
+        if len(self.bad_episodes):
+            lines.append(f"  episodes that fail their crc32 or miss rows: {id_ranges(self.bad_episodes)}")
+        return "\n".join(lines)
+
+
+def id_ranges(ids: Any) -> str:
+    """Episode ids as short ranges: ``0..3, 7, 9..10``.
+
+    Examples
+    --------
+    >>> id_ranges([0, 1, 2, 3, 7, 9, 10])
+    '0..3, 7, 9..10'
+    """
+    a = np.unique(np.asarray(ids, np.int64))
+    if not len(a):
+        return "none"
+    cuts = np.flatnonzero(np.diff(a) != 1) + 1
+    parts = [f"{int(r[0])}..{int(r[-1])}" if len(r) > 1 else str(int(r[0])) for r in np.split(a, cuts)]
+    return ", ".join(parts) if len(parts) <= 40 else ", ".join(parts[:40]) + f", ... ({len(a):,} in all)"
+
+
+def verify(
+    store_or_path: EpisodeStore | str | os.PathLike[str],
+    *,
+    checksums: bool = True,
+    progress: bool = False,
+    storage_options: dict[str, Any] | None = None,
+) -> Report:
+    """Check a store against every invariant of FORMAT.md and (``checksums``) every live episode's crc32.
+
+    Parameters
+    ----------
+    store_or_path : EpisodeStore, str or PathLike
+        An open store (any mode), or a path or URL, opened read-only here.
+    checksums : bool
+        Read every committed row and check each episode's crc32; False checks the files' presence, sizes and shard
+        indexes and what lies past the commit only.
+    progress : bool
+        Show a progress bar over the bytes read.
+    storage_options : dict, optional
+        fsspec options for a URL.
+
+    Returns
+    -------
+    Report
+        ``report.clean`` when nothing is wrong; otherwise ``report.problems`` say what and which episodes. A store
+        that :meth:`EpisodeStore.open` refuses gives one problem of kind ``"open"`` with its reason.
+
+    Raises
+    ------
+    NotAStoreError
+        The path holds no store at all.
+
+    Examples
+    --------
+    >>> report = verify("runs/fetch")  # doctest: +SKIP
+    >>> report.clean, report.bytes_read / report.seconds  # doctest: +SKIP
+    (True, 1.2e9)
+    """
+    t0 = time.perf_counter()
+    if isinstance(store_or_path, EpisodeStore):
+        return _Check(store_or_path, checksums, progress).run(t0)
+    try:
+        store = EpisodeStore.open(store_or_path, storage_options=storage_options)
+    except CorruptStoreError as e:
+        return Report(str(Location(store_or_path, storage_options)), [Problem("open", f"the store cannot be opened: {e}")])
+    with store:
+        report = _Check(store, checksums, progress).run(t0)
+        writer = active_writer(store._loc, LOCK_KEY)
+        if writer is not None:  # rows past the commit are a live writer's work in progress, not a crash's leftovers
+            report.notes += [f"{p} (being written by {writer})" for p in report.problems if p.kind == "uncommitted"]
+            report.problems = [p for p in report.problems if p.kind != "uncommitted"]
+            report.tail_positions, report.tail_chunks, report.junk_chunks = [], {}, {}
+        plan = _plan_of(store.url) if store._loc.is_local else None
+        if plan is not None and store.commit_record.generation != plan["generation"]:  # the cut was committed
+            waiting = plan["count"] - max(0, store.end_episode - plan["cut"])
+            report.problems.append(Problem(
+                "repair", f"a repair was interrupted: {waiting} good episodes it was moving wait in "
+                f"{_spill_dir(store.url)}; run verify --repair to finish it"))
+    return report
+
+
+class _Check:
+    """One pass over a store: files and checksums array by array, in layout order (the crc32 chain's order)."""
+
+    def __init__(self, store: EpisodeStore, checksums: bool, progress: bool) -> None:
+        self.store, self.checksums, self.progress = store, checksums, progress
+        self.loc: Location = store._loc
+        self.commit = store.commit_record
+        table = store.episodes
+        order = np.argsort(table["start_row"], kind="stable")  # row order (ring order too), for chunk-by-chunk reads
+        self.ids = table["episode_id"][order]
+        self.starts = table["start_row"][order].astype(np.int64)
+        self.ends = self.starts + table["length"][order] + 1
+        self.expected = table["crc32"][order].astype(np.int64)
+        self.starts_list, self.ends_list = self.starts.tolist(), self.ends.tolist()  # for the loops over episodes
+        self.crcs = np.zeros(len(order), np.uint32)  # running crc32 per episode, chained over arrays in layout order
+        self.bad = np.zeros(len(order), bool)
+        self.report = Report(store.url, episodes=len(order), transitions=int(table["length"].sum()))
+        self._spare: list[np.ndarray] = []  # read buffers given back (_buffer), SPARE_MIN bytes or more each
+        self._spare_bytes = 0
+        self._spare_lock = threading.Lock()
+
+    def run(self, t0: float) -> Report:
+        chunks = [(spec, c) for spec in self.store.layout.arrays for c in self._chunks(spec)]
+        sizes = [min(self._size(spec, c), self._limit(spec, c)) for spec, c in chunks] if self.loc.is_local else None
+        bar = progress_bar(sum(sizes) if sizes else None, "verifying", self.progress, unit="B", unit_scale=True)
+        jobs = [piece for spec, c in chunks for piece in self._pieces(spec, c)]
+        with bar, ThreadPoolExecutor(READ_THREADS, thread_name_prefix="her_store-verify") as pool:
+            for (spec, c, lo, hi), read in self._prefetched(pool, jobs):
+                nbytes = self._check_chunk(spec, c, read, lo, hi)
+                if read is not None:
+                    self._give_back(read[0])
+                self.report.bytes_read += nbytes
+                bar.update(nbytes)
+        r = self.report
+        if self.checksums:
+            failed = self.crcs.astype(np.int64) != self.expected
+            failed &= ~self.bad
+            if failed.any():
+                r.problems.append(
+                    Problem("checksum", "rows do not match the crc32 recorded when they were written", tuple(self.ids[failed].tolist()))
+                )
+            self.bad |= failed
+        r.bad_episodes = np.sort(self.ids[self.bad])
+        self._index_tail()
+        self._data_tail()
+        r.seconds = time.perf_counter() - t0
+        return r
+
+    # -- which files -----------------------------------------------------------------------------------------
+    def _chunks(self, spec: ArraySpec) -> list[int]:
+        """The chunks (shards) of an array holding committed rows, in order."""
+        return chunks_holding(self.starts, self.ends, spec.chunk_rows)
+
+    def _pieces(self, spec: ArraySpec, c: int) -> list[tuple[ArraySpec, int, int, int]]:
+        """Chunk ``c``'s jobs, (spec, c, first byte, end byte) of the bytes to check: a raw chunk's checksummed rows in
+        pieces of about PIECE_BYTES (whole rows), read into buffers used again; anything else in one."""
+        limit = self._limit(spec, c)
+        if spec.compressed or not self.checksums or limit == 0:
+            return [(spec, c, 0, limit)]
+        step = max(1, PIECE_BYTES // spec.row_nbytes) * spec.row_nbytes
+        return [(spec, c, lo, min(lo + step, limit)) for lo in range(0, limit, step)]
+
+    def _size(self, spec: ArraySpec, c: int) -> int:
+        if self.loc.archive is not None:  # a packed store: the member's size
+            return (self.loc.archive.member(spec.chunk_key(c)) or (0, 0))[1]
+        try:
+            return os.stat(self.loc.key_path(spec.chunk_key(c))).st_size
+        except OSError:
+            return 0
+
+    def _limit(self, spec: ArraySpec, c: int, committed: bool = True) -> int:
+        """The bytes of chunk (shard) ``c`` to read: a shard's all (at most what a shard may hold); a raw chunk's up to
+        its last committed row (``committed``: rows past it are not checksummed), else all of it."""
+        cr = spec.chunk_rows
+        if spec.sharded:
+            return shard_limit(cr, spec.row_nbytes)
+        k = self._episodes_in(c * cr, (c + 1) * cr)
+        if committed and len(k):
+            return (min(self.ends_list[k.stop - 1], (c + 1) * cr) - c * cr) * spec.row_nbytes
+        return cr * spec.row_nbytes
+
+    def _read(
+        self, spec: ArraySpec, c: int, start: int = 0, end: int | None = None, spare: bool = False
+    ) -> tuple[bytes | memoryview | None, int, str | None]:
+        """(the file's bytes ``start`` .. ``end``, by default a shard's all and a raw chunk's up to its last committed
+        row (from ``start`` 0; all of it from another); its size; or why it cannot be read). A file that does not
+        exist gives (None, 0, None). With ``spare``, a local file's bytes are read into a buffer a checked piece gave
+        back (:meth:`_buffer`), as a memoryview of it: :meth:`_give_back` it once they are checked."""
+        key = spec.chunk_key(c)
+        end = self._limit(spec, c, start == 0) if end is None else end
+        path = self.loc.key_path(key)
+        try:
+            if self.loc.is_local:  # a file of its own, or a member of a packed store
+                f, offset, size = self.loc.open_range(key)
+                with f:
+                    n = max(min(size, end) - start, 0)
+                    if not spare:
+                        return os.pread(f.fileno(), n, offset + start), size, None
+                    return self._pread_spare(f.fileno(), n, offset + start), size, None
+            if self.loc.archive is not None:  # a member of a packed store over the network: a range of the zip
+                got = self.loc.archive.member(key)
+                if got is None:
+                    raise FileNotFoundError(path)
+                size = got[1]
+                return self.loc.archive.pread(key, max(min(size, end) - start, 0), start), size, None
+            size = int(self.loc.fs.size(path))
+            return self.loc.fs.cat_file(path, start=start, end=max(min(size, end), start)), size, None
+        except FileNotFoundError:
+            return None, 0, None
+        except (CorruptStoreError, OSError) as e:
+            return None, 0, str(e)
+
+    def _pread_spare(self, fd: int, n: int, at: int) -> memoryview:
+        """Up to ``n`` bytes at ``at`` of ``fd``, read into a buffer of :meth:`_buffer` (:meth:`_give_back` it)."""
+        view = memoryview(self._buffer(n))[:n]
+        try:
+            return view[: os.preadv(fd, [view], at)]
+        except BaseException:
+            self._give_back(view)
+            raise
+
+    def _buffer(self, n: int) -> np.ndarray:
+        """A buffer of at least ``n`` bytes: the smallest one given back that holds them, else a new one. Bytes read
+        into a new large buffer (one malloc maps afresh) cost a page fault per 4 KiB, the kernel zeroing
+        each page first: as much time again as reading them from a fast disk."""
+        if n < SPARE_MIN:
+            return np.empty(n, np.uint8)
+        with self._spare_lock:
+            fits = [i for i, b in enumerate(self._spare) if len(b) >= n]
+            if fits:
+                b = self._spare.pop(min(fits, key=lambda i: len(self._spare[i])))
+                self._spare_bytes -= b.nbytes
+                return b
+        return np.empty(-(-n // (64 << 10)) * (64 << 10), np.uint8)  # 64 KiB steps: shards of about a size share
+
+    def _give_back(self, data: Any) -> None:
+        """Keep the buffer under ``data`` (a memoryview :meth:`_read` returned) for later reads, up to SPARE_BYTES."""
+        buf = data.obj if isinstance(data, memoryview) else None
+        if not isinstance(buf, np.ndarray) or buf.nbytes < SPARE_MIN:
+            return
+        with self._spare_lock:
+            if self._spare_bytes + buf.nbytes <= SPARE_BYTES:
+                self._spare.append(buf)
+                self._spare_bytes += buf.nbytes
+
+    def _holds_bytes(self, spec: ArraySpec, c: int, start: int) -> bool:
+        """Whether a local raw chunk's rows hold a byte other than zero from byte ``start`` on: its data read a piece at a
+        time, past the holes of a file of its own (``SEEK_DATA``, ``SEEK_HOLE``: a hole reads as zeros, and the rows
+        past ``write_row`` of a store are holes unless a commit stopped there). Raises what reading raises."""
+        f, offset, size = self.loc.open_range(spec.chunk_key(c))
+        size = min(size, spec.chunk_rows * spec.row_nbytes)  # past its rows, a file's bytes are no row's
+        with f:
+            fd, pos = f.fileno(), start
+            while pos < size:
+                end = size
+                if self.loc.archive is None:
+                    try:
+                        pos = os.lseek(fd, pos, os.SEEK_DATA)
+                    except OSError as e:
+                        if e.errno == errno.ENXIO:  # no data at or past pos
+                            return False
+                        raise
+                    end = min(os.lseek(fd, pos, os.SEEK_HOLE), size)
+                while pos < end:
+                    view = self._pread_spare(fd, min(PIECE_BYTES, end - pos), offset + pos)
+                    try:
+                        if np.frombuffer(view, np.uint8).any():
+                            return True
+                    finally:
+                        self._give_back(view)
+                    if not len(view):
+                        return False
+                    pos += len(view)
+        return False
+
+    def _links(self, spec: ArraySpec, c: int) -> int:
+        """How many names a raw chunk's file has (1 on object storage and in a packed store, where nothing is written
+        in place)."""
+        if not self.loc.is_local or self.loc.archive is not None:
+            return 1
+        try:
+            return os.lstat(self.loc.key_path(spec.chunk_key(c))).st_nlink
+        except OSError:
+            return 1
+
+    def _prefetched(
+        self, pool: ThreadPoolExecutor, jobs: list[tuple[ArraySpec, int, int, int]]
+    ) -> Iterator[tuple[tuple[ArraySpec, int, int, int], Any]]:
+        """The jobs with their bytes read (one large read each), up to READ_AHEAD bytes read ahead on the pool's
+        threads while the current one is checked: the disk stays busy, with several reads queued."""
+
+        def read(job: tuple[ArraySpec, int, int, int]) -> Any:
+            spec, c, lo, hi = job
+            if spec.compressed and not spec.sharded:
+                return None  # a version 1 chunk: decoded through zarr
+            return self._read(spec, c, lo, hi if self.checksums or spec.sharded else 0, spare=True)
+
+        ahead: deque[tuple[tuple[ArraySpec, int, int, int], Future]] = deque()
+        queued, at = 0, 0
+
+        def fill() -> None:
+            nonlocal queued, at
+            while at < len(jobs) and (not ahead or queued < READ_AHEAD):
+                job = jobs[at]
+                ahead.append((job, pool.submit(read, job)))
+                queued, at = queued + job[3] - job[2], at + 1
+
+        for _ in jobs:
+            fill()
+            job, future = ahead.popleft()
+            queued -= job[3] - job[2]
+            fill()  # the next pieces are read while this one is checked, however large it is
+            yield job, future.result()
+
+    # -- one chunk or shard ----------------------------------------------------------------------------------
+    def _episodes_in(self, r0: int, r1: int) -> range:
+        """Positions (in row order) of the episodes with rows in ``[r0, r1)``."""
+        return range(bisect.bisect_right(self.ends_list, r0), bisect.bisect_left(self.starts_list, r1))
+
+    def _affected(self, k: range, r0: int, r1: int) -> tuple[int, ...]:
+        """Ids of the episodes among ``k`` with rows in ``[r0, r1)``."""
+        sel = np.arange(k.start, k.stop)
+        sel = sel[(self.starts[sel] < r1) & (self.ends[sel] > r0)]
+        return tuple(self.ids[sel].tolist())
+
+    def _check_chunk(self, spec: ArraySpec, c: int, read: Any, lo: int, hi: int) -> int:
+        """Check bytes ``lo`` .. ``hi`` of chunk (shard) ``c`` (a raw chunk's file-level checks with its last piece, when
+        none of its pieces could not be read: such a chunk is reported as that alone); returns the bytes read."""
+        cr, rb = spec.chunk_rows, spec.row_nbytes
+        r0, r1 = c * cr, (c + 1) * cr
+        k = self._episodes_in(r0, r1)
+        where = f"{self.loc}/{spec.chunk_key(c)}"
+        if spec.sharded:
+            return self._check_shard(spec, c, read, k, where)
+        if spec.compressed:  # a version 1 compressed chunk: decoded through zarr
+            return self._check_v1_chunk(spec, c, k, where)
+        data, size, error = read
+        if error is not None:
+            if spec.chunk_entry(c) not in self.report.damaged_files:  # once, whichever of its pieces failed
+                self.report.problems.append(Problem("file", f"{where} cannot be read: {error}", self._affected(k, r0, r1)))
+                self.report.damaged_files.append(spec.chunk_entry(c))
+                self.bad[k.start : k.stop] |= (self.starts[k.start : k.stop] < r1) & (self.ends[k.start : k.stop] > r0)
+            return 0
+        if hi >= self._limit(spec, c) and spec.chunk_entry(c) not in self.report.damaged_files:
+            self._check_file(spec, c, data is not None, size, k, where)  # with its last piece: none failed
+        if not self.checksums:
+            return 0
+        p0, p1 = r0 + lo // rb, r0 + hi // rb  # the piece's rows
+        if len(data or b"") < hi - lo:  # FORMAT.md: what a raw chunk is missing reads as zeros
+            data = bytes(data or b"").ljust(hi - lo, b"\0")
+        pk = self._episodes_in(p0, p1)
+        a = (np.maximum(self.starts[pk.start : pk.stop], p0) - p0) * rb
+        b = (np.minimum(self.ends[pk.start : pk.stop], p1) - p0) * rb
+        crcs = self.crcs[pk.start : pk.stop].copy()
+        _kernels.crc32_runs(memoryview(data), a.astype(np.int64), b.astype(np.int64), crcs)  # one call, no GIL
+        self.crcs[pk.start : pk.stop] = crcs
+        return len(data)
+
+    def _check_file(self, spec: ArraySpec, c: int, exists: bool, size: int, k: range, where: str) -> None:
+        """A raw chunk's file: one name, its full size."""
+        cr, rb = spec.chunk_rows, spec.row_nbytes
+        r0, r1 = c * cr, (c + 1) * cr
+        links = self._links(spec, c) if exists else 1
+        if links > 1:
+            self.report.problems.append(Problem(
+                "file", f"{where} has {links} names (hard links): a writer, which writes its rows in place, refuses "
+                "it; a repair gives the store a copy of its own"))
+            self.report.linked_files.append(spec.chunk_key(c))
+        want = cr * rb
+        if size != want:
+            # FORMAT.md: raw chunks are always full-size; what is missing reads as zeros (as the readers read it)
+            have_rows = min(size, want) // rb
+            what = "is missing" if not exists else f"holds {size:,} bytes, expected {want:,} ({cr:,} rows of {rb} bytes)"
+            self.report.problems.append(Problem("file", f"{where} {what}", self._affected(k, r0 + have_rows, r1)))
+            self.report.short_files.append((spec.chunk_key(c), want))
+
+    def _check_shard(self, spec: ArraySpec, c: int, read: Any, k: range, where: str) -> int:
+        cr = spec.chunk_rows
+        r0, r1 = c * cr, (c + 1) * cr
+        data, size, error = read
+        if error is None and data is not None and size > len(data):
+            error = f"it holds {size:,} bytes, more than a shard of {cr} rows may ({len(data):,})"
+        offsets = None
+        if error is None and data is not None:
+            try:
+                offsets, nbytes = parse_index(data, cr, where)
+            except CorruptStoreError as e:
+                error = str(e)
+        if offsets is None:
+            what = f"{where} is missing" if error is None else f"{where} cannot be read: {error}"
+            self.report.problems.append(Problem("file", what, self._affected(k, r0, r1)))
+            if error is not None:
+                self.report.damaged_files.append(spec.chunk_entry(c))
+            self.bad[k.start : k.stop] |= (self.starts[k.start : k.stop] < r1) & (self.ends[k.start : k.stop] > r0)
+            return len(data or b"")
+        view = memoryview(data)
+        # consecutive rows whose bytes follow each other (how her_store writes a shard) are checksummed in one call
+        follows = np.append(offsets[1:] == offsets[:-1] + nbytes[:-1], False)
+        missing = []
+        for i in k:
+            a, b = max(int(self.starts[i]), r0) - r0, min(int(self.ends[i]), r1) - r0
+            if (offsets[a:b] < 0).any():
+                missing.append(int(self.ids[i]))
+                self.bad[i] = True
+            elif self.checksums:
+                if follows[a : b - 1].all():
+                    self.crcs[i] = _kernels.crc32(view[offsets[a] : offsets[b - 1] + nbytes[b - 1]], self.crcs[i])
+                else:
+                    for o, n in zip(offsets[a:b].tolist(), nbytes[a:b].tolist()):
+                        self.crcs[i] = _kernels.crc32(view[o : o + n], self.crcs[i])
+        if missing:
+            self.report.problems.append(Problem("file", f"{where}: committed rows are missing from the shard", tuple(missing)))
+        return len(data)
+
+    def _check_v1_chunk(self, spec: ArraySpec, c: int, k: range, where: str) -> int:
+        cr, rb = spec.chunk_rows, spec.row_nbytes
+        r0, r1 = c * cr, (c + 1) * cr
+        try:  # before zarr reads it: no link on its way, not a FIFO (zarr would follow the one, block on the other)
+            self.loc.check_file(spec.chunk_key(c), shard_limit(cr, rb))
+        except CorruptStoreError as e:
+            self.report.problems.append(Problem("file", f"{where} cannot be read: {e}", self._affected(k, r0, r1)))
+            self.report.damaged_files.append(spec.chunk_entry(c))
+            self.bad[k.start : k.stop] |= (self.starts[k.start : k.stop] < r1) & (self.ends[k.start : k.stop] > r0)
+            return 0
+        if not self.loc.exists(spec.chunk_key(c)):
+            self.report.problems.append(Problem("file", f"{where} is missing", self._affected(k, r0, r1)))
+        if not self.checksums:
+            return 0
+        try:
+            rows = np.ascontiguousarray(self.store._root[spec.path][r0:r1])
+        except (ValueError, RuntimeError, TypeError) as e:  # what numcodecs and zarr raise for undecodable bytes
+            self.report.problems.append(Problem("file", f"{where} cannot be decoded ({e})", self._affected(k, r0, r1)))
+            self.bad[k.start : k.stop] |= (self.starts[k.start : k.stop] < r1) & (self.ends[k.start : k.stop] > r0)
+            return 0
+        view = memoryview(rows).cast("B")
+        for i in k:
+            a, b = max(int(self.starts[i]), r0) - r0, min(int(self.ends[i]), r1) - r0
+            self.crcs[i] = _kernels.crc32(view[a * rb : b * rb], self.crcs[i])
+        return rows.nbytes
+
+    # -- past the commit record ------------------------------------------------------------------------------
+    def _index_tail(self) -> None:
+        """Index rows of the ids after ``end_episode``, written by a commit whose record never replaced the old one."""
+        store, c = self.store, self.commit
+        slots = store.index.slots
+        room = store._index_rows - c.end_episode if slots is None else slots - (c.end_episode - c.first_episode)
+        found: list[int] = []
+        at = c.end_episode
+        while room > 0:
+            n = min(INDEX_TAIL_PIECE, room)
+            segments = EpisodeIndex(slots).positions(at, at + n)
+            piece = EpisodeIndex.read(store._index_io, segments)
+            hit = (piece["episode_id"] == np.arange(at, at + n)) & (piece["length"] >= 1)
+            take = n if hit.all() else int(np.argmin(hit))
+            found.extend([pos for p, a, b in segments for pos in range(p, p + b - a)][:take])
+            if take < n:
+                break
+            at, room = at + n, room - n
+        if found:
+            ids = range(c.end_episode, c.end_episode + len(found))
+            self.report.tail_positions = found
+            self.report.problems.append(
+                Problem(
+                    "uncommitted",
+                    f"index rows of episodes {id_ranges(ids)} lie past the commit record (end_episode "
+                    f"{c.end_episode}): a commit stopped before its record; readers ignore them and the next writer "
+                    "overwrites them",
+                )
+            )
+
+    def _existing(self, spec: ArraySpec, first: int) -> list[int]:
+        """The chunks (shards) from ``first`` on that have a file, in order."""
+        # chunk keys <path>/c/<i>/0... name a directory <i> under <path>/c; keys <path>/c.<i>.0... a file under <path>
+        directory = f"{spec.path}/c" if spec.separator == "/" else spec.path
+        if self.loc.archive is not None:  # a packed store: its members under the array
+            prefix = f"{directory}/"
+            names = {k[len(prefix) :].split("/", 1)[0] for k in self.loc.archive.members if k.startswith(prefix)}
+        else:
+            where = self.loc.key_path(directory)
+            try:
+                listed = os.listdir(where) if self.loc.is_local else self.loc.fs.ls(where, detail=False)
+                names = {n.rsplit("/", 1)[-1] for n in listed}
+            except (FileNotFoundError, NotADirectoryError):  # (a file in its place: its committed chunks are reported)
+                return []
+        found = (chunk_of(n, spec.separator, 1 + len(spec.row_shape)) for n in names)
+        return sorted(c for c in found if c is not None and c >= first)
+
+    def _data_tail(self) -> None:
+        """What lies in chunks (shards) that hold no committed row, or past ``write_row`` of an unbounded store: rows
+        there hold nothing (zeros, or rows a shard never wrote) unless a commit stopped before its record; and a chunk
+        there that cannot be read (a file cut short, a directory, a link or a file in its place) would fail the next
+        writer, which reads or writes it, so it is reported too, in any store."""
+        w, r = self.commit.write_row, self.report
+        ring = self.store.capacity is not None
+        for spec in self.store.layout.arrays:
+            cr, rb = spec.chunk_rows, spec.row_nbytes
+            live = set(self._chunks(spec))
+            held, junk = [], []
+            for c in self._existing(spec, 0 if ring else w // cr):
+                if ring and c in live:
+                    continue  # checked with the committed rows; a ring's other rows are its evicted episodes'
+                if spec.compressed and not spec.sharded:
+                    # version 1 chunks are not decoded past the commit (the next writer overwrites them), only opened
+                    try:
+                        self.loc.check_file(spec.chunk_key(c), shard_limit(cr, rb))
+                    except CorruptStoreError:
+                        if c not in live and (ring or c * cr >= w):
+                            junk.append(c)
+                    continue
+                skip = 0 if ring else max(w - c * cr, 0)
+                # a ring's raw chunk is only opened: whether it can be is all there is to know of it
+                start = 0 if spec.sharded else skip * rb
+                local_tail = not (spec.sharded or ring) and self.loc.is_local  # read past its holes (_holds_bytes)
+                whole = spec.sharded or not (ring or local_tail)
+                data, _, error = self._read(spec, c, start, None if whole else 0)
+                nonzero = None
+                if local_tail and error is None and data is not None:
+                    try:
+                        nonzero = self._holds_bytes(spec, c, start)
+                    except (CorruptStoreError, OSError) as e:
+                        error = str(e)
+                if spec.sharded and error is None and data is not None:
+                    try:
+                        offsets, _ = parse_index(data, cr, spec.chunk_key(c))
+                    except CorruptStoreError as e:
+                        error = str(e)
+                raw_linked = not spec.sharded and data is not None and self._links(spec, c) > 1
+                if error is not None or spec.chunk_entry(c) in r.damaged_files or raw_linked:
+                    if c not in live and (ring or c * cr >= w):
+                        junk.append(c)
+                    continue  # one holding committed rows is reported with them
+                if ring or data is None:
+                    continue
+                if spec.sharded:
+                    nonzero = (offsets[skip:] >= 0).any()
+                elif nonzero is None:
+                    nonzero = np.frombuffer(data, np.uint8).any()
+                if nonzero:
+                    held.append(c)
+            if held:
+                r.tail_chunks[spec.path] = held
+                keys = ", ".join(spec.chunk_key(c) for c in held)
+                r.problems.append(
+                    Problem("uncommitted", f"{spec.path}: rows past write_row {w:,} hold data that was never committed ({keys})")
+                )
+            if junk:
+                r.junk_chunks[spec.path] = junk
+                keys = ", ".join(spec.chunk_key(c) for c in junk)
+                r.problems.append(
+                    Problem(
+                        "uncommitted",
+                        f"{spec.path}: {keys} hold no committed row and cannot be read or written in place (something "
+                        "else is in their place, or a file with other names); the next writer would fail on them, and "
+                        "a repair removes them",
+                    )
+                )
+
+
+def repair(path: str | os.PathLike[str], *, progress: bool = False, log: Callable[[str], None] = print) -> Report:
+    """Drop what :func:`verify` finds damaged, with a new commit, and return the report of the repaired store.
+
+    Under the writer lock (the store opened with ``mode="a"``): episodes that fail their crc32 or whose rows are
+    missing or unreadable are dropped (bad episodes at the start of the live range are evicted; from the first bad one
+    after them the live range is cut and the good episodes that followed are appended again, with new ids), shards
+    that cannot be read and hold no kept row are removed, short chunk files are filled out with zeros, and what lies
+    past the commit record is cleared. Every dropped and renumbered episode is logged. Readers open during a repair
+    must be reopened.
+
+    Parameters
+    ----------
+    path : str or PathLike
+        A local store (repairs rewrite files in place: on object storage, copy the store to local disk first).
+    progress : bool
+        Progress bars over the bytes read.
+    log : callable
+        Receives each line saying what was found and done.
+
+    Raises
+    ------
+    CorruptStoreError
+        The store cannot be opened (its commit record, attributes or index are damaged): nothing was changed.
+    StoreError
+        A URL (repair works on local disk only).
+
+    Examples
+    --------
+    >>> report = repair("runs/fetch")  # doctest: +SKIP
+    >>> report.clean  # doctest: +SKIP
+    True
+    """
+    loc = Location(path)
+    if not loc.is_local:
+        raise StoreError(
+            f"{loc}: --repair works on a store on local disk (it drops episodes in place, and readers of object storage "
+            "cannot be kept out meanwhile); copy the store to local disk, repair it there, and copy it back"
+        )
+    try:
+        store = EpisodeStore.open(path, mode="a")
+    except CorruptStoreError as e:
+        raise CorruptStoreError(f"{e}; it cannot be repaired (nothing was changed)") from e
+    with store:
+        _finish_moving(store, log)
+        found = verify(store, progress=progress)
+        log(found.summary())
+        if found.clean:
+            return found
+        _drop(store, found, progress, log)
+        committer = store._committer
+        assert committer is not None
+        for key, size in found.short_files:  # what is missing reads as zeros: now on disk too, as FORMAT.md says
+            fd = open_beneath(loc.root, key, create=True)
+            try:
+                os.ftruncate(fd, size)
+            finally:
+                os.close(fd)
+            log(f"{key}: filled out to {size:,} bytes")
+        for key in found.linked_files:  # the same bytes under a name of the store's alone, replacing the shared one
+            fd = open_beneath(loc.root, key)
+            try:
+                data = os.pread(fd, os.fstat(fd).st_size, 0)
+            finally:
+                os.close(fd)
+            loc.write_atomic(key, data, fsync=True)
+            log(f"{key}: copied, its other names left as they were")
+        clear_tail(store, log)
+        final = verify(store, progress=progress)
+        log(final.summary())
+        return final
+
+
+def clear_tail(store: EpisodeStore, log: Callable[[str], None] = print) -> None:
+    """Empty what lies past the commit record of a store open for appending (index rows of ids never committed, rows
+    past ``write_row``): what a commit that never completed left, or what a copy made while its source was written
+    carried along.
+
+    Examples
+    --------
+    >>> with EpisodeStore.open("runs/fetch", mode="a") as store:  # doctest: +SKIP
+    ...     clear_tail(store)
+    """
+    committer = store._committer
+    if committer is None:
+        raise StoreError(f"{store.url}: open the store with mode='a' to clear past its commit record")
+    left = verify(store, checksums=False)
+    if left.tail_positions or left.tail_chunks or left.junk_chunks:
+        committer.clear_uncommitted(left.tail_positions, left.tail_chunks, left.junk_chunks)
+        log(
+            f"cleared past the commit: {len(left.tail_positions)} index rows, chunks "
+            f"{ {p: c for p, c in left.tail_chunks.items()} }, removed unreadable chunks {left.junk_chunks}"
+        )
+
+
+def _drop(store: EpisodeStore, found: Report, progress: bool, log: Callable[[str], None]) -> None:
+    """Drop ``found.bad_episodes`` with a new commit, appending the good episodes after the first cut again."""
+    committer = store._committer
+    assert committer is not None
+    bad = found.bad_episodes
+    first, end = store.first_episode, store.end_episode
+    if not len(bad):
+        return
+    leading = bad == np.arange(first, first + len(bad))  # bad episodes at the start of the live range: evicted
+    lead = len(bad) if leading.all() else int(np.argmin(leading))
+    rest = bad[lead:]
+    cut = int(rest[0]) if len(rest) else end
+    keep = np.setdiff1d(np.arange(cut, end), rest)
+    env_index = store.episodes["env_index"]
+    spill = None
+    if len(keep):
+        # the good episodes after the cut, copied aside before the cut drops them from the commit, with a plan that a
+        # repair run after a crash (or a full disk) finishes from: nothing committed is lost at any point
+        spill = _spill_dir(store.url)
+        shutil.rmtree(spill, ignore_errors=True)
+        os.makedirs(spill)
+        with EpisodeStore.create(
+            os.path.join(spill, "tail"), store.observation_space, store.action_space, info_keys=store.schema.info_spaces
+        ) as aside:
+            bar = progress_bar(len(keep), "copying aside", progress, unit="episode")
+            for i in keep.tolist():
+                aside.append_episode(store.episode(i), env_index=int(env_index[i - first]))
+                bar.update(1)
+            bar.close()
+        plan = {"cut": cut, "count": len(keep), "ids": keep.tolist(), "generation": store.commit_record.generation}
+        Location(spill).write_atomic(PLAN_KEY, json.dumps(plan).encode(), fsync=True)
+    committer.keep_only(first + lead, cut)
+    for i in bad.tolist():
+        log(f"dropped episode {i}")
+    for key in found.damaged_files:  # every episode with rows in them was dropped
+        store._loc.remove(key)
+        log(f"removed {key} (unreadable; no kept episode has rows in it)")
+    if spill is not None:
+        log(f"episodes {id_ranges(keep)} follow a dropped one: appending them again ({spill} holds them meanwhile)")
+        _finish_moving(store, log)
+
+
+PLAN_KEY = "plan.json"
+
+
+def _spill_dir(url: str) -> str:
+    """Where a repair keeps the good episodes it moves: beside the store, one per store, a directory of its own.
+
+    Raises
+    ------
+    CorruptStoreError
+        A link or a file is there: never followed, removed or written through.
+    """
+    path = os.path.join(os.path.dirname(url), f".{os.path.basename(url)}.repair")
+    if blocks_directory(path):
+        raise CorruptStoreError(
+            f"{path} is a link or a file where a repair keeps the episodes it moves (a directory of its own); nothing "
+            "was changed: move it away, then repair again"
+        )
+    return path
+
+
+def _plan_of(url: str) -> dict[str, Any] | None:
+    """The plan of a repair that dropped a cut and has not appended all the episodes it moved yet, or None."""
+    raw = Location(_spill_dir(url)).read_bytes(PLAN_KEY, limit=1 << 26)
+    if raw is None:
+        return None
+    try:
+        plan = json.loads(raw)
+        return {
+            "cut": int(plan["cut"]), "count": int(plan["count"]), "ids": [int(i) for i in plan["ids"]],
+            "generation": int(plan["generation"]),
+        }
+    except (ValueError, KeyError, TypeError) as e:
+        raise CorruptStoreError(f"{_spill_dir(url)}/{PLAN_KEY} is not a repair plan ({e})") from e
+
+
+def _finish_moving(store: EpisodeStore, log: Callable[[str], None]) -> None:
+    """Append again what a repair moved aside and has not appended yet (all of it, or what a crash left), then
+    remove it. A spill without a plan is a copy the cut never came after: the store still holds those episodes."""
+    spill = _spill_dir(store.url)
+    if not os.path.isdir(spill):
+        return
+    plan = _plan_of(store.url)
+    if plan is None or store.commit_record.generation == plan["generation"]:
+        # no plan: the cut never came after the copy; the plan's own generation: the cut's commit never replaced it.
+        # Either way the store still holds every episode copied aside
+        shutil.rmtree(spill)
+        return
+    done = store.end_episode - plan["cut"]
+    if not 0 <= done <= plan["count"]:
+        raise CorruptStoreError(
+            f"{store.url} ends at episode {store.end_episode}, which a repair that cut it at {plan['cut']} and appends "
+            f"{plan['count']} episodes again never left; the episodes it moved are in {spill}"
+        )
+    with EpisodeStore.open(os.path.join(spill, "tail")) as aside:
+        env_index = aside.episodes["env_index"]
+        for j in range(done, plan["count"]):
+            new = store.append_episode(aside.episode(aside.first_episode + j), env_index=int(env_index[j]))
+            log(f"episode {plan['ids'][j]} is now episode {new}")
+    store.flush()
+    shutil.rmtree(spill)
+
+
+def add_arguments(parser: argparse.ArgumentParser, name: str) -> None:
+    """The options of ``her-store verify``."""
+    parser.add_argument("path", help="store path or URL (s3://bucket/name, https://...)")
+    parser.add_argument(
+        "--repair",
+        action="store_true",
+        help="local stores: drop episodes that fail their crc32 or miss rows, and any uncommitted tail, with a new "
+        "commit (every dropped or renumbered episode is printed)",
+    )
+    parser.add_argument("--quiet", action="store_true", help="no progress bar")
+    parser.epilog = "Exit status: 0 clean, 1 corrupt (the problems are listed), 2 not a store or not readable."
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run ``her-store verify``: 0 when the store is clean (after a repair, when repaired), 1 when it is corrupt."""
+    show = not args.quiet
+    if args.repair:
+        try:
+            report = repair(args.path, progress=show)
+        except CorruptStoreError as e:
+            print(f"her-store verify: {e}")
+            return 1
+        return 0 if report.clean else 1
+    report = verify(args.path, progress=show)
+    print(report.summary())
+    return 0 if report.clean else 1

@@ -1,0 +1,266 @@
+"""The episode-index table: one row per episode (start row, length, flags, return, checksum), ring slots, cumulative lengths.
+
+This module answers every question about which rows hold which episode; the store and the sampler ask it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Protocol
+
+import numpy as np
+
+from her_store.format.layout import INDEX_COLUMNS
+from her_store.storage.location import read_rows
+
+__all__ = ["EpisodeIndex", "IndexView", "ColumnIO", "chunks_holding"]
+
+
+class ColumnIO(Protocol):
+    """Row access to one persisted index column (a 1-D Zarr array)."""
+
+    def write(self, row0: int, rows: np.ndarray) -> None: ...
+
+    def read(self, row0: int, row1: int) -> np.ndarray: ...
+
+    def flush(self, fsync: bool) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class IndexView:
+    """The live episodes of an index at one moment: what a sampler draws from.
+
+    Attributes
+    ----------
+    first, end : int
+        Live ids are ``first <= id < end``.
+    start_rows, lengths : numpy.ndarray
+        Per live episode (position ``id - first``).
+    num_transitions : int
+    """
+
+    __slots__ = ("first", "end", "start_rows", "lengths", "_cum", "_before", "num_transitions")
+
+    def __init__(self, first: int, end: int, start_rows: np.ndarray, lengths: np.ndarray, cum: np.ndarray, before: int) -> None:
+        self.first, self.end = first, end
+        self.start_rows, self.lengths = start_rows, lengths
+        self._cum, self._before = cum, before
+        self.num_transitions = int(cum[-1]) - before if len(cum) else 0
+
+    def __len__(self) -> int:
+        return self.end - self.first
+
+    def since(self, first: int) -> IndexView:
+        """The episodes of this view with ids >= ``first`` (what is left after evictions), without copying."""
+        k = min(max(first - self.first, 0), len(self))
+        if k == 0:
+            return self
+        before = int(self._cum[k - 1])
+        return IndexView(self.first + k, self.end, self.start_rows[k:], self.lengths[k:], self._cum[k:], before)
+
+    def locate(self, k: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Episode ids and steps of transitions ``k`` (0 <= k < num_transitions), oldest first: one searchsorted."""
+        offset = np.asarray(k, np.int64) + self._before
+        i = np.searchsorted(self._cum, offset, side="right")
+        prev = np.where(i > 0, self._cum[np.maximum(i - 1, 0)], self._before)
+        return i + self.first, offset - prev
+
+
+class EpisodeIndex:
+    """In-memory window ``[first, end)`` of the episode table, persisted to ``episodes/<column>`` arrays.
+
+    Episode ids are consecutive from 0 and never reused. On disk an episode's row is at position ``id``
+    (unbounded store) or ``id % slots`` (ring store, ``slots`` >= the most episodes a ring can hold).
+    ``cum`` holds cumulative lengths so that transition ``k`` is located with one ``searchsorted``.
+
+    Parameters
+    ----------
+    slots : int or None
+        Positions of the on-disk ring of index rows; None for an unbounded store.
+
+    Examples
+    --------
+    >>> idx = EpisodeIndex(slots=None)
+    >>> idx.append(dict(start_row=0, length=5)); idx.append(dict(start_row=6, length=3))
+    0
+    1
+    >>> idx.locate(np.array([0, 4, 5, 7]))
+    (array([0, 0, 1, 1]), array([0, 4, 0, 2]))
+    """
+
+    def __init__(self, slots: int | None) -> None:
+        self.slots = slots
+        self.base = 0  # id of row 0 of the in-memory arrays
+        self.first = 0
+        self.end = 0
+        self._n = 0  # used rows of the in-memory arrays (= end - base)
+        self._cols = {name: np.zeros(1024, dt) for name, dt in INDEX_COLUMNS.items()}
+        self._cum = np.zeros(1024, np.int64)  # _cum[i] = transitions of ids base..base+i inclusive
+        self._cum_before_base = 0
+
+    # -- the live table ---------------------------------------------------------------------------------
+    def __len__(self) -> int:
+        return self.end - self.first
+
+    @property
+    def num_transitions(self) -> int:
+        return self.transitions_between(self.first, self.end)
+
+    def _cum_at(self, episode_id: int) -> int:
+        """Transitions in ids base..episode_id-1 plus everything before base."""
+        i = episode_id - self.base
+        return self._cum_before_base + (int(self._cum[i - 1]) if i > 0 else 0)
+
+    def column(self, name: str) -> np.ndarray:
+        """Read-only view of one column over the live episodes ``[first, end)``."""
+        view = self._cols[name][self.first - self.base : self.end - self.base]
+        view.flags.writeable = False
+        return view
+
+    def table(self) -> dict[str, np.ndarray]:
+        """All columns over the live episodes, as a dict of read-only numpy arrays."""
+        return {name: self.column(name) for name in self._cols}
+
+    def row(self, episode_id: int) -> dict[str, int | float | bool]:
+        i = episode_id - self.base
+        return {name: col[i].item() for name, col in self._cols.items()}
+
+    def rows_of(self, episode_id: int) -> tuple[int, int]:
+        """``(start_row, length)`` of a live episode."""
+        i = episode_id - self.base
+        return int(self._cols["start_row"][i]), int(self._cols["length"][i])
+
+    def locate(self, k: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Episode ids and steps of live transitions ``k`` (0 <= k < num_transitions), in oldest-first order."""
+        return self.snapshot().locate(k)
+
+    def snapshot(self, end: int | None = None) -> IndexView:
+        """A frozen, zero-copy view of the live episodes below ``end`` (default: all), valid while this index keeps
+        appending."""
+        end = self.end if end is None else min(max(end, self.first), self.end)
+        lo, hi = self.first - self.base, end - self.base
+        before = int(self._cum[lo - 1]) if lo > 0 else 0
+        return IndexView(
+            self.first,
+            end,
+            self._cols["start_row"][lo:hi],
+            self._cols["length"][lo:hi],
+            self._cum[lo:hi],
+            before,
+        )
+
+    # -- changes ----------------------------------------------------------------------------------------
+    def _grow(self, need: int) -> None:
+        if need <= len(self._cum):
+            return
+        # New arrays rather than an in-place shift: snapshots handed out earlier keep viewing the old ones.
+        # The evicted prefix is dropped, so a long-running ring keeps memory bounded by its live episodes.
+        drop = self.first - self.base
+        if drop:
+            self._cum_before_base += int(self._cum[drop - 1])
+        live = self._n - drop
+        size = max(need - drop, 2 * live, 1024)
+        for name, col in self._cols.items():
+            grown = np.zeros(size, col.dtype)
+            grown[:live] = col[drop : self._n]
+            self._cols[name] = grown
+        cum = np.zeros(size, np.int64)
+        cum[:live] = self._cum[drop : self._n] - (self._cum[drop - 1] if drop else 0)
+        self._cum = cum
+        self.base, self._n = self.first, live
+
+    def append(self, values: Mapping[str, object]) -> int:
+        """Add one episode row (missing columns are zero); returns its id."""
+        if self._n >= len(self._cum):
+            self._grow(self._n + 1)
+        i = self._n
+        cols = self._cols
+        for name in values:
+            cols[name][i] = values[name]
+        episode_id = self.base + i
+        cols["episode_id"][i] = episode_id
+        self._cum[i] = (self._cum[i - 1] if i else 0) + int(values["length"])  # type: ignore[call-overload]
+        self._n += 1
+        self.end = episode_id + 1
+        return episode_id
+
+    def truncate(self, end: int) -> None:
+        """Forget the rows of ids ``>= end`` (an append that failed before it was committed)."""
+        if end < self.end:
+            self._n = end - self.base
+            self.end = end
+
+    def transitions_between(self, first: int, end: int) -> int:
+        """Transitions of ids ``[first, end)`` (both within the in-memory window)."""
+        return self._cum_at(end) - self._cum_at(first)
+
+    def extend(self, columns: Mapping[str, np.ndarray]) -> None:
+        """Append rows read from disk (a reader's refresh), vectorised."""
+        n = len(columns["length"])
+        self._grow(self._n + n)
+        i = self._n
+        for name, col in self._cols.items():
+            col[i : i + n] = columns[name]
+        self._cum[i : i + n] = np.cumsum(columns["length"]) + (self._cum[i - 1] if i else 0)
+        self._n += n
+        self.end += n
+
+    def load(self, columns: Mapping[str, np.ndarray], first: int, end: int) -> None:
+        """Replace the window with rows read from disk for ids ``[first, end)``."""
+        n = end - first
+        # new arrays, never an overwrite: snapshots handed out earlier (a prefetch thread's) keep theirs intact; the
+        # columns read are taken as they are (the caller hands them over), an append grows them
+        self._cols = {name: np.ascontiguousarray(columns[name][:n], dt) for name, dt in INDEX_COLUMNS.items()}
+        self._cum = np.cumsum(self._cols["length"], dtype=np.int64)
+        self.base, self.first, self.end, self._n = first, first, end, n
+        self._cum_before_base = 0
+
+    def positions(self, first: int, end: int) -> list[tuple[int, int, int]]:
+        """On-disk positions of ids ``[first, end)`` as ``(position, id_from, id_to)`` contiguous segments."""
+        if self.slots is None:
+            return [(first, first, end)] if end > first else []
+        out = []
+        at = first
+        while at < end:
+            pos = at % self.slots
+            take = min(end - at, self.slots - pos)
+            out.append((pos, at, at + take))
+            at += take
+        return out
+
+    def write(self, io: Mapping[str, ColumnIO], first: int, end: int) -> None:
+        """Persist rows of ids ``[first, end)`` to the index arrays (not yet committed)."""
+        for pos, a, b in self.positions(first, end):
+            for name, col in self._cols.items():
+                io[name].write(pos, col[a - self.base : b - self.base])
+
+    @staticmethod
+    def read(io: Mapping[str, ColumnIO], segments: list[tuple[int, int, int]]) -> dict[str, np.ndarray]:
+        """Read the index rows at the given segments (from :meth:`positions`), concatenated per column: every column's
+        rows at once (:func:`~her_store.storage.location.read_rows`: one round of requests on object storage)."""
+        reads = [(io[name], pos, pos + (b - a)) for name in INDEX_COLUMNS for pos, a, b in segments]
+        got = read_rows(reads)  # type: ignore[arg-type]
+        out, n = {}, len(segments)
+        for k, (name, dt) in enumerate(INDEX_COLUMNS.items()):
+            parts = got[k * n : (k + 1) * n]
+            out[name] = parts[0] if len(parts) == 1 else np.concatenate(parts) if parts else np.zeros(0, dt)
+        return out
+
+
+def chunks_holding(starts: np.ndarray, ends: np.ndarray, chunk_rows: int) -> list[int]:
+    """The chunks (shards) of ``chunk_rows`` rows that hold any row of the runs ``starts[i] .. ends[i] - 1`` (each
+    non-empty: an episode's rows), in order.
+
+    Examples
+    --------
+    >>> chunks_holding(np.array([0, 40]), np.array([5, 70]), 16)
+    [0, 2, 3, 4]
+    """
+    if not len(starts):
+        return []
+    c0, c1 = starts // chunk_rows, (ends - 1) // chunk_rows
+    marks = np.zeros(int(c1.max()) + 2, np.int64)
+    np.add.at(marks, c0, 1)
+    np.add.at(marks, c1 + 1, -1)
+    return np.flatnonzero(np.cumsum(marks) > 0).tolist()
