@@ -1,82 +1,65 @@
 """her_store: a persistent, disk-backed episode store for Hindsight Experience Replay on Zarr.
 
-Public API: :class:`EpisodeStore`, :func:`open_store`, :class:`ShardedView`, :class:`StepWriter`, :class:`HerSampler`,
-:class:`HerBatch`, :class:`MixtureSampler`, :class:`WorkingSetSampler`, :class:`HerIterableDataset`,
-:class:`GoalSelectionStrategy`, :class:`GoalMixture`, :class:`Episode` and the errors in :mod:`her_store.errors`.
+The public API, in one list:
+
+- Stores: :func:`open_store` (create or resume a store for writing; ``shard=`` for one writer of many),
+  :class:`EpisodeStore` (``EpisodeStore.open(path)`` reads one), :func:`open_dataset` (reads a dataset of many
+  writers: a :class:`ShardedView`), :class:`StepWriter` (episodes from per-step adds), :class:`Episode`.
+- Sampling: :class:`HerSampler` (HER batches, :class:`HerBatch`), :class:`MixtureSampler` (several stores, or a
+  dataset of many writers), :class:`WorkingSetSampler` (through a bounded set in RAM or on the device),
+  :class:`HerIterableDataset` (a torch DataLoader's dataset); goal choices :class:`GoalSelectionStrategy`,
+  :class:`GoalMixture`, :class:`GoalContext` (a strategy of your own).
+- Errors: :class:`StoreError`, the base of every error in :mod:`her_store.errors`.
+
+Integrations (``her_store.integrations``), conversions (``her_store.interop``) and tools (``her_store.ops``) are
+subpackages of their own, imported where used.
 """
 
-from her_store.datasets.sharded import ShardedView
+from her_store.datasets.opening import open_dataset, open_store
+from her_store.datasets.view import ShardedView
 from her_store.envs import register as _register_envs
-from her_store.errors import (
-    CorruptStoreError,
-    EpisodeNotFoundError,
-    EpisodeValidationError,
-    FormatVersionError,
-    NotAStoreError,
-    ReadOnlyStoreError,
-    SchemaMismatchError,
-    StoreError,
-    StoreExistsError,
-    StoreLockedError,
-    StoreTimeoutError,
-)
-from her_store.format.layout import FORMAT_VERSION
+from her_store.errors import StoreError
 from her_store.sampling.relabel import GoalContext, GoalMixture, GoalSelectionStrategy
 from her_store.store.episode import Episode
-from her_store.store.episode_store import EpisodeStore, open_store
-from her_store.store.rows import ChunkReader
+from her_store.store.episode_store import EpisodeStore
 from her_store.store.step_writer import StepWriter
 
 __version__ = "0.1.0"
 
+_SAMPLING = {
+    "HerSampler": "her_store.sampling.sampler",
+    "HerBatch": "her_store.sampling.sampler",
+    "MixtureSampler": "her_store.sampling.mixture",
+    "WorkingSetSampler": "her_store.sampling.working_set",
+    "HerIterableDataset": "her_store.sampling.loader",
+}
+
 
 def __getattr__(name: str) -> object:
-    # The samplers import torch (seconds); writers, readers and tools that never sample should not pay for it.
-    if name in ("HerSampler", "HerBatch"):
-        from her_store.sampling import sampler
+    # the samplers import torch (seconds): writers, readers and tools that never sample do not pay for it
+    if name in _SAMPLING:
+        import importlib
 
-        return getattr(sampler, name)
-    if name == "MixtureSampler":
-        from her_store.sampling.mixture import MixtureSampler
-
-        return MixtureSampler
-    if name == "WorkingSetSampler":
-        from her_store.sampling.working_set import WorkingSetSampler
-
-        return WorkingSetSampler
-    if name == "HerIterableDataset":
-        from her_store.sampling.loader import HerIterableDataset
-
-        return HerIterableDataset
+        return getattr(importlib.import_module(_SAMPLING[name]), name)
     raise AttributeError(f"module 'her_store' has no attribute {name!r}")
+
 
 _register_envs()
 
 __all__ = [
-    "EpisodeStore",
     "open_store",
+    "open_dataset",
+    "EpisodeStore",
     "ShardedView",
+    "StepWriter",
+    "Episode",
     "HerSampler",
     "HerBatch",
     "MixtureSampler",
     "WorkingSetSampler",
     "HerIterableDataset",
     "GoalSelectionStrategy",
-    "GoalContext",
     "GoalMixture",
-    "ChunkReader",
-    "StepWriter",
-    "Episode",
-    "FORMAT_VERSION",
+    "GoalContext",
     "StoreError",
-    "NotAStoreError",
-    "StoreExistsError",
-    "FormatVersionError",
-    "CorruptStoreError",
-    "SchemaMismatchError",
-    "EpisodeValidationError",
-    "ReadOnlyStoreError",
-    "StoreLockedError",
-    "StoreTimeoutError",
-    "EpisodeNotFoundError",
 ]

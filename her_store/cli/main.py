@@ -19,7 +19,8 @@ import numpy as np
 
 from her_store.errors import StoreError
 from her_store.progress import progress as progress_bar
-from her_store.store.episode_store import EpisodeStore, open_store
+from her_store.datasets.opening import open_store
+from her_store.store.episode_store import EpisodeStore
 
 __all__ = ["collect", "main"]
 
@@ -90,7 +91,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 # command -> (module that runs it, one line of help). Each module has add_arguments(parser) and run(args) -> int.
 DATASET_COMMANDS: dict[str, tuple[str, str]] = {
     "inspect": ("her_store.ops.inspect", "what a store holds: format, fields, episodes, statistics, the dataset card"),
-    "verify": ("her_store.ops.verify", "check every invariant of FORMAT.md and every episode's crc32; --repair"),
+    "verify": ("her_store.cli.verify", "check every invariant of FORMAT.md and every episode's crc32; --repair"),
     "card": ("her_store.ops.inspect", "show or edit the dataset card (--set key=value), with a commit"),
     "plot": ("her_store.ops.plot", "success, return, episode lengths and goals reached, as a PNG"),
     "export": ("her_store.interop", "write episodes as npz, hdf5, a Minari dataset or OGBench's npz"),

@@ -1,14 +1,12 @@
-"""On-disk layout of a store: array paths, packing of fields into arrays, root attributes and the commit record.
+"""On-disk layout of a store: array paths, packing of fields into arrays, index columns, root attributes.
 
 FORMAT.md is the prose version of this module; the two change together (and FORMAT_VERSION with them).
 """
 
 from __future__ import annotations
 
-import json
-import zlib
 from collections.abc import Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any, NamedTuple, TypeGuard
 
 import numpy as np
@@ -20,21 +18,19 @@ from zarr.core.metadata import ArrayV3Metadata
 from her_store.checks import is_int, is_number
 from her_store.errors import CorruptStoreError, FormatVersionError, NotAStoreError, SchemaMismatchError, short_repr
 from her_store.format.schema import Field, Schema
-from her_store.storage.location import chunk_entry, chunk_key
+from her_store.format.keys import ATTRS_KEY, chunk_entry, chunk_key
 
 __all__ = [
     "FORMAT_VERSION",
-    "ATTRS_KEY",
-    "COMMIT_KEY",
-    "LOCK_KEY",
     "INDEX_COLUMNS",
+    "MAX_COUNT",
     "ArraySpec",
     "Layout",
-    "Commit",
     "StoreAttrs",
-    "check_attrs",
-    "parse_attrs",
     "check_array",
+    "check_attrs",
+    "is_count",
+    "parse_attrs",
 ]
 
 FORMAT_VERSION = 3
@@ -43,9 +39,6 @@ FORMAT_VERSION = 3
 # several rows) and 2 are still read and appended to in their own layout.
 SHARDED_SINCE = 2
 FLAT_SHARD_KEYS_SINCE = 3
-ATTRS_KEY = "her_store"
-COMMIT_KEY = "commit.json"
-LOCK_KEY = "writer.lock"
 IMAGE_CHUNK_BYTES = 1 << 18  # version 1: rows per compressed chunk
 SHARD_BYTES = 1 << 23  # version 2: rows per shard, uncompressed (a commit rewrites its tail shard whole)
 PACK_CHUNK_BYTES = 1 << 28  # a pack's chunk file stays under 256 MiB whatever its row width
@@ -101,7 +94,7 @@ class ArraySpec:
         return chunk_key(self.path, chunk, 1 + len(self.row_shape), self.separator)
 
     def chunk_entry(self, chunk: int) -> str:
-        """The entry that holds chunk (or shard) ``chunk`` and nothing else (:func:`~her_store.storage.location.chunk_entry`):
+        """The entry that holds chunk (or shard) ``chunk`` and nothing else (:func:`~her_store.format.keys.chunk_entry`):
         what removing the chunk removes."""
         return chunk_entry(self.path, chunk, 1 + len(self.row_shape), self.separator)
 
@@ -192,7 +185,7 @@ class Layout:
         if not isinstance(d, list) or not d or not all(isinstance(a, Mapping) for a in d):
             raise CorruptStoreError(f"{where}: {ATTRS_KEY}.layout is {short_repr(d)}, expected a list of arrays")
         rows = [a.get("chunk_rows") for a in d]
-        if not all(_is_count(r) and r >= 1 for r in rows):
+        if not all(is_count(r) and r >= 1 for r in rows):
             raise CorruptStoreError(
                 f"{where}: {ATTRS_KEY}.layout chunk_rows {short_repr(rows)} are not all positive integers"
             )
@@ -226,7 +219,7 @@ class StoreAttrs(NamedTuple):
     index_slots: int | None
 
 
-def _is_count(v: Any) -> TypeGuard[int]:
+def is_count(v: Any) -> TypeGuard[int]:
     """A non-negative JSON integer small enough to stay exact (bools are not integers here)."""
     return is_int(v) and 0 <= v <= MAX_COUNT
 
@@ -237,7 +230,7 @@ def check_attrs(attrs: Mapping[str, Any], where: str) -> dict[str, Any]:
     if not isinstance(meta, Mapping):
         raise NotAStoreError(f"{where} is a Zarr group but not a her_store store (no {ATTRS_KEY!r} attribute)")
     version = meta.get("format_version")
-    if not _is_count(version) or version < 1:
+    if not is_count(version) or version < 1:
         raise CorruptStoreError(
             f"{where}: attribute {ATTRS_KEY}.format_version is {short_repr(version)}, expected an integer >= 1"
         )
@@ -268,11 +261,11 @@ def parse_attrs(meta: Mapping[str, Any], where: str) -> StoreAttrs:
     if missing:
         raise CorruptStoreError(f"{where}: attributes {ATTRS_KEY}.{missing} are missing; see FORMAT.md")
     capacity, slots = meta["capacity"], meta["index_slots"]
-    if capacity is not None and not (_is_count(capacity) and capacity >= 1):
+    if capacity is not None and not (is_count(capacity) and capacity >= 1):
         raise CorruptStoreError(
             f"{where}: {ATTRS_KEY}.capacity is {short_repr(capacity)}, expected null or an integer >= 1"
         )
-    ring = capacity is not None and _is_count(slots) and slots >= capacity
+    ring = capacity is not None and is_count(slots) and slots >= capacity
     if not (ring or (capacity is None and slots is None)):
         raise CorruptStoreError(
             f"{where}: {ATTRS_KEY}.index_slots is {short_repr(slots)} with capacity {capacity}, expected null for an "
@@ -288,7 +281,7 @@ def parse_attrs(meta: Mapping[str, Any], where: str) -> StoreAttrs:
     except SchemaMismatchError as e:
         raise CorruptStoreError(f"{where}: {ATTRS_KEY}.schema is invalid: {e}") from e
     version = meta.get("format_version")
-    if not (_is_count(version) and 1 <= version <= FORMAT_VERSION):
+    if not (is_count(version) and 1 <= version <= FORMAT_VERSION):
         raise CorruptStoreError(f"{where}: {ATTRS_KEY}.format_version is {short_repr(version)}, expected 1..{FORMAT_VERSION}")
     return StoreAttrs(schema, Layout.from_json(meta["layout"], schema, where, version), capacity, slots)
 
@@ -364,108 +357,3 @@ def check_array(
             )
 
 
-@dataclass(frozen=True)
-class Commit:
-    """The commit record: the only truth about which episodes and rows are committed.
-
-    Attributes
-    ----------
-    generation : int
-        Incremented by every commit.
-    first_episode, end_episode : int
-        Live episode ids are ``first_episode <= id < end_episode``; ids below were evicted by the ring.
-    write_row : int
-        Row where the next episode starts (before any wrap).
-    num_transitions : int
-        Sum of the lengths of the live episodes.
-    array_rows : int
-        Rows the arrays are sized to (grows for unbounded stores).
-    """
-
-    generation: int = 0
-    first_episode: int = 0
-    end_episode: int = 0
-    write_row: int = 0
-    num_transitions: int = 0
-    array_rows: int = 0
-
-    def to_bytes(self, version: int = FORMAT_VERSION) -> bytes:
-        """The record as written: ``version`` is the format version of the store it commits."""
-        body = {
-            "format_version": version,
-            "generation": self.generation,
-            "first_episode": self.first_episode,
-            "end_episode": self.end_episode,
-            "write_row": self.write_row,
-            "num_transitions": self.num_transitions,
-            "array_rows": self.array_rows,
-        }
-        body["crc32"] = zlib.crc32(json.dumps(body, sort_keys=True).encode())
-        return json.dumps(body, sort_keys=True, indent=1).encode()
-
-    @classmethod
-    def from_bytes(cls, raw: bytes, where: str, version: int | None = None) -> Commit:
-        """Parse and check a commit record: exactly the keys of FORMAT.md, its crc32, non-negative integers that
-        agree with each other, and (given ``version``) the store's format version. Anything else raises
-        CorruptStoreError (FormatVersionError for a newer format)."""
-        names = [f.name for f in fields(cls)]
-        try:
-            body = json.loads(raw)
-        except (ValueError, RecursionError) as e:
-            raise CorruptStoreError(f"{where}: commit record {COMMIT_KEY} is unreadable ({e!r}); expected the JSON described in FORMAT.md") from e
-        keys = {*names, "format_version", "crc32"}
-        if not isinstance(body, dict) or body.keys() != keys:
-            got = sorted(body) if isinstance(body, dict) else short_repr(body)
-            raise CorruptStoreError(f"{where}: commit record {COMMIT_KEY} has keys {got}, expected {sorted(keys)}")
-        bad = {k: v for k, v in body.items() if not _is_count(v)}
-        if bad:
-            raise CorruptStoreError(
-                f"{where}: commit record {COMMIT_KEY} has {short_repr(bad)}, expected non-negative integers"
-            )
-        crc = body.pop("crc32")
-        if crc != zlib.crc32(json.dumps(body, sort_keys=True).encode()):
-            raise CorruptStoreError(f"{where}: commit record {COMMIT_KEY} fails its crc32 check")
-        found = body.pop("format_version")
-        if found > FORMAT_VERSION:
-            raise FormatVersionError(f"{where}: commit record has format version {found}; this her_store reads up to {FORMAT_VERSION}")
-        if version is not None and found != version:
-            raise CorruptStoreError(
-                f"{where}: commit record has format version {found}, the store's attributes {version}; they must agree"
-            )
-        commit = cls(**body)
-        live = commit.end_episode - commit.first_episode
-        # every live episode has >= 1 transition and owns its T + 1 rows, disjoint from the others'
-        consistent = 0 <= live <= commit.num_transitions and (live > 0 or commit.num_transitions == 0)
-        fits = commit.num_transitions + live <= commit.array_rows and commit.write_row <= commit.array_rows
-        if not (consistent and fits):
-            raise CorruptStoreError(f"{where}: commit record {COMMIT_KEY} is inconsistent: {commit}")
-        return commit
-
-    def check_fits(
-        self, capacity: int | None, index_slots: int | None, data_rows: int, index_rows: int, where: str
-    ) -> None:
-        """Check this record against the store's attributes and its arrays' real shapes: every row and index
-        position it makes the store read must exist, whatever the record claims.
-
-        Parameters
-        ----------
-        capacity, index_slots : int or None
-            The store's attributes.
-        data_rows, index_rows : int
-            The smallest first dimension of the data arrays, of the index columns.
-        where : str
-            The record's file, for messages.
-        """
-        problem = None
-        if self.array_rows > data_rows:
-            problem = f"array_rows {self.array_rows} exceeds the {data_rows} rows of the data arrays"
-        elif capacity is None and self.end_episode > index_rows:
-            problem = f"end_episode {self.end_episode} exceeds the {index_rows} rows of the index arrays"
-        elif index_slots is not None and index_slots > index_rows:
-            problem = f"the store's index_slots {index_slots} exceed the {index_rows} rows of the index arrays"
-        elif capacity is not None and self.num_transitions > capacity:
-            problem = f"num_transitions {self.num_transitions} exceeds capacity {capacity}"
-        elif capacity is not None and self.array_rows <= capacity:
-            problem = f"array_rows {self.array_rows} cannot hold an episode of capacity {capacity} transitions"
-        if problem:
-            raise CorruptStoreError(f"{where}: commit record {COMMIT_KEY} does not fit the store: {problem}")

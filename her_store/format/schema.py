@@ -13,7 +13,7 @@ from gymnasium import spaces
 from her_store.checks import is_int, is_number
 from her_store.errors import EpisodeValidationError, SchemaMismatchError, short_repr
 
-__all__ = ["GOAL_KEYS", "STEP_KEYS", "Field", "Schema", "conform", "space_from_json", "space_to_json"]
+__all__ = ["GOAL_KEYS", "STEP_KEYS", "Field", "Schema", "conform", "space_from_json", "space_to_json", "validate_episode"]
 
 GOAL_KEYS = ("observation", "achieved_goal", "desired_goal")
 STEP_KEYS = ("action", "reward", "terminated", "truncated")
@@ -475,3 +475,32 @@ def _space_from_json(d: Any, depth: int) -> spaces.Space:
     except (ValueError, TypeError, OverflowError) as e:  # gymnasium's own checks of bounds, counts and dtypes
         raise SchemaMismatchError(f"{kind} space {short_repr(d)} is invalid: {e}") from e
     raise SchemaMismatchError(f"unknown space type {short_repr(kind)} in store metadata ({short_repr(d)})")
+
+
+def validate_episode(schema: Schema, episode: Mapping[str, Any]) -> tuple[int, dict[str, np.ndarray]]:
+    """Check an episode against the schema; return ``(T, arrays in stored dtypes)`` or raise EpisodeValidationError."""
+    if not isinstance(episode, Mapping):
+        raise EpisodeValidationError(f"an episode is a mapping of field name -> array, got {type(episode).__name__}")
+    names = schema.by_name
+    if episode.keys() != names.keys():
+        missing = [n for n in names if n not in episode]
+        extra = sorted(set(episode) - set(names))
+        raise EpisodeValidationError(
+            f"episode keys do not match the store: missing {missing}, unexpected {extra}; expected {list(names)}"
+        )
+    action = np.asarray(episode["action"])
+    T = len(action) if action.ndim else 0
+    if T < 1:
+        raise EpisodeValidationError(f"an episode needs at least one step; 'action' has shape {action.shape}")
+    out = {}
+    for f in schema.fields:
+        a = np.asarray(episode[f.name])
+        rows = T if f.per_step else T + 1
+        if a.shape[:1] != (rows,) or a.shape[1:] != f.shape:
+            what = "T" if f.per_step else "T + 1"
+            raise EpisodeValidationError(
+                f"field {f.name!r} has shape {a.shape}, expected {(rows, *f.shape)} ({what} rows with T={T} from 'action')"
+            )
+        a = conform(a, f, schema.value_ranges.get(f.name), f"field {f.name!r}")
+        out[f.name] = a if a.flags.c_contiguous else np.ascontiguousarray(a)
+    return T, out

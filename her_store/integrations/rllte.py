@@ -23,7 +23,8 @@ from her_store.checks import is_int
 from her_store.errors import StoreError
 from her_store.sampling.relabel import GoalStrategy, parse_strategy
 from her_store.sampling.sampler import HerSampler, RewardFn
-from her_store.store.episode_store import EpisodeStore, open_store
+from her_store.datasets.opening import open_store
+from her_store.store.episode_store import EpisodeStore
 from her_store.store.step_writer import StepWriter
 
 __all__ = ["HerReplayBatch", "HerReplayStorage", "NoEpisodeError"]

@@ -29,7 +29,8 @@ from her_store.format.schema import Schema
 from her_store.integrations import require
 from her_store.integrations.sb3_layout import SB3Arrays, env_columns, sb3_arrays
 from her_store.sampling.relabel import GoalSelectionStrategy, GoalStrategy, her_ratio, parse_strategy
-from her_store.store.episode_store import EpisodeStore, open_store
+from her_store.datasets.opening import open_store
+from her_store.store.episode_store import EpisodeStore
 from her_store.store.step_writer import _same_bytes
 
 _her = require("stable_baselines3.her", "sb3")

@@ -31,7 +31,7 @@ from gymnasium import spaces
 from her_store.errors import NotAStoreError, StoreError
 from her_store.format.card import json_object
 from her_store.integrations import require
-from her_store.storage.location import fsync_file
+from her_store.storage.files import fsync_file
 from her_store.store.episode_store import EpisodeStore
 
 __all__ = [

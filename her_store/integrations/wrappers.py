@@ -21,7 +21,8 @@ from gymnasium.vector import AutoresetMode, VectorEnv, VectorWrapper
 
 from her_store.errors import EpisodeValidationError, SchemaMismatchError, StoreError
 from her_store.format.schema import GOAL_KEYS, Field, Schema, conform
-from her_store.store.episode_store import EpisodeStore, open_store
+from her_store.datasets.opening import open_store
+from her_store.store.episode_store import EpisodeStore
 from her_store.store.step_writer import DroppedEpisode
 
 __all__ = ["GoalEnvFlattener", "RecordEpisodes", "RecordVectorEpisodes", "RecordingWarning"]

@@ -9,7 +9,7 @@ its own module (``npz``, ``hdf5``, ``minari``, ``ogbench``, ``sb3_pickle``), imp
   episodes imported).
 
 Both write under a temporary name beside the destination and rename it at the end (:func:`staged_store`,
-:func:`her_store.storage.location.staged_output`): nothing is left at the destination unless the whole operation succeeded.
+:func:`her_store.storage.files.staged_output`): nothing is left at the destination unless the whole operation succeeded.
 The helpers here are shared by the format modules: the JSON header that carries spaces and card
 (:func:`header_of`, :func:`parse_header`), the exported episodes read in checked batches (:func:`read_batches`),
 streamed npz members (:func:`write_npz`, :class:`NpzReader`), staged destinations (:func:`staged_store`,
@@ -50,7 +50,8 @@ from her_store.format.card import check_card
 from her_store.format.schema import Field, Schema
 from her_store.ops.selection import parse_selection
 from her_store.progress import progress as progress_bar
-from her_store.storage.location import METADATA_LIMIT, staged_output
+from her_store.storage.base import METADATA_LIMIT
+from her_store.storage.files import staged_output
 from her_store.store.episode_store import EpisodeStore
 from her_store.store.rows import ChunkReader, MappedArray
 
@@ -210,7 +211,7 @@ def staged_store(store_path: str | os.PathLike[str], schema: Schema, card: Mappi
 
 
 def staged_file(dest: str | os.PathLike[str]) -> contextlib.AbstractContextManager[str]:
-    """:func:`her_store.storage.location.staged_output` for an export's destination, refusing a URL."""
+    """:func:`her_store.storage.files.staged_output` for an export's destination, refusing a URL."""
     return staged_output(_local(dest, "the destination"))
 
 

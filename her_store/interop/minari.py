@@ -42,7 +42,8 @@ from her_store.format.card import check_card
 from her_store.format.schema import DTYPES, GOAL_KEYS, Schema, space_from_json, space_to_json
 from her_store.interop import Batch, check_hdf5, exact_cast, minari_name, read_batches
 from her_store.progress import progress as progress_bar
-from her_store.storage.location import Location, staged_output
+from her_store.storage import open_backend
+from her_store.storage.files import staged_output
 from her_store.store.episode_store import EpisodeStore
 
 __all__ = ["export_minari", "import_minari", "minari_dataset_id"]
@@ -380,7 +381,7 @@ def import_minari(source: str | os.PathLike[str], store_path: str | os.PathLike[
     data_dir = _data_dir(os.fspath(source))
     where = f"the Minari dataset at {data_dir}"
     _regular_files_only(data_dir, where)
-    raw = Location(data_dir).read_bytes("metadata.json")
+    raw = open_backend(data_dir).read_bytes("metadata.json")
     if raw is None:
         raise FileNotFoundError(f"{where} has no metadata.json")
     try:

@@ -16,7 +16,7 @@ A local DEST is built in ``.NAME.copy-partial`` beside it (kept by an interrupte
 into place at the end; on object storage the manifest sits under DEST's prefix until ``commit.json`` is written.
 
 Sparse files: an uncompressed array's chunk files are full-size, the rows not yet written left as holes
-(storage.RawChunkFile). A local DEST leaves every page of zeros a hole too (:func:`her_store.storage.location.write_sparse`), so a
+(storage.RawChunkFile). A local DEST leaves every page of zeros a hole too (:func:`her_store.storage.files.write_sparse`), so a
 copy takes about its source's disk space. Object storage has no holes, and Zarr reads an uncompressed chunk only whole,
 so such a chunk is sent whole, zeros included: only the chunks holding committed rows are sent at all, and the result
 counts the bytes sent and the zeros among them. A store meant for sharing sends less with compressed arrays (the
@@ -26,7 +26,6 @@ default for images: their shards hold only the rows written) or smaller chunks (
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import json
 import os
@@ -43,18 +42,15 @@ import numpy as np
 from her_store.checks import is_int
 from her_store.errors import CorruptStoreError, ReadOnlyStoreError, StoreExistsError, short_repr
 from her_store.format.frames import parse_index, shard_limit
-from her_store.format.layout import COMMIT_KEY, INDEX_COLUMNS, ArraySpec
-from her_store.ops.verify import clear_tail, verify
+from her_store.format.keys import COMMIT_KEY
+from her_store.format.layout import INDEX_COLUMNS, ArraySpec
+from her_store.ops.repair import clear_tail
+from her_store.ops.verify import verify
 from her_store.progress import progress as progress_bar
-from her_store.storage.location import (
-    METADATA_LIMIT,
-    Location,
-    blocks_directory,
-    chunk_key,
-    nonzero_runs,
-    staged_output,
-    write_sparse,
-)
+from her_store.storage.base import METADATA_LIMIT
+from her_store.storage import Backend, open_backend
+from her_store.storage.files import blocks_directory, nonzero_runs, staged_output
+from her_store.format.keys import chunk_key
 from her_store.store.episode_store import EpisodeStore
 
 __all__ = ["CopyResult", "add_arguments", "copy_store", "run"]
@@ -84,20 +80,23 @@ class _Dest:
     """Where the copy writes: a local partial directory (renamed into place at the end) or DEST's prefix."""
 
     def __init__(self, dest: str, storage_options: Mapping[str, Any] | None) -> None:
-        self.final = Location(dest, storage_options)
+        self.final = open_backend(dest, storage_options)
         if self.final.read_only:
             raise ReadOnlyStoreError(f"cannot copy to {dest}: {self.final.read_only}")
-        if self.final.is_local:
-            parent, name = os.path.split(self.final.root)
-            if os.path.lexists(self.final.root):
-                raise StoreExistsError(f"{self.final.root} exists; copy to a new destination (nothing was overwritten)")
+        directory = self.final.local_directory()
+        self.local = directory is not None  # built aside in a directory of its own, renamed into place at the end
+        if directory is not None:
+            parent, name = os.path.split(directory)
+            if os.path.lexists(directory):
+                raise StoreExistsError(f"{directory} exists; copy to a new destination (nothing was overwritten)")
             partial = os.path.join(parent, f".{name}.copy-partial")  # made by the first file written
             if blocks_directory(partial):
                 raise StoreExistsError(
                     f"{partial} is a link or a file where the copy builds {dest} (a directory of its own); nothing was "
                     "copied: move it away, or copy to another destination"
                 )
-            self.loc = Location(partial)
+            self.loc = open_backend(partial)
+            self.partial = partial
         else:
             self.loc = self.final
             if self.loc.exists(COMMIT_KEY):
@@ -107,9 +106,9 @@ class _Dest:
         """The files an earlier run of this copy recorded; refuses a destination holding anything else."""
         raw = self.loc.read_bytes(MANIFEST_KEY)
         if raw is None:
-            if self.loc.is_local:  # the partial directory is this copy's own: a run killed before its manifest
-                shutil.rmtree(self.loc.root, ignore_errors=True)
-            elif self.loc.fs.find(self.loc.root):
+            if self.local:  # the partial directory is this copy's own: a run killed before its manifest
+                shutil.rmtree(self.partial, ignore_errors=True)
+            elif self.loc.list_files():
                 raise StoreExistsError(
                     f"{self.final} holds objects that are not a copy in progress; copy to a new destination (nothing "
                     "was overwritten)"
@@ -136,40 +135,24 @@ class _Dest:
 
     def sizes(self) -> dict[str, int]:
         """The size of every file under the destination, by key."""
-        if self.loc.is_local:  # regular files only: anything else here (a link, a FIFO) is written over
+        if self.local:  # regular files only: anything else here (a link, a FIFO) is written over
             found = {}
-            for d, _, names in os.walk(self.loc.root):
+            for d, _, names in os.walk(self.partial):
                 for f in names:
                     st = os.lstat(os.path.join(d, f))
                     if stat.S_ISREG(st.st_mode):
-                        found[os.path.relpath(os.path.join(d, f), self.loc.root)] = st.st_size
+                        found[os.path.relpath(os.path.join(d, f), self.partial)] = st.st_size
             return found
-        self.loc.fs.invalidate_cache(self.loc.root)
-        found = self.loc.fs.find(self.loc.root, detail=True)
-        return {path[len(self.loc.root) + 1 :]: int(info["size"]) for path, info in found.items()}
+        return self.loc.list_files()
 
     def write(self, items: Mapping[str, bytes], identity: str, files: Mapping[str, list[Any]]) -> tuple[int, int]:
         """Files replaced whole (concurrent PUTs on object storage; locally temp file + rename, every page of zeros
         left a hole as in a writer's chunk files), then the manifest recording them. Returns (bytes written, bytes
         of the files in pages of zeros)."""
-        written = zeros = 0
-        if self.loc.is_local:
-            os.makedirs(self.loc.root, exist_ok=True)  # this copy's own partial directory
-            for key, data in items.items():
-                tmp, fd = self.loc.create_temp(key)
-                try:
-                    n = write_sparse(fd, data, 0)
-                    os.ftruncate(fd, len(data))
-                finally:
-                    os.close(fd)
-                if os.path.isdir(self.loc.key_path(key)) and not os.path.islink(self.loc.key_path(key)):
-                    self.loc.remove(key)  # junk in this copy's own partial directory, where a file goes
-                os.replace(tmp, self.loc.key_path(key))
-                written, zeros = written + n, zeros + len(data) - n
-        elif items:
-            self.loc.fs.pipe({self.loc.key_path(k): v for k, v in items.items()})
-            written = sum(len(v) for v in items.values())
-            zeros = written - sum(b - a for v in items.values() for a, b in nonzero_runs(v, 0))
+        self.loc.put_many(items)  # locally, every page of zeros left a hole, as in a writer's chunk files
+        total = sum(len(v) for v in items.values())
+        held = sum(b - a for v in items.values() for a, b in nonzero_runs(v, 0))
+        written, zeros = (held if self.local else total), total - held
         self.loc.write_atomic(MANIFEST_KEY, json.dumps({"source": identity, "files": files}).encode(), fsync=False)
         return written, zeros
 
@@ -177,25 +160,25 @@ class _Dest:
         """Write the commit record last (DEST becomes a store), the manifest gone first; locally, the partial
         directory holding nothing but the ``copied`` keys (whatever else a killed copy or anyone left there is
         removed), renamed into place."""
-        if self.loc.is_local:
-            os.unlink(self.loc.key_path(MANIFEST_KEY))
-            _prune(self.loc, copied)
+        if self.local:
+            os.unlink(os.path.join(self.partial, MANIFEST_KEY))
+            _prune(self.loc, self.partial, copied)
             self.loc.write_atomic(COMMIT_KEY, commit, fsync=False)
-            with staged_output(self.final.root) as tmp:
-                os.rename(self.loc.root, tmp)
+            with staged_output(self.final.url) as tmp:
+                os.rename(self.partial, tmp)
             return
         # the record first: until it is in place the manifest claims DEST for this copy, so that a copy stopped at any
         # point (a failed PUT of the record too) resumes; a manifest left beside a record is inert
         self.loc.write_atomic(COMMIT_KEY, commit, fsync=False)
-        self.loc.fs.rm_file(self.loc.key_path(MANIFEST_KEY))
+        self.loc.remove(MANIFEST_KEY)
 
 
-def _prune(loc: Location, keep: set[str]) -> None:
+def _prune(loc: Backend, directory: str, keep: set[str]) -> None:
     """Remove from a local directory every entry that is neither one of the ``keep`` keys (a regular file) nor a
     directory on the way to one: links (never followed), FIFOs, other files and directories."""
     leads = {"/".join(k.split("/")[:i]) for k in keep for i in range(1, k.count("/") + 1)}
-    for d, dirs, names in os.walk(loc.root):
-        here = os.path.relpath(d, loc.root).replace(os.sep, "/")
+    for d, dirs, names in os.walk(directory):
+        here = os.path.relpath(d, directory).replace(os.sep, "/")
         for name in [*names, *dirs]:
             key = name if here == "." else f"{here}/{name}"
             st = os.lstat(os.path.join(d, name))
@@ -205,43 +188,15 @@ def _prune(loc: Location, keep: set[str]) -> None:
         dirs[:] = [n for n in dirs if (n if here == "." else f"{here}/{n}") in leads and os.path.isdir(os.path.join(d, n))]
 
 
-def _fingerprints(loc: Location, keys: list[str]) -> dict[str, tuple[str, int]]:
-    """For each of ``keys`` that exists: (what identifies this version of it, its size). Size and mtime locally, the
-    ETag on object storage (one listing) and HTTP (one HEAD each; "" where the server gives none: copied again by
-    every run)."""
-    out = {}
-    if loc.is_local:
-        for key in keys:
-            with contextlib.suppress(FileNotFoundError):
-                st = os.lstat(loc.key_path(key))  # a link is found, and refused when read (naming it)
-                out[key] = (f"{st.st_size}:{st.st_mtime_ns}", st.st_size)
-        return out
-    if loc.is_http:
-        infos = {}
-        for key in keys:
-            with contextlib.suppress(FileNotFoundError):
-                infos[key] = loc.fs.info(loc.key_path(key))
-    else:
-        loc.fs.invalidate_cache(loc.root)
-        listed = loc.fs.find(loc.root, detail=True)
-        infos = {key: listed[loc.key_path(key)] for key in keys if loc.key_path(key) in listed}
-    return {k: (str(i.get("ETag") or i.get("etag") or ""), int(i.get("size") or 0)) for k, i in infos.items()}
-
-
-def _read(loc: Location, keys: list[str], limits: list[int]) -> list[bytes]:
+def _read(loc: Backend, keys: list[str], limits: list[int]) -> list[bytes]:
     """Whole files, concurrently on object storage and HTTP, each of at most its limit."""
-    if loc.is_local:
-        got: list[Any] = [loc.read_bytes(k, n) for k, n in zip(keys, limits)]
-    else:
-        got = loc.fs.cat_ranges([loc.key_path(k) for k in keys], [0] * len(keys), [n + 1 for n in limits], on_error="return")
+    got = loc.read_objects(keys, max(limits, default=0))
     for key, n, raw in zip(keys, limits, got):
-        if raw is None or isinstance(raw, FileNotFoundError):
+        if raw is None:
             raise CorruptStoreError(f"{loc}/{key} disappeared while it was copied")
-        if isinstance(raw, BaseException):
-            raise raw
         if len(raw) > n:
             raise CorruptStoreError(f"{loc}/{key} holds more than the {n:,} bytes it may")
-    return got
+    return got  # type: ignore[return-value]
 
 
 def _limit(spec: ArraySpec | None, key: str, index_chunk: int) -> int:
@@ -271,7 +226,7 @@ def _plan(store: EpisodeStore) -> tuple[list[str], list[tuple[ArraySpec | None, 
     slots = store.index.slots
     ids = table["episode_id"]
     positions = ids % slots if slots else ids
-    index_chunk = int(store._root["episodes/episode_id"].chunks[0])
+    index_chunk = int(store.zarr_array("episodes/episode_id").chunks[0])
     for c in np.unique(positions // index_chunk).tolist():
         chunks += [(None, chunk_key(f"episodes/{name}", int(c), 1, "/"), int(c)) for name in INDEX_COLUMNS]
     return list(dict.fromkeys(meta)), chunks
@@ -301,7 +256,7 @@ def _episode_bytes(spec: ArraySpec, chunk: int, raw: bytes, starts: np.ndarray, 
 
 def _identity(store: EpisodeStore) -> str:
     """What tells this store from another: its creation time, schema and layout (the card may change)."""
-    attrs = store._attrs
+    attrs = store.attrs
     return json.dumps({k: attrs[k] for k in ("created_at", "schema", "layout", "capacity", "index_slots")}, sort_keys=True)
 
 
@@ -322,9 +277,9 @@ def _copy_pass(store: EpisodeStore, out: _Dest, files: dict[str, list[Any]], tal
     crc = np.zeros(len(starts), np.int64)
     bad = np.zeros(len(starts), bool)
     identity = _identity(store)
-    found = _fingerprints(store._loc, [*meta, *(k for _, k, _ in chunks)])
+    found = store.backend.fingerprints([*meta, *(k for _, k, _ in chunks)])
     have = out.sizes()
-    index_chunk = int(store._root["episodes/episode_id"].chunks[0])
+    index_chunk = int(store.zarr_array("episodes/episode_id").chunks[0])
     # a version 1 array's chunks are compressed whole: its rows' bytes need a decode, checked by `verify`
     checkable = all(spec.sharded or not spec.compressed for spec in store.layout.arrays)
     index_rows: dict[str, list[tuple[int, bytes]]] = {name: [] for name in INDEX_COLUMNS}
@@ -350,7 +305,7 @@ def _copy_pass(store: EpisodeStore, out: _Dest, files: dict[str, list[Any]], tal
         if changed:
             fresh += [(spec, key) for spec, key, _ in batch if key in changed]
             old = [k for k in old if k not in changed]
-        read = _read(store._loc, [k for _, k in fresh], [_limit(spec, k, index_chunk) for spec, k in fresh])
+        read = _read(store.backend, [k for _, k in fresh], [_limit(spec, k, index_chunk) for spec, k in fresh])
         for (_, key), raw in zip(fresh, read):
             files[key] = [len(raw), zlib.crc32(raw), found[key][0]]
             got[key] = raw
@@ -422,8 +377,6 @@ def copy_store(
     tally = _Tally()
     store = EpisodeStore.open(src, storage_options=storage_options)
     try:
-        if store._loc.archive is not None:
-            raise ValueError(f"{src} is a packed store, one file: copy that file as it is")
         out = _Dest(os.fspath(dest), storage_options if dest_storage_options is None else dest_storage_options)
         files = out.manifest(_identity(store))
         for attempt in range(1, MAX_PASSES + 1):
@@ -472,7 +425,7 @@ def _index_matches(store: EpisodeStore, pieces: Mapping[str, list[tuple[int, byt
     slots = store.index.slots
     positions = table["episode_id"] % slots if slots else table["episode_id"]
     for name, dtype in INDEX_COLUMNS.items():
-        size = int(store._root[f"episodes/{name}"].chunks[0])
+        size = int(store.zarr_array(f"episodes/{name}").chunks[0])
         bits = np.dtype(f"<u{np.dtype(dtype).itemsize}")  # compared as bits: a NaN return equals itself
         column = np.zeros(max((c + 1) * size for c, _ in pieces[name]) if pieces[name] else 0, bits)
         for c, raw in pieces[name]:

@@ -23,7 +23,7 @@ import numpy as np
 from her_store.format.card import CARD_FIELDS, card_problems, json_object, parse_assignment
 from her_store.format.layout import INDEX_COLUMNS, ArraySpec
 from her_store.ops.selection import parse_selection
-from her_store.storage.location import chunk_of, data_runs
+from her_store.format.keys import chunk_of
 from her_store.store.episode_store import EpisodeStore
 
 __all__ = ["add_arguments", "array_bytes", "episode_page", "print_summary", "print_table", "run", "summary"]
@@ -74,55 +74,19 @@ def array_bytes(store: EpisodeStore, *, on_disk: bool = False) -> dict[str, dict
 
 def _chunk_sizes(store: EpisodeStore) -> dict[str, dict[int, tuple[int, int]]] | None:
     """(apparent size, bytes on disk) of the chunk files of every array, by array path and row-chunk number, as
-    :func:`array_bytes` gives them."""
-    loc = store._loc
+    :func:`array_bytes` gives them; None where the store cannot be listed (over HTTP)."""
+    backend = store.backend
+    if not backend.lists:
+        return None
     keys = {spec.path: (spec.separator, 1 + len(spec.row_shape)) for spec in store.layout.arrays}
     keys.update({f"{INDEX_DIR}/{name}": ("/", 1) for name in INDEX_COLUMNS})
     out: dict[str, dict[int, tuple[int, int]]] = {p: {} for p in keys}
-    archive = loc.archive
-    if archive is not None:  # a packed store: its members' sizes, and on local disk the bytes of them not holes
-        members = list(archive.members.items())
-        spans = np.array([m for _, m in members], np.int64).reshape(-1, 2)
-        held = spans[:, 1]
-        if archive.fd >= 0:  # a file on local disk
-            held = _data_between(data_runs(archive.fd, archive.size), spans[:, 0], spans[:, 0] + spans[:, 1])
-        _add_keys(((key, (size, int(h))) for (key, (_, size)), h in zip(members, held.tolist())), keys, out)
-        return out
-    if loc.is_local:
-        for path, (separator, ndim) in keys.items():
-            _scan_chunks(os.path.join(loc.root, path), separator, ndim, out[path])
-        return out
-    protocols = (loc.fs.protocol,) if isinstance(loc.fs.protocol, str) else tuple(loc.fs.protocol)
-    if {"http", "https"} & set(protocols):
-        return None
     try:
-        listing = loc.fs.du(loc.root, total=False, withdirs=False)
+        usage = backend.disk_usage()
     except (NotImplementedError, OSError, ValueError):
         return None
-    root = loc.root.rstrip("/") + "/"
-    _add_keys(((key[len(root) :], (size, size)) for key, size in listing.items() if key.startswith(root)), keys, out)
+    _add_keys(usage.items(), keys, out)
     return out
-
-
-def _data_between(runs: list[tuple[int, int]], starts: np.ndarray, ends: np.ndarray) -> np.ndarray:
-    """Bytes of the data ``runs`` (sorted, disjoint ``(start, end)``) that lie in each ``starts[i] .. ends[i]``.
-
-    Examples
-    --------
-    >>> _data_between([(0, 10), (20, 30)], np.array([5, 0]), np.array([25, 40])).tolist()
-    [10, 20]
-    """
-    if not runs:
-        return np.zeros(len(starts), np.int64)
-    r = np.asarray(runs, np.int64)
-    before = np.concatenate(([0], np.cumsum(r[:, 1] - r[:, 0])))  # data bytes before each run
-
-    def upto(x: np.ndarray) -> np.ndarray:  # data bytes below offset x
-        i = np.searchsorted(r[:, 0], x, side="right") - 1
-        inside = np.clip(x - r[np.maximum(i, 0), 0], 0, r[np.maximum(i, 0), 1] - r[np.maximum(i, 0), 0])
-        return np.where(i >= 0, before[np.maximum(i, 0)] + inside, 0)
-
-    return upto(ends) - upto(starts)
 
 
 def _add_keys(
@@ -145,31 +109,6 @@ def _add_keys(
 def _add_size(sizes: dict[int, tuple[int, int]], chunk: int, size: tuple[int, int]) -> None:
     old = sizes.get(chunk, (0, 0))
     sizes[chunk] = (old[0] + int(size[0]), old[1] + int(size[1]))
-
-
-def _scan_chunks(directory: str, separator: str, ndim: int, sizes: dict[int, tuple[int, int]]) -> None:
-    """Add the (apparent size, bytes on disk) of the chunk files of the ``ndim``-axis array in ``directory`` to
-    ``sizes[i]``: the files under ``c/<i>/``, or for the ``"."`` separator the files ``c.<i>.0...`` (symbolic links are
-    not followed)."""
-    try:
-        entries = list(os.scandir(os.path.join(directory, "c") if separator == "/" else directory))
-    except (FileNotFoundError, NotADirectoryError):
-        return
-    for entry in entries:
-        i = chunk_of(entry.name, separator, ndim)
-        if i is None:
-            continue
-        if entry.is_file(follow_symlinks=False):
-            _add_size(sizes, i, _file_sizes(entry))
-        elif entry.is_dir(follow_symlinks=False):
-            stack = [entry.path]
-            while stack:
-                with os.scandir(stack.pop()) as inner:
-                    for e in inner:
-                        if e.is_file(follow_symlinks=False):
-                            _add_size(sizes, i, _file_sizes(e))
-                        elif e.is_dir(follow_symlinks=False):
-                            stack.append(e.path)
 
 
 def _file_sizes(entry: os.DirEntry[str]) -> tuple[int, int]:

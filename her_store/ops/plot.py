@@ -17,7 +17,7 @@ import numpy as np
 
 from her_store.checks import is_number
 from her_store.extras import require
-from her_store.storage.location import staged_output
+from her_store.storage.files import staged_output
 from her_store.store.episode_store import EpisodeStore
 from her_store.store.rows import ChunkReader
 

@@ -1,34 +1,26 @@
-"""``her-store verify``: check a store against FORMAT.md and every live episode's crc32, reading chunk files in order; repair.
+"""``her-store verify``: check a store against FORMAT.md and every live episode's crc32, reading chunk files in order.
 
 Opening a store (:meth:`EpisodeStore.open`) already checks its attributes, its arrays' metadata, the commit record
 against the store and the index (episode ids, row ranges inside the arrays, no two live episodes sharing a row, the
 lengths against ``num_transitions``); a store it refuses is reported with that reason. :func:`verify` then checks
-what opening does not read: every chunk file and shard holding committed rows (present, of its size, a shard's index
-parsing and holding every committed row), every live episode's crc32 (the rule of FORMAT.md, Checksums, computed
-from chunk files read in order, a shard in one read and a raw chunk in pieces of PIECE_BYTES, into buffers used again,
-the next reads under way while the current one is checksummed), and what a commit that never completed left past
-the record (index rows of ids never committed; an unbounded store's rows past ``write_row``, of which only the
-file's data is read, not its holes), and in any store the chunks holding no committed row that a writer could not
-read or write in place (something else in their place, a file with another hard link).
-
-:func:`repair` drops, with a new commit, the episodes that fail their crc32 or whose rows are missing, clears an
-uncommitted tail, removes such chunks and gives a committed chunk with another hard link a copy of its own. Episode ids are consecutive, so episodes are dropped as the ring drops them: bad episodes at the
-start of the live range are evicted; from the first bad episode after them the live range is cut, and the good
-episodes that followed it are appended again (new ids, each printed beside its old one).
+what opening does not read: every chunk file and frame file holding committed rows (present, of its size, a frame
+file's index parsing and holding every committed row), every live episode's crc32 (the rule of FORMAT.md, Checksums,
+computed from chunk files read in order, a frame file in one read and a raw chunk in pieces of PIECE_BYTES, into
+buffers used again, the next reads under way while the current one is checksummed), and what a commit that never
+completed left past the record (index rows of ids never committed; an unbounded store's rows past ``write_row``, of
+which only the file's data is read, not its holes), and in any store the chunks holding no committed row that a
+writer could not read or write in place (something else in their place, a file with another hard link).
+:mod:`her_store.ops.repair` mends what it finds.
 """
 
 from __future__ import annotations
 
-import argparse
 import bisect
-import errno
-import json
 import os
-import shutil
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -36,15 +28,19 @@ from typing import Any
 import numpy as np
 
 from her_store import _kernels
-from her_store.errors import CorruptStoreError, StoreError
+from her_store.errors import CorruptStoreError
 from her_store.format.frames import parse_index, shard_limit
-from her_store.format.layout import LOCK_KEY, ArraySpec
+from her_store.format.keys import LOCK_KEY
+from her_store.format.layout import ArraySpec
 from her_store.progress import progress as progress_bar
-from her_store.storage.location import Location, active_writer, blocks_directory, chunk_of, open_beneath
+from her_store.storage import Backend, open_backend
+from her_store.storage.files import data_runs
+from her_store.format.keys import chunk_of
+from her_store.ops.repair_plan import plan_of, spill_dir
 from her_store.store.episode_store import EpisodeStore
 from her_store.store.index import EpisodeIndex, chunks_holding
 
-__all__ = ["Problem", "Report", "add_arguments", "repair", "run", "verify"]
+__all__ = ["Problem", "Report", "id_ranges", "verify"]
 
 INDEX_TAIL_PIECE = 4096  # index positions read at a time when looking for rows of ids never committed
 READ_AHEAD = 64 << 20  # bytes of chunk files read ahead of the one being checked
@@ -190,20 +186,21 @@ def verify(
     try:
         store = EpisodeStore.open(store_or_path, storage_options=storage_options)
     except CorruptStoreError as e:
-        return Report(str(Location(store_or_path, storage_options)), [Problem("open", f"the store cannot be opened: {e}")])
+        where = str(open_backend(store_or_path, storage_options))
+        return Report(where, [Problem("open", f"the store cannot be opened: {e}")])
     with store:
         report = _Check(store, checksums, progress).run(t0)
-        writer = active_writer(store._loc, LOCK_KEY)
+        writer = store.backend.active_writer(LOCK_KEY)
         if writer is not None:  # rows past the commit are a live writer's work in progress, not a crash's leftovers
             report.notes += [f"{p} (being written by {writer})" for p in report.problems if p.kind == "uncommitted"]
             report.problems = [p for p in report.problems if p.kind != "uncommitted"]
             report.tail_positions, report.tail_chunks, report.junk_chunks = [], {}, {}
-        plan = _plan_of(store.url) if store._loc.is_local else None
+        plan = plan_of(store.url) if store.backend.local_directory() is not None else None
         if plan is not None and store.commit_record.generation != plan["generation"]:  # the cut was committed
             waiting = plan["count"] - max(0, store.end_episode - plan["cut"])
             report.problems.append(Problem(
                 "repair", f"a repair was interrupted: {waiting} good episodes it was moving wait in "
-                f"{_spill_dir(store.url)}; run verify --repair to finish it"))
+                f"{spill_dir(store.url)}; run verify --repair to finish it"))
     return report
 
 
@@ -212,7 +209,7 @@ class _Check:
 
     def __init__(self, store: EpisodeStore, checksums: bool, progress: bool) -> None:
         self.store, self.checksums, self.progress = store, checksums, progress
-        self.loc: Location = store._loc
+        self.loc: Backend = store.backend
         self.commit = store.commit_record
         table = store.episodes
         order = np.argsort(table["start_row"], kind="stable")  # row order (ring order too), for chunk-by-chunk reads
@@ -230,7 +227,7 @@ class _Check:
 
     def run(self, t0: float) -> Report:
         chunks = [(spec, c) for spec in self.store.layout.arrays for c in self._chunks(spec)]
-        sizes = [min(self._size(spec, c), self._limit(spec, c)) for spec, c in chunks] if self.loc.is_local else None
+        sizes = [min(self._size(spec, c), self._limit(spec, c)) for spec, c in chunks] if self.loc.mappable else None
         bar = progress_bar(sum(sizes) if sizes else None, "verifying", self.progress, unit="B", unit_scale=True)
         jobs = [piece for spec, c in chunks for piece in self._pieces(spec, c)]
         with bar, ThreadPoolExecutor(READ_THREADS, thread_name_prefix="her_store-verify") as pool:
@@ -270,10 +267,8 @@ class _Check:
         return [(spec, c, lo, min(lo + step, limit)) for lo in range(0, limit, step)]
 
     def _size(self, spec: ArraySpec, c: int) -> int:
-        if self.loc.archive is not None:  # a packed store: the member's size
-            return (self.loc.archive.member(spec.chunk_key(c)) or (0, 0))[1]
         try:
-            return os.stat(self.loc.key_path(spec.chunk_key(c))).st_size
+            return self.loc.size(spec.chunk_key(c))
         except OSError:
             return 0
 
@@ -297,23 +292,16 @@ class _Check:
         back (:meth:`_buffer`), as a memoryview of it: :meth:`_give_back` it once they are checked."""
         key = spec.chunk_key(c)
         end = self._limit(spec, c, start == 0) if end is None else end
-        path = self.loc.key_path(key)
         try:
-            if self.loc.is_local:  # a file of its own, or a member of a packed store
+            if self.loc.mappable:  # a file of its own, or a member of a packed store
                 f, offset, size = self.loc.open_range(key)
                 with f:
                     n = max(min(size, end) - start, 0)
                     if not spare:
                         return os.pread(f.fileno(), n, offset + start), size, None
                     return self._pread_spare(f.fileno(), n, offset + start), size, None
-            if self.loc.archive is not None:  # a member of a packed store over the network: a range of the zip
-                got = self.loc.archive.member(key)
-                if got is None:
-                    raise FileNotFoundError(path)
-                size = got[1]
-                return self.loc.archive.pread(key, max(min(size, end) - start, 0), start), size, None
-            size = int(self.loc.fs.size(path))
-            return self.loc.fs.cat_file(path, start=start, end=max(min(size, end), start)), size, None
+            size = self.loc.size(key)
+            return self.loc.read_ranges([key], [start], [max(min(size, end), start)])[0], size, None
         except FileNotFoundError:
             return None, 0, None
         except (CorruptStoreError, OSError) as e:
@@ -359,19 +347,10 @@ class _Check:
         f, offset, size = self.loc.open_range(spec.chunk_key(c))
         size = min(size, spec.chunk_rows * spec.row_nbytes)  # past its rows, a file's bytes are no row's
         with f:
-            fd, pos = f.fileno(), start
-            while pos < size:
-                end = size
-                if self.loc.archive is None:
-                    try:
-                        pos = os.lseek(fd, pos, os.SEEK_DATA)
-                    except OSError as e:
-                        if e.errno == errno.ENXIO:  # no data at or past pos
-                            return False
-                        raise
-                    end = min(os.lseek(fd, pos, os.SEEK_HOLE), size)
+            fd = f.fileno()
+            for pos, end in data_runs(fd, offset + size, offset + start):  # in the file (an archive's: the member's)
                 while pos < end:
-                    view = self._pread_spare(fd, min(PIECE_BYTES, end - pos), offset + pos)
+                    view = self._pread_spare(fd, min(PIECE_BYTES, end - pos), pos)
                     try:
                         if np.frombuffer(view, np.uint8).any():
                             return True
@@ -385,12 +364,7 @@ class _Check:
     def _links(self, spec: ArraySpec, c: int) -> int:
         """How many names a raw chunk's file has (1 on object storage and in a packed store, where nothing is written
         in place)."""
-        if not self.loc.is_local or self.loc.archive is not None:
-            return 1
-        try:
-            return os.lstat(self.loc.key_path(spec.chunk_key(c))).st_nlink
-        except OSError:
-            return 1
+        return self.loc.link_count(spec.chunk_key(c))
 
     def _prefetched(
         self, pool: ThreadPoolExecutor, jobs: list[tuple[ArraySpec, int, int, int]]
@@ -536,7 +510,7 @@ class _Check:
         if not self.checksums:
             return 0
         try:
-            rows = np.ascontiguousarray(self.store._root[spec.path][r0:r1])
+            rows = np.ascontiguousarray(self.store.zarr_array(spec.path)[r0:r1])
         except (ValueError, RuntimeError, TypeError) as e:  # what numcodecs and zarr raise for undecodable bytes
             self.report.problems.append(Problem("file", f"{where} cannot be decoded ({e})", self._affected(k, r0, r1)))
             self.bad[k.start : k.stop] |= (self.starts[k.start : k.stop] < r1) & (self.ends[k.start : k.stop] > r0)
@@ -552,13 +526,13 @@ class _Check:
         """Index rows of the ids after ``end_episode``, written by a commit whose record never replaced the old one."""
         store, c = self.store, self.commit
         slots = store.index.slots
-        room = store._index_rows - c.end_episode if slots is None else slots - (c.end_episode - c.first_episode)
+        room = store.index_rows - c.end_episode if slots is None else slots - (c.end_episode - c.first_episode)
         found: list[int] = []
         at = c.end_episode
         while room > 0:
             n = min(INDEX_TAIL_PIECE, room)
             segments = EpisodeIndex(slots).positions(at, at + n)
-            piece = EpisodeIndex.read(store._index_io, segments)
+            piece = EpisodeIndex.read(store.index_columns, segments)
             hit = (piece["episode_id"] == np.arange(at, at + n)) & (piece["length"] >= 1)
             take = n if hit.all() else int(np.argmin(hit))
             found.extend([pos for p, a, b in segments for pos in range(p, p + b - a)][:take])
@@ -581,16 +555,7 @@ class _Check:
         """The chunks (shards) from ``first`` on that have a file, in order."""
         # chunk keys <path>/c/<i>/0... name a directory <i> under <path>/c; keys <path>/c.<i>.0... a file under <path>
         directory = f"{spec.path}/c" if spec.separator == "/" else spec.path
-        if self.loc.archive is not None:  # a packed store: its members under the array
-            prefix = f"{directory}/"
-            names = {k[len(prefix) :].split("/", 1)[0] for k in self.loc.archive.members if k.startswith(prefix)}
-        else:
-            where = self.loc.key_path(directory)
-            try:
-                listed = os.listdir(where) if self.loc.is_local else self.loc.fs.ls(where, detail=False)
-                names = {n.rsplit("/", 1)[-1] for n in listed}
-            except (FileNotFoundError, NotADirectoryError):  # (a file in its place: its committed chunks are reported)
-                return []
+        names = self.loc.list_dir(directory)  # (a file in its place lists nothing: its committed chunks are reported)
         found = (chunk_of(n, spec.separator, 1 + len(spec.row_shape)) for n in names)
         return sorted(c for c in found if c is not None and c >= first)
 
@@ -619,7 +584,7 @@ class _Check:
                 skip = 0 if ring else max(w - c * cr, 0)
                 # a ring's raw chunk is only opened: whether it can be is all there is to know of it
                 start = 0 if spec.sharded else skip * rb
-                local_tail = not (spec.sharded or ring) and self.loc.is_local  # read past its holes (_holds_bytes)
+                local_tail = not (spec.sharded or ring) and self.loc.mappable  # read past its holes (_holds_bytes)
                 whole = spec.sharded or not (ring or local_tail)
                 data, _, error = self._read(spec, c, start, None if whole else 0)
                 nonzero = None
@@ -665,227 +630,3 @@ class _Check:
                 )
 
 
-def repair(path: str | os.PathLike[str], *, progress: bool = False, log: Callable[[str], None] = print) -> Report:
-    """Drop what :func:`verify` finds damaged, with a new commit, and return the report of the repaired store.
-
-    Under the writer lock (the store opened with ``mode="a"``): episodes that fail their crc32 or whose rows are
-    missing or unreadable are dropped (bad episodes at the start of the live range are evicted; from the first bad one
-    after them the live range is cut and the good episodes that followed are appended again, with new ids), shards
-    that cannot be read and hold no kept row are removed, short chunk files are filled out with zeros, and what lies
-    past the commit record is cleared. Every dropped and renumbered episode is logged. Readers open during a repair
-    must be reopened.
-
-    Parameters
-    ----------
-    path : str or PathLike
-        A local store (repairs rewrite files in place: on object storage, copy the store to local disk first).
-    progress : bool
-        Progress bars over the bytes read.
-    log : callable
-        Receives each line saying what was found and done.
-
-    Raises
-    ------
-    CorruptStoreError
-        The store cannot be opened (its commit record, attributes or index are damaged): nothing was changed.
-    StoreError
-        A URL (repair works on local disk only).
-
-    Examples
-    --------
-    >>> report = repair("runs/fetch")  # doctest: +SKIP
-    >>> report.clean  # doctest: +SKIP
-    True
-    """
-    loc = Location(path)
-    if not loc.is_local:
-        raise StoreError(
-            f"{loc}: --repair works on a store on local disk (it drops episodes in place, and readers of object storage "
-            "cannot be kept out meanwhile); copy the store to local disk, repair it there, and copy it back"
-        )
-    try:
-        store = EpisodeStore.open(path, mode="a")
-    except CorruptStoreError as e:
-        raise CorruptStoreError(f"{e}; it cannot be repaired (nothing was changed)") from e
-    with store:
-        _finish_moving(store, log)
-        found = verify(store, progress=progress)
-        log(found.summary())
-        if found.clean:
-            return found
-        _drop(store, found, progress, log)
-        committer = store._committer
-        assert committer is not None
-        for key, size in found.short_files:  # what is missing reads as zeros: now on disk too, as FORMAT.md says
-            fd = open_beneath(loc.root, key, create=True)
-            try:
-                os.ftruncate(fd, size)
-            finally:
-                os.close(fd)
-            log(f"{key}: filled out to {size:,} bytes")
-        for key in found.linked_files:  # the same bytes under a name of the store's alone, replacing the shared one
-            fd = open_beneath(loc.root, key)
-            try:
-                data = os.pread(fd, os.fstat(fd).st_size, 0)
-            finally:
-                os.close(fd)
-            loc.write_atomic(key, data, fsync=True)
-            log(f"{key}: copied, its other names left as they were")
-        clear_tail(store, log)
-        final = verify(store, progress=progress)
-        log(final.summary())
-        return final
-
-
-def clear_tail(store: EpisodeStore, log: Callable[[str], None] = print) -> None:
-    """Empty what lies past the commit record of a store open for appending (index rows of ids never committed, rows
-    past ``write_row``): what a commit that never completed left, or what a copy made while its source was written
-    carried along.
-
-    Examples
-    --------
-    >>> with EpisodeStore.open("runs/fetch", mode="a") as store:  # doctest: +SKIP
-    ...     clear_tail(store)
-    """
-    committer = store._committer
-    if committer is None:
-        raise StoreError(f"{store.url}: open the store with mode='a' to clear past its commit record")
-    left = verify(store, checksums=False)
-    if left.tail_positions or left.tail_chunks or left.junk_chunks:
-        committer.clear_uncommitted(left.tail_positions, left.tail_chunks, left.junk_chunks)
-        log(
-            f"cleared past the commit: {len(left.tail_positions)} index rows, chunks "
-            f"{ {p: c for p, c in left.tail_chunks.items()} }, removed unreadable chunks {left.junk_chunks}"
-        )
-
-
-def _drop(store: EpisodeStore, found: Report, progress: bool, log: Callable[[str], None]) -> None:
-    """Drop ``found.bad_episodes`` with a new commit, appending the good episodes after the first cut again."""
-    committer = store._committer
-    assert committer is not None
-    bad = found.bad_episodes
-    first, end = store.first_episode, store.end_episode
-    if not len(bad):
-        return
-    leading = bad == np.arange(first, first + len(bad))  # bad episodes at the start of the live range: evicted
-    lead = len(bad) if leading.all() else int(np.argmin(leading))
-    rest = bad[lead:]
-    cut = int(rest[0]) if len(rest) else end
-    keep = np.setdiff1d(np.arange(cut, end), rest)
-    env_index = store.episodes["env_index"]
-    spill = None
-    if len(keep):
-        # the good episodes after the cut, copied aside before the cut drops them from the commit, with a plan that a
-        # repair run after a crash (or a full disk) finishes from: nothing committed is lost at any point
-        spill = _spill_dir(store.url)
-        shutil.rmtree(spill, ignore_errors=True)
-        os.makedirs(spill)
-        with EpisodeStore.create(
-            os.path.join(spill, "tail"), store.observation_space, store.action_space, info_keys=store.schema.info_spaces
-        ) as aside:
-            bar = progress_bar(len(keep), "copying aside", progress, unit="episode")
-            for i in keep.tolist():
-                aside.append_episode(store.episode(i), env_index=int(env_index[i - first]))
-                bar.update(1)
-            bar.close()
-        plan = {"cut": cut, "count": len(keep), "ids": keep.tolist(), "generation": store.commit_record.generation}
-        Location(spill).write_atomic(PLAN_KEY, json.dumps(plan).encode(), fsync=True)
-    committer.keep_only(first + lead, cut)
-    for i in bad.tolist():
-        log(f"dropped episode {i}")
-    for key in found.damaged_files:  # every episode with rows in them was dropped
-        store._loc.remove(key)
-        log(f"removed {key} (unreadable; no kept episode has rows in it)")
-    if spill is not None:
-        log(f"episodes {id_ranges(keep)} follow a dropped one: appending them again ({spill} holds them meanwhile)")
-        _finish_moving(store, log)
-
-
-PLAN_KEY = "plan.json"
-
-
-def _spill_dir(url: str) -> str:
-    """Where a repair keeps the good episodes it moves: beside the store, one per store, a directory of its own.
-
-    Raises
-    ------
-    CorruptStoreError
-        A link or a file is there: never followed, removed or written through.
-    """
-    path = os.path.join(os.path.dirname(url), f".{os.path.basename(url)}.repair")
-    if blocks_directory(path):
-        raise CorruptStoreError(
-            f"{path} is a link or a file where a repair keeps the episodes it moves (a directory of its own); nothing "
-            "was changed: move it away, then repair again"
-        )
-    return path
-
-
-def _plan_of(url: str) -> dict[str, Any] | None:
-    """The plan of a repair that dropped a cut and has not appended all the episodes it moved yet, or None."""
-    raw = Location(_spill_dir(url)).read_bytes(PLAN_KEY, limit=1 << 26)
-    if raw is None:
-        return None
-    try:
-        plan = json.loads(raw)
-        return {
-            "cut": int(plan["cut"]), "count": int(plan["count"]), "ids": [int(i) for i in plan["ids"]],
-            "generation": int(plan["generation"]),
-        }
-    except (ValueError, KeyError, TypeError) as e:
-        raise CorruptStoreError(f"{_spill_dir(url)}/{PLAN_KEY} is not a repair plan ({e})") from e
-
-
-def _finish_moving(store: EpisodeStore, log: Callable[[str], None]) -> None:
-    """Append again what a repair moved aside and has not appended yet (all of it, or what a crash left), then
-    remove it. A spill without a plan is a copy the cut never came after: the store still holds those episodes."""
-    spill = _spill_dir(store.url)
-    if not os.path.isdir(spill):
-        return
-    plan = _plan_of(store.url)
-    if plan is None or store.commit_record.generation == plan["generation"]:
-        # no plan: the cut never came after the copy; the plan's own generation: the cut's commit never replaced it.
-        # Either way the store still holds every episode copied aside
-        shutil.rmtree(spill)
-        return
-    done = store.end_episode - plan["cut"]
-    if not 0 <= done <= plan["count"]:
-        raise CorruptStoreError(
-            f"{store.url} ends at episode {store.end_episode}, which a repair that cut it at {plan['cut']} and appends "
-            f"{plan['count']} episodes again never left; the episodes it moved are in {spill}"
-        )
-    with EpisodeStore.open(os.path.join(spill, "tail")) as aside:
-        env_index = aside.episodes["env_index"]
-        for j in range(done, plan["count"]):
-            new = store.append_episode(aside.episode(aside.first_episode + j), env_index=int(env_index[j]))
-            log(f"episode {plan['ids'][j]} is now episode {new}")
-    store.flush()
-    shutil.rmtree(spill)
-
-
-def add_arguments(parser: argparse.ArgumentParser, name: str) -> None:
-    """The options of ``her-store verify``."""
-    parser.add_argument("path", help="store path or URL (s3://bucket/name, https://...)")
-    parser.add_argument(
-        "--repair",
-        action="store_true",
-        help="local stores: drop episodes that fail their crc32 or miss rows, and any uncommitted tail, with a new "
-        "commit (every dropped or renumbered episode is printed)",
-    )
-    parser.add_argument("--quiet", action="store_true", help="no progress bar")
-    parser.epilog = "Exit status: 0 clean, 1 corrupt (the problems are listed), 2 not a store or not readable."
-
-
-def run(args: argparse.Namespace) -> int:
-    """Run ``her-store verify``: 0 when the store is clean (after a repair, when repaired), 1 when it is corrupt."""
-    show = not args.quiet
-    if args.repair:
-        try:
-            report = repair(args.path, progress=show)
-        except CorruptStoreError as e:
-            print(f"her-store verify: {e}")
-            return 1
-        return 0 if report.clean else 1
-    report = verify(args.path, progress=show)
-    print(report.summary())
-    return 0 if report.clean else 1

@@ -21,10 +21,11 @@ import torch.distributed
 from torch.utils.data import IterableDataset, get_worker_info
 
 from her_store.checks import is_int
-from her_store.datasets.sharded import ShardedView, is_sharded
+from her_store.datasets.marker import is_sharded
+from her_store.datasets.view import ShardedView
 from her_store.sampling.mixture import MixtureSampler
 from her_store.sampling.sampler import HerBatch, HerSampler
-from her_store.storage.location import Location
+from her_store.storage import open_backend
 from her_store.store.episode_store import EpisodeStore
 
 __all__ = ["HerIterableDataset", "StoreSource", "open_source"]
@@ -48,7 +49,7 @@ def open_source(source: StoreSource, storage_options: Mapping[str, Any] | None =
     ----------
     source : str, PathLike or callable
         A store's path or URL, opened read-only (``EpisodeStore.open(source, "r", storage_options)``), or a sharded
-        dataset's root, opened as a read view over every shard (:class:`~her_store.datasets.sharded.ShardedView`). Or a
+        dataset's root, opened as a read view over every shard (:class:`~her_store.datasets.view.ShardedView`). Or a
         picklable callable taking no arguments that returns a read-only :class:`EpisodeStore` or a view with
         ``sampler(batch_size, seed=..., **kwargs)`` and ``close()`` (as ShardedView has): this is how other views
         plug in, e.g. ``functools.partial(EpisodeStore.open, url, "r", storage_options=opts)``.
@@ -67,26 +68,26 @@ def open_source(source: StoreSource, storage_options: Mapping[str, Any] | None =
     if callable(source):
         opened = source()
         if not isinstance(opened, EpisodeStore) and not all(
-            callable(getattr(opened, m, None)) for m in ("sampler", "close")
+            callable(getattr(opened, m, None)) for m in ("refresh", "close")
         ):
             close = getattr(opened, "close", None)
             if callable(close):
                 close()
             raise TypeError(
-                f"the source {source!r} returned a {type(opened).__name__}; expected an EpisodeStore or a view with "
-                "sampler(batch_size, seed=..., **kwargs) and close(), such as her_store.datasets.sharded.ShardedView"
+                f"the source {source!r} returned a {type(opened).__name__}; expected an EpisodeStore or a view of many "
+                "stores with stores, refresh() and close(), such as her_store.datasets.view.ShardedView"
             )
         return opened
-    if is_sharded(Location(source, storage_options)):
+    if is_sharded(open_backend(source, storage_options)):
         return ShardedView(source, storage_options)
     return EpisodeStore.open(source, "r", storage_options)
 
 
 def _sampler_of(opened: Any, batch_size: int, seed: int, kwargs: Mapping[str, Any]) -> HerSampler | MixtureSampler:
-    """A store's HerSampler, or the sampler a view makes of itself (uniform over every shard's transitions)."""
+    """A store's HerSampler, or a view's MixtureSampler (uniform over every shard's transitions)."""
     if isinstance(opened, EpisodeStore):
         return HerSampler(opened, batch_size, seed=seed, **kwargs)
-    return opened.sampler(batch_size, seed=seed, **kwargs)
+    return MixtureSampler(opened, weights="transitions", batch_size=batch_size, seed=seed, **kwargs)
 
 
 def _distributed(rank: int | None, world_size: int | None) -> tuple[int, int]:

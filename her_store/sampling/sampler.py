@@ -240,7 +240,7 @@ class HerSampler:
         self.relabel_terminated = relabel_terminated
         self.success_fn = success_fn
         if refresh_interval is None:  # a writer's own commits are in memory; a reader re-reads commit.json
-            refresh_interval = 0.0 if store.mode == "a" else (0.1 if store._loc.is_local else 1.0)
+            refresh_interval = 0.0 if store.mode == "a" else store.backend.defaults.refresh_interval
         self.refresh_interval = float(refresh_interval)
         self.rng = np.random.default_rng(seed)
         self.reader = ChunkReader(store, io_threads=io_threads, cache_bytes=cache_bytes)

@@ -10,7 +10,6 @@ store it twice.
 from __future__ import annotations
 
 import math
-import os
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any, cast
@@ -20,17 +19,21 @@ import zarr
 
 from her_store import _kernels
 from her_store.errors import EpisodeValidationError, StoreError, StoreLockedError
-from her_store.format.frames import Encoded, ShardWriter
-from her_store.format.layout import COMMIT_KEY, INDEX_COLUMNS, ArraySpec, Commit, Layout
+from her_store.store.frame_writer import Encoded, FrameWriter
+from her_store.format.keys import COMMIT_KEY
+from her_store.format.layout import INDEX_COLUMNS, ArraySpec, Layout
+from her_store.format.commit_record import Commit
 from her_store.format.schema import Schema
-from her_store.storage.location import Location, RawChunkFile, WriterLock, ZarrChunks, fsync_file
+from her_store.storage import Backend
+from her_store.store.chunk_io import RawChunkFile, ZarrChunks
+from her_store.storage.lock import WriterLock
 from her_store.store.index import EpisodeIndex
 
 __all__ = ["Committer", "round_up", "COMMIT_ROWS"]
 
 COMMIT_ROWS = 1 << 16  # staged rows that force a commit (bounds the staging memory)
 
-ChunkIO = RawChunkFile | ZarrChunks | ShardWriter
+ChunkIO = RawChunkFile | ZarrChunks | FrameWriter
 
 
 def round_up(n: int, multiple: int) -> int:
@@ -46,7 +49,7 @@ class Committer:
 
     Parameters
     ----------
-    location, root : Location, zarr.Group
+    backend, root : Backend, zarr.Group
         Where the store lives.
     schema, layout : Schema, Layout
         Its fields and arrays.
@@ -69,7 +72,7 @@ class Committer:
 
     def __init__(
         self,
-        location: Location,
+        backend: Backend,
         root: zarr.Group,
         schema: Schema,
         layout: Layout,
@@ -83,7 +86,7 @@ class Committer:
         commit_interval: float,
         lock: WriterLock,
     ) -> None:
-        self.location = location
+        self.backend = backend
         self.root = root
         self.schema = schema
         self.layout = layout
@@ -100,7 +103,7 @@ class Committer:
         self.index_rows = index_rows
         # sharded arrays stage their rows encoded (encoding happens as episodes arrive, not all at the commit), and an
         # episode's crc32 covers those stored bytes
-        self._sharded = {p: io for p, io in arrays.items() if isinstance(io, ShardWriter)}
+        self._sharded = {p: io for p, io in arrays.items() if isinstance(io, FrameWriter)}
         self._frames: dict[str, list[bytes]] = {p: [] for p in self._sharded}  # one per staged row
         self._stage: dict[str, np.ndarray] = {
             spec.path: np.zeros((1024, *spec.row_shape), spec.dtype) for spec in layout.arrays if spec.path not in self._sharded
@@ -112,7 +115,7 @@ class Committer:
         self._stage_n = 0  # staged rows, a contiguous run from _stage_row0
         self._last_commit = time.monotonic()
         # object storage with a fenced lease: commit records are PUT conditionally on the ETag of our last one
-        self._record_etag = location.etag(COMMIT_KEY) if lock.fences_writes else None
+        self._record_etag = backend.etag(COMMIT_KEY) if lock.fences_writes else None
         self._broken: str | None = None  # why this handle can no longer tell what is committed
 
     # -- state ----------------------------------------------------------------------------------------------
@@ -298,7 +301,7 @@ class Committer:
             self._publish(evicted)  # a sampler of this process checks it after reading rows (live_first)
         if self._stage_n:
             for path, w in self.arrays.items():
-                if isinstance(w, ShardWriter):
+                if isinstance(w, FrameWriter):
                     w.put(self._stage_row0, self._frames[path])
                 else:
                     w.write(self._stage_row0, self._stage[path][: self._stage_n])
@@ -327,33 +330,33 @@ class Committer:
         that no generation or episode id is ever used twice. If that cannot be told, this handle stops writing."""
         raw = record.to_bytes(self.layout.version)
         try:
-            etag = self.location.write_atomic(COMMIT_KEY, raw, self.fsync, if_match=self._record_etag)
+            etag = self.backend.write_atomic(COMMIT_KEY, raw, self.fsync, if_match=self._record_etag)
         except BaseException as e:
             try:
-                found = self.location.read_bytes(COMMIT_KEY)
+                found = self.backend.read_bytes(COMMIT_KEY)
             except BaseException as unknown:
                 self._broken = (
-                    f"{self.location}: a commit record write failed ({e!r}) and reading it back failed too "
+                    f"{self.backend}: a commit record write failed ({e!r}) and reading it back failed too "
                     f"({unknown!r}), so whether generation {record.generation} was committed is unknown; reopen the "
                     "store to continue"
                 )
                 raise StoreError(self._broken) from e
             if found != raw:
-                theirs = None if found is None else Commit.from_bytes(found, str(self.location))
+                theirs = None if found is None else Commit.from_bytes(found, str(self.backend))
                 if self._record_etag is not None and theirs is not None and theirs != self.commit_record:
                     raise StoreLockedError(
-                        f"{self.location}: another writer committed since this one's last commit (its lease was "
+                        f"{self.backend}: another writer committed since this one's last commit (its lease was "
                         "lost); this handle commits nothing more"
                     ) from e
                 raise
             self.commit_record = record
-            self._record_etag = self.location.etag(COMMIT_KEY) if self._record_etag is not None else None
+            self._record_etag = self.backend.etag(COMMIT_KEY) if self._record_etag is not None else None
             if not isinstance(e, Exception):
                 raise  # an interrupt: the commit happened, and the interrupt goes on
             return
         self.commit_record = record
         if self._record_etag is not None:
-            self._record_etag = etag or self.location.etag(COMMIT_KEY)
+            self._record_etag = etag or self.backend.etag(COMMIT_KEY)
 
     # -- repair -------------------------------------------------------------------------------------------
     def keep_only(self, first: int, end: int) -> Commit:
@@ -372,11 +375,11 @@ class Committer:
 
         Examples
         --------
-        >>> store._committer.keep_only(store.first_episode, store.end_episode - 1)  # doctest: +SKIP
+        >>> store.committer.keep_only(store.first_episode, store.end_episode - 1)  # doctest: +SKIP
         """
         old, idx = self.commit_record, self.index
         if self.pending:
-            raise StoreError(f"{self.location}: commit the staged episodes before dropping committed ones")
+            raise StoreError(f"{self.backend}: commit the staged episodes before dropping committed ones")
         if not old.first_episode <= first <= end <= old.end_episode:
             raise ValueError(
                 f"episodes {first}..{end - 1} are not within the committed {old.first_episode}..{old.end_episode - 1}"
@@ -404,10 +407,10 @@ class Committer:
 
         Examples
         --------
-        >>> store._committer.clear_uncommitted([store.end_episode], {})  # doctest: +SKIP
+        >>> store.committer.clear_uncommitted([store.end_episode], {})  # doctest: +SKIP
         """
         if self.pending:
-            raise StoreError(f"{self.location}: commit the staged episodes before clearing past the commit")
+            raise StoreError(f"{self.backend}: commit the staged episodes before clearing past the commit")
         self.lock.ensure_held()
         w = self.commit_record.write_row
         for path, listed in (unreadable or {}).items():
@@ -423,7 +426,7 @@ class Committer:
                     continue
                 if r0 == c * spec.chunk_rows:
                     io.discard(c)  # no committed row in it: removed (a chunk never written reads as zeros)
-                elif isinstance(io, ShardWriter):
+                elif isinstance(io, FrameWriter):
                     io.put(r0, [None] * (r1 - r0))  # type: ignore[list-item]
                 else:
                     io.write(r0, np.zeros((r1 - r0, *spec.row_shape), spec.dtype))
@@ -445,14 +448,12 @@ class Committer:
 
     def _zarr_array(self, path: str, io: ChunkIO) -> zarr.Array:
         """The zarr.Array behind an array's row access (resized in place, so a ZarrChunks sees the new shape)."""
-        return io.array if isinstance(io, (ZarrChunks, ShardWriter)) else cast(zarr.Array, self.root[path])
+        return io.array if isinstance(io, (ZarrChunks, FrameWriter)) else cast(zarr.Array, self.root[path])
 
     def _fsync_metadata(self, path: str) -> None:
         """zarr writes zarr.json without fsync; with durability='fsync' a resized array's shape must survive too."""
-        if self.fsync and self.location.is_local:
-            name = self.location.key_path(f"{path}/zarr.json")
-            fsync_file(name)
-            fsync_file(os.path.dirname(name))
+        if self.fsync:
+            self.backend.fsync([f"{path}/zarr.json"])
 
 
 def _staging_plan(spec: ArraySpec, schema: Schema) -> tuple[str, list[tuple[str, Any, bool]], Any]:

@@ -5,15 +5,20 @@ This module answers every question about which rows hold which episode; the stor
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Protocol
 
 import numpy as np
 
+from her_store.errors import CorruptStoreError
+from her_store.format.commit_record import Commit
+from her_store.format.keys import COMMIT_KEY
 from her_store.format.layout import INDEX_COLUMNS
-from her_store.storage.location import read_rows
+from her_store.store.chunk_io import read_rows
 
-__all__ = ["EpisodeIndex", "IndexView", "ColumnIO", "chunks_holding"]
+__all__ = ["INDEX_PIECE_ROWS", "ColumnIO", "EpisodeIndex", "IndexView", "check_index", "chunks_holding", "read_index"]
+
+INDEX_PIECE_ROWS = 1 << 16  # index rows read at a time at open and refresh, each piece checked before the next
 
 
 class ColumnIO(Protocol):
@@ -238,7 +243,7 @@ class EpisodeIndex:
     @staticmethod
     def read(io: Mapping[str, ColumnIO], segments: list[tuple[int, int, int]]) -> dict[str, np.ndarray]:
         """Read the index rows at the given segments (from :meth:`positions`), concatenated per column: every column's
-        rows at once (:func:`~her_store.storage.location.read_rows`: one round of requests on object storage)."""
+        rows at once (:func:`~her_store.store.chunk_io.read_rows`: one round of requests on object storage)."""
         reads = [(io[name], pos, pos + (b - a)) for name in INDEX_COLUMNS for pos, a, b in segments]
         got = read_rows(reads)  # type: ignore[arg-type]
         out, n = {}, len(segments)
@@ -264,3 +269,58 @@ def chunks_holding(starts: np.ndarray, ends: np.ndarray, chunk_rows: int) -> lis
     np.add.at(marks, c0, 1)
     np.add.at(marks, c1 + 1, -1)
     return np.flatnonzero(np.cumsum(marks) > 0).tolist()
+
+
+def read_index(
+    columns: Mapping[str, ColumnIO], positions: Callable[[int, int], list[tuple[int, int, int]]], first: int, end: int,
+    where: str,
+) -> dict[str, np.ndarray]:
+    """Index rows of ids ``[first, end)``, read in pieces whose episode ids must be the expected ones before the
+    next piece is read: a record claiming more episodes than were written fails at the first piece that was
+    never written, rather than allocating for all of them."""
+    pieces = range(first, end, INDEX_PIECE_ROWS)  # each checked before the next is read
+    if len(pieces) <= 1:
+        return _index_piece(columns, positions, first, end, first, end, where)
+    parts = [_index_piece(columns, positions, a, min(a + INDEX_PIECE_ROWS, end), first, end, where) for a in pieces]
+    return {name: np.concatenate([p[name] for p in parts]) for name in INDEX_COLUMNS}
+
+def _index_piece(
+    columns: Mapping[str, ColumnIO], positions: Callable[[int, int], list[tuple[int, int, int]]], a: int, b: int,
+    first: int, end: int, where: str,
+) -> dict[str, np.ndarray]:
+    """Index rows of ids ``[a, b)``, each holding its own episode id."""
+    piece = EpisodeIndex.read(columns, positions(a, b))
+    wrong = np.flatnonzero(piece["episode_id"] != np.arange(a, b))
+    if wrong.size:
+        i = int(wrong[0])
+        raise CorruptStoreError(
+            f"{where}: the index row of episode {a + i} holds episode_id {int(piece['episode_id'][i])}; "
+            f"{COMMIT_KEY} records episodes {first}..{end - 1}"
+        )
+    return piece
+
+def check_index(
+    commit: Commit, capacity: int | None, first: int, columns: Mapping[str, np.ndarray], transitions: int, where: str
+) -> None:
+    """Check the index rows of ids ``first, first + 1, ...`` against ``commit`` before they are used: each episode
+    owns ``length + 1`` rows of its own within the committed rows, and their lengths plus ``transitions`` (of
+    the live episodes before ``first``) sum to the record's num_transitions."""
+    starts, lengths = columns["start_row"], columns["length"]
+    # an unbounded store's rows end at write_row; a ring's lie anywhere in its array_rows
+    limit = commit.write_row if capacity is None else commit.array_rows
+    ends = starts + lengths + 1
+    bad = np.flatnonzero((lengths < 1) | (starts < 0) | (starts > limit) | (lengths > limit) | (ends > limit))
+    if not bad.size:  # with every row in range, the checks below cannot overflow
+        order = np.argsort(starts, kind="stable")
+        bad = np.sort(order[1:][starts[order[1:]] < ends[order[:-1]]])
+    if bad.size:
+        i = int(bad[0])
+        raise CorruptStoreError(
+            f"{where}: the index row of episode {first + i} (start_row={int(starts[i])}, "
+            f"length={int(lengths[i])}) does not fit {COMMIT_KEY}: expected rows of its own below row {limit}"
+        )
+    total = transitions + int(lengths.sum())
+    if total != commit.num_transitions:
+        raise CorruptStoreError(
+            f"{where}: index lengths sum to {total} transitions, {COMMIT_KEY} says {commit.num_transitions}"
+        )

@@ -18,9 +18,18 @@ Examples
 
 from __future__ import annotations
 
-__all__ = ["Balance"]
+import itertools
+import os
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+
+__all__ = ["CORES", "SPLIT_BYTES", "Balance", "done", "start_split"]
 
 MIN_SHARE, MAX_SHARE, STEP = 0.1, 0.95, 0.02  # bounds of the pool's share of the rows, and its step
+CORES = os.cpu_count() or 1  # (os.cpu_count() costs tens of microseconds a call)
+SPLIT_BYTES = 256 << 10  # decoded bytes per C thread of an LZ4 encode or mapped gather, at least (a start costs tens of us)
 
 
 class Balance:
@@ -54,3 +63,35 @@ class Balance:
         when the calling thread waited for them."""
         if self.share is not None:
             self.share = min(MAX_SHARE, max(MIN_SHARE, self.share + (STEP if threads_first else -STEP)))
+
+
+def done() -> None:
+    """A gather's finish when there is nothing left to do."""
+
+
+def start_split(
+    work: Callable[[int, int], None], n: int, pool: ThreadPoolExecutor | None, parts: int, balance: Balance | None = None
+) -> Callable[[], None]:
+    """``work(a, b)`` over ``parts`` consecutive pieces of ``range(n)``, started: the pool's pieces are submitted
+    (each begins once its thread has the GIL), and the returned function runs the calling thread's piece (the
+    last, rather than wait idle), then waits for the pool's; it raises the first exception raised, after every
+    piece ran. With ``balance``, the pool's share follows who finished first (decoding, where the calling thread
+    has less of the batch to do than its threads once they start late); else the pieces are even."""
+    if pool is None or parts <= 1:
+        return lambda: work(0, n)
+    if balance is not None:
+        edges = balance.edges(n, parts - 1, n // parts // 2)
+    else:
+        edges = np.linspace(0, n, parts + 1).astype(np.int64).tolist()
+    futures = [pool.submit(work, a, b) for a, b in itertools.pairwise(edges[:-1])]
+
+    def finish() -> None:
+        try:
+            work(edges[-2], edges[-1])
+        finally:
+            if balance is not None and futures:
+                balance.observe(all(f.done() for f in futures))
+            for f in futures:
+                f.result()
+
+    return finish

@@ -3,19 +3,31 @@
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 import numpy as np
 
 from her_store import _kernels
 from her_store.checks import is_int
 from her_store.errors import EpisodeValidationError, StoreError, short_repr
-from her_store.format.schema import Field, conform
+from her_store.format.schema import Field, Schema, conform
 
-if TYPE_CHECKING:
-    from her_store.store.episode_store import EpisodeStore
+__all__ = ["DroppedEpisode", "EpisodeSink", "StepWriter"]
 
-__all__ = ["DroppedEpisode", "StepWriter"]
+
+class EpisodeSink(Protocol):
+    """What a :class:`StepWriter` appends its episodes to: an :class:`~her_store.store.episode_store.EpisodeStore`
+    open for appending."""
+
+    @property
+    def url(self) -> str: ...
+
+    @property
+    def schema(self) -> Schema: ...
+
+    def validate_episode(self, episode: Mapping[str, Any]) -> tuple[int, dict[str, np.ndarray]]: ...
+
+    def append_validated(self, T: int, data: Mapping[str, np.ndarray], env_index: int = -1) -> int: ...
 
 
 class DroppedEpisode(NamedTuple):
@@ -47,8 +59,8 @@ class StepWriter:
 
     Parameters
     ----------
-    store : EpisodeStore
-        Opened for appending.
+    store : EpisodeSink
+        An EpisodeStore opened for appending.
     n_envs : int
         Number of environments stepped together.
 
@@ -66,7 +78,7 @@ class StepWriter:
     >>> w.flush_partial()  # end unfinished episodes as truncated  # doctest: +SKIP
     """
 
-    def __init__(self, store: EpisodeStore, n_envs: int) -> None:
+    def __init__(self, store: EpisodeSink, n_envs: int) -> None:
         if n_envs < 1:
             raise ValueError(f"n_envs must be >= 1, got {n_envs}")
         self.store = store
@@ -463,7 +475,7 @@ class StepWriter:
         for k in self._obs_keys:
             self._buf[k][t, e] = self._last_next[k][e]
         episode = {f.name: self._buf[f.name][s : t if f.per_step else t + 1, e] for f in self._fields}
-        episode_id = self.store._append_checked(t - s, episode, e)
+        episode_id = self.store.append_validated(t - s, episode, e)
         self._start[e] = t
         self.episode_ids.append(episode_id)
         return episode_id
