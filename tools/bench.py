@@ -38,7 +38,7 @@ from gymnasium import spaces
 
 from her_store import EpisodeStore
 from her_store.errors import StoreError
-from her_store.storage.location import drop_page_cache
+from her_store.storage.files import drop_page_cache
 
 OBS = spaces.Dict(
     {

@@ -112,7 +112,7 @@ def _commit_bytes(shard: str, options: dict[str, Any]) -> int:
     (data and index columns; an object cannot be appended to), so this is one chunk object of each array."""
     import s3fs
 
-    from her_store.storage.location import is_chunk_key
+    from her_store.format.keys import is_chunk_key
 
     fs = s3fs.S3FileSystem(**options)
     largest: dict[str, int] = {}

@@ -26,10 +26,11 @@ from her_store import (
     StoreLockedError,
     open_store,
 )
-from her_store.datasets.sharded import MARKER_KEY, ShardedView, _create_once
+from her_store.format.keys import MARKER_KEY
+from her_store.datasets.sharded import ShardedView, _create_once
 from her_store.format.layout import INDEX_COLUMNS
 from her_store.format.schema import Schema
-from her_store.storage.location import Location
+from her_store.storage import Location
 from tests.conftest import ROOT, assert_episode_equal, fetch_spaces, make_episode
 from tests.crash_writer import ACT, OBS, episode_for
 from tests.http_server import serving

@@ -21,17 +21,11 @@ import zarr.codecs as zc
 from her_store import _kernels
 from her_store.errors import CorruptStoreError
 from her_store.format import frames as shard_module
-from her_store.format.frames import (
-    EMPTY,
-    FrameCodec,
-    ShardWriter,
-    build_shard,
-    index_nbytes,
-    lz4_codec,
-    parse_index,
-)
+from her_store.format.frames import EMPTY, FrameCodec, build_shard, index_nbytes, lz4_codec, parse_index
+from her_store.store.frame_writer import FrameWriter as ShardWriter
 from her_store.format.jpeg import jpeg_codec
-from her_store.storage.location import Location, chunk_key
+from her_store.storage import Location
+from her_store.format.keys import chunk_key
 from her_store.store.split import STEP
 from tests.conftest import FailingTask, requires_compiled
 

@@ -15,7 +15,7 @@ from gymnasium import spaces
 from her_store import CorruptStoreError, EpisodeStore, StoreError
 from her_store.format.frames import build_shard, parse_index
 from her_store.format.jpeg import JpegCodec, JpegFrames, check_frames, error_report, jpeg_codec
-from her_store.storage.location import chunk_key
+from her_store.format.keys import chunk_key
 from tests.conftest import make_episode
 
 imagecodecs = pytest.importorskip("imagecodecs", reason='pip install "her_store[lossy]"')

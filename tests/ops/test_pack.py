@@ -33,9 +33,10 @@ from her_store import (
 )
 from her_store.cli.main import main
 from her_store.format.layout import INDEX_COLUMNS
-from her_store.ops.pack import ALIGNMENT, PackedArchive, pack_store
+from her_store.ops.pack import ALIGNMENT, pack_store
+from her_store.storage.archive import PackedArchive
 from her_store.ops.verify import verify
-from her_store.storage.location import data_runs
+from her_store.storage.files import data_runs
 from her_store.store.rows import RangedArray, ShardedArray
 from tests.conftest import ROOT, assert_episode_equal, fetch_spaces, make_episode
 from tests.http_server import RangeHandler, serving

@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 
 from her_store import EpisodeStore, StoreLockedError, open_store
-from her_store.storage.location import Location, WriterLock
+from her_store.storage import Location
+from her_store.storage.lock import WriterLock
 from tests.conftest import ROOT, assert_episode_equal, fetch_spaces, make_episode
 
 
@@ -132,7 +133,7 @@ def test_a_write_the_kernel_cuts_short_never_replaces_the_commit_record(store_pa
 
 
 def test_write_all_finishes_short_writes_and_refuses_a_full_device(tmp_path, monkeypatch):
-    from her_store.storage.location import write_all
+    from her_store.storage.files import write_all
 
     name = str(tmp_path / "f")
     fd = os.open(name, os.O_RDWR | os.O_CREAT)
@@ -163,7 +164,7 @@ def test_a_failed_commit_record_write_leaves_no_temp_file(store_path, fetch, mon
 
 
 def test_staged_output_renames_on_success_and_leaves_nothing_on_failure(tmp_path):
-    from her_store.storage.location import staged_output
+    from her_store.storage.files import staged_output
 
     dest = tmp_path / "out"
     with pytest.raises(RuntimeError, match="half-way"):
@@ -186,7 +187,7 @@ def test_staged_output_renames_on_success_and_leaves_nothing_on_failure(tmp_path
 
 
 def test_staged_output_never_overwrites_a_dest_that_appeared_meanwhile(tmp_path):
-    from her_store.storage.location import staged_output
+    from her_store.storage.files import staged_output
 
     dest = tmp_path / "out.npz"
     with pytest.raises(FileExistsError, match="appeared while"):
@@ -198,7 +199,7 @@ def test_staged_output_never_overwrites_a_dest_that_appeared_meanwhile(tmp_path)
 
 
 def test_staged_output_removes_what_a_killed_run_left_beside_it(tmp_path):
-    from her_store.storage.location import staged_output
+    from her_store.storage.files import staged_output
 
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
     pid = int(dead.stdout)  # a process that has ended
@@ -220,7 +221,7 @@ def test_staged_output_removes_only_its_own_names_partials_and_never_a_running_j
     a killed job's, and goes."""
     import fcntl
 
-    from her_store.storage.location import staged_output
+    from her_store.storage.files import staged_output
 
     code = "import os; print(os.getpid())"
     dead = int(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout)
@@ -253,7 +254,7 @@ def test_staged_output_removes_only_its_own_names_partials_and_never_a_running_j
 def test_chunk_names_are_exactly_what_zarr_writes():
     """A chunk's index is read from a name only when it is the key zarr writes: ASCII digits without a leading zero,
     and for "." keys one ".0" per axis after the first; other names (temp files, look-alikes) are no chunk."""
-    from her_store.storage.location import chunk_key, chunk_of, is_chunk_key
+    from her_store.format.keys import chunk_key, chunk_of, is_chunk_key
 
     for i in (0, 7, 1234):
         assert chunk_of(chunk_key("steps/x", i, 4, ".").rpartition("/")[2], ".", 4) == i

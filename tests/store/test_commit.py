@@ -12,9 +12,9 @@ import pytest
 from gymnasium import spaces
 
 from her_store import EpisodeStore, EpisodeValidationError
-from her_store.format.frames import ShardWriter
+from her_store.store.frame_writer import FrameWriter as ShardWriter
 from her_store.ops.verify import verify
-from her_store.storage.location import Location
+from her_store.storage import Location
 from tests.conftest import FailingTask, assert_episode_equal, make_episode
 
 

@@ -13,7 +13,7 @@ from gymnasium import spaces
 
 from her_store import EpisodeStore, HerSampler
 from her_store.errors import CorruptStoreError, StoreError
-from her_store.storage.location import drop_page_cache
+from her_store.storage.files import drop_page_cache
 from her_store.store.rows import MIN_ROWS_PER_THREAD, WARM_GATHERS, CachedArray, ChunkReader, ShardedArray
 from tests.conftest import DATA
 from tests.sampling.test_sampler import sparse_reward

@@ -11,7 +11,7 @@ import pytest
 from gymnasium import spaces
 
 from her_store import EpisodeStore, EpisodeValidationError, HerSampler, StoreError, StoreLockedError
-from her_store.storage.location import Location
+from her_store.storage import Location
 from tests.conftest import assert_episode_equal, fetch_spaces, make_episode
 
 
