@@ -1,7 +1,8 @@
 """rllte's HerReplayStorage over the disk store: the same constructor, add, sample and update, episodes on disk.
 
-Steps go to a :class:`~her_store.store.step_writer.StepWriter` (an episode is appended when its env reports terminated or
-truncated, or cut as truncated at ``segment_steps``), batches come from a :class:`~her_store.sampling.sampler.HerSampler`. rllte itself need not be installed.
+Steps go to a :class:`~her_store.store.step_writer.StepWriter` (an episode is appended when its env reports
+terminated or truncated, or cut as truncated at ``segment_steps``), batches come from a
+:class:`~her_store.sampling.sampler.HerSampler`. rllte itself need not be installed.
 """
 
 from __future__ import annotations
@@ -19,11 +20,11 @@ import numpy as np
 import torch
 from gymnasium import spaces
 
-from her_store.checks import is_int
+from her_store.datasets.opening import open_store
 from her_store.errors import StoreError
+from her_store.integrations.inputs import as_flags, as_numpy, check_int, checked_device
 from her_store.sampling.relabel import GoalStrategy, parse_strategy
 from her_store.sampling.sampler import HerSampler, RewardFn
-from her_store.datasets.opening import open_store
 from her_store.store.episode_store import EpisodeStore
 from her_store.store.step_writer import StepWriter
 
@@ -48,40 +49,6 @@ class HerReplayBatch(NamedTuple):
     terminateds: torch.Tensor
     truncateds: torch.Tensor
     next_observations: dict[str, torch.Tensor]
-
-
-def _as_numpy(x: Any) -> np.ndarray:
-    """A tensor (on any device) or array-like as a numpy array."""
-    if isinstance(x, torch.Tensor):
-        return x.detach().cpu().numpy()
-    return np.asarray(x)
-
-
-def _check_int(name: str, value: Any, low: int) -> None:
-    if not is_int(value) or value < low:
-        raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
-
-
-def _checked_device(device: str | torch.device) -> torch.device:
-    """``device`` as a torch.device, refused (ValueError) when it cannot hold a tensor here, e.g. CUDA on a machine
-    without it: better at construction than at the first sample, after the data is collected."""
-    try:
-        dev = torch.device(device)
-        torch.empty(0, device=dev)
-    except (RuntimeError, AssertionError, TypeError) as e:  # torch raises AssertionError when built without CUDA
-        why = str(e).splitlines()[0] if str(e) else type(e).__name__
-        raise ValueError(f"device {device!r} is not available here ({why}); use device='cpu' or an available one") from e
-    return dev
-
-
-def _as_flags(x: Any, name: str) -> np.ndarray:
-    """Termination flags as bool: rllte's envs hand them over as float tensors of 0.0 and 1.0."""
-    a = _as_numpy(x)
-    if a.dtype == bool:
-        return a
-    if not np.issubdtype(a.dtype, np.number) or not np.isin(a, (0, 1)).all():
-        raise ValueError(f"{name} must hold booleans or 0/1 (one per env), got {np.array2string(a, threshold=8)}")
-    return a != 0
 
 
 _TEMP_PREFIX = "her_store-"  # the temporary stores of this class (SB3's buffer uses another prefix)
@@ -234,14 +201,14 @@ class HerReplayStorage:
         # checked before anything is created on disk
         parse_strategy(goal_selection_strategy)
         if storage_size is not None:
-            _check_int("storage_size", storage_size, 1)
-        _check_int("num_envs", num_envs, 1)
-        _check_int("batch_size", batch_size, 1)
-        _check_int("num_goals", num_goals, 0)
+            check_int("storage_size", storage_size, 1)
+        check_int("num_envs", num_envs, 1)
+        check_int("batch_size", batch_size, 1)
+        check_int("num_goals", num_goals, 0)
         if segment_steps is None:
             segment_steps = storage_size
         else:
-            _check_int("segment_steps", segment_steps, 1)
+            check_int("segment_steps", segment_steps, 1)
             if storage_size is not None and segment_steps > storage_size:
                 raise ValueError(
                     f"segment_steps={segment_steps} exceeds storage_size={storage_size}: a segment that long could "
@@ -250,7 +217,7 @@ class HerReplayStorage:
         self.segment_steps = None if segment_steps is None else int(segment_steps)
         if reward_fn is not None and not callable(reward_fn):
             raise TypeError(f"reward_fn must be callable(achieved_goal, desired_goal, infos), got {reward_fn!r}")
-        self.device = _checked_device(device)
+        self.device = checked_device(device)
         self.num_envs = int(num_envs)
         self.batch_size = int(batch_size)
         self.copy_info_dict = copy_info_dict
@@ -324,18 +291,18 @@ class HerReplayStorage:
         --------
         >>> storage.add(obs, actions, rewards, terms, truncs, infos, real_next_obs)  # doctest: +SKIP
         """
-        obs = {k: _as_numpy(v) for k, v in observations.items()} if isinstance(observations, Mapping) else observations
+        obs = {k: as_numpy(v) for k, v in observations.items()} if isinstance(observations, Mapping) else observations
         nxt = (
-            {k: _as_numpy(v) for k, v in next_observations.items()}
+            {k: as_numpy(v) for k, v in next_observations.items()}
             if isinstance(next_observations, Mapping)
             else next_observations
         )
         self._require_open()
         if isinstance(infos, Mapping):
-            infos = {k: _as_numpy(v) if isinstance(v, torch.Tensor) else v for k, v in infos.items()}
+            infos = {k: as_numpy(v) if isinstance(v, torch.Tensor) else v for k, v in infos.items()}
         self.writer.add(
-            obs, nxt, _as_numpy(actions), _as_numpy(rewards), _as_flags(terminateds, "terminateds"),
-            _as_flags(truncateds, "truncateds"), infos, cut_resets=True,
+            obs, nxt, as_numpy(actions), as_numpy(rewards), as_flags(terminateds, "terminateds"),
+            as_flags(truncateds, "truncateds"), infos, cut_resets=True,
         )
         if self.segment_steps is not None:
             long = self.writer.pending_steps >= self.segment_steps

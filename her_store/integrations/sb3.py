@@ -1,22 +1,26 @@
 """ZarrHerReplayBuffer: stable-baselines3's HerReplayBuffer, with the episodes in a disk-backed her_store store.
 
 Pass it as ``replay_buffer_class`` to any SB3 off-policy algorithm (SAC, TD3, DDPG, DQN): steps go through a
-:class:`~her_store.store.step_writer.StepWriter`, batches come from a :class:`~her_store.sampling.sampler.HerSampler` with SB3's
-relabelling (her_ratio split, future/final/episode formulas, rewards from the env's ``compute_reward``), and
+:class:`~her_store.store.step_writer.StepWriter`, batches come from a :class:`~her_store.sampling.sampler.HerSampler`
+with SB3's relabelling (her_ratio split, future/final/episode formulas, rewards from the env's ``compute_reward``), and
 ``save_replay_buffer`` writes a small handle to the store instead of the data.
+
+The buffer's parts live beside it: its saved handle (:mod:`~her_store.integrations.sb3_handle`), relabelling through
+its VecEnv (:mod:`~her_store.integrations.sb3_relabel`), SB3's batches (:mod:`~her_store.integrations.sb3_samples`),
+SB3's infos (:mod:`~her_store.integrations.sb3_infos`), its store and resources
+(:mod:`~her_store.integrations.sb3_resources`) and SB3's arrays rebuilt for inspection
+(:mod:`~her_store.integrations.sb3_layout`). The class itself is defined here: a saved handle names it
+``her_store.integrations.sb3.ZarrHerReplayBuffer``, the path by which pickle finds it when the handle is loaded.
 """
 
 from __future__ import annotations
 
 import copy
-import gc
 import os
-import pickle
-import shutil
 import tempfile
 import warnings
 import weakref
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -24,111 +28,34 @@ import torch as th
 from gymnasium import spaces
 
 from her_store.checks import is_int
-from her_store.errors import NotAStoreError, StoreError, StoreLockedError
+from her_store.errors import StoreError
 from her_store.format.schema import Schema
 from her_store.integrations import require
+from her_store.integrations.sb3_handle import (
+    HANDLE_VERSION,
+    check_handle,
+    check_picklable,
+    copy_to_temporary,
+    restore_unfinished,
+)
+from her_store.integrations.sb3_infos import BOOKKEEPING_KEYS, end_flags, numeric_info_keys, warn_unstored_info
 from her_store.integrations.sb3_layout import SB3Arrays, env_columns, sb3_arrays
-from her_store.sampling.relabel import GoalSelectionStrategy, GoalStrategy, her_ratio, parse_strategy
-from her_store.datasets.opening import open_store
+from her_store.integrations.sb3_relabel import buffer_sampler, her_strategy, sb3_strategy
+from her_store.integrations.sb3_resources import TEMP_PREFIX, BufferResources, open_buffer_store, stored_info_keys
+from her_store.integrations.sb3_samples import sb3_samples
+from her_store.sampling.relabel import GoalStrategy, her_ratio, parse_strategy
 from her_store.store.episode_store import EpisodeStore
-from her_store.store.step_writer import _same_bytes
 
 _her = require("stable_baselines3.her", "sb3")
-_types = require("stable_baselines3.common.type_aliases", "sb3")
 _utils = require("stable_baselines3.common.utils", "sb3")
 _preprocessing = require("stable_baselines3.common.preprocessing", "sb3")
-_vec_env = require("stable_baselines3.common.vec_env", "sb3")
 
 __all__ = ["ZarrHerReplayBuffer"]
 
-# info entries SB3 and gymnasium use for their own bookkeeping: never stored as info keys
-_TIMEOUT_KEY = "TimeLimit.truncated"  # SB3's truncation flag: stored as the step's truncated field, not as an info
-_HANDLE_VERSION = 1
-_LOCK_FILE = "writer.lock"  # the writer's lock (FORMAT.md): never copied with a store
-_FALSE = np.zeros(1, bool)
-_FALSE.flags.writeable = False
-_TRUE = np.ones(1, bool)
-_TRUE.flags.writeable = False
 _NO_EPISODE = (
     "Unable to sample before the end of the first episode. We recommend choosing a value for learning_starts that is "
     "greater than the maximum number of timesteps in the environment."
 )
-
-
-class _Resources:
-    """What a buffer owns outside Python: the store, its sampler and (for ``path=None``) a temporary directory.
-
-    Held apart from the buffer so that a finalizer can release them when the buffer is garbage collected (SB3's
-    ``load_replay_buffer`` drops the old buffer before the new one opens the store).
-    """
-
-    def __init__(self) -> None:
-        self.store: EpisodeStore | None = None
-        self.sampler: Any = None
-        self.tmpdir: str | None = None
-        self.keep_tmpdir = False
-        _RESOURCES.add(self)
-
-    def close(self) -> None:
-        if self.sampler is not None:
-            self.sampler.close()
-            self.sampler = None
-        if self.store is not None:
-            self.store.close()
-            self.store = None
-        if self.tmpdir is not None and not self.keep_tmpdir:
-            shutil.rmtree(self.tmpdir, ignore_errors=True)
-            self.tmpdir = None
-
-
-_RESOURCES: weakref.WeakSet[_Resources] = weakref.WeakSet()  # of every buffer of this process not yet released
-
-
-def _open_store_here(
-    url: str, observation_space: spaces.Dict, action_space: spaces.Space, **kwargs: Any
-) -> EpisodeStore:
-    """``open_store``, collecting garbage once when the store is locked while a buffer of this process holds a store.
-
-    A buffer releases its store when it is garbage collected, and SB3 keeps dropped buffers alive in a reference
-    cycle (its callbacks hold the locals of ``learn``) until the cycle collector runs: ``del model`` then
-    ``SAC.load(...)``, or ``load_replay_buffer`` into the same model, would find the store still locked. A lock
-    held by a buffer still in use, or by another process, is refused as before.
-    """
-    try:
-        return open_store(url, observation_space, action_space, **kwargs)
-    except StoreLockedError:
-        if not any(r.store is not None for r in list(_RESOURCES)):
-            raise
-    gc.collect()
-    try:
-        return open_store(url, observation_space, action_space, **kwargs)
-    except StoreLockedError as e:
-        raise StoreLockedError(
-            f"{e}; if that is a buffer of this process, close it first (model.replay_buffer.close())"
-        ) from None
-
-
-def _env_method(ref: weakref.ref, method: str) -> Callable[[np.ndarray, np.ndarray, Any], np.ndarray]:
-    """``fn(achieved, desired, infos)`` calling ``method`` of the buffer's env 0 as SB3 does (one call per batch,
-    goals in SB3's shapes).
-
-    Reads the env at call time (SB3 sets it after loading) through a weak reference, so the sampler holding the
-    function does not keep the buffer alive.
-    """
-
-    def call(achieved: np.ndarray, desired: np.ndarray, infos: Any) -> np.ndarray:
-        buffer = ref()
-        env = None if buffer is None else buffer.env
-        if env is None:
-            raise ValueError(
-                f"ZarrHerReplayBuffer needs a VecEnv to call {method}() for relabelled transitions; pass env=... or "
-                "call set_env(env) (SB3 does both)"
-            )
-        shape = buffer.obs_shape["desired_goal"]  # SB3's: (1,) for a Discrete goal, which the store keeps as ()
-        achieved, desired = achieved.reshape(len(achieved), *shape), desired.reshape(len(desired), *shape)
-        return np.asarray(env.env_method(method, achieved, desired, infos, indices=[0])[0])
-
-    return call
 
 
 class ZarrHerReplayBuffer(_her.HerReplayBuffer):
@@ -267,7 +194,7 @@ class ZarrHerReplayBuffer(_her.HerReplayBuffer):
             raise ValueError("info_keys is only used with copy_info_dict=True; pass copy_info_dict=True or drop it")
         self._configure(
             buffer_size, observation_space, action_space, n_envs, device, handle_timeout_termination, n_sampled_goal,
-            _strategy(goal_selection_strategy), copy_info_dict, storage_options, relabel_terminated, prefetch,
+            her_strategy(goal_selection_strategy), copy_info_dict, storage_options, relabel_terminated, prefetch,
             io_threads, None if info_keys is None else tuple(info_keys),
         )
         self.env = env
@@ -276,7 +203,7 @@ class ZarrHerReplayBuffer(_her.HerReplayBuffer):
         # model samples the same batches
         self._seed = int(np.random.randint(0, 2**31 - 1))
         if path is None:
-            self._res.tmpdir = tempfile.mkdtemp(prefix="her_store_sb3_")
+            self._res.tmpdir = tempfile.mkdtemp(prefix=TEMP_PREFIX)
             self.url = os.path.join(self._res.tmpdir, "store")
         else:
             self.url = os.fspath(path)
@@ -320,7 +247,7 @@ class ZarrHerReplayBuffer(_her.HerReplayBuffer):
         self.n_sampled_goal = int(n_sampled_goal)
         self.her_ratio = her_ratio(parse_strategy(goal_selection_strategy), self.n_sampled_goal)
         self._goal_strategy = goal_selection_strategy  # the sampler's (her_store's enum for named ones)
-        self.goal_selection_strategy = _sb3_strategy(goal_selection_strategy)  # what code written for SB3 compares
+        self.goal_selection_strategy = sb3_strategy(goal_selection_strategy)  # what code written for SB3 compares
         self.storage_options = None if storage_options is None else dict(storage_options)
         self.relabel_terminated = bool(relabel_terminated)
         self.prefetch = int(prefetch)
@@ -328,7 +255,7 @@ class ZarrHerReplayBuffer(_her.HerReplayBuffer):
         self.info_keys = info_keys
         self._added = 0  # add() calls over the store's life: SB3's row counter before it wraps
         self._reset_at = 0  # the value of _added at the last reset()
-        self._res = _Resources()
+        self._res = BufferResources()
         self._finalizer = weakref.finalize(self, self._res.close)
         self._writer: Any = None
         self._layout: SB3Arrays | None = None
@@ -338,7 +265,7 @@ class ZarrHerReplayBuffer(_her.HerReplayBuffer):
         self._ended = False  # an episode was appended since the last sample
         self._must_exist = False  # a loaded handle of a store that existed: never create an empty one in its place
         self._keys_given = False  # info_keys were passed (else inferred: info keys seen later are warned about)
-        self._keys_seen: set[Any] = {_TIMEOUT_KEY, "terminal_observation"}  # info keys checked by add()
+        self._keys_seen: set[Any] = set(BOOKKEEPING_KEYS)  # info keys checked by add()
 
     # -- the store -----------------------------------------------------------------------------------------
     @property
@@ -353,16 +280,10 @@ class ZarrHerReplayBuffer(_her.HerReplayBuffer):
             kwargs["info_keys"] = list(self.info_keys or ())
         if self.storage_options is not None:
             kwargs["storage_options"] = self.storage_options
-        if self._must_exist:
-            try:
-                EpisodeStore.open(self.url, mode="r", storage_options=self.storage_options).close()
-            except NotAStoreError as e:
-                raise NotAStoreError(
-                    f"this buffer was loaded from a handle of the store {self.url}, which holds no store any more "
-                    f"({e}); a handle holds no data: restore the store there, or build a new buffer"
-                ) from e
-            self._must_exist = False
-        store = _open_store_here(self.url, self.observation_space, self.action_space, **kwargs)
+        store = open_buffer_store(
+            self.url, self.observation_space, self.action_space, must_exist=self._must_exist, **kwargs
+        )
+        self._must_exist = False
         self._res.store = store
         self._writer = store.writer(self.n_envs)
         if self.copy_info_dict:
@@ -372,39 +293,15 @@ class ZarrHerReplayBuffer(_her.HerReplayBuffer):
         if self._restore is not None:
             pending, end_episode = self._restore
             self._restore = None
-            if store.end_episode >= end_episode:
-                staged, lost = _unfinished_to_stage(store, pending, end_episode)
-                self._writer.restore_pending(staged)
-                if lost:
-                    steps = sum(len(pending[e]["action"]) for e in lost)
-                    warnings.warn(
-                        f"{store.url} holds episodes of envs {lost} committed after this buffer was saved (episode "
-                        f"ids {end_episode}..{store.end_episode - 1}) that do not continue the unfinished episodes it "
-                        "held for them, as the run that saved it would have (another writer appended to the store "
-                        f"since?); those unfinished episodes ({steps} steps), which the store does not hold, are "
-                        "dropped",
-                        stacklevel=3,
-                    )
-            else:
-                warnings.warn(
-                    f"{store.url} holds {store.end_episode} episode ids, fewer than the {end_episode} this buffer "
-                    "saw when it was saved (the store was replaced, or was in memory); the unfinished episodes the "
-                    "saved buffer held are dropped",
-                    stacklevel=3,
-                )
+            restore_unfinished(store, self._writer, pending, end_episode)
         return store
 
     def _resume_if_present(self) -> None:
         """With inferred info keys: resume an existing store now, with its info keys; else wait for the first add."""
-        try:
-            probe = EpisodeStore.open(self.url, mode="r", storage_options=self.storage_options)
-        except NotAStoreError:
-            return
-        try:
-            self.info_keys = probe.info_keys
-        finally:
-            probe.close()
-        self._open()
+        info_keys = stored_info_keys(self.url, self.storage_options)
+        if info_keys is not None:
+            self.info_keys = info_keys
+            self._open()
 
     def _require_store(self) -> EpisodeStore:
         """The open store; opened now if it was deferred (a loaded handle), RuntimeError if it does not exist yet
@@ -460,23 +357,18 @@ class ZarrHerReplayBuffer(_her.HerReplayBuffer):
             if self.copy_info_dict and self.info_keys is None and writer is None:
                 self._resume_if_present()
                 if self._res.store is None:
-                    self.info_keys = tuple(_numeric_info_keys(infos))
+                    self.info_keys = tuple(numeric_info_keys(infos))
             self._require_store()
             writer = self._writer
         if not isinstance(infos, (list, tuple)) or len(infos) != self.n_envs:
-            raise ValueError(f"infos must be a list of {self.n_envs} dicts (one per env, as SB3 passes), got {infos!r:.80}")
+            raise ValueError(
+                f"infos must be a list of {self.n_envs} dicts (one per env, as SB3 passes), got {infos!r:.80}"
+            )
         if not isinstance(done, np.ndarray) or done.dtype != bool:
             done = np.asarray(done).astype(bool)
-        if self.n_envs == 1:
-            if done[0] and infos[0].get(_TIMEOUT_KEY, False):
-                terminated, truncated = _FALSE, _TRUE
-            else:
-                terminated, truncated = done, _FALSE
-        else:
-            truncated = done & np.array([bool(info.get(_TIMEOUT_KEY, False)) for info in infos])
-            terminated = done & ~truncated
+        terminated, truncated = end_flags(done, infos)
         if self.copy_info_dict and not self._keys_given:
-            self._warn_unstored_info(infos)
+            warn_unstored_info(infos, self._keys_seen, self.info_keys)
         # an env reset since its last step (SB3 resets at the start of every learn(), by default, or a new env): its
         # episode ends there (cut_resets)
         if writer.add(obs, next_obs, action, reward, terminated, truncated, infos if self.info_keys else None,
@@ -484,24 +376,6 @@ class ZarrHerReplayBuffer(_her.HerReplayBuffer):
             self._ended = True
         self._added += 1
         self._layout = None
-
-    def _warn_unstored_info(self, infos: Sequence[Mapping[str, Any]]) -> None:
-        """Warn, once per key, of numeric info entries that are not among the inferred info keys (an env that
-        reports ``is_success`` only at an episode's end): SB3 would pass them to ``compute_reward``."""
-        new = set().union(*infos) - self._keys_seen
-        if not new:
-            return
-        self._keys_seen |= new
-        stored = set(self.info_keys or ())
-        unstored = sorted(k for k in new if k not in stored and any(k in i and _numeric(i[k]) for i in infos))
-        if unstored:
-            warnings.warn(
-                f"infos carry {unstored}, which are not stored: the buffer's info keys {list(self.info_keys or ())} "
-                "were inferred from the first infos it was given, so compute_reward of relabelled transitions does "
-                f"not get these entries (SB3's buffer passes them); for a new store pass "
-                f"info_keys={sorted(stored | set(unstored))} with copy_info_dict=True",
-                stacklevel=3,
-            )
 
     def sample(self, batch_size: int, env: Any = None) -> Any:  # type: ignore[override]
         """A batch as SB3's DictReplayBufferSamples; ``env`` (a VecNormalize) normalises observations and rewards.
@@ -527,60 +401,16 @@ class ZarrHerReplayBuffer(_her.HerReplayBuffer):
             if self.store is not None and self.store.num_transitions == 0:
                 raise RuntimeError(_NO_EPISODE) from e
             raise
-        dones = batch.dones if self.handle_timeout_termination else th.maximum(batch.dones, batch.truncated)
-        dev = self.device
-        if env is None:
-            obs = {k: v.to(dev) for k, v in batch.observations.items()}
-            next_obs = {k: v.to(dev) for k, v in batch.next_observations.items()}
-            rewards = batch.rewards.to(dev)
-        else:
-            norm_obs = self._normalize_obs({k: v.numpy() for k, v in batch.observations.items()}, env)
-            norm_next = self._normalize_obs({k: v.numpy() for k, v in batch.next_observations.items()}, env)
-            obs = {k: self.to_torch(v) for k, v in norm_obs.items()}
-            next_obs = {k: self.to_torch(v) for k, v in norm_next.items()}
-            rewards = self.to_torch(self._normalize_reward(batch.rewards.numpy(), env))
-        return _types.DictReplayBufferSamples(
-            observations={k: v.reshape(batch_size, *self.obs_shape[k]) for k, v in obs.items()},
-            actions=batch.actions.reshape(batch_size, self.action_dim).to(dev, self._action_dtype),
-            next_observations={k: v.reshape(batch_size, *self.obs_shape[k]) for k, v in next_obs.items()},
-            dones=dones.to(dev),
-            rewards=rewards,
+        return sb3_samples(
+            batch, self.obs_shape, self.action_dim, self._action_dtype, self.device, self.handle_timeout_termination,
+            env,
         )
 
     def _sampler(self, batch_size: int) -> Any:
         sampler = self._res.sampler
         if sampler is not None:
             return sampler
-        store = self._require_store()
-        from her_store.sampling.sampler import HerSampler
-
-        ref = weakref.ref(self)
-        success_fn = None
-        if self.relabel_terminated and self.env is not None and self.env.has_attr("compute_terminated"):
-            success_fn = _terminated_fn(_env_method(ref, "compute_terminated"))
-        prefetch = self.prefetch
-        if prefetch and self.env is not None and not _in_process(self.env):
-            warnings.warn(
-                f"ZarrHerReplayBuffer(prefetch={prefetch}) does not prefetch with {_describe_venv(self.env)}: "
-                "relabelled rewards come from compute_reward through the env's worker pipes, which env.step() of "
-                "the training loop uses too, and only one thread may use them at a time; batches are prepared "
-                "when sampled (prefetch works with a DummyVecEnv)",
-                stacklevel=3,
-            )
-            prefetch = 0
-        sampler = HerSampler(
-            store,
-            batch_size,
-            n_sampled_goal=self.n_sampled_goal,
-            goal_selection_strategy=self._goal_strategy,
-            reward_fn=_env_method(ref, "compute_reward"),
-            seed=self._seed,
-            copy_info_dict=self.copy_info_dict,
-            prefetch=prefetch,
-            relabel_terminated=self.relabel_terminated,
-            success_fn=success_fn,
-            io_threads=self.io_threads,
-        )
+        sampler = buffer_sampler(self, self._require_store(), batch_size, self._goal_strategy, self._seed)
         if self._sampler_state is not None:
             sampler.load_state_dict(self._sampler_state)
             self._sampler_state = None
@@ -700,7 +530,7 @@ class ZarrHerReplayBuffer(_her.HerReplayBuffer):
             restore = None if pending is None else (pending, store.end_episode)
         sampler = self._res.sampler
         return {
-            "her_store_handle": _HANDLE_VERSION,
+            "her_store_handle": HANDLE_VERSION,
             "url": self.url,
             "config": {
                 "buffer_size": self.total_capacity,
@@ -740,27 +570,14 @@ class ZarrHerReplayBuffer(_her.HerReplayBuffer):
             local function (the message names it; a function defined at module level can be).
         """
         state = self._state()
-        why = _unpicklable(state)
-        if why is not None:
-            strategy = self._goal_strategy
-            if callable(strategy) and _unpicklable(strategy) is not None:
-                raise pickle.PicklingError(
-                    f"cannot save a handle of this ZarrHerReplayBuffer: its goal_selection_strategy {strategy!r} "
-                    f"cannot be pickled ({why}); a handle keeps the strategy, so pass a function defined at module "
-                    "level (importable by name) instead of a lambda or a local function"
-                )
-            raise pickle.PicklingError(f"cannot save a handle of this ZarrHerReplayBuffer: {why}")
+        check_picklable(state, self._goal_strategy)
         self._res.keep_tmpdir = True
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         """Rebuild from a handle; the store is opened at first use (SB3 calls set_env, then
         truncate_last_trajectory), with ``env`` None as SB3's HerReplayBuffer after unpickling."""
-        if not isinstance(state, dict) or state.get("her_store_handle") != _HANDLE_VERSION:
-            raise StoreError(
-                f"not a ZarrHerReplayBuffer handle of version {_HANDLE_VERSION} (got "
-                f"{state.get('her_store_handle') if isinstance(state, dict) else type(state).__name__})"
-            )
+        check_handle(state)
         self._configure(**state["config"])
         self.env = None
         self.url = state["url"]
@@ -782,128 +599,9 @@ class ZarrHerReplayBuffer(_her.HerReplayBuffer):
             The store is on object storage (copy it with the storage's own tools and open a buffer on the copy).
         """
         state = copy.deepcopy(self._state(), memo)
-        tmpdir = tempfile.mkdtemp(prefix="her_store_sb3_")
-        url = os.path.join(tmpdir, "store")
-        src = self.url.removeprefix("file://")
-        if "://" in src:
-            shutil.rmtree(tmpdir)
-            raise StoreError(
-                f"copy.deepcopy copies a buffer's store to a local temporary directory; {self.url} is on object "
-                "storage: copy it with the storage's tools and open a buffer on the copy (path=...)"
-            )
-        if os.path.isdir(src):
-            shutil.copytree(src, url, ignore=shutil.ignore_patterns(_LOCK_FILE))
-        state["url"] = url
+        tmpdir, state["url"] = copy_to_temporary(self.url)
         new = type(self).__new__(type(self))
         new.__setstate__(state)
         new._res.tmpdir = tmpdir
         return new
 
-
-def _unfinished_to_stage(
-    store: EpisodeStore, pending: Sequence[dict[str, np.ndarray]], end_episode: int
-) -> tuple[list[dict[str, np.ndarray]], list[int]]:
-    """What to stage again of a loaded handle's unfinished episodes (one per env, saved when the store's
-    ``end_episode`` was ``end_episode``), and the envs whose unfinished episode is dropped though nothing holds it.
-
-    An env's unfinished episode is staged again when the store holds no episode of that env committed after the
-    save. When the first such episode starts with its rows (observations, actions, rewards, infos), the run that
-    saved the handle went on and ended it: it is in the store, and is not staged twice. When episodes committed after
-    the save have been evicted since, its continuation may be among them: it is not staged either. Otherwise its
-    steps are nowhere but in the handle, and it is dropped (its env has episodes after the save that another writer
-    made): those envs are returned.
-    """
-    table = store.episodes
-    ids, envs = table["episode_id"], table["env_index"]
-    evicted = store.first_episode > end_episode
-    staged, lost = [], []
-    for e, episode in enumerate(pending):
-        later = ids[(envs == e) & (ids >= end_episode)]
-        if len(episode["action"]) == 0 or (not len(later) and not evicted):
-            staged.append(episode)
-            continue
-        staged.append({k: v[:0] for k, v in episode.items()})
-        if not evicted and not _starts_with(store.episode(int(later[0])), episode):
-            lost.append(e)
-    return staged, lost
-
-
-def _starts_with(episode: Mapping[str, np.ndarray], start: Mapping[str, np.ndarray]) -> bool:
-    """Whether ``episode`` begins with the rows of the unfinished episode ``start`` (its end flags aside: the last
-    step of ``start`` may have ended the episode as truncated since)."""
-    if len(episode["action"]) < len(start["action"]):
-        return False
-    heads = {k: episode[k][: len(rows)] for k, rows in start.items() if k not in ("terminated", "truncated")}
-    return all(h.shape == start[k].shape and h.dtype == start[k].dtype and _same_bytes(h, start[k])
-               for k, h in heads.items())
-
-
-def _in_process(env: Any) -> bool:
-    """Whether ``env`` (a VecEnv, maybe wrapped) steps its envs in this process (a DummyVecEnv): then a
-    background thread may call their ``compute_reward`` while the training loop steps them; worker pipes (a
-    SubprocVecEnv) carry one caller's request and reply at a time."""
-    while isinstance(env, _vec_env.VecEnvWrapper):
-        env = env.venv
-    return isinstance(env, _vec_env.DummyVecEnv)
-
-
-def _describe_venv(env: Any) -> str:
-    """``VecNormalize(SubprocVecEnv)``: the VecEnv and the ones it wraps."""
-    names = [type(env).__name__]
-    while isinstance(env, _vec_env.VecEnvWrapper):
-        env = env.venv
-        names.append(type(env).__name__)
-    return "(".join(names) + ")" * (len(names) - 1)
-
-
-def _unpicklable(obj: Any) -> str | None:
-    """Why ``obj`` cannot be pickled (the pickling error's text), or None if it can."""
-    try:
-        pickle.dumps(obj, pickle.HIGHEST_PROTOCOL)
-    except (pickle.PicklingError, AttributeError, TypeError) as e:
-        return f"{type(e).__name__}: {e}"
-    return None
-
-
-def _terminated_fn(call: Callable[[np.ndarray, np.ndarray, Any], np.ndarray]) -> Callable[..., np.ndarray]:
-    """``compute_terminated`` as the sampler's ``success_fn``: one bool per transition (a non-vectorised one that
-    answers once for the batch is broadcast)."""
-
-    def success(achieved: np.ndarray, desired: np.ndarray, infos: Any) -> np.ndarray:
-        out = np.asarray(call(achieved, desired, infos), bool)
-        if out.size == 1:
-            return np.broadcast_to(out.reshape(()), (len(achieved),))
-        if out.size != len(achieved):
-            raise ValueError(
-                f"compute_terminated returned {out.size} values (shape {out.shape}) for {len(achieved)} transitions; "
-                "expected one per transition (or one for all)"
-            )
-        return out.reshape(-1)
-
-    return success
-
-
-def _strategy(strategy: Any) -> GoalStrategy:
-    """SB3's GoalSelectionStrategy members by name; names, her_store members and callables as the sampler takes."""
-    if isinstance(strategy, _her.GoalSelectionStrategy):
-        return GoalSelectionStrategy(strategy.name.lower())
-    return parse_strategy(strategy)
-
-
-def _sb3_strategy(strategy: GoalStrategy) -> Any:
-    """SB3's GoalSelectionStrategy member of a named strategy SB3 has (future, final, episode); others as they are."""
-    if isinstance(strategy, GoalSelectionStrategy) and strategy.name in _her.GoalSelectionStrategy.__members__:
-        return _her.GoalSelectionStrategy[strategy.name]
-    return strategy
-
-
-def _numeric_info_keys(infos: Sequence[Mapping[str, Any]]) -> list[str]:
-    """The info entries of env 0 that are numeric scalars (bool, int, float), minus SB3's bookkeeping."""
-    return [k for k, v in infos[0].items() if k != _TIMEOUT_KEY and isinstance(k, str) and _numeric(v)]
-
-
-def _numeric(v: Any) -> bool:
-    """Whether an info entry is a numeric scalar (bool, int, float), which a store can hold."""
-    return isinstance(v, (bool, int, float, np.bool_, np.integer, np.floating)) or (
-        isinstance(v, np.ndarray) and v.ndim == 0 and v.dtype.kind in "biuf"
-    )

@@ -1,4 +1,4 @@
-"""SB3 buffer layout: a store's episodes as the arrays stable-baselines3's HerReplayBuffer would hold after the same adds.
+"""SB3's buffer layout: a store's episodes as the arrays stable-baselines3's HerReplayBuffer holds after the same adds.
 
 SB3 keeps ``(buffer_size, n_envs, ...)`` ring arrays written one row per ``add`` (``pos``), plus per row the start
 position and length of its episode (``ep_start``, ``ep_length``); a length is set when the episode ends and reset

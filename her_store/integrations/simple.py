@@ -2,9 +2,9 @@
 
 Flat states become the store's goal-style observations: ``observation`` is the state, ``achieved_goal`` its first
 ``goal_dim`` entries, ``desired_goal`` the goal. Episodes are delimited by ``done`` (and cut into segments of at
-most ``segment_steps``) and kept in a store on disk (through :class:`~her_store.integrations.rllte.HerReplayStorage`);
-batches are relabelled with the future strategy by :class:`~her_store.sampling.sampler.HerSampler`, the unfinished segment in
-the same way.
+most ``segment_steps``) and kept in a store on disk (through
+:class:`~her_store.integrations.rllte.HerReplayStorage`); batches are relabelled with the future strategy by
+:class:`~her_store.sampling.sampler.HerSampler`, the unfinished segment in the same way.
 """
 
 from __future__ import annotations
@@ -19,7 +19,8 @@ import torch
 from gymnasium import spaces
 
 from her_store.errors import NotAStoreError, SchemaMismatchError, StoreError
-from her_store.integrations.rllte import HerReplayStorage, _as_flags, _as_numpy, _check_int, _checked_device
+from her_store.integrations.inputs import as_flags, as_numpy, check_int, checked_device
+from her_store.integrations.rllte import HerReplayStorage
 from her_store.sampling.relabel import GoalSelectionStrategy, select_goal_steps
 from her_store.sampling.sampler import RewardFn
 from her_store.store.episode_store import EpisodeStore
@@ -47,7 +48,7 @@ def goal_reached_reward(achieved_goal: Any, desired_goal: Any, info: Any = None,
 
 def _vector(x: Any, size: int, name: str, expected: str) -> np.ndarray:
     """A flat vector of ``size`` entries (a ``(1, size)`` row, or a scalar for size 1, is accepted too)."""
-    a = _as_numpy(x)
+    a = as_numpy(x)
     if a.shape not in ((size,), (1, size)) and not (size == 1 and a.ndim == 0):
         raise ValueError(f"{name} has shape {a.shape}, expected {expected}")
     if a.dtype.kind not in "fiub":
@@ -66,7 +67,7 @@ def _float32(a: np.ndarray) -> np.ndarray:
 
 
 def _scalar(x: Any, name: str) -> np.ndarray:
-    a = _as_numpy(x)
+    a = as_numpy(x)
     if a.size != 1:
         raise ValueError(f"{name} must be a single value per transition, got shape {a.shape}")
     return a.reshape(1)
@@ -89,10 +90,11 @@ class HindsightExperienceReplay:
     steps: the segment is stored as truncated and the next transition, which starts at its final state, begins a
     new one. The trajectory goes on seamlessly, but relabelled goals are drawn within a segment. So the steps held
     in memory, what a kill -9 loses and what :meth:`sample` copies are bounded, and no episode is ever too long for
-    the store. :meth:`sample` draws transitions uniformly from the stored ones, the unfinished segment included; ``her_ratio = 1 - 1 / (n_sampled_goal + 1)`` of them get as goal the achieved goal of a state
-    reached later in the same episode (the future strategy, SB3's formulas) and a reward recomputed with
-    ``reward_fn``. ``goal_sampling_strategy`` is then applied to the goals; where it changes a goal the reward is
-    recomputed for the goal returned.
+    the store. :meth:`sample` draws transitions uniformly from the stored ones, the unfinished segment included;
+    ``her_ratio = 1 - 1 / (n_sampled_goal + 1)`` of them get as goal the achieved goal of a state reached later in
+    the same episode (the future strategy, SB3's formulas) and a reward recomputed with ``reward_fn``.
+    ``goal_sampling_strategy`` is then applied to the goals; where it changes a goal the reward is recomputed for the
+    goal returned.
 
     Parameters
     ----------
@@ -163,17 +165,17 @@ class HindsightExperienceReplay:
     ) -> None:
         sizes = {"state_dim": state_dim, "action_dim": action_dim, "batch_size": batch_size}
         for name, value in sizes.items():
-            _check_int(name, value, 1)
-        _check_int("buffer_size", buffer_size, 2)  # a ring of ended episodes and an unfinished segment
+            check_int(name, value, 1)
+        check_int("buffer_size", buffer_size, 2)  # a ring of ended episodes and an unfinished segment
         if segment_steps is None:
             segment_steps = max(1, min(MAX_SEGMENT_STEPS, buffer_size // 4))
-        _check_int("segment_steps", segment_steps, 1)
+        check_int("segment_steps", segment_steps, 1)
         if segment_steps >= buffer_size:
             raise ValueError(
                 f"segment_steps={segment_steps} must be less than buffer_size={buffer_size}: the store keeps "
                 "buffer_size - segment_steps transitions of ended episodes"
             )
-        _check_int("n_sampled_goal", n_sampled_goal, 0)
+        check_int("n_sampled_goal", n_sampled_goal, 0)
         if not isinstance(tolerance, (int, float, np.number)) or not tolerance >= 0:
             raise ValueError(f"tolerance must be a number >= 0, got {tolerance!r}")
         if goal_sampling_strategy is not None and not callable(goal_sampling_strategy):
@@ -187,7 +189,7 @@ class HindsightExperienceReplay:
         self.path = path
         self.n_sampled_goal = int(n_sampled_goal)
         self.her_ratio = 1.0 - 1.0 / (n_sampled_goal + 1)
-        self.device = _checked_device(device)
+        self.device = checked_device(device)
         self._seed = seed
         self._storage_options = storage_options
         self._rng = np.random.default_rng(seed)
@@ -218,7 +220,7 @@ class HindsightExperienceReplay:
         return None if self.storage is None else self.storage.store.observation_space["desired_goal"].shape[0]
 
     def _open(self, goal_dim: Any) -> None:
-        _check_int("goal_dim", goal_dim, 1)
+        check_int("goal_dim", goal_dim, 1)
         if goal_dim > self.state_dim:
             raise ValueError(
                 f"goal_dim={goal_dim} exceeds state_dim={self.state_dim}: the achieved goal of a state is its first "
@@ -251,7 +253,7 @@ class HindsightExperienceReplay:
         """
         self._require_open()
         if self.storage is None:
-            self._open(_as_numpy(goal).size)
+            self._open(as_numpy(goal).size)
         assert self.storage is not None
         gd = self.goal_dim
         sd = f"({self.state_dim},) (state_dim)"
@@ -259,7 +261,7 @@ class HindsightExperienceReplay:
         ns = _vector(next_state, self.state_dim, "next_state", sd)
         g = _vector(goal, gd, "goal", f"({gd},) (goal_dim)")
         a = _vector(action, self.action_dim, "action", f"({self.action_dim},) (action_dim)")
-        r, d = _float32(_scalar(reward, "reward")), _as_flags(_scalar(done, "done"), "done")
+        r, d = _float32(_scalar(reward, "reward")), as_flags(_scalar(done, "done"), "done")
         writer = self.storage.writer
         if writer.pending_steps[0] and not np.array_equal(s.astype(np.float32), self._last_next, equal_nan=True):
             writer.flush_partial()  # a jump (a reset without done): the episode so far ends, truncated

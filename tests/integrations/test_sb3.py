@@ -38,6 +38,8 @@ from stable_baselines3.her import GoalSelectionStrategy as SB3Strategy
 from stable_baselines3.her import HerReplayBuffer
 
 from her_store.integrations.sb3 import ZarrHerReplayBuffer
+from tests.conftest import DATA
+from tests.data import make_sb3_handle as saved_handle
 
 
 class RecordingPointGoal(PointGoalEnv):
@@ -534,6 +536,35 @@ def test_save_and_load_replay_buffer_write_a_small_handle_and_resume(tmp_path):
     assert last["truncated"].tolist() == [False] * (T - 1) + [True]
     loaded.learn(20, reset_num_timesteps=False)
     assert len(rb.store) + int(rb._writer.pending_steps.sum()) == loaded.num_timesteps == rb.pos
+
+
+def test_a_handle_saved_by_an_earlier_version_loads_and_resumes_its_unfinished_episodes(tmp_path, monkeypatch):
+    # pickled by the code of tests/data/make_sb3_handle.py's commit, the class named by its path then
+    with open(os.path.join(DATA, "sb3_handle_v1.pkl"), "rb") as f:
+        data = f.read()
+    assert b"her_store.integrations.sb3\x94\x8c\x13ZarrHerReplayBuffer" in data
+    monkeypatch.chdir(tmp_path)  # the handle names its store by the relative path "store"
+    venv = saved_handle.venv()
+    rb = saved_handle.buffer(venv)  # the same ended episodes, in a store made by today's code
+    saved_handle.fill(rb)
+    rb.close()  # the unfinished episodes are not stored: only the handle holds them
+    back = pickle.loads(data)
+    assert isinstance(back, ZarrHerReplayBuffer) and back.env is None and back.store is None
+    assert (back.n_envs, back.total_capacity, back.pos, back.n_sampled_goal) == (2, 100, 9, 2)
+    assert back.goal_selection_strategy == SB3Strategy.FUTURE and back.info_keys == ("is_success",)
+    back.set_env(venv)
+    assert back.sample(8).rewards.shape == (8, 1) and back.store.url.endswith("store")
+    with pytest.warns(UserWarning, match="will be truncated"):
+        back.truncate_last_trajectory()
+    table = back.store.episodes
+    assert table["length"].tolist() == [3, 5, 4, 2, 4] and table["env_index"].tolist() == [0, 1, 0, 0, 1]
+    for eid, env, episode, length in ((3, 0, 2, 2), (4, 1, 1, 4)):
+        ep = back.store.episode(eid)
+        for k in range(length + 1):
+            for key, want in saved_handle.state(env, episode, k).items():
+                np.testing.assert_array_equal(ep[key][k], want)
+        assert ep["truncated"].tolist() == [False] * (length - 1) + [True]
+    back.close()
 
 
 def test_a_handle_loads_without_env_and_holds_no_data(tmp_path):

@@ -19,7 +19,13 @@ from gymnasium import spaces
 
 from her_store import EpisodeStore, StoreError
 from her_store.cli.main import main as cli_main
+from her_store.format.schema import GOAL_KEYS
 from her_store.integrations import train as job
+from her_store.integrations.train_env import DEFAULT_N_BITS
+from her_store.integrations.train_errors import one_line
+from her_store.integrations.train_eval import SUCCESS_BY_REWARD, evaluate_with_rule
+from her_store.integrations.train_report import bytes_label
+from her_store.integrations.train_run_dir import run_record
 from tests.conftest import ROOT, until_stopped
 
 # the job trains with SB3 (an optional dependency): a test that runs it that far skips where SB3 is not installed
@@ -45,7 +51,7 @@ def test_default_run_trains_stores_checkpoints_and_resumes(tmp_path, capsys):
         first = store.num_episodes
         # every finished episode is in the store; only the last one of the single env may be unfinished
         assert store.num_transitions == 305  # the unfinished episode was ended before the last checkpoint
-        assert store.episodes["length"].max() <= job.DEFAULT_N_BITS
+        assert store.episodes["length"].max() <= DEFAULT_N_BITS
         kept = store.episode(store.first_episode)
     assert job.latest_checkpoint(out_dir)[0] == 305
     assert sorted(os.listdir(job.latest_checkpoint(out_dir)[1])) == ["model.zip", "replay_buffer.pkl"]
@@ -108,7 +114,7 @@ def test_bad_options_say_one_line_and_exit_nonzero(tmp_path, capsys, argv, messa
 class _GoalKeysNoReward(gym.Env):
     """Goal-shaped observations but no compute_reward: not a goal env HER can relabel."""
 
-    observation_space = spaces.Dict({k: spaces.Box(-1, 1, (2,), np.float32) for k in job.GOAL_KEYS})
+    observation_space = spaces.Dict({k: spaces.Box(-1, 1, (2,), np.float32) for k in GOAL_KEYS})
     action_space = spaces.Box(-1, 1, (2,), np.float32)
 
 
@@ -166,7 +172,7 @@ def test_bad_json_and_other_runs_options_are_refused(tmp_path, capsys):
 
     out_dir = tmp_path / "run"
     out_dir.mkdir()
-    (out_dir / "run.json").write_text(json.dumps({**job._run_record(job.TrainConfig(out=str(out_dir))), "seed": 7}))
+    (out_dir / "run.json").write_text(json.dumps({**run_record(job.TrainConfig(out=str(out_dir))), "seed": 7}))
     code, _, err = run_main(capsys, "--out", str(out_dir), "--quiet")
     assert code == 2 and "holds a run with --seed 7, not 0" in err
     (out_dir / "run.json").write_text("[]")
@@ -209,15 +215,15 @@ def _episodes(path: str) -> int:
 # kill -9 there lands at a point chosen, not timed (a run left to go on may have finished before a timed kill).
 _STOPPED_AT_ITS_FIRST_CHECKPOINT = """
 import os, runpy, signal, sys
-from her_store.integrations import train as job
-save = job.save_checkpoint
+from her_store.integrations import train_run_dir
+save = train_run_dir.save_checkpoint
 
 def save_then_stop(model, out):
     final = save(model, out)
     os.kill(os.getpid(), signal.SIGSTOP)
     return final
 
-job.save_checkpoint = save_then_stop
+train_run_dir.save_checkpoint = save_then_stop
 sys.argv = sys.argv[1:]
 runpy.run_path(sys.argv[0], run_name="__main__")
 """
@@ -291,16 +297,16 @@ def _bits(no_success_key: bool):
 @pytest.mark.parametrize("wrong", [False, True])
 def test_success_without_is_success_is_judged_by_the_reward(wrong):
     policy = _FlipTheWrongBit(wrong)
-    with_key, with_rule = job._evaluate(policy, lambda: _bits(False), 12, seed=0)
-    without_key, without_rule = job._evaluate(policy, lambda: _bits(True), 12, seed=0)
+    with_key, with_rule = evaluate_with_rule(policy, lambda: _bits(False), 12, seed=0)
+    without_key, without_rule = evaluate_with_rule(policy, lambda: _bits(True), 12, seed=0)
     assert with_key == without_key and (with_key == 1.0) is not wrong and 0.0 < with_key
-    assert with_rule == "is_success" and without_rule == job.SUCCESS_BY_REWARD
+    assert with_rule == "is_success" and without_rule == SUCCESS_BY_REWARD
     assert job.evaluate(policy, lambda: _bits(True), 12, seed=0) == without_key
     fields = {"steps": 1, "resumed_from": None, "success_rate": 0.5, "train_success_rate": None, "episodes": 1,
               "transitions": 1, "store_bytes": None, "rss_bytes": 1, "peak_rss_bytes": 1, "seconds": 1.0, "store": "s",
               "checkpoint": "c"}
     assert job.TrainResult(success_rule=without_rule, **fields).rows()[1] == ("success judged by (no is_success)",
-                                                                            job.SUCCESS_BY_REWARD)
+                                                                            SUCCESS_BY_REWARD)
     assert job.TrainResult(success_rule=with_rule, **fields).rows()[1][0].startswith("success rate (last 100")
 
 
@@ -325,12 +331,12 @@ def test_a_relative_store_is_the_same_store_from_any_working_directory(tmp_path,
     monkeypatch.chdir(tmp_path)
     cfg = job.TrainConfig(out=str(tmp_path / "run"), store="stores/bits")
     assert cfg.store == cfg.store_location == str(tmp_path / "stores" / "bits")
-    assert job._run_record(cfg)["store"] == str(tmp_path / "stores" / "bits")
+    assert run_record(cfg)["store"] == str(tmp_path / "stores" / "bits")
     assert job.TrainConfig(store=f"file://{tmp_path}/stores/bits").store == cfg.store
     assert job.TrainConfig(store="memory://bits").store == "memory://bits"
     (tmp_path / "elsewhere").mkdir()
     monkeypatch.chdir(tmp_path / "elsewhere")
-    assert job._run_record(job.TrainConfig(out=str(tmp_path / "run"), store="../stores/bits")) == job._run_record(cfg)
+    assert run_record(job.TrainConfig(out=str(tmp_path / "run"), store="../stores/bits")) == run_record(cfg)
 
 
 @needs_sb3
@@ -342,7 +348,7 @@ def test_many_envs_wait_for_an_episode_of_each_before_training(tmp_path, capsys)
     from stable_baselines3.common.save_util import load_from_zip_file
 
     data, _, _ = load_from_zip_file(os.path.join(job.latest_checkpoint(str(tmp_path / "run"))[1], "model.zip"))
-    assert data["learning_starts"] == 16 * job.DEFAULT_N_BITS
+    assert data["learning_starts"] == 16 * DEFAULT_N_BITS
 
 
 @needs_sb3
@@ -439,7 +445,7 @@ def test_a_checkpoint_that_cannot_be_written_is_named_and_leaves_nothing(tmp_pat
         signal.signal(signal.SIGXFSZ, previous)
     final = os.path.join(out_dir, "checkpoints", "step-000000100")
     assert e.value.__notes__ == [f"writing the checkpoint {final}"]
-    assert job._one_line(e.value).startswith(f"writing the checkpoint {final}: OSError: ")
+    assert one_line(e.value).startswith(f"writing the checkpoint {final}: OSError: ")
     assert os.listdir(os.path.join(out_dir, "checkpoints")) == [os.path.basename(first)]
 
 
@@ -457,8 +463,8 @@ def test_a_memory_store_is_said_not_to_outlive_the_run(tmp_path, capsys):
     assert code == 0, err
     assert "note: --store memory://test-train-note is held in this process's memory: it does not outlive" in out
     assert "store bytes in memory (gone at exit)" in out and "on disk" not in out
-    assert job._bytes_label("s3://bucket/x") == "store bytes at s3://"
-    assert job._bytes_label(str(tmp_path)) == "store bytes on disk"
+    assert bytes_label("s3://bucket/x") == "store bytes at s3://"
+    assert bytes_label(str(tmp_path)) == "store bytes on disk"
 
 
 @needs_sb3
