@@ -93,8 +93,8 @@ DATASET_COMMANDS: dict[str, tuple[str, str]] = {
     "verify": ("her_store.ops.verify", "check every invariant of FORMAT.md and every episode's crc32; --repair"),
     "card": ("her_store.ops.inspect", "show or edit the dataset card (--set key=value), with a commit"),
     "plot": ("her_store.ops.plot", "success, return, episode lengths and goals reached, as a PNG"),
-    "export": ("her_store.interop", "write episodes as npz, hdf5, a Minari dataset or OGBench's npz"),
-    "import": ("her_store.interop", "read episodes from Minari, hdf5, npz, OGBench or an SB3 replay-buffer pickle"),
+    "export": ("her_store.cli.export", "write episodes as npz, hdf5, a Minari dataset or OGBench's npz"),
+    "import": ("her_store.cli.import_", "read episodes from Minari, hdf5, npz, OGBench or an SB3 replay-buffer pickle"),
     "copy": ("her_store.ops.copy", "copy a store between local disk and object storage (consistent, resumable)"),
     "pack": ("her_store.ops.pack", "pack a store into one zip file that opens read-only in place"),
 }
