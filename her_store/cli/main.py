@@ -17,9 +17,9 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from her_store.datasets.opening import open_store
 from her_store.errors import StoreError
 from her_store.progress import progress as progress_bar
-from her_store.datasets.opening import open_store
 from her_store.store.episode_store import EpisodeStore
 
 __all__ = ["collect", "main"]
@@ -94,8 +94,8 @@ DATASET_COMMANDS: dict[str, tuple[str, str]] = {
     "verify": ("her_store.cli.verify", "check every invariant of FORMAT.md and every episode's crc32; --repair"),
     "card": ("her_store.ops.inspect", "show or edit the dataset card (--set key=value), with a commit"),
     "plot": ("her_store.ops.plot", "success, return, episode lengths and goals reached, as a PNG"),
-    "export": ("her_store.interop", "write episodes as npz, hdf5, a Minari dataset or OGBench's npz"),
-    "import": ("her_store.interop", "read episodes from Minari, hdf5, npz, OGBench or an SB3 replay-buffer pickle"),
+    "export": ("her_store.cli.export", "write episodes as npz, hdf5, a Minari dataset or OGBench's npz"),
+    "import": ("her_store.cli.import_", "read episodes from Minari, hdf5, npz, OGBench or an SB3 replay-buffer pickle"),
     "copy": ("her_store.ops.copy", "copy a store between local disk and object storage (consistent, resumable)"),
     "pack": ("her_store.ops.pack", "pack a store into one zip file that opens read-only in place"),
 }

@@ -4,9 +4,9 @@ Layout of the file:
 
 - root attributes ``her_store_header`` (JSON ``{"format": "her_store.hdf5", "version": 1, "schema": ...,
   "metadata": ...}``: the store's spaces as in FORMAT.md and its dataset card), ``total_episodes``, ``total_steps``;
-- one group per episode, ``episode_<id>`` (the id in the exported store; attributes ``id``, ``total_steps`` and ``crc32``, zlib's crc32 chained over the
-  episode's fields in schema order, which import checks: HDF5 checks none of its own), as
-  Minari writes them: ``observations/<key>`` (``T + 1`` rows), ``actions``, ``rewards``, ``terminations``,
+- one group per episode, ``episode_<id>`` (the id in the exported store; attributes ``id``, ``total_steps`` and
+  ``crc32``, zlib's crc32 chained over the episode's fields in schema order, which import checks: HDF5 checks none of
+  its own), as Minari writes them: ``observations/<key>`` (``T + 1`` rows), ``actions``, ``rewards``, ``terminations``,
   ``truncations`` and ``infos/<key>`` (``T`` rows), in the store's dtypes (a round trip is bit-exact).
 
 Import reads files written by export (their header gives the spaces); a Minari dataset imports with ``--from minari``.
@@ -26,17 +26,10 @@ import numpy as np
 from her_store.checks import is_int
 from her_store.extras import require
 from her_store.format.schema import Field
-from her_store.interop import (
-    HEADER_KEY,
-    append_from,
-    check_hdf5,
-    header_of,
-    minari_name,
-    parse_header,
-    read_batches,
-    staged_file,
-    staged_store,
-)
+from her_store.interop.batches import read_batches
+from her_store.interop.checks import check_hdf5
+from her_store.interop.layout import HEADER_KEY, header_of, minari_name, parse_header
+from her_store.interop.staging import append_from, staged_file, staged_store
 from her_store.progress import progress as progress_bar
 from her_store.store.episode_store import EpisodeStore
 

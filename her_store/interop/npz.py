@@ -20,20 +20,11 @@ from collections.abc import Iterator
 
 import numpy as np
 
-from her_store.interop import (
-    HEADER_KEY,
-    Batch,
-    NpzReader,
-    append_from,
-    check_episode_bytes,
-    header_of,
-    minari_name,
-    read_batches,
-    read_npz_header,
-    staged_file,
-    staged_store,
-    write_npz,
-)
+from her_store.interop.batches import Batch, read_batches
+from her_store.interop.checks import check_episode_bytes
+from her_store.interop.layout import HEADER_KEY, header_of, minari_name
+from her_store.interop.npz_members import NpzReader, read_npz_header, write_npz
+from her_store.interop.staging import append_from, staged_file, staged_store
 from her_store.progress import progress as progress_bar
 from her_store.store.episode_store import EpisodeStore
 
@@ -122,7 +113,8 @@ def import_npz(source: str | os.PathLike[str], store_path: str | os.PathLike[str
             for i, T in enumerate(lengths.tolist()):
                 where = f"{source}: episode {i} ({T:,} steps)"
                 check_episode_bytes(schema, T, where)
-                append_from(store, {f.name: z.read(names[f.name], T if f.per_step else T + 1) for f in schema.fields}, where)
+                episode = {f.name: z.read(names[f.name], T if f.per_step else T + 1) for f in schema.fields}
+                append_from(store, episode, where)
                 bar.update(1)
             for name in names.values():
                 z.finish(name)

@@ -22,9 +22,9 @@ is 0 (never, without masks); the last step is ``truncated`` unless it terminated
 unbounded Boxes in the file's dtypes (``[0, 255]`` for uint8 images; bool arrays as int8 0/1).
 
 An array whose dtype is not the store's (``rewards`` in float64, ``truncations`` as 0/1 floats, a bool array kept
-as int8) is cast only when every value survives the cast exactly (:func:`her_store.interop.exact_cast`, which the Minari import uses
-too): the cast is stated once per array as a warning; a value the cast would change is refused, naming the file, the
-array and both dtypes.
+as int8) is cast only when every value survives the cast exactly (:func:`her_store.interop.checks.exact_cast`, which
+the Minari import uses too): the cast is stated once per array as a warning; a value the cast would change is
+refused, naming the file, the array and both dtypes.
 """
 
 from __future__ import annotations
@@ -38,19 +38,11 @@ from gymnasium import spaces
 
 from her_store.errors import SchemaMismatchError
 from her_store.format.schema import Field, Schema
-from her_store.interop import (
-    HEADER_KEY,
-    NpzReader,
-    append_from,
-    check_episode_bytes,
-    exact_cast,
-    header_of,
-    read_batches,
-    read_npz_header,
-    staged_file,
-    staged_store,
-    write_npz,
-)
+from her_store.interop.batches import read_batches
+from her_store.interop.checks import check_episode_bytes, exact_cast
+from her_store.interop.layout import HEADER_KEY, header_of
+from her_store.interop.npz_members import NpzReader, read_npz_header, write_npz
+from her_store.interop.staging import append_from, staged_file, staged_store
 from her_store.progress import progress as progress_bar
 from her_store.store.episode_store import EpisodeStore
 
@@ -269,7 +261,8 @@ def _episode(
     z: NpzReader, schema: Schema, names: dict[str, str], n: int, k: int, noted: set[str], bounded: bool = False
 ) -> dict[str, np.ndarray]:
     """Trajectory ``k``, of ``n`` rows (``T = n - 1`` transitions), as a store episode in the store's dtypes.
-    ``bounded``: the spaces are :func:`_box`'s, whose 64-bit integer bounds are +-2**53: a value past them is refused."""
+    ``bounded``: the spaces are :func:`_box`'s, whose 64-bit integer bounds are +-2**53: a value past them is
+    refused."""
     T = n - 1
     read = {f: z.read(a, n) for f, a in names.items()}
     for f, a in read.items() if bounded else ():
@@ -294,7 +287,8 @@ def _episode(
     if "reward" not in read:
         ep["reward"] = np.where(np.arange(T) == T - 1, 0.0, -1.0).astype(np.float32)
     if "terminated" in read:
-        ep["terminated"] = _flags(read["terminated"][:T], z.path, names["terminated"], "1 (goes on) or 0 (ended)", k) == 0
+        masks = _flags(read["terminated"][:T], z.path, names["terminated"], "1 (goes on) or 0 (ended)", k)
+        ep["terminated"] = masks == 0
     else:
         ep["terminated"] = np.zeros(T, bool)
     if "truncated" not in read:

@@ -32,7 +32,8 @@ import numpy as np
 
 from her_store.extras import require
 from her_store.format.schema import Schema
-from her_store.interop import open_input, staged_store
+from her_store.interop.checks import open_input
+from her_store.interop.staging import staged_store
 from her_store.progress import progress as progress_bar
 
 __all__ = ["import_sb3"]
@@ -168,8 +169,9 @@ def _her_spans(a: dict[str, Any], env: int, order: np.ndarray) -> tuple[list[tup
     overwritten (``ep_length`` 0, which ``add`` sets when it overwrites an episode's first row; its ``ep_start`` that
     overwritten row, a done on its last row only); then ended episodes back to back, each row of one holding its
     first row in ``ep_start`` and its length in ``ep_length``, ``dones`` set on its last row only; then the
-    unfinished episode, from ``_current_ep_start`` to ``pos``, of length 0 and no done. Anything else (an ``ep_length`` that cuts an episode short or runs past it, a gap, a done inside an
-    episode) is refused naming the env and row: importing it would make fragments of episodes.
+    unfinished episode, from ``_current_ep_start`` to ``pos``, of length 0 and no done. Anything else (an
+    ``ep_length`` that cuts an episode short or runs past it, a gap, a done inside an episode) is refused naming the
+    env and row: importing it would make fragments of episodes.
     """
     size, pos = a["size"], a["pos"]
     start, length, dones = a["ep_start"][:, env], a["ep_length"][:, env], a["dones"][:, env]

@@ -805,11 +805,11 @@ def test_an_npz_member_flagged_encrypted_is_refused_naming_the_file(ring_store, 
 def test_an_npz_episode_claiming_more_than_a_read_may_hold_is_refused_unread(ring_store, tmp_path, monkeypatch):
     """A file of deflated zeros can claim any episode length: each field of an episode is one read, refused past
     MEMBER_LIMIT bytes before anything is allocated (as HDF5 datasets are)."""
-    from her_store import interop
+    from her_store.interop import checks
 
     src = str(tmp_path / "e.npz")
     export_store(ring_store, "npz", src)
-    monkeypatch.setattr(interop, "MEMBER_LIMIT", 64)
+    monkeypatch.setattr(checks, "MEMBER_LIMIT", 64)
     with pytest.raises(ValueError, match=r"rows of array '.*' are [\d,]+ bytes; at most 64 are read at once"):
         import_source(src, str(tmp_path / "s"))
     assert not os.path.exists(tmp_path / "s")
@@ -880,9 +880,9 @@ def test_an_episode_claiming_more_than_memory_should_hold_is_refused_unread(ring
     20,000,000-step episode through 3.6 GB. An episode is now refused, unread, past EPISODE_LIMIT bytes together."""
     h5py = needs("hdf5")
 
-    from her_store import interop
+    from her_store.interop import checks
 
-    monkeypatch.setattr(interop, "EPISODE_LIMIT", 1 << 20)
+    monkeypatch.setattr(checks, "EPISODE_LIMIT", 1 << 20)
     good_h5, good_npz = str(tmp_path / "good.hdf5"), str(tmp_path / "good.npz")
     assert main(["export", ring_store, "--to", "hdf5", good_h5, "--quiet"]) == 0
     assert main(["export", ring_store, "--to", "npz", good_npz, "--quiet"]) == 0
