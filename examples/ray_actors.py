@@ -2,7 +2,7 @@
 
 Each actor runs a random policy in her_store's PointGoal env and appends its episodes to its own shard of one
 sharded dataset (``open_store(root, obs_space, action_space, shard="actor-3")``): no actor waits for another, and
-no file is written by two of them. The learner, in the driver, opens the dataset's read view (``open_store(root)``)
+no file is written by two of them. The learner, in the driver, opens the dataset's read view (``open_dataset(root)``)
 and draws HER batches uniformly from every committed transition of every shard, following the actors' commits as
 they come. With ``--address`` the actors run on an existing cluster's nodes; then ``--root`` must be a place every
 node reaches (``s3://bucket/run`` with ``--storage-options '{"profile": "..."}'``, say). By default a local Ray
@@ -33,9 +33,10 @@ except ImportError as e:
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)  # runs from a checkout, too
 
-from her_store import NotAStoreError, open_store
+from her_store import MixtureSampler, open_dataset, open_store
 from her_store.cli.main import collect
 from her_store.envs import ENV_ID
+from her_store.errors import NotAStoreError
 
 ROUND_STEPS = 500  # env steps between two looks at the clock (ten PointGoal episodes)
 
@@ -73,22 +74,26 @@ def _running(pending: list) -> list:
 
 
 def learn(root: str, storage_options: dict[str, Any] | None, pending: list, batch_size: int) -> dict[str, Any]:
-    """Sample batches from every shard while the actors write (until ``pending`` are done); what was drawn."""
+    """Sample batches from every shard while the actors write (until ``pending`` are done, and every shard holding
+    an episode has been drawn from); what was drawn."""
     env = gym.make(ENV_ID)
     while True:
         try:
-            view = open_store(root, storage_options=storage_options)
+            view = open_dataset(root, storage_options=storage_options)
             break
         except NotAStoreError:  # no actor has created the dataset yet
             _running(pending)
             time.sleep(0.1)
     with view:
-        sampler = view.sampler(batch_size, reward_fn=env.unwrapped.compute_reward, seed=0, refresh_interval=0.5)
+        sampler = MixtureSampler(
+            view, weights="transitions", batch_size=batch_size, reward_fn=env.unwrapped.compute_reward, seed=0,
+            refresh_interval=0.5,
+        )
         while not sampler.refresh().sum():  # until some actor has committed an episode
             _running(pending)
             time.sleep(0.1)
         t0, batches, per_shard = time.perf_counter(), 0, np.zeros(0, np.int64)
-        while pending:
+        while pending or not _drew_every_shard(view, per_shard):
             batch = sampler.sample()
             counts = np.bincount(batch.source.numpy(), minlength=len(view.shards))
             per_shard = np.pad(per_shard, (0, len(counts) - len(per_shard))) + counts
@@ -101,6 +106,14 @@ def learn(root: str, storage_options: dict[str, Any] | None, pending: list, batc
             "transitions/s": batches * batch_size / spent,
             "sampled": dict(zip(view.shards, per_shard.tolist())),
         }
+
+
+def _drew_every_shard(view: Any, per_shard: np.ndarray) -> bool:
+    """Whether every shard of the view that holds an episode has been drawn from."""
+    view.refresh()
+    held = np.array([s.num_episodes > 0 for s in view.stores], bool)
+    drawn = np.pad(per_shard, (0, len(held) - len(per_shard))) > 0
+    return bool((drawn | ~held).all())
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -130,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
             spent = time.perf_counter() - t0
         finally:
             ray.shutdown()
-        with open_store(root, storage_options=args.storage_options) as view:
+        with open_dataset(root, storage_options=args.storage_options) as view:
             final = dict(zip(view.shards, (s.num_episodes for s in view.stores)))
             if final != episodes:
                 raise RuntimeError(f"the dataset holds {final} episodes per shard; the actors wrote {episodes}")

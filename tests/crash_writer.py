@@ -21,7 +21,9 @@ from gymnasium import spaces
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from her_store import open_store
-from her_store.storage import location as storage
+from her_store.storage import LocalBackend
+from her_store.storage import local as local_backend
+from her_store.store.chunk_io import RawChunkFile
 from tests.conftest import fetch_spaces, make_episode, random_rows
 
 OBS, ACT = fetch_spaces()
@@ -54,7 +56,7 @@ def _kill_in_shard(kind: str, at: int) -> None:
 
         os.replace = p_replace
     else:
-        write_all = storage.write_all
+        write_all = local_backend.write_all
 
         def p_write_all(fd, data, offset=None):
             if due(os.readlink(f"/proc/self/fd/{fd}")):
@@ -62,7 +64,7 @@ def _kill_in_shard(kind: str, at: int) -> None:
                 os.kill(os.getpid(), signal.SIGKILL)
             return write_all(fd, data, offset)
 
-        storage.write_all = p_write_all
+        local_backend.write_all = p_write_all  # what a local backend's atomic writes (frame files) write with
 
 
 def _kill_on(kind: str, at: int) -> None:
@@ -84,23 +86,23 @@ def _kill_on(kind: str, at: int) -> None:
         return inner
 
     if kind == "commit":  # the commit record's writes (a create writes its Zarr metadata through write_atomic too)
-        orig_atomic = storage.Location.write_atomic
+        orig_atomic = LocalBackend.write_atomic
         wrapped_atomic = wrap(orig_atomic)
 
         def commit_only(self, key, *args, **kwargs):
             return (wrapped_atomic if key == "commit.json" else orig_atomic)(self, key, *args, **kwargs)
 
-        storage.Location.write_atomic = commit_only
+        LocalBackend.write_atomic = commit_only
     elif kind == "data":
-        storage.RawChunkFile.write = wrap(storage.RawChunkFile.write)
+        RawChunkFile.write = wrap(RawChunkFile.write)
     elif kind == "index":
-        orig = storage.RawChunkFile.write
+        orig = RawChunkFile.write
 
         def index_only(self, row0, rows):
             return (wrapped if self.path.startswith("episodes/") else orig)(self, row0, rows)
 
         wrapped = wrap(orig)
-        storage.RawChunkFile.write = index_only
+        RawChunkFile.write = index_only
 
 
 def main() -> None:

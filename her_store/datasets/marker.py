@@ -15,7 +15,14 @@ import time
 from typing import Any
 
 from her_store.checks import is_int, is_number
-from her_store.errors import CorruptStoreError, FormatVersionError, NotAStoreError, SchemaMismatchError, StoreExistsError, short_repr
+from her_store.errors import (
+    CorruptStoreError,
+    FormatVersionError,
+    NotAStoreError,
+    SchemaMismatchError,
+    StoreExistsError,
+    short_repr,
+)
 from her_store.format.keys import COMMIT_KEY, MARKER_KEY, SHARDS_DIR
 from her_store.format.schema import Schema
 from her_store.storage import Backend

@@ -8,8 +8,8 @@ from typing import Any
 
 from gymnasium import spaces
 
-from her_store.errors import ReadOnlyStoreError
 from her_store.datasets.marker import check_shard_name, root_schema, shard_backend
+from her_store.errors import ReadOnlyStoreError
 from her_store.format.keys import MARKER_KEY
 from her_store.format.schema import Schema
 from her_store.storage import Backend, open_backend

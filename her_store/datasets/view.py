@@ -11,7 +11,14 @@ from gymnasium import spaces
 
 from her_store.checks import is_int
 from her_store.datasets.marker import list_shards, read_marker, shard_backend
-from her_store.errors import CorruptStoreError, EpisodeNotFoundError, NotAStoreError, SchemaMismatchError, StoreError, short_repr
+from her_store.errors import (
+    CorruptStoreError,
+    EpisodeNotFoundError,
+    NotAStoreError,
+    SchemaMismatchError,
+    StoreError,
+    short_repr,
+)
 from her_store.format.keys import MARKER_KEY, SHARDS_DIR
 from her_store.format.layout import INDEX_COLUMNS
 from her_store.storage import Backend, open_backend

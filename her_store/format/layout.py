@@ -17,8 +17,8 @@ from zarr.core.metadata import ArrayV3Metadata
 
 from her_store.checks import is_int, is_number
 from her_store.errors import CorruptStoreError, FormatVersionError, NotAStoreError, SchemaMismatchError, short_repr
-from her_store.format.schema import Field, Schema
 from her_store.format.keys import ATTRS_KEY, chunk_entry, chunk_key
+from her_store.format.schema import Field, Schema
 
 __all__ = [
     "FORMAT_VERSION",

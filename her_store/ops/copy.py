@@ -42,15 +42,14 @@ import numpy as np
 from her_store.checks import is_int
 from her_store.errors import CorruptStoreError, ReadOnlyStoreError, StoreExistsError, short_repr
 from her_store.format.frames import parse_index, shard_limit
-from her_store.format.keys import COMMIT_KEY
+from her_store.format.keys import COMMIT_KEY, chunk_key
 from her_store.format.layout import INDEX_COLUMNS, ArraySpec
 from her_store.ops.repair import clear_tail
 from her_store.ops.verify import verify
 from her_store.progress import progress as progress_bar
-from her_store.storage.base import METADATA_LIMIT
 from her_store.storage import Backend, open_backend
+from her_store.storage.base import METADATA_LIMIT
 from her_store.storage.files import blocks_directory, nonzero_runs, staged_output
-from her_store.format.keys import chunk_key
 from her_store.store.episode_store import EpisodeStore
 
 __all__ = ["CopyResult", "add_arguments", "copy_store", "run"]

@@ -21,9 +21,9 @@ from typing import Any, TextIO
 import numpy as np
 
 from her_store.format.card import CARD_FIELDS, card_problems, json_object, parse_assignment
+from her_store.format.keys import chunk_of
 from her_store.format.layout import INDEX_COLUMNS, ArraySpec
 from her_store.ops.selection import parse_selection
-from her_store.format.keys import chunk_of
 from her_store.store.episode_store import EpisodeStore
 
 __all__ = ["add_arguments", "array_bytes", "episode_page", "print_summary", "print_table", "run", "summary"]

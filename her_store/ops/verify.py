@@ -30,13 +30,12 @@ import numpy as np
 from her_store import _kernels
 from her_store.errors import CorruptStoreError
 from her_store.format.frames import parse_index, shard_limit
-from her_store.format.keys import LOCK_KEY
+from her_store.format.keys import LOCK_KEY, chunk_of
 from her_store.format.layout import ArraySpec
+from her_store.ops.repair_plan import plan_of, spill_dir
 from her_store.progress import progress as progress_bar
 from her_store.storage import Backend, open_backend
 from her_store.storage.files import data_runs
-from her_store.format.keys import chunk_of
-from her_store.ops.repair_plan import plan_of, spill_dir
 from her_store.store.episode_store import EpisodeStore
 from her_store.store.index import EpisodeIndex, chunks_holding
 

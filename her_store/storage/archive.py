@@ -38,7 +38,7 @@ from zarr.abc.store import ByteRequest, OffsetByteRequest, RangeByteRequest, Sto
 from zarr.core.buffer import Buffer, BufferPrototype
 
 from her_store.errors import CorruptStoreError, NotAStoreError, StoreError, short_repr
-from her_store.storage.base import METADATA_LIMIT, OBJECT_LIMIT, Backend, Defaults, ObjectReplaced, WriterLock
+from her_store.storage.base import METADATA_LIMIT, Backend, Defaults, ObjectReplaced, WriterLock
 from her_store.storage.files import data_between, data_runs, drop_page_cache
 
 __all__ = ["LOCAL_HEADER", "ArchiveBackend", "ArchiveStore", "PackedArchive", "RemoteZip", "is_archive", "open_remote_archive"]
@@ -327,7 +327,7 @@ def open_remote_archive(backend: Backend) -> PackedArchive | None:
     """
     if not backend.conditional:
         return None
-    head, etag, size = backend.run(backend.get_object, "", "bytes=0-3", None, OBJECT_LIMIT)
+    head, etag, size, ranged = backend.read_head("", 4)
     if head is None:
         return None
     if head[:4] not in (b"PK\x03\x04", b"PK\x05\x06"):
@@ -335,7 +335,7 @@ def open_remote_archive(backend: Backend) -> PackedArchive | None:
             f"{backend.url} is not a zip archive (it starts {short_repr(head[:4])}); a packed store is a zip file "
             "her-store pack writes"
         )
-    if not backend.answers_range(""):
+    if not ranged:
         raise StoreError(
             f"{backend.url}: the server answers a Range request with the whole file (HTTP 200), and a packed store is "
             "read in place by byte ranges; serve it from a server that honours Range, or download it and open the file"
@@ -637,6 +637,9 @@ class ArchiveBackend(Backend):
 
     def stamp(self, key: str) -> None:
         return None  # an archive never changes under its readers (a remote one replaced fails their reads)
+
+    def place_exists(self) -> bool:
+        return True
 
     def open_range(self, key: str) -> tuple[io.FileIO, int, int]:
         return self.archive.open_range(key)

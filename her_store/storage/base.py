@@ -176,9 +176,6 @@ class Backend(abc.ABC):
         """Whether a ranged read of the store fetches only its bytes (an HTTP server may send whole files instead)."""
         return True
 
-    def answers_range(self, key: str) -> bool:
-        """Whether a ranged read of ``key`` fetches only its bytes."""
-        return True
 
     async def get_object(
         self, key: str, rng: str | None, if_match: str | None, limit: int
@@ -194,6 +191,12 @@ class Backend(abc.ABC):
             More than ``limit`` bytes would be read.
         """
         raise NotImplementedError(f"{self} reads objects by range only through its files")
+
+    def read_head(self, key: str, n: int) -> tuple[bytes | None, str, int, bool]:
+        """The first ``n`` bytes of object ``key`` by one ranged GET: (them, None when there is no such object; its
+        ETag; its size; whether the backend read only them, as a server that honours Range does)."""
+        head, etag, size = self.run(self.get_object, key, f"bytes=0-{n - 1}", None, OBJECT_LIMIT)
+        return head, etag, size, True
 
     def run(self, coroutine: Callable[..., Coroutine[Any, Any, Any]], *args: Any) -> Any:
         """The result of ``coroutine(*args)``, run on the backend's event loop (that of its remote client)."""

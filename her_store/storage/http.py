@@ -66,16 +66,15 @@ class HTTPBackend(FsspecBackend):
         body, etag, size, _ = await self.fs.get_object(self.key_path(key), rng, if_match, limit)
         return body, etag, size
 
+    def read_head(self, key: str, n: int) -> tuple[bytes | None, str, int, bool]:
+        # a whole file sent for the range is read no further than its first n bytes
+        return self.run(self.fs.get_object, self.key_path(key), f"bytes=0-{n - 1}", None, OBJECT_LIMIT)  # type: ignore[no-any-return]
+
     @functools.cached_property
     def ranged(self) -> bool:
         """Whether the server answers a Range request with 206 Partial Content (asked once, of the root
-        ``zarr.json``)."""
-        return self.answers_range("zarr.json")
-
-    def answers_range(self, key: str) -> bool:
-        """Whether the server answers a Range request of ``key`` with 206 Partial Content (its first byte asked for:
-        the answer is read no further than that byte)."""
-        return bool(self.run(self.fs.get_object, self.key_path(key), "bytes=0-0")[3])
+        ``zarr.json``'s first byte: its answer is read no further than that byte)."""
+        return self.read_head("zarr.json", 1)[3]
 
     def fingerprints(self, keys: Sequence[str]) -> dict[str, tuple[str, int]]:
         """ETags and sizes, one HEAD each (a server offers no listing); "" where it sends no ETag."""

@@ -281,6 +281,8 @@ class LocalBackend(Backend):
     def put_many(self, items: Mapping[str, bytes]) -> None:
         """Each item replaced whole (temp file and rename), in key order, every page of zeros left a hole (as in a
         writer's chunk files); a directory in a key's place is removed first."""
+        if items:
+            self.make_root()
         for key in sorted(items):
             data = items[key]
             tmp, fd = self.create_temp(key)

@@ -20,6 +20,7 @@ import time
 import uuid
 import warnings
 import weakref
+
 from her_store.checks import is_number
 from her_store.errors import CorruptStoreError, StoreLockedError
 from her_store.storage.base import Backend, WriterLock

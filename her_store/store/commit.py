@@ -19,14 +19,14 @@ import zarr
 
 from her_store import _kernels
 from her_store.errors import EpisodeValidationError, StoreError, StoreLockedError
-from her_store.store.frame_writer import Encoded, FrameWriter
+from her_store.format.commit_record import Commit
 from her_store.format.keys import COMMIT_KEY
 from her_store.format.layout import INDEX_COLUMNS, ArraySpec, Layout
-from her_store.format.commit_record import Commit
 from her_store.format.schema import Schema
 from her_store.storage import Backend
-from her_store.store.chunk_io import RawChunkFile, ZarrChunks
 from her_store.storage.lock import WriterLock
+from her_store.store.chunk_io import RawChunkFile, ZarrChunks
+from her_store.store.frame_writer import Encoded, FrameWriter
 from her_store.store.index import EpisodeIndex
 
 __all__ = ["Committer", "round_up", "COMMIT_ROWS"]

@@ -16,7 +16,14 @@ import zarr.api.asynchronous
 from zarr.core.sync import sync as zarr_sync
 
 from her_store.checks import is_int
-from her_store.errors import CorruptStoreError, NotAStoreError, SchemaMismatchError, StoreError, StoreExistsError, short_repr
+from her_store.errors import (
+    CorruptStoreError,
+    NotAStoreError,
+    SchemaMismatchError,
+    StoreError,
+    StoreExistsError,
+    short_repr,
+)
 from her_store.format.frames import frame_codecs, lz4_codec
 from her_store.format.keys import ATTRS_KEY, COMMIT_KEY, MARKER_KEY, is_chunk_key
 from her_store.format.layout import INDEX_COLUMNS, MAX_COUNT, Layout, check_array

@@ -31,14 +31,13 @@ from her_store.errors import (
     StoreExistsError,
 )
 from her_store.format.card import card_problems, check_card
-from her_store.store.frame_writer import FrameWriter
+from her_store.format.commit_record import Commit
 from her_store.format.keys import ATTRS_KEY, COMMIT_KEY, LOCK_KEY, MARKER_KEY
 from her_store.format.layout import FORMAT_VERSION, INDEX_COLUMNS, ArraySpec, check_attrs, parse_attrs
-from her_store.format.commit_record import Commit
 from her_store.format.schema import Schema, validate_episode
+from her_store.storage import Backend, open_backend
 from her_store.storage.lock import DEFAULT_LEASE_TTL, WriterLock
 from her_store.store.chunk_io import RawChunkFile, ZarrChunks, chunk_io
-from her_store.storage import Backend, open_backend
 from her_store.store.commit import Committer
 from her_store.store.creation import (
     checked_arrays,
@@ -50,6 +49,7 @@ from her_store.store.creation import (
     write_nodes,
 )
 from her_store.store.episode import Episode
+from her_store.store.frame_writer import FrameWriter
 from her_store.store.index import EpisodeIndex, IndexView, check_index, read_index
 from her_store.store.step_writer import StepWriter
 

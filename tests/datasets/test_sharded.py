@@ -12,25 +12,23 @@ import numpy as np
 import pytest
 from gymnasium import spaces
 
-from her_store import (
+from her_store import EpisodeStore, GoalMixture, MixtureSampler, open_dataset, open_store
+from her_store.datasets.view import ShardedView
+from her_store.errors import (
     CorruptStoreError,
     EpisodeNotFoundError,
-    EpisodeStore,
     FormatVersionError,
-    GoalMixture,
     NotAStoreError,
     ReadOnlyStoreError,
     SchemaMismatchError,
     StoreError,
     StoreExistsError,
     StoreLockedError,
-    open_store,
 )
 from her_store.format.keys import MARKER_KEY
-from her_store.datasets.sharded import ShardedView, _create_once
 from her_store.format.layout import INDEX_COLUMNS
 from her_store.format.schema import Schema
-from her_store.storage import Location
+from her_store.storage import open_backend
 from tests.conftest import ROOT, assert_episode_equal, fetch_spaces, make_episode
 from tests.crash_writer import ACT, OBS, episode_for
 from tests.http_server import serving
@@ -113,7 +111,7 @@ def test_writer_processes_append_to_their_shards_and_a_kill_9_loses_only_its_own
         committed = max([committed] + [int(ln.split()[1]) for ln in out.split("\n")[:-1] if ln.startswith("committed")])
         while procs["actor-0"].poll() is None or procs["actor-1"].poll() is None or view is None:
             if view is None:
-                view = open_store(url, storage_options=opts)
+                view = open_dataset(url, storage_options=opts)
             if opts:  # the S3 server shares this process: read once the writers are done
                 time.sleep(0.1)
                 continue
@@ -155,11 +153,11 @@ def test_writer_processes_append_to_their_shards_and_a_kill_9_loses_only_its_own
 def test_the_root_marker_is_created_once(root):
     """Create-if-absent, locally and on S3: the first write stays, a second one writes nothing."""
     url, opts = root
-    loc = Location(url, opts)
-    assert _create_once(loc, MARKER_KEY, b"first") is True
-    assert _create_once(loc, MARKER_KEY, b"second") is False
+    loc = open_backend(url, opts)
+    assert loc.create_once(MARKER_KEY, b"first") is True
+    assert loc.create_once(MARKER_KEY, b"second") is False
     assert loc.read_bytes(MARKER_KEY) == b"first"
-    if loc.is_local:
+    if "://" not in url:
         assert os.listdir(url) == [MARKER_KEY]  # no temp file left beside it
 
 
@@ -170,9 +168,9 @@ def test_where_a_sharded_dataset_cannot_be_written_or_listed(tmp_path):
     with pytest.raises(NotAStoreError, match="pass observation_space and action_space"):
         open_store(str(tmp_path / "nothing"), shard="actor-0")  # no dataset to take spaces from
     assert not os.path.exists(tmp_path / "nothing")
-    with pytest.raises(StoreError, match="commit_interval"):  # a reader takes storage_options only
+    with pytest.raises(StoreError, match="open_dataset"):  # a sharded root is written through a shard only
         open_store(root, commit_interval=0)
-    with pytest.raises(NotAStoreError, match=r"sharded dataset's root: her_store.open_store\(root\) reads every shard"):
+    with pytest.raises(NotAStoreError, match=r"sharded dataset's root: her_store.open_dataset\(root\) reads every shard"):
         EpisodeStore.open(root)  # the root of a dataset is not itself a store: say what it is
     packed = tmp_path / "packed.zip"
     packed.write_bytes(b"PK\x05\x06" + bytes(18))  # an empty zip archive
@@ -182,7 +180,7 @@ def test_where_a_sharded_dataset_cannot_be_written_or_listed(tmp_path):
         with pytest.raises(ReadOnlyStoreError, match="HTTP"):
             open_store(f"{base}/dataset", OBS, ACT, shard="actor-0", info_keys=INFO)
         with pytest.raises(StoreError, match="listing"):
-            open_store(f"{base}/dataset")
+            open_dataset(f"{base}/dataset")
         with EpisodeStore.open(f"{base}/dataset/shards/actor-0") as shard:  # one shard reads as any store
             assert_episode_equal(shard.episode(0), shard_episode("actor-0", 0))
 
@@ -196,14 +194,14 @@ def _make_unfinished_create(path: str) -> None:
 def test_refresh_finds_new_episodes_and_new_shards(tmp_path):
     root = str(tmp_path / "dataset")
     a = open_store(root, OBS, ACT, shard="actor-0", info_keys=INFO, commit_interval=0)
-    with open_store(root) as empty:  # a shard with no episode yet: in the view, with nothing in it
+    with open_dataset(root) as empty:  # a shard with no episode yet: in the view, with nothing in it
         assert empty.shards == ("actor-0",) and empty.num_episodes == 0 and len(empty) == 0
         assert {k: (len(v), v.dtype) for k, v in empty.episodes.items()} == {
             **{k: (0, dt) for k, dt in INDEX_COLUMNS.items()},
             "shard": (0, np.int32),
         }
     a.append_episode(shard_episode("actor-0", 0))
-    view = open_store(root)
+    view = open_dataset(root)
     assert isinstance(view, ShardedView) and view.shards == ("actor-0",) and view.num_episodes == 1
     assert view.observation_space == OBS and view.info_keys == ("is_success",)
 
@@ -258,7 +256,7 @@ def test_spaces_must_match_the_dataset(tmp_path):
     with pytest.raises(SchemaMismatchError):
         open_store(root, shard="actor-2")
     with pytest.raises(CorruptStoreError, match="shard 'actor-2' does not hold the dataset's spaces"):
-        open_store(root)
+        open_dataset(root)
 
 
 @pytest.mark.parametrize(
@@ -350,7 +348,7 @@ def test_a_hostile_root_marker_is_refused(tmp_path, case):
         (tmp_path / "elsewhere.json").write_bytes(_marker())
         marker.symlink_to(tmp_path / "elsewhere.json")
     with pytest.raises(expected, match=match):
-        open_store(str(root))
+        open_dataset(str(root))
     with pytest.raises(expected, match=match):
         open_store(str(root), OBS, ACT, shard="actor-0", info_keys=INFO)
     assert sorted(p.name for p in root.iterdir()) == [MARKER_KEY]
@@ -368,8 +366,8 @@ def test_view_sampler_draws_uniformly_over_every_shard(tmp_path):
         with open_store(root, obs, act, shard=shard) as store:
             for i in range(n):
                 store.append_episode(make_episode(obs, act, 10, seed=100 * int(shard[-1]) + i))
-    view = open_store(root)
-    sampler = view.sampler(batch_size=4000, n_sampled_goal=0, seed=0, reward_fn=lambda a, d, info: -np.ones(len(a)))
+    view = open_dataset(root)
+    sampler = MixtureSampler(view, weights="transitions", batch_size=4000, n_sampled_goal=0, seed=0, reward_fn=lambda a, d, info: -np.ones(len(a)))
     batch = sampler.sample()
     source, ids, steps = (batch.source.numpy(), batch.episode_ids.numpy(), batch.steps.numpy())
     share = np.bincount(source, minlength=2) / len(source)
@@ -418,7 +416,7 @@ def test_random_goals_of_a_view_come_from_every_shard_by_its_share_of_transition
     p_random = 1.0 if strategy == "random" else strategy.p_random
     foreign, expected, variance = 0, 0.0, 0.0
     cells = [np.zeros(n, np.int64) for n in counts]  # goals each shard's episodes gave to rows of the other shard
-    with open_store(root) as view, view.sampler(4096, goal_selection_strategy=strategy, reward_fn=sparse_reward,
+    with open_dataset(root) as view, MixtureSampler(view, weights="transitions", batch_size=4096, goal_selection_strategy=strategy, reward_fn=sparse_reward,
                                                  seed=11) as sampler:
         for _ in range(50):
             b = sampler.sample()
@@ -461,7 +459,7 @@ def test_random_goals_from_a_ring_shard_are_never_of_an_episode_its_writer_evict
 
         for _ in range(30):  # 20 episodes of 6 rows fill the ring: it has wrapped
             append()
-        with open_store(root) as view, view.sampler(512, goal_selection_strategy="random", reward_fn=sparse_reward,
+        with open_dataset(root) as view, MixtureSampler(view, weights="transitions", batch_size=512, goal_selection_strategy="random", reward_fn=sparse_reward,
                                                      seed=3, refresh_interval=1e9) as sampler:
             ring = sampler.samplers[1]
             gather, evict_to = ring.reader.gather, []
@@ -505,7 +503,7 @@ def test_a_view_samplers_refresh_reads_each_shards_commit_record_once(tmp_path, 
         reads.append(self.url)
         return real(self)
 
-    with open_store(root) as view, view.sampler(8, n_sampled_goal=0, seed=0) as sampler:
+    with open_dataset(root) as view, MixtureSampler(view, weights="transitions", batch_size=8, n_sampled_goal=0, seed=0) as sampler:
         monkeypatch.setattr(EpisodeStore, "_read_commit", counted)
         with open_store(root, OBS, ACT, shard="actor-1", info_keys=INFO) as store:
             store.append_episode(shard_episode("actor-1", 1))
@@ -525,7 +523,7 @@ def test_a_sharded_root_takes_no_plain_store_and_no_links(tmp_path):
         store.append_episode(shard_episode("actor-0", 0))
     with pytest.raises(StoreExistsError, match="sharded dataset's root"):
         EpisodeStore.create(root, OBS, ACT, info_keys=INFO)
-    assert isinstance(open_store(root), ShardedView)
+    assert isinstance(open_dataset(root), ShardedView)
     other = str(tmp_path / "elsewhere")
     EpisodeStore.create(other, OBS, ACT, info_keys=INFO).close()
     os.symlink(other, os.path.join(root, "shards", "linked"))
@@ -535,6 +533,6 @@ def test_a_sharded_root_takes_no_plain_store_and_no_links(tmp_path):
     moved = str(tmp_path / "shards-moved")
     os.rename(os.path.join(root, "shards"), moved)
     os.symlink(moved, os.path.join(root, "shards"))
-    for opening in (lambda: open_store(root), lambda: open_store(root, OBS, ACT, shard="actor-0", info_keys=INFO)):
+    for opening in (lambda: open_dataset(root), lambda: open_store(root, OBS, ACT, shard="actor-0", info_keys=INFO)):
         with pytest.raises(CorruptStoreError, match="symbolic link"):
             opening()

@@ -20,12 +20,12 @@ import zarr.codecs as zc
 
 from her_store import _kernels
 from her_store.errors import CorruptStoreError
-from her_store.format import frames as shard_module
 from her_store.format.frames import EMPTY, FrameCodec, build_shard, index_nbytes, lz4_codec, parse_index
-from her_store.store.frame_writer import FrameWriter as ShardWriter
 from her_store.format.jpeg import jpeg_codec
-from her_store.storage import Location
 from her_store.format.keys import chunk_key
+from her_store.storage import open_backend
+from her_store.store import frame_writer as shard_module
+from her_store.store.frame_writer import FrameWriter as ShardWriter
 from her_store.store.split import STEP
 from tests.conftest import FailingTask, requires_compiled
 
@@ -229,12 +229,12 @@ def _split_small_rows(monkeypatch):
 
 def _writer(root, codec=None, rows: int = 4 * SHARD_ROWS) -> ShardWriter:
     array = _array(root, lz4_codec() if codec is None else codec, rows)
-    return ShardWriter(array, Location(str(root)))
+    return ShardWriter(array, open_backend(str(root)))
 
 
 def _reopen(root) -> ShardWriter:
     """A new writer over the array as on disk (nothing held in memory)."""
-    return ShardWriter(zarr.open_group(str(root), mode="r+")[PATH], Location(str(root)))
+    return ShardWriter(zarr.open_group(str(root), mode="r+")[PATH], open_backend(str(root)))
 
 
 def _zarr_rows(root) -> np.ndarray:

@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 from gymnasium import spaces
 
-from her_store import CorruptStoreError, EpisodeStore, StoreError
+from her_store import EpisodeStore
+from her_store.errors import CorruptStoreError, StoreError
 from her_store.format.frames import build_shard, parse_index
 from her_store.format.jpeg import JpegCodec, JpegFrames, check_frames, error_report, jpeg_codec
 from her_store.format.keys import chunk_key

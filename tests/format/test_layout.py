@@ -10,8 +10,15 @@ import pytest
 from gymnasium import spaces
 
 from her_store.errors import CorruptStoreError, FormatVersionError, NotAStoreError
-from her_store.format.layout import FLAT_SHARD_KEYS_SINCE, FORMAT_VERSION, SHARDED_SINCE, Layout, check_attrs, parse_attrs
 from her_store.format.commit_record import Commit
+from her_store.format.layout import (
+    FLAT_SHARD_KEYS_SINCE,
+    FORMAT_VERSION,
+    SHARDED_SINCE,
+    Layout,
+    check_attrs,
+    parse_attrs,
+)
 from her_store.format.schema import Schema
 
 GOAL = spaces.Box(-1, 1, (3,), np.float32)

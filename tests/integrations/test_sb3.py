@@ -18,16 +18,9 @@ import pytest
 import torch as th
 from gymnasium import spaces
 
-from her_store import (
-    EpisodeStore,
-    EpisodeValidationError,
-    NotAStoreError,
-    SchemaMismatchError,
-    StoreError,
-    StoreLockedError,
-    open_store,
-)
+from her_store import EpisodeStore, open_store
 from her_store.envs import PointGoalEnv
+from her_store.errors import EpisodeValidationError, NotAStoreError, SchemaMismatchError, StoreError, StoreLockedError
 
 pytest.importorskip("stable_baselines3", reason='pip install "her_store[sb3]"')
 

@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 import torch as th
 
-from her_store import EpisodeStore, GoalSelectionStrategy, StoreLockedError
+from her_store import EpisodeStore, GoalSelectionStrategy
+from her_store.errors import StoreLockedError
 from her_store.integrations.sb3_layout import sb3_arrays
 
 pytest.importorskip("stable_baselines3", reason='pip install "her_store[sb3]"')

@@ -17,8 +17,9 @@ import numpy as np
 import pytest
 from gymnasium import spaces
 
-from her_store import EpisodeStore, StoreError
+from her_store import EpisodeStore
 from her_store.cli.main import main as cli_main
+from her_store.errors import StoreError
 from her_store.format.schema import GOAL_KEYS
 from her_store.integrations import train as job
 from her_store.integrations.train_env import DEFAULT_N_BITS

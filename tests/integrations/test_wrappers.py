@@ -16,13 +16,9 @@ from gymnasium.vector import AsyncVectorEnv, AutoresetMode, SyncVectorEnv
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from her_store import (
-    EpisodeStore,
-    ReadOnlyStoreError,
-    SchemaMismatchError,
-    open_store,
-)
+from her_store import EpisodeStore, open_store
 from her_store.envs import ENV_ID, PointGoalEnv
+from her_store.errors import ReadOnlyStoreError, SchemaMismatchError
 from her_store.integrations.wrappers import GoalEnvFlattener, RecordEpisodes, RecordingWarning, RecordVectorEpisodes
 from tests.conftest import GOAL_KEYS, ROOT, assert_episode_equal, random_rows
 

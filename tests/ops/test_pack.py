@@ -22,22 +22,16 @@ import pytest
 import zarr
 from gymnasium import spaces
 
-from her_store import (
-    CorruptStoreError,
-    EpisodeStore,
-    HerSampler,
-    NotAStoreError,
-    ReadOnlyStoreError,
-    StoreError,
-    open_store,
-)
+from her_store import EpisodeStore, HerSampler, open_store
 from her_store.cli.main import main
+from her_store.errors import CorruptStoreError, NotAStoreError, ReadOnlyStoreError, StoreError
 from her_store.format.layout import INDEX_COLUMNS
 from her_store.ops.pack import ALIGNMENT, pack_store
-from her_store.storage.archive import PackedArchive
 from her_store.ops.verify import verify
+from her_store.storage.archive import ArchiveBackend, PackedArchive
 from her_store.storage.files import data_runs
-from her_store.store.rows import RangedArray, ShardedArray
+from her_store.store.cached_rows import RangedArray
+from her_store.store.frame_rows import FrameArray
 from tests.conftest import ROOT, assert_episode_equal, fetch_spaces, make_episode
 from tests.http_server import RangeHandler, serving
 
@@ -569,12 +563,12 @@ def test_a_packed_store_opens_in_place_over_http(published, name, capsys):
     with serving(str(published), RecordingHandler) as base:
         url = f"{base}/{name}.zip"
         with EpisodeStore.open(url) as remote, EpisodeStore.open(published / name) as local:
-            assert remote._loc.archive is not None and remote._loc.ranged
+            assert isinstance(remote.backend, ArchiveBackend) and remote.backend.ranged
             _same_as_local(remote, local)
             with HerSampler(remote, 256, reward_fn=reward_fn, seed=3) as sampler:
                 sampler.sample()
                 kinds = {type(a) for a in sampler.reader.arrays.values()}
-                assert RangedArray in kinds and (ShardedArray in kinds) == (name == "img")
+                assert RangedArray in kinds and (FrameArray in kinds) == (name == "img")
                 if name == "img":  # frames read by ranges of their shard's member, conditioned on the zip's ETag
                     frames = sampler.reader.arrays["steps/observation"]
                     assert frames._ranged is True and frames.gets > 0
@@ -606,7 +600,7 @@ def test_a_packed_store_on_s3_opens_in_place(published, s3_url):
         fs.put_file(str(published / f"{name}.zip"), f"{bucket}/published/{name}.zip")
         zurl = f"s3://{bucket}/published/{name}.zip"
         with EpisodeStore.open(zurl, storage_options=opts) as remote, EpisodeStore.open(published / name) as local:
-            assert remote._loc.archive is not None
+            assert isinstance(remote.backend, ArchiveBackend)
             _same_as_local(remote, local)
             with HerSampler(remote, 256, reward_fn=reward_fn, seed=3) as sampler:
                 sampler.sample()

@@ -17,7 +17,8 @@ from gymnasium import spaces
 from her_store import EpisodeStore
 from her_store.cli.main import main
 from her_store.errors import CorruptStoreError
-from her_store.ops.verify import repair, verify
+from her_store.ops.repair import repair
+from her_store.ops.verify import verify
 from her_store.sampling.sampler import HerSampler
 from tests.conftest import ROOT, assert_episode_equal, fetch_spaces, make_episode
 

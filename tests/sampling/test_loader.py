@@ -12,8 +12,9 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader
 
-from her_store import EpisodeStore, NotAStoreError, open_store
-from her_store.datasets.sharded import ShardedView
+from her_store import EpisodeStore, open_store
+from her_store.datasets.view import ShardedView
+from her_store.errors import NotAStoreError
 from her_store.sampling.loader import HerIterableDataset
 from tests.conftest import fetch_spaces, make_episode
 

@@ -13,7 +13,8 @@ import pytest
 import torch
 from gymnasium import spaces
 
-from her_store import EpisodeStore, GoalMixture, HerSampler, SchemaMismatchError, StoreError, open_store
+from her_store import EpisodeStore, GoalMixture, HerSampler, open_dataset, open_store
+from her_store.errors import SchemaMismatchError, StoreError
 from her_store.ops.copy import copy_store
 from her_store.sampling.mixture import MixtureSampler, StoreSet
 from tests.conftest import fetch_spaces, make_episode
@@ -331,7 +332,7 @@ def test_a_sharded_datasets_view_samples_uniformly_and_grows(tmp_path):
     for k, w in enumerate(writers):
         for i in range(k + 1):
             w.append_episode(make_episode(obs, act, 8, seed=10 * k + i))
-    with open_store(root) as view, MixtureSampler(view, "transitions", 600, seed=4, reward_fn=sparse_reward) as m:
+    with open_dataset(root) as view, MixtureSampler(view, "transitions", 600, seed=4, reward_fn=sparse_reward) as m:
         assert isinstance(view, StoreSet)
         np.testing.assert_allclose(m.weights, [1 / 3, 2 / 3])
         b = m.sample()

@@ -14,7 +14,8 @@ from gymnasium import spaces
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from her_store import EpisodeStore, GoalContext, GoalSelectionStrategy, HerSampler, StoreError
+from her_store import EpisodeStore, GoalContext, GoalSelectionStrategy, HerSampler
+from her_store.errors import StoreError
 from tests.conftest import fetch_spaces, make_episode
 
 

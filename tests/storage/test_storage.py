@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from her_store import EpisodeStore, StoreLockedError, open_store
-from her_store.storage import Location
-from her_store.storage.lock import WriterLock
+from her_store import EpisodeStore, open_store
+from her_store.errors import StoreLockedError
+from her_store.storage import open_backend
 from tests.conftest import ROOT, assert_episode_equal, fetch_spaces, make_episode
 
 
@@ -47,9 +47,9 @@ def test_a_lost_lease_is_refused_where_if_match_is_ignored(fetch):
         store.append_episode(kept)
     a = EpisodeStore.open(url, mode="a", lease_ttl=600, commit_interval=3600)
     a.append_episode(make_episode(obs, act, 6, seed=1))
-    loc = Location(url)
+    loc = open_backend(url)
     other = _lease_record("elsewhere", time.time() + 600)  # another writer broke the lease and holds it
-    loc.fs.pipe_file(loc.key_path("writer.lock"), other)
+    loc.put("writer.lock", other)
     with pytest.raises(StoreLockedError, match="lost its writer lease writer.lock to pid 1 on host elsewhere"):
         a.flush()
     with pytest.raises(StoreLockedError):
@@ -58,7 +58,7 @@ def test_a_lost_lease_is_refused_where_if_match_is_ignored(fetch):
     with EpisodeStore.open(url) as store:
         assert store.num_episodes == 1
         assert_episode_equal(store.episode(0), kept)
-    loc.fs.rm_file(loc.key_path("writer.lock"))
+    loc.remove("writer.lock")
     EpisodeStore.open(url, mode="a").close()
     assert not loc.exists("writer.lock")  # a writer that still holds its lease removes it on close
 
@@ -67,12 +67,12 @@ def test_two_writers_taking_over_one_stale_lease_on_s3(s3_url, monkeypatch):
     """B takes the stale lease over between A's read of it and A's write: A's write, conditioned on the ETag it
     read, fails, and A is refused instead of overwriting (or deleting) B's fresh lease."""
     url, opts = s3_url
-    loc = Location(url, opts)
-    loc.fs.makedirs(loc.root, exist_ok=True)
-    loc.fs.pipe_file(loc.key_path("writer.lock"), _lease_record("elsewhere", time.time() - 1))
-    a = WriterLock(Location(url, opts), "writer.lock", lease_ttl=60)
-    b = WriterLock(Location(url, opts), "writer.lock", lease_ttl=60)
-    read, taken = a.location.read_bytes, []
+    loc = open_backend(url, opts)
+    loc.make_root()
+    loc.put("writer.lock", _lease_record("elsewhere", time.time() - 1))
+    a = open_backend(url, opts).writer_lock("writer.lock", lease_ttl=60)
+    b = open_backend(url, opts).writer_lock("writer.lock", lease_ttl=60)
+    read, taken = a.backend.read_bytes, []
 
     def read_then_b_takes_over(key: str) -> bytes | None:
         raw = read(key)
@@ -81,7 +81,7 @@ def test_two_writers_taking_over_one_stale_lease_on_s3(s3_url, monkeypatch):
             taken.append(b)
         return raw
 
-    monkeypatch.setattr(a.location, "read_bytes", read_then_b_takes_over)
+    monkeypatch.setattr(a.backend, "read_bytes", read_then_b_takes_over)
     with pytest.raises(StoreLockedError, match=rf"pid {os.getpid()}"):
         a.acquire()
     b.ensure_held()  # B still holds it: its lease is as B last wrote it

@@ -11,15 +11,16 @@ import numpy as np
 import pytest
 from gymnasium import spaces
 
-from her_store import EpisodeStore, EpisodeValidationError
-from her_store.store.frame_writer import FrameWriter as ShardWriter
+from her_store import EpisodeStore
+from her_store.errors import EpisodeValidationError
 from her_store.ops.verify import verify
-from her_store.storage import Location
+from her_store.storage import LocalBackend
+from her_store.store.frame_writer import FrameWriter as ShardWriter
 from tests.conftest import FailingTask, assert_episode_equal, make_episode
 
 
 def _fail_commit_records(monkeypatch, times: int = 1) -> None:
-    real, left = Location.write_atomic, {"n": times}
+    real, left = LocalBackend.write_atomic, {"n": times}
 
     def write_atomic(self, key, data, fsync, if_match=None):
         if key == "commit.json" and left["n"] > 0:
@@ -27,7 +28,7 @@ def _fail_commit_records(monkeypatch, times: int = 1) -> None:
             raise OSError(errno.ENOSPC, "No space left on device")
         return real(self, key, data, fsync, if_match)
 
-    monkeypatch.setattr(Location, "write_atomic", write_atomic)
+    monkeypatch.setattr(LocalBackend, "write_atomic", write_atomic)
 
 
 @pytest.mark.parametrize("capacity", [None, 60])
@@ -194,7 +195,7 @@ def _image_spaces():
 def lz4_threads(monkeypatch) -> list:
     """LZ4 frames of these small images encoded on C threads, as an episode of real frames is: the tasks started."""
     from her_store import _kernels
-    from her_store.format import frames as shard_module
+    from her_store.store import frame_writer as shard_module
 
     monkeypatch.setattr(shard_module, "SPLIT_BYTES", 1)
     real, tasks = _kernels.encode_lz4_start, []

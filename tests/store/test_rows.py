@@ -14,7 +14,9 @@ from gymnasium import spaces
 from her_store import EpisodeStore, HerSampler
 from her_store.errors import CorruptStoreError, StoreError
 from her_store.storage.files import drop_page_cache
-from her_store.store.rows import MIN_ROWS_PER_THREAD, WARM_GATHERS, CachedArray, ChunkReader, ShardedArray
+from her_store.store.cached_rows import CachedArray
+from her_store.store.frame_rows import WARM_GATHERS, FrameArray
+from her_store.store.rows import MIN_ROWS_PER_THREAD, ChunkReader
 from tests.conftest import DATA
 from tests.sampling.test_sampler import sparse_reward
 from tests.system.test_differential import ACT, OBS, episode, rows, wrong_rows
@@ -130,7 +132,7 @@ def test_an_undecodable_frame_fails_the_batch_that_samples_it_and_not_the_next(t
     rest of it was assembled, raises a CorruptStoreError naming the shard and row; gathers and batches not reading
     that row are right."""
     from her_store.format.frames import parse_index
-    from her_store.store import rows as reader_module
+    from her_store.store import frame_rows as reader_module
 
     monkeypatch.setattr(reader_module, "WARM_GATHERS", warm)
     path = tmp_path / "s"
@@ -171,7 +173,7 @@ def test_a_version_1_chunk_decoding_to_fewer_bytes_is_damage(tmp_path):
     reader = ChunkReader(store)
     reader.observe(store.snapshot())
     arr = reader.arrays["steps/pixels"]
-    assert isinstance(arr, CachedArray) and not isinstance(arr, ShardedArray)
+    assert isinstance(arr, CachedArray) and not isinstance(arr, FrameArray)
     rows_live = np.arange(store.episodes["start_row"][0], store.episodes["start_row"][0] + 3)
     chunk = int(rows_live[0]) // arr.chunk_rows
     (path / "steps" / "pixels" / "c" / str(chunk) / "0" / "0" / "0").write_bytes(
@@ -193,7 +195,7 @@ def test_a_samplers_first_gather_opens_every_shard_with_committed_rows_at_once(t
     reader = ChunkReader(store, io_threads=2)
     reader.observe(store.snapshot())
     arr = reader.arrays["steps/pixels"]
-    assert isinstance(arr, ShardedArray) and shards > 4
+    assert isinstance(arr, FrameArray) and shards > 4
     np.testing.assert_array_equal(reader.gather("steps/pixels", np.array([0]))[0], rows(np.array([0]), np.array([0]))["pixels"][0])
     assert arr.misses == shards  # every shard opened by the first gather
     reader.gather("steps/pixels", np.arange(store.commit_record.write_row))
@@ -227,7 +229,7 @@ def test_warm_gathers_decode_from_the_mapped_shards_and_a_cold_one_goes_back_to_
     reader = ChunkReader(store, io_threads=2)
     reader.observe(store.snapshot())
     arr = reader.arrays["steps/pixels"]
-    assert isinstance(arr, ShardedArray) and arr.codec.is_lz4
+    assert isinstance(arr, FrameArray) and arr.codec.is_lz4
     rng = np.random.default_rng(0)
 
     def gather(later: bool = False) -> None:
@@ -287,7 +289,7 @@ def test_a_shard_cut_short_in_place_under_a_sampler_is_an_io_error_naming_it(tmp
     killed the process), and the rows before it still read."""
     import errno
 
-    from her_store.store import rows as reader_module
+    from her_store.store import frame_rows as reader_module
 
     monkeypatch.setattr(reader_module, "WARM_GATHERS", warm)
     path = tmp_path / "s"
@@ -417,7 +419,7 @@ def test_a_mapped_shard_a_commit_replaced_still_reads_what_was_committed(tmp_pat
     """A ring rewrites its shards while a sampler in another handle decodes from their mappings (on C threads): a
     shard replaced by a rename leaves the old mapping whole (no SIGBUS, no bytes of the new file under old offsets),
     and the gathers after the commit map the new file."""
-    from her_store.store import rows as reader_module
+    from her_store.store import frame_rows as reader_module
 
     monkeypatch.setattr(reader_module, "SPLIT_BYTES", 1)  # these small frames split as real ones do
     path = tmp_path / "s"
@@ -442,7 +444,7 @@ def test_a_store_of_more_chunks_than_it_may_map_keeps_its_descriptors_bounded(tm
     import contextlib
     import os
 
-    from her_store.store.rows import MappedArray
+    from her_store.store.mapped_rows import MappedArray
 
     monkeypatch.setattr(MappedArray.MAPS, "most", 16)  # 8 each for the two packs (fewer if other maps are alive)
     path = tmp_path / "s"
@@ -478,7 +480,7 @@ def test_a_gather_over_more_shards_than_may_be_open_takes_them_a_group_at_a_time
     import os
     import resource
 
-    monkeypatch.setattr(ShardedArray.OPEN, "most", 16)
+    monkeypatch.setattr(FrameArray.OPEN, "most", 16)
     path = tmp_path / "s"
     compressors = None if codec == "lz4" else {"pixels": zarr.codecs.ZstdCodec()}
     with EpisodeStore.create(path, OBS, ACT, chunk_rows=2, compressors=compressors) as store:
@@ -492,7 +494,7 @@ def test_a_gather_over_more_shards_than_may_be_open_takes_them_a_group_at_a_time
     reader = ChunkReader(store, io_threads=2)
     reader.observe(store.snapshot())
     arr = reader.arrays["steps/pixels"]
-    assert isinstance(arr, ShardedArray) and len(np.unique(at // arr.chunk_rows)) > 100
+    assert isinstance(arr, FrameArray) and len(np.unique(at // arr.chunk_rows)) > 100
     order = np.random.default_rng(0).permutation(len(at))
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     # room for the 16 shards it may keep, the few descriptors each open takes on its way, and the process's own
@@ -516,9 +518,9 @@ def test_a_samplers_image_arrays_share_its_open_shard_files(tmp_path, monkeypatc
 
     from gymnasium import spaces
 
-    from her_store.store.rows import MappedArray
+    from her_store.store.mapped_rows import MappedArray
 
-    monkeypatch.setattr(ShardedArray.OPEN, "most", 64)
+    monkeypatch.setattr(FrameArray.OPEN, "most", 64)
     monkeypatch.setattr(MappedArray.MAPS, "most", 16)  # the packs' 2-row chunks: mapped, each holding a descriptor
     names = [f"pix{k}" for k in range(4)]
     obs = spaces.Dict({**{k: v for k, v in OBS.spaces.items() if k != "pixels"},
@@ -537,7 +539,7 @@ def test_a_samplers_image_arrays_share_its_open_shard_files(tmp_path, monkeypatc
             batches = [sampler.sample() for _ in range(3)]
         finally:
             resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
-        assert sum(len(a._files) for a in sampler.reader.arrays.values() if isinstance(a, ShardedArray)) <= 64
+        assert sum(len(a._files) for a in sampler.reader.arrays.values() if isinstance(a, FrameArray)) <= 64
     for b in batches:
         for frames in (b.observations, b.next_observations):
             first = frames["pix0"].numpy()
@@ -588,9 +590,9 @@ def test_the_samplers_of_many_stores_in_one_process_share_its_open_files(tmp_pat
     import resource
 
     from her_store.sampling.mixture import MixtureSampler
-    from her_store.store.rows import MappedArray
+    from her_store.store.mapped_rows import MappedArray
 
-    monkeypatch.setattr(ShardedArray.OPEN, "most", 64, raising=False)
+    monkeypatch.setattr(FrameArray.OPEN, "most", 64, raising=False)
     monkeypatch.setattr(MappedArray.MAPS, "most", 16, raising=False)
     stores = []
     for k in range(6):
@@ -600,7 +602,7 @@ def test_the_samplers_of_many_stores_in_one_process_share_its_open_files(tmp_pat
         stores.append(EpisodeStore.open(tmp_path / f"s{k}"))
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     with MixtureSampler(stores, "transitions", 1024, reward_fn=sparse_reward, seed=0, io_threads=2) as mixture:
-        sharded = [a for s in mixture.samplers for a in s.reader.arrays.values() if isinstance(a, ShardedArray)]
+        sharded = [a for s in mixture.samplers for a in s.reader.arrays.values() if isinstance(a, FrameArray)]
         assert len(sharded) == 6 and all(len(np.unique(a._newest)) > 1 for a in sharded)
         # room for the 64 shard files and 16 maps, what each open takes on its way, and the process's own
         resource.setrlimit(resource.RLIMIT_NOFILE, (len(os.listdir("/proc/self/fd")) + 64 + 16 + 48, hard))

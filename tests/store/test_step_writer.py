@@ -10,8 +10,9 @@ import numpy as np
 import pytest
 from gymnasium import spaces
 
-from her_store import EpisodeStore, EpisodeValidationError, HerSampler, StoreError, StoreLockedError
-from her_store.storage import Location
+from her_store import EpisodeStore, HerSampler
+from her_store.errors import EpisodeValidationError, StoreError, StoreLockedError
+from her_store.storage import LocalBackend
 from tests.conftest import assert_episode_equal, fetch_spaces, make_episode
 
 
@@ -327,7 +328,7 @@ def test_a_store_error_while_appending_drops_that_env_and_chains_the_cause(store
     if fault == "full disk":  # the data rows' write fails; the error is wrapped in a StoreError
         where, name, injected, raised = os, "pwrite", OSError(errno.ENOSPC, "No space left on device"), StoreError
     else:  # the commit record's write is refused; a her_store error keeps its class
-        where, name, injected = Location, "write_atomic", StoreLockedError("another writer took over the lease")
+        where, name, injected = LocalBackend, "write_atomic", StoreLockedError("another writer took over the lease")
         raised = StoreLockedError
     with EpisodeStore.create(store_path, obs, act, commit_interval=0.0) as store:
         w = store.writer(2)
@@ -473,7 +474,7 @@ def test_an_interrupt_between_envs_drops_the_ended_episodes_not_yet_appended(tmp
 
     for _ in range(3):
         step(False)
-    real, calls = EpisodeStore._append_checked, {"n": 0}
+    real, calls = EpisodeStore.append_validated, {"n": 0}
 
     def interrupted(self, *args):
         calls["n"] += 1
@@ -481,7 +482,7 @@ def test_an_interrupt_between_envs_drops_the_ended_episodes_not_yet_appended(tmp
             raise KeyboardInterrupt
         return real(self, *args)
 
-    monkeypatch.setattr(EpisodeStore, "_append_checked", interrupted)
+    monkeypatch.setattr(EpisodeStore, "append_validated", interrupted)
     with pytest.raises(KeyboardInterrupt):
         step(True)
     monkeypatch.undo()

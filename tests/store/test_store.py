@@ -18,22 +18,22 @@ import zarr
 from gymnasium import spaces
 
 import her_store
-from her_store import (
+from her_store import EpisodeStore, HerSampler, open_store
+from her_store.errors import (
     CorruptStoreError,
     EpisodeNotFoundError,
-    EpisodeStore,
     EpisodeValidationError,
     FormatVersionError,
-    HerSampler,
     NotAStoreError,
     ReadOnlyStoreError,
     SchemaMismatchError,
     StoreExistsError,
     StoreLockedError,
-    open_store,
 )
+from her_store.format.layout import FORMAT_VERSION
 from her_store.ops.verify import verify
-from her_store.store.rows import CachedArray, ShardedArray
+from her_store.store.cached_rows import CachedArray
+from her_store.store.frame_rows import FrameArray
 from tests.conftest import DATA, GOAL_KEYS, assert_episode_equal, fetch_spaces, make_episode
 from tests.data import make_old_store as old
 
@@ -311,9 +311,9 @@ def test_newer_format_version_is_refused(store_path, fetch):
     EpisodeStore.create(store_path, obs, act).close()
     g = zarr.open_group(store_path, mode="r+")
     attrs = g.attrs.asdict()["her_store"]
-    attrs["format_version"] = her_store.FORMAT_VERSION + 1
+    attrs["format_version"] = FORMAT_VERSION + 1
     g.attrs["her_store"] = attrs
-    with pytest.raises(FormatVersionError, match=f"format version {her_store.FORMAT_VERSION + 1}"):
+    with pytest.raises(FormatVersionError, match=f"format version {FORMAT_VERSION + 1}"):
         EpisodeStore.open(store_path)
 
 
@@ -366,9 +366,9 @@ def test_second_writer_gets_a_clear_error_naming_the_holder(store_path, fetch):
         with pytest.raises(StoreLockedError, match=rf"pid {os.getpid()} on host"):
             EpisodeStore.open(store_path, mode="a")
         code = (
-            "import her_store, sys\n"
+            "import her_store, her_store.errors, sys\n"
             "try:\n    her_store.EpisodeStore.open(sys.argv[1], mode='a')\n"
-            "except her_store.StoreLockedError as e:\n    print(e); sys.exit(3)\n"
+            "except her_store.errors.StoreLockedError as e:\n    print(e); sys.exit(3)\n"
         )
         out = subprocess.run([sys.executable, "-c", code, store_path], capture_output=True, text=True, check=False)
         assert out.returncode == 3 and f"pid {os.getpid()}" in out.stdout
@@ -853,7 +853,7 @@ def _check_old_store(path: Path, version: int, lengths: dict[int, int]) -> None:
             assert_episode_equal(store.episode(i), old.episode(i, lengths[i]))
         with HerSampler(store, 128, reward_fn=_old_reward, seed=0) as sampler:
             pixels = sampler.reader.arrays["steps/pixels"]
-            assert type(pixels) is (ShardedArray if version >= 2 else CachedArray)
+            assert type(pixels) is (FrameArray if version >= 2 else CachedArray)
             b = sampler.sample()
             e, t = b.episode_ids.numpy(), b.steps.numpy()
             assert set(e) == set(ids)

@@ -11,7 +11,8 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 
-from her_store import EpisodeNotFoundError, EpisodeStore, StoreError
+from her_store import EpisodeStore
+from her_store.errors import EpisodeNotFoundError, StoreError
 from tests.conftest import ROOT, assert_episode_equal
 from tests.crash_writer import episode_for
 

@@ -36,9 +36,9 @@ from gymnasium import spaces
 
 from her_store import EpisodeStore, HerBatch, HerSampler, _kernels
 from her_store.cli.main import main
-from her_store.format import frames as shard
-from her_store.store import rows as reader
-from her_store.store.rows import ShardedArray
+from her_store.store import frame_rows as reader
+from her_store.store import frame_writer as shard
+from her_store.store.frame_rows import FrameArray
 from tests.conftest import ROOT
 from tests.http_server import serving
 from tests.sampling.test_sampler import sparse_reward
@@ -70,14 +70,14 @@ class Storage:
 
 STORAGES = {
     "mmap": Storage({"compressors": {"pixels": None}}, {"MappedArray"}, 48),
-    "lz4": Storage({}, {"MappedArray", "ShardedArray lz4"}, 48, io_threads=2),
-    "zstd": Storage({"compressors": {"pixels": "zstd", "observation": "zstd"}}, {"MappedArray", "ShardedArray"}, 48, 0),
-    "s3": Storage({}, {"RangedArray", "ShardedArray lz4"}, 16),
+    "lz4": Storage({}, {"MappedArray", "FrameArray lz4"}, 48, io_threads=2),
+    "zstd": Storage({"compressors": {"pixels": "zstd", "observation": "zstd"}}, {"MappedArray", "FrameArray"}, 48, 0),
+    "s3": Storage({}, {"RangedArray", "FrameArray lz4"}, 16),
 }
 # the layouts also read over HTTP and from a packed store: {name in STORAGES: (gather paths over HTTP, from a zip)}
 SERVED = {
     "mmap": ({"RangedArray"}, {"MappedArray"}),
-    "lz4": ({"RangedArray", "ShardedArray lz4"}, {"MappedArray", "ShardedArray lz4"}),
+    "lz4": ({"RangedArray", "FrameArray lz4"}, {"MappedArray", "FrameArray lz4"}),
 }
 HTTP_EPISODES = 16  # appended by each HTTP case (each refresh over HTTP costs tens of ms): 145 rows, a ring wraps twice
 
@@ -158,12 +158,12 @@ def wrong_rows(b: HerBatch, first: int, end: int) -> str | None:
 def gather_paths(sampler: HerSampler) -> set[str]:
     """How the sampler's reader gathers each array: its class, and "lz4" for a sharded array decoded in C."""
     arrays = sampler.reader.arrays.values()
-    return {type(a).__name__ + (" lz4" if isinstance(a, ShardedArray) and a.codec.is_lz4 else "") for a in arrays}
+    return {type(a).__name__ + (" lz4" if isinstance(a, FrameArray) and a.codec.is_lz4 else "") for a in arrays}
 
 
 def mapped_gathers(sampler: HerSampler) -> int:
     """Gathers of the sampler's reader decoded from mapped shards (local LZ4 frames found in the page cache)."""
-    return sum(a.mapped_gathers for a in sampler.reader.arrays.values() if isinstance(a, ShardedArray))
+    return sum(a.mapped_gathers for a in sampler.reader.arrays.values() if isinstance(a, FrameArray))
 
 
 def check_mapped(name: str, local: bool, mapped: int) -> None:
@@ -323,7 +323,7 @@ def test_a_sampler_on_the_writers_handle_between_appends(storage, capacity, enco
                 problem = wrong_rows(sampler.sample(), store.first_episode, store.end_episode)
                 assert problem is None, f"after episode {e}: {problem}"
             check_mapped(name, name != "s3", mapped_gathers(sampler))
-            lz4 = "ShardedArray lz4" in case.paths
+            lz4 = "FrameArray lz4" in case.paths
             assert bool(encode_tasks) == (lz4 and store._committer._sharded["steps/pixels"]._threads > 0)
         _assert_wrapped(store, capacity)
 

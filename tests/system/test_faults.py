@@ -19,8 +19,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from her_store import EpisodeStore, HerSampler, StoreError, open_store
-from her_store.errors import CorruptStoreError, NotAStoreError
+from her_store import EpisodeStore, HerSampler, open_dataset, open_store
+from her_store.errors import CorruptStoreError, NotAStoreError, StoreError
 from her_store.ops.copy import MANIFEST_KEY, copy_store
 from her_store.ops.verify import verify
 from tests.conftest import ROOT, assert_episode_equal
@@ -216,7 +216,7 @@ def test_every_write_of_a_sharded_dataset_create_failing(tmp_path):
                 assert writer.end_episode in (0, 1)
                 if writer.end_episode == 0:
                     writer.append_episode(episode_for(config, 0))
-            with open_store(root) as view:
+            with open_dataset(root) as view:
                 assert view.num_episodes == 1
                 assert_episode_equal(view.episode(name, 0), episode_for(config, 0))
 

@@ -23,18 +23,11 @@ from gymnasium import spaces
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from her_store import (
-    CorruptStoreError,
-    EpisodeStore,
-    HerSampler,
-    NotAStoreError,
-    SchemaMismatchError,
-    StoreError,
-    open_store,
-)
+from her_store import EpisodeStore, HerSampler, open_store
+from her_store.errors import CorruptStoreError, NotAStoreError, SchemaMismatchError, StoreError
 from her_store.format.layout import INDEX_COLUMNS
 from her_store.format.schema import MAX_ROW_BYTES, space_from_json
-from her_store.store import rows as reader_module
+from her_store.store import frame_rows as reader_module
 from tests.conftest import DATA, make_episode
 
 GOAL = spaces.Box(-1, 1, (3,), np.float32)
@@ -725,9 +718,9 @@ def test_a_link_where_a_tool_keeps_its_work_beside_a_store_is_refused(bases, tmp
     """A copy builds its destination in ``.DEST.copy-partial``, a repair keeps the episodes it moves in
     ``.NAME.repair``: a link planted there had a copy write the whole store into (and over) its target, and a repair
     fail with an error naming no path. Both are refused naming the path, and nothing outside changes."""
-    from her_store import StoreExistsError
+    from her_store.errors import StoreExistsError
     from her_store.ops.copy import copy_store
-    from her_store.ops.verify import repair
+    from her_store.ops.repair import repair
 
     outside = tmp_path / "outside"
     outside.mkdir()

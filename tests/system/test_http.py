@@ -23,7 +23,8 @@ from gymnasium import spaces
 from her_store import EpisodeStore
 from her_store.errors import CorruptStoreError, ReadOnlyStoreError
 from her_store.sampling.sampler import HerSampler
-from her_store.store.rows import RangedArray, ShardedArray
+from her_store.store.cached_rows import RangedArray
+from her_store.store.frame_rows import FrameArray
 from tests.conftest import ROOT, assert_episode_equal, fetch_spaces, make_episode
 from tests.http_server import RangeHandler, Server
 
@@ -122,12 +123,12 @@ def test_a_store_served_over_http_reads_bit_exact_and_samples(stores, serve, nam
     with EpisodeStore.open(f"{base}/{name}") as remote, EpisodeStore.open(f"{stores}/{name}") as local:
         assert remote.schema.fields == local.schema.fields and remote.metadata == local.metadata
         np.testing.assert_array_equal(remote.episodes["crc32"], local.episodes["crc32"])
-        assert remote._loc.ranged
+        assert remote.backend.ranged
         for i in range(local.num_episodes):
             assert_episode_equal(remote.episode(i), local.episode(i))
         with HerSampler(remote, 256, reward_fn=_reward, seed=1) as sampler:
             kinds = {type(a) for a in sampler.reader.arrays.values()}
-            assert RangedArray in kinds and (ShardedArray in kinds) == (name == "img")
+            assert RangedArray in kinds and (FrameArray in kinds) == (name == "img")
             episodes = {i: local.episode(i) for i in range(local.num_episodes)}
             for _ in range(3):
                 b = sampler.sample()
@@ -148,7 +149,7 @@ def test_a_store_served_over_http_reads_bit_exact_and_samples(stores, serve, nam
 def test_a_server_without_range_or_etag_still_serves_whole_objects(stores, serve):
     base = serve(stores, PlainHandler)
     with EpisodeStore.open(f"{base}/img") as remote, EpisodeStore.open(f"{stores}/img") as local:
-        assert not remote._loc.ranged
+        assert not remote.backend.ranged
         assert_episode_equal(remote.episode(3), local.episode(3))
         with HerSampler(remote, 256, reward_fn=_reward, seed=1) as sampler:
             b = sampler.sample()
@@ -287,10 +288,10 @@ class ShiftedRangeHandler(RangeHandler):
 def test_a_range_other_than_the_one_asked_for_is_refused(stores, serve):
     base = serve(stores, ShiftedRangeHandler)
     with EpisodeStore.open(f"{base}/low") as remote:
-        url = remote._loc.key_path("packs/float32/c/0/0")
-        assert remote._loc.fs.cat_file(url, start=0, end=8) == open(f"{stores}/low/packs/float32/c/0/0", "rb").read(8)
+        key = "packs/float32/c/0/0"
+        assert remote.backend.read_ranges([key], [0], [8])[0] == open(f"{stores}/low/packs/float32/c/0/0", "rb").read(8)
         with pytest.raises(CorruptStoreError, match="the range asked for"):
-            remote._loc.fs.cat_file(url, start=100, end=164)
+            remote.backend.read_ranges([key], [100], [164])
 
 
 @pytest.mark.parametrize("handler", [GarbageHandler, TruncatingHandler])

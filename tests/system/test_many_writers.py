@@ -16,8 +16,8 @@ import time
 import numpy as np
 import pytest
 
-from her_store import open_store
-from her_store.datasets.sharded import ShardedView
+from her_store import MixtureSampler, open_dataset, open_store
+from her_store.datasets.view import ShardedView
 from her_store.interop import read_batches
 from tests.conftest import ROOT, assert_episode_equal, fetch_spaces, make_episode
 
@@ -83,8 +83,8 @@ def learner_main(root: str, options: str, stop: str, result: str) -> None:
     ``result``.txt (the transitions of the view as of its last refresh);
     then reads back every committed episode of every shard. Writes what it saw to ``result``."""
     fd = os.open(result + ".txt", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-    view = open_store(root, storage_options=json.loads(options))
-    sampler = view.sampler(64, reward_fn=reward, seed=0)
+    view = open_dataset(root, storage_options=json.loads(options))
+    sampler = MixtureSampler(view, weights="transitions", batch_size=64, reward_fn=reward, seed=0)
     while not sampler.refresh().sum():  # until a writer has committed an episode
         time.sleep(0.1)
     seen, rows = set(), 0

@@ -15,12 +15,13 @@ import numpy as np
 import pytest
 import zarr
 
-from her_store import CorruptStoreError, EpisodeStore, StoreLockedError, open_store
+from her_store import EpisodeStore, open_store
+from her_store.errors import CorruptStoreError, StoreLockedError
 from tests.conftest import ROOT, assert_episode_equal, make_episode
 
 
 def test_a_create_over_someone_elses_zarr_array_on_s3_changes_nothing(s3_url, fetch):
-    from her_store import StoreExistsError
+    from her_store.errors import StoreExistsError
 
     url, opts = s3_url
     obs, act = fetch
@@ -199,7 +200,8 @@ def test_sampler_reads_s3_through_the_chunk_cache(s3_url, fetch):
 # A writer that takes the lease, says so, waits for a line on stdin, then appends two episodes and commits them.
 LEASED_WRITER = """
 import json, sys
-from her_store import EpisodeStore, StoreLockedError
+from her_store import EpisodeStore
+from her_store.errors import StoreLockedError
 from tests.conftest import fetch_spaces, make_episode
 obs, act = fetch_spaces()
 store = EpisodeStore.open(sys.argv[1], mode="a", storage_options=json.loads(sys.argv[2]), lease_ttl=float(sys.argv[3]),
@@ -332,7 +334,8 @@ async def pipe(self, path, data, *a, **k):
     return await real(self, path, data, *a, **k)
 
 s3fs.S3FileSystem._pipe_file = pipe
-from her_store import EpisodeStore, StoreLockedError
+from her_store import EpisodeStore
+from her_store.errors import StoreLockedError
 from tests.conftest import fetch_spaces, make_episode
 obs, act = fetch_spaces()
 a = EpisodeStore.open(sys.argv[1], mode="a", storage_options=json.loads(sys.argv[2]), lease_ttl=2.0, commit_interval=100)
