@@ -28,7 +28,7 @@ __version__ = "0.1.0"
 
 _SAMPLING = {
     "HerSampler": "her_store.sampling.sampler",
-    "HerBatch": "her_store.sampling.sampler",
+    "HerBatch": "her_store.sampling.batch",
     "MixtureSampler": "her_store.sampling.mixture",
     "WorkingSetSampler": "her_store.sampling.working_set",
     "HerIterableDataset": "her_store.sampling.loader",

@@ -1,7 +1,10 @@
-"""What counts as an integer and as a number, in an argument or in what a store holds: a bool is neither.
+"""Argument checks: what counts as an int and as a number (a bool is neither), and the one way an option is checked.
 
 Python's ``bool`` is an ``int`` (``True + 1 == 2``), so ``capacity=True``, or a JSON ``true`` where a count belongs,
-would pass a plain ``isinstance(v, int)``. Every such check in the package goes through these two.
+would pass a plain ``isinstance(v, int)``. Every such test in the package goes through :func:`is_int` and
+:func:`is_number`; every option an API takes goes through :func:`check_int`, :func:`check_number`,
+:func:`check_bool` or :func:`check_callable`, which return the value as the API keeps it and raise an error naming
+the argument, what it must be and what was given.
 
 Examples
 --------
@@ -9,16 +12,41 @@ Examples
 (True, True, False, False)
 >>> is_number(2.5), is_number(np.float32(1)), is_number(False), is_number(float("inf"), finite=True)
 (True, True, False, False)
+>>> check_int(np.int64(8), "batch_size", low=1)
+8
+>>> check_int(True, "batch_size", low=1)
+Traceback (most recent call last):
+...
+her_store.checks.ArgumentTypeError: batch_size must be an int >= 1, not a bool: got True
 """
 
 from __future__ import annotations
 
 import math
-from typing import Any
+from collections.abc import Callable
+from typing import Any, Literal, TypeVar, overload
 
 import numpy as np
 
-__all__ = ["is_int", "is_number"]
+from her_store.errors import short_repr
+
+__all__ = [
+    "ArgumentTypeError",
+    "check_bool",
+    "check_bounds",
+    "check_callable",
+    "check_int",
+    "check_number",
+    "is_int",
+    "is_number",
+]
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+class ArgumentTypeError(TypeError, ValueError):
+    """An argument of the wrong type (a bool or a float where an int belongs): a TypeError, and a ValueError too,
+    since it is a bad value of that argument and callers catching either must see it."""
 
 
 def is_int(v: Any) -> bool:
@@ -42,3 +70,218 @@ def is_number(v: Any, finite: bool = False) -> bool:
     """
     real = isinstance(v, (int, float, np.integer, np.floating)) and not isinstance(v, bool)
     return real and (not finite or math.isfinite(v))
+
+
+def _bounds(low: float | None, high: float | None, low_open: bool, high_open: bool) -> str:
+    """The range as a message writes it: ``>= 1``, ``< 1``, ``in (0, 0.5]``, or nothing."""
+    if low is not None and high is not None:
+        return f"in {'(' if low_open else '['}{low}, {high}{')' if high_open else ']'}"
+    if low is not None:
+        return f"{'>' if low_open else '>='} {low}"
+    if high is not None:
+        return f"{'<' if high_open else '<='} {high}"
+    return ""
+
+
+def _expected(kind: str, bounds: str, or_none: bool) -> str:
+    return " ".join(filter(None, (kind, bounds))) + (" or None" if or_none else "")
+
+
+def _not_a(value: Any) -> str:
+    """What ``value`` is, after "not": ``a bool``, ``an int``, ``None``."""
+    if value is None:
+        return "None"
+    name = type(value).__name__
+    return f"{'an' if name[:1].lower() in 'aeiou' else 'a'} {name}"
+
+
+def check_bounds(
+    value: Any,
+    name: str,
+    *,
+    low: float | None = None,
+    high: float | None = None,
+    low_open: bool = False,
+    high_open: bool = False,
+    kind: str = "",
+    or_none: bool = False,
+) -> Any:
+    """``value``, a number already checked for its type, within ``[low, high]`` (``low_open``, ``high_open``:
+    excluding that end); NaN is within no range.
+
+    Raises
+    ------
+    ValueError
+        ``"<name> must be <kind> <range>: got <value>"``.
+
+    Examples
+    --------
+    >>> check_bounds(0.9, "refill_fraction", low=0, high=0.5, low_open=True)
+    Traceback (most recent call last):
+    ...
+    ValueError: refill_fraction must be in (0, 0.5]: got 0.9
+    """
+    ok = (low is None or (value > low if low_open else value >= low)) and (
+        high is None or (value < high if high_open else value <= high)
+    )
+    if not ok:
+        expected = _expected(kind, _bounds(low, high, low_open, high_open), or_none)
+        raise ValueError(f"{name} must be {expected}: got {short_repr(value)}")
+    return value
+
+
+@overload
+def check_int(
+    value: Any, name: str, *, low: int | None = ..., high: int | None = ..., or_none: Literal[False] = ...
+) -> int: ...
+@overload
+def check_int(
+    value: Any, name: str, *, low: int | None = ..., high: int | None = ..., or_none: Literal[True]
+) -> int | None: ...
+def check_int(
+    value: Any, name: str, *, low: int | None = None, high: int | None = None, or_none: bool = False
+) -> int | None:
+    """``value`` as an ``int`` within ``[low, high]``: an int or a numpy integer, not a bool nor a float; with
+    ``or_none``, None too (returned as is).
+
+    Raises
+    ------
+    ArgumentTypeError
+        Not an int: ``"<name> must be an int >= 1, not a float: got 2.5"``.
+    ValueError
+        Out of range: ``"<name> must be an int >= 1: got 0"``.
+
+    Examples
+    --------
+    >>> check_int(None, "io_threads", low=0, or_none=True) is None
+    True
+    >>> check_int(2**70, "seed", low=0, high=2**64 - 1)
+    Traceback (most recent call last):
+    ...
+    ValueError: seed must be an int in [0, 18446744073709551615]: got 1180591620717411303424
+    """
+    if value is None and or_none:
+        return None
+    if not is_int(value):
+        expected = _expected("an int", _bounds(low, high, False, False), or_none)
+        raise ArgumentTypeError(f"{name} must be {expected}, not {_not_a(value)}: got {short_repr(value)}")
+    check_bounds(value, name, low=low, high=high, kind="an int", or_none=or_none)
+    return int(value)
+
+
+@overload
+def check_number(
+    value: Any,
+    name: str,
+    *,
+    low: float | None = ...,
+    high: float | None = ...,
+    low_open: bool = ...,
+    high_open: bool = ...,
+    finite: bool = ...,
+    or_none: Literal[False] = ...,
+) -> float: ...
+@overload
+def check_number(
+    value: Any,
+    name: str,
+    *,
+    low: float | None = ...,
+    high: float | None = ...,
+    low_open: bool = ...,
+    high_open: bool = ...,
+    finite: bool = ...,
+    or_none: Literal[True],
+) -> float | None: ...
+def check_number(
+    value: Any,
+    name: str,
+    *,
+    low: float | None = None,
+    high: float | None = None,
+    low_open: bool = False,
+    high_open: bool = False,
+    finite: bool = False,
+    or_none: bool = False,
+) -> float | None:
+    """``value`` as a ``float`` within the range (see :func:`check_bounds`): an int or a float (numpy's too), not a
+    bool nor a string; with ``finite``, neither infinite nor NaN; with ``or_none``, None too (returned as is).
+
+    Raises
+    ------
+    ArgumentTypeError
+        Not a number: ``"<name> must be a real number >= 0, not a str: got '1'"``.
+    ValueError
+        Out of range, NaN, or (``finite``) infinite.
+
+    Examples
+    --------
+    >>> check_number(np.float32(0.25), "refill_fraction", low=0, high=0.5, low_open=True)
+    0.25
+    >>> check_number(float("inf"), "discount", finite=True)
+    Traceback (most recent call last):
+    ...
+    ValueError: discount must be a finite real number: got inf
+    """
+    if value is None and or_none:
+        return None
+    kind = "a finite real number" if finite else "a real number"
+    bounds = _bounds(low, high, low_open, high_open)
+    if not is_number(value):
+        raise ArgumentTypeError(
+            f"{name} must be {_expected(kind, bounds, or_none)}, not {_not_a(value)}: got {short_repr(value)}"
+        )
+    if finite and not math.isfinite(value):
+        raise ValueError(f"{name} must be {_expected(kind, bounds, or_none)}: got {short_repr(float(value))}")
+    check_bounds(value, name, low=low, high=high, low_open=low_open, high_open=high_open, kind=kind, or_none=or_none)
+    return float(value)
+
+
+@overload
+def check_bool(value: Any, name: str, *, or_none: Literal[False] = ...) -> bool: ...
+@overload
+def check_bool(value: Any, name: str, *, or_none: Literal[True]) -> bool | None: ...
+def check_bool(value: Any, name: str, *, or_none: bool = False) -> bool | None:
+    """``value`` as a ``bool``: True or False (numpy's too), not 0 or 1; with ``or_none``, None too.
+
+    Raises
+    ------
+    ArgumentTypeError
+        ``"<name> must be True or False, not an int: got 1"``.
+
+    Examples
+    --------
+    >>> check_bool(np.bool_(True), "background")
+    True
+    """
+    if value is None and or_none:
+        return None
+    if not isinstance(value, (bool, np.bool_)):
+        expected = "True, False or None" if or_none else "True or False"
+        raise ArgumentTypeError(f"{name} must be {expected}, not {_not_a(value)}: got {short_repr(value)}")
+    return bool(value)
+
+
+@overload
+def check_callable(value: _F, name: str, *, or_none: bool = ...) -> _F: ...
+@overload
+def check_callable(value: None, name: str, *, or_none: Literal[True]) -> None: ...
+def check_callable(value: Any, name: str, *, or_none: bool = False) -> Any:
+    """``value``, a callable; with ``or_none``, None too.
+
+    Raises
+    ------
+    ArgumentTypeError
+        ``"<name> must be a callable, not a str: got 'sparse'"``.
+
+    Examples
+    --------
+    >>> check_callable(None, "reward_fn", or_none=True) is None
+    True
+    """
+    if value is None and or_none:
+        return None
+    if not callable(value):
+        expected = "a callable or None" if or_none else "a callable"
+        raise ArgumentTypeError(f"{name} must be {expected}, not {_not_a(value)}: got {short_repr(value)}")
+    return value

@@ -9,7 +9,7 @@ any rank draw the same batch stream and a run draws the same streams again.
 
 from __future__ import annotations
 
-import inspect
+import dataclasses
 import itertools
 import os
 from collections.abc import Callable, Iterator, Mapping
@@ -20,11 +20,13 @@ import torch
 import torch.distributed
 from torch.utils.data import IterableDataset, get_worker_info
 
-from her_store.checks import is_int
+from her_store.checks import check_int, is_int
 from her_store.datasets.marker import is_sharded
 from her_store.datasets.view import ShardedView
+from her_store.sampling.batch import HerBatch
+from her_store.sampling.config import SamplerConfig, check_options
 from her_store.sampling.mixture import MixtureSampler
-from her_store.sampling.sampler import HerBatch, HerSampler
+from her_store.sampling.sampler import HerSampler
 from her_store.storage import open_backend
 from her_store.store.episode_store import EpisodeStore
 
@@ -40,6 +42,7 @@ _RESERVED = {
     "device": "workers sample on the CPU; move each batch in the training loop (DataLoader(..., pin_memory=True) "
     "pins it for a fast copy to CUDA)",
 }
+_OPTIONS = frozenset(f.name for f in dataclasses.fields(SamplerConfig)) - set(_RESERVED)
 
 
 def open_source(source: StoreSource, storage_options: Mapping[str, Any] | None = None) -> Any:
@@ -50,8 +53,8 @@ def open_source(source: StoreSource, storage_options: Mapping[str, Any] | None =
     source : str, PathLike or callable
         A store's path or URL, opened read-only (``EpisodeStore.open(source, "r", storage_options)``), or a sharded
         dataset's root, opened as a read view over every shard (:class:`~her_store.datasets.view.ShardedView`). Or a
-        picklable callable taking no arguments that returns a read-only :class:`EpisodeStore` or a view with
-        ``sampler(batch_size, seed=..., **kwargs)`` and ``close()`` (as ShardedView has): this is how other views
+        picklable callable taking no arguments that returns a read-only :class:`EpisodeStore` or a view of many stores
+        with ``stores``, ``refresh()`` and ``close()`` (as ShardedView has, sampled by a MixtureSampler): this is how other views
         plug in, e.g. ``functools.partial(EpisodeStore.open, url, "r", storage_options=opts)``.
     storage_options : mapping, optional
         fsspec options of a path or URL (a callable carries its own).
@@ -83,11 +86,14 @@ def open_source(source: StoreSource, storage_options: Mapping[str, Any] | None =
     return EpisodeStore.open(source, "r", storage_options)
 
 
-def _sampler_of(opened: Any, batch_size: int, seed: int, kwargs: Mapping[str, Any]) -> HerSampler | MixtureSampler:
-    """A store's HerSampler, or a view's MixtureSampler (uniform over every shard's transitions)."""
+def _sampler_of(
+    opened: Any, config: SamplerConfig, seed: int, kwargs: Mapping[str, Any]
+) -> HerSampler | MixtureSampler:
+    """A store's HerSampler (``config`` with ``seed``), or a view's MixtureSampler with the options given (``kwargs``,
+    which ``config`` checked): uniform over every shard's transitions."""
     if isinstance(opened, EpisodeStore):
-        return HerSampler(opened, batch_size, seed=seed, **kwargs)
-    return MixtureSampler(opened, weights="transitions", batch_size=batch_size, seed=seed, **kwargs)
+        return HerSampler.from_config(opened, config.replace(seed=seed))
+    return MixtureSampler(opened, weights="transitions", batch_size=config.batch_size, seed=seed, **kwargs)
 
 
 def _distributed(rank: int | None, world_size: int | None) -> tuple[int, int]:
@@ -110,8 +116,8 @@ class HerIterableDataset(IterableDataset[HerBatch]):
     """HER batches of a store for ``torch.utils.data.DataLoader(dataset, batch_size=None, num_workers=N)``.
 
     Each DataLoader worker (and the main process with ``num_workers=0``) opens its own read-only handle when its
-    iteration starts (fork or spawn alike) and yields :class:`~her_store.sampling.sampler.HerBatch` objects of CPU tensors,
-    ``batch_size`` transitions each; the handle is closed when the iteration ends, is closed or is garbage
+    iteration starts (fork or spawn alike) and yields :class:`~her_store.sampling.batch.HerBatch` objects of CPU
+    tensors, ``batch_size`` transitions each; the handle is closed when the iteration ends, is closed or is garbage
     collected. Batches are drawn as :class:`~her_store.sampling.sampler.HerSampler` draws them, uniformly from the
     committed transitions, which a worker picks up as they are committed; from a sharded dataset, uniformly over
     every shard's (the view's :class:`~her_store.sampling.mixture.MixtureSampler`; ``batch.source`` is the shard).
@@ -142,9 +148,10 @@ class HerIterableDataset(IterableDataset[HerBatch]):
         ``batches_per_epoch // world_size`` of them (so it must divide evenly: ranks of a distributed run step
         together) split across its workers. None: endless (stop the loop yourself).
     **her_sampler_kwargs
-        Passed to :class:`~her_store.sampling.sampler.HerSampler` (a view's sampler) in each worker (``n_sampled_goal``,
-        ``goal_selection_strategy``, ``reward_fn``, ...); with spawn workers they are pickled, so a ``reward_fn``
-        must be a module-level function. ``device`` is not taken: batches stay on the CPU
+        Passed to :class:`~her_store.sampling.sampler.HerSampler` (a view's sampler) in each worker
+        (``n_sampled_goal``, ``goal_selection_strategy``, ``reward_fn``, ...), checked here as a
+        :class:`~her_store.sampling.config.SamplerConfig` (:attr:`config`); with spawn workers they are pickled, so a
+        ``reward_fn`` must be a module-level function. ``device`` is not taken: batches stay on the CPU
         (``DataLoader(..., pin_memory=True)`` and ``.to("cuda", non_blocking=True)`` in the loop).
 
     Raises
@@ -184,19 +191,12 @@ class HerIterableDataset(IterableDataset[HerBatch]):
             )
         if callable(source) and storage_options is not None:
             raise ValueError("storage_options apply to a path or URL; a callable source opens with its own")
-        if not is_int(batch_size) or batch_size < 1:
-            raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r}")
-        if batches_per_epoch is not None and (not is_int(batches_per_epoch) or batches_per_epoch < 0):
-            raise ValueError(f"batches_per_epoch must be an int >= 0 or None (endless), got {batches_per_epoch!r}")
+        batches_per_epoch = check_int(batches_per_epoch, "batches_per_epoch", low=0, or_none=True)
         for name, why in _RESERVED.items():
             if name in her_sampler_kwargs:
                 raise TypeError(f"HerIterableDataset does not pass {name!r} to HerSampler: {why}")
-        known = inspect.signature(HerSampler).parameters
-        unknown = sorted(set(her_sampler_kwargs) - set(known))
-        if unknown:
-            raise TypeError(
-                f"HerSampler takes no argument(s) {unknown}; it takes {sorted(set(known) - set(_RESERVED))}"
-            )
+        check_options(her_sampler_kwargs, _OPTIONS)
+        self.config = SamplerConfig(batch_size=batch_size, **her_sampler_kwargs)
         self.rank, self.world_size = _distributed(rank, world_size)
         if batches_per_epoch is not None and batches_per_epoch % self.world_size:
             raise ValueError(
@@ -205,8 +205,8 @@ class HerIterableDataset(IterableDataset[HerBatch]):
             )
         self.source = source
         self.storage_options = None if storage_options is None else dict(storage_options)
-        self.batch_size = int(batch_size)
-        self.seed = int(np.random.SeedSequence(seed).entropy)
+        self.batch_size = self.config.batch_size
+        self.seed = int(np.random.SeedSequence(check_int(seed, "seed", low=0, or_none=True)).entropy)
         self.batches_per_epoch = batches_per_epoch
         self.her_sampler_kwargs = her_sampler_kwargs
         self.epoch = 0
@@ -214,9 +214,7 @@ class HerIterableDataset(IterableDataset[HerBatch]):
 
     def set_epoch(self, epoch: int) -> None:
         """Draw this epoch's streams (call before each epoch when DataLoader workers are not persistent)."""
-        if epoch < 0:
-            raise ValueError(f"epoch must be >= 0, got {epoch}")
-        self.epoch = int(epoch)
+        self.epoch = check_int(epoch, "epoch", low=0)
 
     def __len__(self) -> int:
         """Batches this rank yields per epoch (``len(DataLoader(ds, batch_size=None))``); TypeError when endless."""
@@ -248,7 +246,7 @@ class HerIterableDataset(IterableDataset[HerBatch]):
             e.add_note(f"HerIterableDataset (rank {self.rank}, worker {worker}) opening {self.source!r}")
             raise
         try:
-            with _sampler_of(store, self.batch_size, seed, self.her_sampler_kwargs) as sampler:
+            with _sampler_of(store, self.config, seed, self.her_sampler_kwargs) as sampler:
                 for _ in itertools.repeat(None) if count is None else range(count):
                     yield sampler.sample()
         finally:

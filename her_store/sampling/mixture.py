@@ -1,13 +1,15 @@
 """MixtureSampler: HER batches drawn from several stores with weights (an offline dataset mixed into online training).
 
-One :class:`~her_store.sampling.sampler.HerSampler` per store does the drawing, relabelling and gathering; this module only
-splits each batch among the stores (two multinomial draws), checks that their spaces match, and joins the parts
-into one :class:`~her_store.sampling.sampler.HerBatch` whose ``source`` names each row's store.
+One :class:`~her_store.sampling.sampler.HerSampler` per store, built from the mixture's one
+:class:`~her_store.sampling.config.SamplerConfig`, does the drawing, relabelling and gathering; this module splits
+each batch among the stores (two multinomial draws), checks that their spaces match, gives the samplers of a store
+set one random goal source over all its stores (:class:`StoreSetGoals`), and joins the parts into one
+:class:`~her_store.sampling.batch.HerBatch` whose ``source`` names each row's store.
 """
 
 from __future__ import annotations
 
-import inspect
+import dataclasses
 import math
 import time
 from collections.abc import Iterator, Mapping, Sequence
@@ -16,16 +18,20 @@ from typing import Any, Literal, Protocol, runtime_checkable
 import numpy as np
 import torch
 
-from her_store.checks import is_int
+from her_store.checks import check_int
 from her_store.errors import SchemaMismatchError, StoreError, short_repr
 from her_store.format.schema import space_to_json
-from her_store.sampling.sampler import HerBatch, HerSampler
+from her_store.sampling.batch import HerBatch
+from her_store.sampling.config import SamplerConfig, check_options
+from her_store.sampling.sampler import HerSampler
 from her_store.store.episode_store import EpisodeStore
 
-__all__ = ["MixtureSampler", "StoreSet"]
+__all__ = ["MixtureSampler", "StoreSet", "StoreSetGoals"]
 
 # a store set lists its stores (one LIST on object storage): looked at this often unless refresh_interval says
 _STORE_SET_INTERVAL = 1.0
+# the per-store samplers' options a mixture passes on (batch_size and seed are its own arguments)
+_OPTIONS = frozenset(f.name for f in dataclasses.fields(SamplerConfig)) - {"batch_size", "seed"}
 
 
 @runtime_checkable
@@ -92,11 +98,36 @@ def _fixed_weights(weights: Any, n: int) -> np.ndarray:
     return w / w.sum()
 
 
-def _check_batch_size(batch_size: Any) -> int:
-    """``batch_size`` as an int >= 1 (an int, not a bool or a float)."""
-    if not is_int(batch_size) or batch_size < 1:
-        raise ValueError(f"batch_size must be an int >= 1, got {short_repr(batch_size)}")
-    return int(batch_size)
+class StoreSetGoals:
+    """A store set's random goals, given to each of its stores' samplers as their ``random_goals``
+    (:class:`~her_store.sampling.relabel.RandomGoalSource`): the achieved goals of the next observations of ``n``
+    transitions drawn uniformly, with the relabelling sampler's generator, from the committed transitions of all the
+    stores, as their samplers' views hold them.
+
+    Parameters
+    ----------
+    samplers : sequence of HerSampler
+        The stores' samplers, read at each draw (a mixture's own list, to which stores that join are appended).
+    """
+
+    def __init__(self, samplers: Sequence[HerSampler]) -> None:
+        self.samplers = samplers
+
+    def __call__(self, rng: np.random.Generator, n: int) -> np.ndarray:
+        counts = np.array([0 if s.view is None else s.view.num_transitions for s in self.samplers], np.int64)
+        ends = np.cumsum(counts)
+        k = rng.integers(0, int(ends[-1]), n)
+        store = np.searchsorted(ends, k, side="right")
+        k -= (ends - counts)[store]
+        goals: np.ndarray | None = None
+        for pos in np.unique(store):
+            sel = store == pos
+            got = self.samplers[pos].transition_goals(k[sel], rng)
+            if goals is None:
+                goals = np.empty((n, *got.shape[1:]), got.dtype)
+            goals[sel] = got
+        assert goals is not None  # the goal choice asks for n >= 1
+        return goals
 
 
 class MixtureSampler:
@@ -116,9 +147,10 @@ class MixtureSampler:
     from all their committed transitions (each store's view as of its last refresh), whichever store the row came from.
     A sequence of stores is a mixture of separate datasets (online experience and an offline dataset, say), and a
     row's random goal comes from its own store: each store's rows are then exactly the rows a
-    :class:`~her_store.sampling.sampler.HerSampler` on that store gives, whatever the other stores hold, and the weights set
-    how much each dataset contributes, goals included (from all stores, a store's goals would follow its share of
-    the transitions rather than its weight). To draw goals from all the stores of a list, pass them as a StoreSet.
+    :class:`~her_store.sampling.sampler.HerSampler` on that store gives, whatever the other stores hold, and the
+    weights set how much each dataset contributes, goals included (from all stores, a store's goals would follow its
+    share of the transitions rather than its weight). To draw goals from all the stores of a list, pass them as a
+    StoreSet.
 
     Parameters
     ----------
@@ -137,14 +169,16 @@ class MixtureSampler:
         Seeds the split and, through ``numpy.random.SeedSequence`` spawn keys, each store's sampler (store ``i``
         gets the same stream whenever it joins).
     **her_sampler_kwargs
-        Passed to every store's :class:`~her_store.sampling.sampler.HerSampler` (``n_sampled_goal``,
-        ``goal_selection_strategy``, ``reward_fn``, ``device``, ``copy_info_dict``, ``refresh_interval``, ...);
-        not ``prefetch`` (each batch's split differs). Without ``reward_fn``, each store's sampler takes its own
-        store's env (see HerSampler). Each store is refreshed at its sampler's ``refresh_interval``; a store set
-        at ``refresh_interval``, default 1 s.
+        The options of every store's :class:`~her_store.sampling.sampler.HerSampler` (``n_sampled_goal``,
+        ``goal_selection_strategy``, ``reward_fn``, ``device``, ``copy_info_dict``, ``refresh_interval``, ...), checked
+        once as a :class:`~her_store.sampling.config.SamplerConfig`; not ``prefetch`` (each batch's split differs).
+        Without ``reward_fn``, each store's sampler takes its own store's env (see HerSampler). Each store is
+        refreshed at its sampler's ``refresh_interval``; a store set at ``refresh_interval``, default 1 s.
 
     Attributes
     ----------
+    config : SamplerConfig
+        The per-store samplers' options (each store's with its own seed).
     her_ratio : float
         The relabelled fraction of a batch, the per-store samplers' (``int(her_ratio * B)`` rows).
     rng : numpy.random.Generator
@@ -177,12 +211,13 @@ class MixtureSampler:
         seed: int | None = None,
         **her_sampler_kwargs: Any,
     ) -> None:
-        _check_batch_size(batch_size)
-        if her_sampler_kwargs.get("prefetch"):
+        check_options(her_sampler_kwargs, _OPTIONS)
+        self.config = SamplerConfig(batch_size=batch_size, **her_sampler_kwargs)
+        if self.config.prefetch:
             raise ValueError(
                 "MixtureSampler does not prefetch (each batch's split among the stores differs); drop prefetch"
             )
-        inspect.signature(HerSampler).bind_partial(None, **her_sampler_kwargs)  # an unknown argument fails here
+        seed = check_int(seed, "seed", low=0, or_none=True)
         self._set: StoreSet | None = None
         if isinstance(stores, StoreSet):
             self._set = stores
@@ -196,8 +231,7 @@ class MixtureSampler:
                 "stores must be a sequence of EpisodeStore or an object with .stores and .refresh(), "
                 f"got {type(stores).__name__}"
             )
-        self.batch_size = int(batch_size)
-        self._kwargs = her_sampler_kwargs
+        self.batch_size = self.config.batch_size
         self._seeds = np.random.SeedSequence(seed)
         self.rng = np.random.default_rng(self._seeds)
         if isinstance(weights, str):
@@ -208,14 +242,15 @@ class MixtureSampler:
             raise ValueError("a StoreSet grows: it takes weights='transitions' (or pass its stores as a list)")
         else:
             self._fixed = _fixed_weights(weights, len(initial))
-        self.her_ratio = 0.0  # the per-store samplers' ratio, set by the first one
+        self.her_ratio = self.config.her_ratio
         self._samplers: list[HerSampler] = []
+        self._goals = StoreSetGoals(self._samplers) if self._set is not None else None  # one dataset: goals of all
         self._intervals: list[float] = []  # each store's refresh interval (its own sampler never refreshes itself)
         self._refreshed: list[float] = []
         self._counts = np.zeros(0, np.int64)  # committed transitions of each store's current view
         self._closed = False
         self._pending: dict[str, Mapping[str, Any]] = {}  # loaded states of stores not yet joined, by store URL
-        interval = her_sampler_kwargs.get("refresh_interval")
+        interval = self.config.refresh_interval
         self._set_interval = _STORE_SET_INTERVAL if interval is None else float(interval)
         self._set_refreshed = time.monotonic()
         try:
@@ -240,7 +275,7 @@ class MixtureSampler:
     # -- the stores ----------------------------------------------------------------------------------------
     def _join(self, stores: Sequence[EpisodeStore]) -> None:
         """Check and add samplers for ``stores`` (positions ``len(self._samplers)`` on)."""
-        with_infos = bool(self._kwargs.get("copy_info_dict", False))
+        with_infos = self.config.copy_info_dict
         for store in stores:
             pos = len(self._samplers)
             if not isinstance(store, EpisodeStore):
@@ -248,11 +283,8 @@ class MixtureSampler:
             if self._samplers:
                 _check_same_spaces(self._samplers[0].store, 0, store, pos, with_infos)
             seed = np.random.SeedSequence(self._seeds.entropy, spawn_key=(pos,)).generate_state(4)
-            sampler = HerSampler(store, self.batch_size, **self._kwargs, seed=int.from_bytes(seed.tobytes(), "little"))
-            if not self._samplers:
-                self.her_ratio = sampler.her_ratio
-            if self._set is not None:  # one dataset: random goals come from all its stores
-                sampler._random_goals = self._set_goals
+            config = self.config.replace(seed=int.from_bytes(seed.tobytes(), "little"))
+            sampler = HerSampler.from_config(store, config, random_goals=self._goals)
             if store.url in self._pending:
                 sampler.load_state_dict(self._pending.pop(store.url))
             self._intervals.append(sampler.refresh_interval)
@@ -260,25 +292,6 @@ class MixtureSampler:
             self._samplers.append(sampler)
             self._counts = np.append(self._counts, sampler.refresh().num_transitions)
             self._refreshed.append(time.monotonic())
-
-    def _set_goals(self, rng: np.random.Generator, n: int) -> np.ndarray:
-        """A store set's random goals: the achieved goals of the next observations of ``n`` transitions drawn
-        uniformly, with ``rng`` (the relabelling sampler's), from the committed transitions of all its stores, as
-        their samplers' views hold them."""
-        counts = np.array([0 if s._view is None else s._view.num_transitions for s in self._samplers], np.int64)
-        ends = np.cumsum(counts)
-        k = rng.integers(0, int(ends[-1]), n)
-        store = np.searchsorted(ends, k, side="right")
-        k -= (ends - counts)[store]
-        goals: np.ndarray | None = None
-        for pos in np.unique(store):
-            sel = store == pos
-            got = self._samplers[pos]._transition_goals(k[sel], rng)
-            if goals is None:
-                goals = np.empty((n, *got.shape[1:]), got.dtype)
-            goals[sel] = got
-        assert goals is not None  # n >= 1
-        return goals
 
     def _refresh_set(self) -> None:
         """The set's refresh, which refreshes its stores too: each sampler then takes its store's new view without
@@ -349,7 +362,7 @@ class MixtureSampler:
         """
         if self._closed:
             raise StoreError("MixtureSampler is closed")
-        B = self.batch_size if batch_size is None else _check_batch_size(batch_size)
+        B = self.batch_size if batch_size is None else check_int(batch_size, "batch_size", low=1)
         self._refresh_due()
         p = self._probabilities()
         M = int(self.her_ratio * B)

@@ -1,13 +1,15 @@
-"""Goal-selection strategies for hindsight relabelling: future, final, episode, random, or a user's callable.
+"""Where goals are chosen: the strategies (future, final, episode, random, a GoalMixture or a user's callable) and the
+goal choice that turns a batch's sampled transitions into the rows, or the goals, its relabelled samples take.
 
 Index maths only (vectorised): given sampled transitions ``(episode, t)`` with episode lengths ``L``, choose
 the step ``j`` whose next achieved goal becomes the new desired goal. The formulas are SB3's
 (stable_baselines3/her/her_replay_buffer.py): future ``j ~ U[t, L-1]``, final ``j = L-1``, episode
 ``j ~ U[0, L-1]``; the goal is the achieved goal of the next observation at step ``j``, i.e. row
 ``start + j + 1``. ``random`` (SB2, TorchRL) takes the next achieved goal of a transition drawn uniformly
-from the whole store (from every shard of a sharded dataset, whose sampler draws over all of them; see
-:class:`~her_store.sampling.mixture.MixtureSampler`). :class:`GoalMixture` is offline goal-conditioned RL's mixture
-(OGBench's GCDataset): the current step, a future step (uniform or geometric) or a random transition of the store.
+from the whole store, or from a :class:`RandomGoalSource` given to the goal choice (a sharded dataset's sampler
+draws over every shard; see :class:`~her_store.sampling.mixture.MixtureSampler`). :class:`GoalMixture` is offline
+goal-conditioned RL's mixture (OGBench's GCDataset): the current step, a future step (uniform or geometric) or a
+random transition of the store.
 """
 
 from __future__ import annotations
@@ -15,13 +17,28 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum
-from typing import Union
+from typing import TYPE_CHECKING, Any, Protocol, Union
 
 import numpy as np
 
-from her_store.checks import is_number
+from her_store.checks import check_bounds, check_number
 
-__all__ = ["GoalSelectionStrategy", "GoalContext", "GoalMixture", "GoalStrategy", "her_ratio", "select_goal_steps", "parse_strategy"]
+if TYPE_CHECKING:
+    from her_store.sampling.draw import Draw
+    from her_store.store.index import IndexView
+
+__all__ = [
+    "GoalChoice",
+    "GoalContext",
+    "GoalMixture",
+    "GoalSelectionStrategy",
+    "GoalStrategy",
+    "RandomGoalSource",
+    "her_ratio",
+    "parse_strategy",
+    "random_transition_rows",
+    "select_goal_steps",
+]
 
 
 class GoalSelectionStrategy(Enum):
@@ -119,9 +136,8 @@ class GoalMixture:
 
     def __post_init__(self) -> None:
         for name in ("p_current", "p_future", "p_random"):
-            object.__setattr__(self, name, _real(getattr(self, name), name))
-            if not getattr(self, name) >= 0:
-                raise ValueError(f"GoalMixture {name} must be >= 0, got {getattr(self, name)}")
+            p = check_number(getattr(self, name), f"GoalMixture {name}", finite=True)
+            object.__setattr__(self, name, check_bounds(p, f"GoalMixture {name}", low=0))
         total = self.p_current + self.p_future + self.p_random
         if abs(total - 1.0) > 1e-6:
             raise ValueError(
@@ -129,9 +145,9 @@ class GoalMixture:
                 f" + p_random={self.p_random} = {total}"
             )
         if self.discount is not None:
-            object.__setattr__(self, "discount", _real(self.discount, "discount"))
-            if not 0.0 <= self.discount < 1.0:
-                raise ValueError(f"GoalMixture discount must be in [0, 1) or None, got {self.discount}")
+            d = check_number(self.discount, "GoalMixture discount", finite=True, or_none=True)
+            d = check_bounds(d, "GoalMixture discount", low=0, high=1, high_open=True, or_none=True)
+            object.__setattr__(self, "discount", d)
 
     def select(self, steps: np.ndarray, lengths: np.ndarray, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
         """Step ``j`` within each transition's episode (current or future), and which transitions take a random
@@ -158,12 +174,6 @@ class GoalMixture:
             later = t + rng.geometric(1.0 - self.discount, len(t))
         j[future] = np.minimum(later, last)
         return j, anywhere
-
-
-def _real(x: object, name: str) -> float:
-    if not is_number(x, finite=True):
-        raise ValueError(f"GoalMixture {name} must be a finite real number, got {x!r}")
-    return float(x)
 
 
 GoalStrategy = Union[str, GoalSelectionStrategy, GoalMixture, Callable[[GoalContext], np.ndarray]]
@@ -230,3 +240,141 @@ def select_goal_steps(
     if strategy is GoalSelectionStrategy.EPISODE:
         return (rng.random(len(steps)) * lengths).astype(np.int64)
     raise ValueError(f"{strategy} draws from the whole store, not from the episode")
+
+
+def random_transition_rows(view: IndexView, rng: np.random.Generator, n: int) -> tuple[np.ndarray, np.ndarray]:
+    """Episodes and next-observation rows of ``n`` transitions drawn uniformly from ``view``: random goals' rows.
+
+    Examples
+    --------
+    >>> from her_store.store.index import IndexView
+    >>> view = IndexView(0, 2, np.array([0, 4]), np.array([3, 2]), np.array([3, 5]), 0)  # two episodes, 5 steps
+    >>> ids, rows = random_transition_rows(view, np.random.default_rng(0), 4)
+    >>> bool(((rows > np.array([0, 4])[ids]) & (rows <= np.array([3, 6])[ids])).all())
+    True
+    """
+    ids, steps = view.locate(rng.integers(0, view.num_transitions, n))
+    return ids, view.start_rows[ids - view.first] + steps + 1
+
+
+class RandomGoalSource(Protocol):
+    """Where the random goals of relabelled samples come from when not from the view sampled: ``source(rng, n)``
+    returns ``n`` goals ``(n, *goal shape)``, drawn with ``rng`` (the relabelling sampler's generator, so a resumed
+    run draws the same). A :class:`~her_store.sampling.mixture.MixtureSampler` over a sharded dataset gives one
+    drawing from every shard to each shard's sampler."""
+
+    def __call__(self, rng: np.random.Generator, n: int) -> np.ndarray: ...
+
+
+class GoalChoice:
+    """Which goal each relabelled sample of a batch takes, by the strategy.
+
+    At the draw (:meth:`choose`), the built-in strategies and a :class:`GoalMixture` name a row whose achieved goal
+    is the new goal: a step of the sample's own episode, or the next row of a transition drawn uniformly from the
+    view sampled (``random``, a mixture's random share) or, given a ``random_goals`` source, a goal read from it.
+    At relabelling (:meth:`relabel`), a callable strategy computes the goals from a :class:`GoalContext`, and the
+    goals are written into the batch's desired goals.
+
+    Parameters
+    ----------
+    strategy : GoalSelectionStrategy, GoalMixture or callable
+        Parsed (:func:`parse_strategy`).
+    goal_shape : tuple of int
+        Shape of one goal (the store's ``achieved_goal``).
+    goal_dtype : numpy.dtype
+        Its dtype.
+    random_goals : RandomGoalSource, optional
+        Where random goals come from; default: the view sampled.
+
+    Examples
+    --------
+    >>> from her_store.store.index import IndexView
+    >>> view = IndexView(0, 1, np.array([0]), np.array([5]), np.array([5]), 0)  # one episode of 5 steps, rows 0..5
+    >>> choice = GoalChoice(GoalSelectionStrategy.FINAL, (3,), np.float32)
+    >>> ids, rows, given, _ = choice.choose(view, np.zeros(2, np.int64), np.zeros(2, np.int64), np.array([1, 3]),
+    ...                                     np.full(2, 5), np.array([True, False]), np.random.default_rng(0))
+    >>> ids, rows, given
+    (array([0]), array([5]), None)
+    """
+
+    def __init__(
+        self,
+        strategy: GoalSelectionStrategy | GoalMixture | Callable[[GoalContext], np.ndarray],
+        goal_shape: tuple[int, ...],
+        goal_dtype: Any,
+        random_goals: RandomGoalSource | None = None,
+    ) -> None:
+        self.strategy = strategy
+        self.goal_shape = tuple(goal_shape)
+        self.goal_dtype = np.dtype(goal_dtype)
+        self.random_goals = random_goals
+
+    def choose(
+        self,
+        view: IndexView,
+        ids: np.ndarray,
+        starts: np.ndarray,
+        steps: np.ndarray,
+        lengths: np.ndarray,
+        her: np.ndarray,
+        rng: np.random.Generator,
+    ) -> tuple[np.ndarray | None, np.ndarray | None, np.ndarray | None, np.ndarray | None]:
+        """The goals of the samples ``her`` marks, among samples of episodes ``ids`` (first rows ``starts``, lengths
+        ``lengths``) at ``steps``: ``(goal_ids, goal_rows, given, given_goals)``, one entry per relabelled sample.
+
+        ``goal_rows`` hold the achieved goal that becomes each one's goal, of episode ``goal_ids``. With a
+        ``random_goals`` source, the samples ``given`` marks took their goal from it, ``given_goals`` (their goal
+        rows are their own next rows, gathered anyway, standing in until :meth:`relabel`). All None for a callable
+        strategy, or when no sample is relabelled.
+        """
+        n = int(her.sum())
+        strategy = self.strategy
+        if not n or not isinstance(strategy, (GoalMixture, GoalSelectionStrategy)):
+            return None, None, None, None
+        if isinstance(strategy, GoalMixture):
+            j, anywhere = strategy.select(steps[her], lengths[her], rng)
+            goal_ids, goal_rows = ids[her], starts[her] + j + 1
+        elif strategy is GoalSelectionStrategy.RANDOM:
+            anywhere = np.ones(n, bool)
+            goal_ids, goal_rows = ids[her], starts[her] + steps[her] + 1
+        else:
+            return ids[her], starts[her] + select_goal_steps(strategy, steps[her], lengths[her], rng) + 1, None, None
+        if self.random_goals is None:
+            goal_ids[anywhere], goal_rows[anywhere] = random_transition_rows(view, rng, int(anywhere.sum()))
+            return goal_ids, goal_rows, None, None
+        given_goals = np.zeros((n, *self.goal_shape), self.goal_dtype)
+        if anywhere.any():  # a draw of no goals takes nothing from the generator: skipping it keeps the stream
+            given_goals[anywhere] = self.random_goals(rng, int(anywhere.sum()))
+        return goal_ids, goal_rows, anywhere, given_goals
+
+    def relabel(
+        self,
+        d: Draw,
+        n: int,
+        now: dict[str, Any],
+        nxt: dict[str, Any],
+        goals: np.ndarray | None,
+        goals_at: Callable[[], Callable[[np.ndarray, np.ndarray], np.ndarray]],
+        rng: np.random.Generator,
+    ) -> np.ndarray:
+        """Write the new goals of the first ``n`` samples of a batch (those ``d.her`` marks, ``n >= 1``) into its
+        desired goals (``now`` and ``nxt``, in place) and return them.
+
+        ``goals`` are the achieved goals gathered at the draw's goal rows, or None for a callable strategy, which
+        is called here with a :class:`GoalContext` whose ``achieved_goals`` is ``goals_at()``.
+        """
+        desired = now["desired_goal"]
+        if goals is None:
+            ctx = GoalContext(
+                d.episode_ids[:n], d.steps[:n], d.lengths[:n], desired[:n].copy(), nxt["achieved_goal"][:n],
+                goals_at(), rng,
+            )
+            assert not isinstance(self.strategy, (GoalSelectionStrategy, GoalMixture))
+            goals = np.asarray(self.strategy(ctx), dtype=self.goal_dtype)
+            if goals.shape != (n, *self.goal_shape):
+                raise ValueError(f"goal strategy returned shape {goals.shape}, expected {(n, *self.goal_shape)}")
+        if d.given is not None and d.given_goals is not None:
+            goals[d.given] = d.given_goals[d.given]
+        desired[:n] = goals
+        nxt["desired_goal"][:n] = goals
+        return goals

@@ -1,146 +1,39 @@
 """HerSampler: uniform transitions from the committed episodes, hindsight goals, recomputed rewards, torch batches.
 
-One batch: draw transitions uniformly (one searchsorted over cumulative episode lengths), choose new goals for
-the first ``int(her_ratio * B)`` (SB3's split), gather rows ``t``, ``t + 1`` and the goal rows with one gather
-per array (ChunkReader, past zarr), recompute rewards of the relabelled rows, and hand tensors to the device.
+One batch is the composition of the sampling package's parts: the draw (transitions uniform over the committed
+episodes, one searchsorted over cumulative lengths; the first ``int(her_ratio * B)`` marked for relabelling, SB3's
+split, with their goal rows), the gather (rows ``t``, ``t + 1`` and the goal rows, one read per array through the
+store's ChunkReader), the goal choice and reward recomputation of the relabelled rows, and the transfer to the
+device. From a ring, samples whose episode the writer evicted during the read are drawn again among the live ones.
 """
 
 from __future__ import annotations
 
-import os
-import queue
-import threading
-import time
-from collections.abc import Callable, Iterator, Mapping
-from typing import Any, NamedTuple
+from collections.abc import Iterator, Mapping
+from typing import Any
 
 import numpy as np
 import torch
 
+from her_store.checks import check_callable, check_int
 from her_store.errors import StoreError
-from her_store.sampling.relabel import (
-    GoalContext,
-    GoalMixture,
-    GoalSelectionStrategy,
-    GoalStrategy,
-    her_ratio,
-    parse_strategy,
-    select_goal_steps,
-)
+from her_store.sampling.batch import DeviceTransfer, HerBatch, assemble_batch
+from her_store.sampling.committed import CommittedView
+from her_store.sampling.config import SamplerConfig, config_option
+from her_store.sampling.draw import Draw, UniformDraw, replace_samples
+from her_store.sampling.gather import Gather, ReadPlan, StoreRows
+from her_store.sampling.prefetch import Prefetcher
+from her_store.sampling.relabel import GoalChoice, GoalStrategy, RandomGoalSource, random_transition_rows
+from her_store.sampling.rewards import RewardFn, RewardRecompute, env_reward_fn
 from her_store.store.episode_store import EpisodeStore
 from her_store.store.index import IndexView
 from her_store.store.rows import ChunkReader
 
-__all__ = ["HerSampler", "HerBatch", "RewardFn"]
-
-RewardFn = Callable[[np.ndarray, np.ndarray, Any], Any]
-
-
-class HerBatch(NamedTuple):
-    """One sampled batch, as torch tensors on the sampler's device.
-
-    Observations keep their stored dtype; rewards and flags are float32 with shape ``(B, 1)``. The first
-    ``int(her_ratio * B)`` rows are the relabelled ones (``is_relabeled``). ``source`` is None from a
-    :class:`HerSampler`; from a :class:`~her_store.sampling.mixture.MixtureSampler` it is int64 ``(B,)``, the position of
-    the store each row came from (``episode_ids`` are that store's ids).
-    """
-
-    observations: dict[str, torch.Tensor]
-    actions: torch.Tensor
-    rewards: torch.Tensor
-    next_observations: dict[str, torch.Tensor]
-    terminated: torch.Tensor
-    truncated: torch.Tensor
-    dones: torch.Tensor
-    is_relabeled: torch.Tensor
-    episode_ids: torch.Tensor
-    steps: torch.Tensor
-    infos: dict[str, torch.Tensor]
-    source: torch.Tensor | None = None
-
-
-class _Draw(NamedTuple):
-    """The random part of a batch (all the sampler's RNG use happens in _draw, in batch order)."""
-
-    episode_ids: np.ndarray
-    steps: np.ndarray
-    rows: np.ndarray
-    lengths: np.ndarray
-    her: np.ndarray  # which samples are relabelled
-    goal_rows: np.ndarray | None  # rows whose achieved_goal is the new goal of each relabelled sample (built-ins)
-    goal_ids: np.ndarray | None  # the episodes those rows belong to
-    # relabelled samples whose goal was read at the draw (random goals from other stores, HerSampler._random_goals),
-    # and those goals, (relabelled samples, *goal shape), valid where ``given``; their goal rows are the samples' own
-    given: np.ndarray | None = None
-    given_goals: np.ndarray | None = None
-
-
-def _finish_all(pending: list[Callable[[], None]]) -> None:
-    """Complete every pending gather: each is waited for, whatever the ones before it raised."""
-    if pending:
-        try:
-            pending[0]()
-        finally:
-            _finish_all(pending[1:])
-
-
-def _replace_samples(d: _Draw, sub: np.ndarray, d2: _Draw) -> tuple[_Draw, np.ndarray]:
-    """``d`` with the samples at positions ``sub`` taken from ``d2`` (drawn for exactly those positions), and
-    where those samples' goals sit among the relabelled ones."""
-    fields: dict[str, Any] = {}
-    for name in ("episode_ids", "steps", "rows", "lengths"):
-        a = getattr(d, name).copy()
-        a[sub] = getattr(d2, name)
-        fields[name] = a
-    at = (np.cumsum(d.her) - 1)[sub[d.her[sub]]]
-    if d.goal_rows is not None and d.goal_ids is not None and d2.goal_rows is not None and d2.goal_ids is not None:
-        fields["goal_rows"], fields["goal_ids"] = d.goal_rows.copy(), d.goal_ids.copy()
-        fields["goal_rows"][at], fields["goal_ids"][at] = d2.goal_rows, d2.goal_ids
-    if d.given is not None and d.given_goals is not None and d2.given is not None and d2.given_goals is not None:
-        fields["given"], fields["given_goals"] = d.given.copy(), d.given_goals.copy()
-        fields["given"][at], fields["given_goals"][at] = d2.given, d2.given_goals
-    return d._replace(**fields), at
-
-
-def _random_goal_rows(view: IndexView, rng: np.random.Generator, n: int) -> tuple[np.ndarray, np.ndarray]:
-    """Episodes and next-observation rows of ``n`` transitions drawn uniformly from the view (random goals)."""
-    ids, steps = view.locate(rng.integers(0, view.num_transitions, n))
-    return ids, view.start_rows[ids - view.first] + steps + 1
+__all__ = ["HerBatch", "HerSampler", "RewardFn"]
 
 
 class _Lapped(Exception):
     """The ring evicted every episode of the view a prefetched batch was drawn from."""
-
-
-def _env_reward_fn(store: EpisodeStore) -> RewardFn:
-    env_id = store.metadata.get("env_id")
-    if not env_id:
-        raise StoreError(
-            f"{store.url}: HerSampler needs reward_fn(achieved_goal, desired_goal, infos) to recompute rewards of "
-            "relabelled transitions, and the store's metadata names no env_id to take compute_reward from; pass "
-            "reward_fn=env.unwrapped.compute_reward (or store.update_metadata(env_id=...))"
-        )
-    import gymnasium as gym
-
-    # "module:Env" makes gymnasium import module, and an unregistered id may name a package to import: a store
-    # (perhaps downloaded) must never make this process run code, so only envs this process registered are made
-    if not isinstance(env_id, str) or ":" in env_id or env_id not in gym.registry:
-        raise StoreError(
-            f"{store.url}: the store's metadata names env_id {env_id!r}, which is not an id registered in this "
-            "process's gymnasium registry (an id naming a module to import is never resolved); pass "
-            "reward_fn=env.unwrapped.compute_reward to HerSampler, or register the env first (import its package)"
-        )
-    try:
-        env = gym.make(env_id)
-    except Exception as e:  # a registered env that fails to build: say how to get past it
-        raise StoreError(
-            f"{store.url}: cannot make env {env_id!r} from the store's metadata to get compute_reward ({e}); "
-            "pass reward_fn=... to HerSampler"
-        ) from e
-    fn = getattr(env.unwrapped, "compute_reward", None)
-    if fn is None:
-        raise StoreError(f"env {env_id!r} has no compute_reward; pass reward_fn=... to HerSampler")
-    return fn
 
 
 class HerSampler:
@@ -158,9 +51,9 @@ class HerSampler:
         unless this is 0.
     goal_selection_strategy : {"future", "final", "episode", "random"}, GoalSelectionStrategy, GoalMixture or callable
         future/final/episode follow SB3; random takes the next achieved goal of a transition drawn uniformly
-        from the whole store (SB2, TorchRL). A :class:`~her_store.sampling.relabel.GoalMixture` (offline goal-conditioned
-        RL, OGBench's GCDataset) relabels every transition with the current, a future or a random state's goal.
-        A callable receives a :class:`~her_store.sampling.relabel.GoalContext` and returns the new goals
+        from the whole store (SB2, TorchRL). A :class:`~her_store.sampling.relabel.GoalMixture` (offline
+        goal-conditioned RL, OGBench's GCDataset) relabels every transition with the current, a future or a random
+        state's goal. A callable receives a :class:`~her_store.sampling.relabel.GoalContext` and returns the new goals
         ``(n, *goal shape)``.
     reward_fn : callable, optional
         ``reward_fn(achieved_goal, desired_goal, infos)`` -> rewards ``(n,)``, vectorised (gymnasium-robotics /
@@ -192,6 +85,41 @@ class HerSampler:
     refresh_interval : float, optional
         Seconds between looks for new commits (0: before every batch). Default: 0 for a writing handle (its
         commits are in memory), 0.1 s for a reader on local disk, 1 s on object storage (a GET each).
+    random_goals : RandomGoalSource, optional
+        Where the goals of relabelled samples that take a random transition's goal (``random``, a GoalMixture's
+        random share) come from: ``random_goals(rng, n)`` with the sampler's generator. Default: transitions drawn
+        uniformly from this store (a :class:`~her_store.sampling.mixture.MixtureSampler` over a sharded dataset
+        passes one drawing from every shard).
+
+    Every option but ``random_goals`` is checked by :class:`~her_store.sampling.config.SamplerConfig` (ValueError
+    or TypeError naming it); :meth:`from_config` builds a sampler from one.
+
+    Attributes
+    ----------
+    config : SamplerConfig
+        The options.
+    store : EpisodeStore
+        The store sampled.
+    reader : ChunkReader
+        Reads the store's rows (its chunk files, mapped or fetched).
+    committed : CommittedView
+        The committed episodes drawn from, refreshed every ``refresh_interval`` seconds.
+    plan : ReadPlan
+        The arrays and fields a batch reads.
+    goal_choice : GoalChoice
+        Chooses the relabelled samples' goals (the strategy, and ``random_goals``).
+    draw : UniformDraw
+        Draws a batch's transitions and goal rows.
+    gather : Gather
+        Gathers their rows from the store (:class:`~her_store.sampling.gather.StoreRows` over ``reader``).
+    rewards : RewardRecompute
+        Recomputes the relabelled rows' rewards (and terminations).
+    to_device : DeviceTransfer
+        Hands the batch's fields to ``device``.
+    her_ratio : float
+        The relabelled share of a batch (the first ``int(her_ratio * B)`` rows).
+    rng : numpy.random.Generator
+        The generator every draw takes (see :meth:`state_dict`).
 
     Examples
     --------
@@ -199,11 +127,6 @@ class HerSampler:
     >>> batch = sampler.sample()  # doctest: +SKIP
     >>> q = critic(batch.observations, batch.actions)  # doctest: +SKIP
     """
-
-    # the goals of relabelled samples that take a random transition's goal (``random``, a GoalMixture's random share):
-    # when set, ``_random_goals(rng, n)`` reads ``n`` of them, drawn with the sampler's generator, instead of the
-    # sampler drawing them from its own store (a MixtureSampler over a store set draws them from all its stores)
-    _random_goals: Callable[[np.random.Generator, int], np.ndarray] | None = None
 
     def __init__(
         self,
@@ -223,181 +146,103 @@ class HerSampler:
         io_threads: int | None = None,
         cache_bytes: int = 32 << 20,
         refresh_interval: float | None = None,
+        random_goals: RandomGoalSource | None = None,
     ) -> None:
-        if batch_size < 1:
-            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-        if n_sampled_goal < 0:
-            raise ValueError(f"n_sampled_goal must be >= 0, got {n_sampled_goal}")
+        config = SamplerConfig(
+            batch_size=batch_size, n_sampled_goal=n_sampled_goal, goal_selection_strategy=goal_selection_strategy,
+            reward_fn=reward_fn, device=device, seed=seed, copy_info_dict=copy_info_dict, prefetch=prefetch,
+            pin_memory=pin_memory, relabel_terminated=relabel_terminated, success_fn=success_fn,
+            io_threads=io_threads, cache_bytes=cache_bytes, refresh_interval=refresh_interval,
+        )
+        self._compose(store, config, random_goals)
+
+    @classmethod
+    def from_config(
+        cls, store: EpisodeStore, config: SamplerConfig, *, random_goals: RandomGoalSource | None = None
+    ) -> HerSampler:
+        """A sampler of ``store`` with the options of ``config`` (checked when it was made)."""
+        sampler = cls.__new__(cls)
+        sampler._compose(store, config, random_goals)
+        return sampler
+
+    def _compose(self, store: EpisodeStore, config: SamplerConfig, random_goals: RandomGoalSource | None) -> None:
+        self.config = config
         self.store = store
-        self.batch_size = int(batch_size)
-        self.n_sampled_goal = int(n_sampled_goal)
-        self.strategy = parse_strategy(goal_selection_strategy)
-        self.her_ratio = her_ratio(self.strategy, self.n_sampled_goal)
-        self.reward_fn = reward_fn if reward_fn is not None or self.n_sampled_goal == 0 else _env_reward_fn(store)
-        self.device = torch.device(device)
-        self.pin_memory = self.device.type == "cuda" if pin_memory is None else bool(pin_memory)
-        self.copy_info_dict = copy_info_dict
-        self.relabel_terminated = relabel_terminated
-        self.success_fn = success_fn
-        if refresh_interval is None:  # a writer's own commits are in memory; a reader re-reads commit.json
-            refresh_interval = 0.0 if store.mode == "a" else store.backend.defaults.refresh_interval
-        self.refresh_interval = float(refresh_interval)
-        self.rng = np.random.default_rng(seed)
-        self.reader = ChunkReader(store, io_threads=io_threads, cache_bytes=cache_bytes)
-        self._plan()
-        self._view: IndexView | None = None
-        self._refreshed = -np.inf
-        self._prefetch = int(prefetch)
-        self._queue: queue.Queue | None = None
-        self._thread: threading.Thread | None = None
-        self._thread_pid = -1  # the process the producer runs in
-        self._stop = threading.Event()
+        self.her_ratio = config.her_ratio
+        reward_fn = config.reward_fn
+        if reward_fn is None and config.n_sampled_goal > 0:
+            reward_fn = env_reward_fn(store)
+        self.rng = np.random.default_rng(config.seed)
+        self.reader = ChunkReader(store, io_threads=config.io_threads, cache_bytes=config.cache_bytes)
+        self.committed = CommittedView(store, self.reader, config.refresh_interval)
+        self.plan = ReadPlan(store, config.copy_info_dict)
+        random_goals = check_callable(random_goals, "random_goals", or_none=True)
+        self.goal_choice = GoalChoice(config.strategy, self.plan.goal_shape, self.plan.goal_dtype, random_goals)
+        self.draw = UniformDraw(self.goal_choice, store.url)
+        self.gather = Gather(self.plan, StoreRows(self.reader))
+        self.rewards = RewardRecompute(
+            reward_fn, relabel_terminated=config.relabel_terminated, success_fn=config.success_fn,
+            info_keys=self.plan.info_keys,
+        )
+        self.to_device = DeviceTransfer(config.device, config.pin_memory)
+        self._prefetcher = Prefetcher(config.prefetch, self._produce)
         self._state_after = self.rng.bit_generator.state  # RNG state after the last batch handed out
 
-    # -- layout knowledge, looked up once ----------------------------------------------------------------
-    def _plan(self) -> None:
-        schema, layout = self.store.schema, self.store.layout
-        self._obs_keys = schema.observation_keys
-        self._info_keys = schema.info_keys if self.copy_info_dict else ()
-        needed = set(self._obs_keys) | {"action", "reward", "terminated", "truncated", *self._info_keys}
-        self._arrays = []  # (path, needs next rows, holds achieved_goal, [(field, a, b, shape, per_step)])
-        for spec in layout.arrays:
-            cols = [(n, a, b) for n, a, b in spec.columns if n in needed]
-            if not cols:
-                continue
-            fields = [(n, a, b, schema.by_name[n].shape, schema.by_name[n].per_step) for n, a, b in cols]
-            has_next = any(not per_step for *_, per_step in fields)
-            self._arrays.append((spec.path, spec.is_pack, has_next, any(n == "achieved_goal" for n, *_ in fields), fields))
-        # observations that relabelling and rewards do not read (image frames): gathered first, and finished once the
-        # rest of the batch is assembled, their decoding meanwhile under way on the reader's threads
-        computed_on = {"achieved_goal", "desired_goal", *self._info_keys}
-        self._later = {
-            path for path, is_pack, _, _, fields in self._arrays if not is_pack and not computed_on & {n for n, *_ in fields}
-        }
-        self._arrays.sort(key=lambda a: a[0] not in self._later)
-        self._goal_shape = schema.by_name["achieved_goal"].shape
-        self._goal_dtype = schema.by_name["achieved_goal"].dtype
+    # -- the options ---------------------------------------------------------------------------------------
+    batch_size = config_option("batch_size")
+    n_sampled_goal = config_option("n_sampled_goal")
+    strategy = config_option("strategy")
+    copy_info_dict = config_option("copy_info_dict")
+    relabel_terminated = config_option("relabel_terminated")
+    success_fn = config_option("success_fn")
+
+    @property
+    def device(self) -> torch.device:
+        """Where batches go."""
+        return self.to_device.device
+
+    @property
+    def pin_memory(self) -> bool:
+        """Whether host tensors are page-locked before their copy to the device."""
+        return self.to_device.pin_memory
+
+    @property
+    def reward_fn(self) -> RewardFn | None:
+        """The reward function relabelled rows are rewarded with (the given one, or the store's env's); may be
+        replaced any time."""
+        return self.rewards.reward_fn
+
+    @reward_fn.setter
+    def reward_fn(self, fn: RewardFn) -> None:
+        self.rewards.reward_fn = check_callable(fn, "reward_fn")
+
+    @property
+    def refresh_interval(self) -> float:
+        """Seconds between looks for new commits; may be changed any time (``math.inf``: only :meth:`refresh`)."""
+        return self.committed.interval
+
+    @refresh_interval.setter
+    def refresh_interval(self, seconds: float) -> None:
+        self.committed.interval = float(seconds)
 
     # -- the committed episodes ----------------------------------------------------------------------------
+    @property
+    def view(self) -> IndexView | None:
+        """The committed episodes sampled from, as of the last refresh (None before the first)."""
+        return self.committed.view
+
     def refresh(self, *, reread: bool = True) -> IndexView:
         """Look for new commits now; returns the episodes sampled from. ``reread=False`` takes what the store's
         handle already holds (its owner, a sharded dataset's view, has just refreshed it)."""
-        if self.store.mode == "r" and reread:
-            self.store.refresh()
-        view = self.store.snapshot()
-        self.reader.observe(view)  # before the view is published: a gather under it must find its episodes recorded
-        self._view = view
-        self._refreshed = time.monotonic()
-        return view
+        return self.committed.refresh(reread=reread)
 
-    def _current_view(self) -> IndexView:
-        if self._view is None or time.monotonic() - self._refreshed >= self.refresh_interval:
-            self.refresh()
-        assert self._view is not None
-        return self._view
-
-    # -- one batch ---------------------------------------------------------------------------------------
-    def _draw(self, view: IndexView, her: np.ndarray) -> _Draw:
-        if view.num_transitions == 0:
-            raise StoreError(
-                f"{self.store.url} has no committed episode to sample from yet; add at least one whole episode "
-                "(and let it commit) before sampling"
-            )
-        rng = self.rng
-        ids, steps = view.locate(rng.integers(0, view.num_transitions, len(her)))
-        pos = ids - view.first
-        starts, lengths = view.start_rows[pos], view.lengths[pos]
-        goal_rows = goal_ids = anywhere = given = given_goals = None
-        n_her = int(her.sum())
-        if n_her and isinstance(self.strategy, GoalMixture):
-            j, anywhere = self.strategy.select(steps[her], lengths[her], rng)
-            goal_ids, goal_rows = ids[her], starts[her] + j + 1
-        elif n_her and self.strategy is GoalSelectionStrategy.RANDOM:
-            anywhere = np.ones(n_her, bool)
-            goal_ids, goal_rows = ids[her], starts[her] + steps[her] + 1
-        elif n_her and isinstance(self.strategy, GoalSelectionStrategy):
-            goal_ids = ids[her]
-            goal_rows = starts[her] + select_goal_steps(self.strategy, steps[her], lengths[her], rng) + 1
-        if anywhere is not None and goal_ids is not None and goal_rows is not None:
-            if self._random_goals is None:
-                goal_ids[anywhere], goal_rows[anywhere] = _random_goal_rows(view, rng, int(anywhere.sum()))
-            else:  # read elsewhere; the samples' own next rows (gathered anyway) stand in for them until relabelling
-                given, given_goals = anywhere, np.zeros((n_her, *self._goal_shape), self._goal_dtype)
-                given_goals[anywhere] = self._random_goals(rng, int(anywhere.sum()))
-        return _Draw(ids, steps, starts + steps, lengths, her, goal_rows, goal_ids, given, given_goals)
-
-    def _gather(
-        self, d: _Draw
-    ) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray], np.ndarray | None, Callable[[], None]]:
-        """Fields at rows t, observation fields at rows t + 1, the goal rows' achieved goals (relabelled samples, in
-        order), and the function that completes the fields gathered later (``_later``: call it before reading them)."""
-        B = len(d.rows)
-        now, nxt, goals = {}, {}, None
-        field = self._field
-        pending: list[Callable[[], None]] = []
-        for path, is_pack, has_next, has_goal, fields in self._arrays:
-            parts = [d.rows]
-            if has_next:
-                parts.append(d.rows + 1)
-            if has_goal and d.goal_rows is not None:
-                parts.append(d.goal_rows)
-            at = np.concatenate(parts) if len(parts) > 1 else d.rows
-            if path in self._later:
-                rows, finish = self._rows_later(path, at)
-                pending.append(finish)
-            else:
-                rows = self._rows(path, at)
-            for name, a, b, shape, per_step in fields:
-                col = rows[:, a:b] if is_pack else rows
-                now[name] = field(name, col[:B], shape)
-                if not per_step:
-                    nxt[name] = field(name, col[B : 2 * B], shape)
-                if name == "achieved_goal" and d.goal_rows is not None:
-                    goals = field(name, col[2 * B :], shape)
-        return now, nxt, goals, lambda: _finish_all(pending)
-
-    def _rows(self, path: str, rows: np.ndarray) -> np.ndarray:
-        """Rows ``rows`` of array ``path``, where :meth:`_gather` reads them: the store's chunks, through the reader."""
-        return self.reader.gather(path, rows)
-
-    def _rows_later(self, path: str, rows: np.ndarray) -> tuple[Any, Callable[[], None]]:
-        """:meth:`_rows`, started (:meth:`ChunkReader.gather_later`): the rows, and the function that completes them."""
-        return self.reader.gather_later(path, rows)
-
-    @staticmethod
-    def _field(name: str, col: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
-        """One field of gathered rows, as batch assembly takes it: ``(len(col), *shape)``, contiguous (a view of
-        contiguous rows)."""
-        return np.ascontiguousarray(col).reshape(len(col), *shape)
-
-    def _achieved_goals_at(self, view: IndexView) -> Callable[[np.ndarray, np.ndarray], np.ndarray]:
-        spec, a, b = self.store.layout.fields["achieved_goal"]
-
-        def read(episode_ids: np.ndarray, steps: np.ndarray) -> np.ndarray:
-            episode_ids, steps = np.asarray(episode_ids, np.int64), np.asarray(steps, np.int64)
-            if np.any(episode_ids < view.first) or np.any(episode_ids >= view.end):
-                raise IndexError(f"episode ids must be live ({view.first}..{view.end - 1})")
-            lengths = view.lengths[episode_ids - view.first]
-            if np.any(steps < 0) or np.any(steps >= lengths):
-                raise IndexError("steps must satisfy 0 <= step < episode length")
-            rows = self._rows(spec.path, view.start_rows[episode_ids - view.first] + steps + 1)
-            return self._field("achieved_goal", rows[:, a:b] if spec.is_pack else rows, self._goal_shape)
-
-        return read
-
-    def _transition_goals(self, k: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+    def transition_goals(self, k: np.ndarray, rng: np.random.Generator) -> np.ndarray:
         """The achieved goals of the next observations of transitions ``k`` of the view sampled from (``0 <= k <
-        num_transitions``): another store's random goals, when a mixture draws them from all its stores. From a ring,
-        those whose episode the writer evicted meanwhile are drawn again, with ``rng``, among the live ones."""
-        view = self._view if self._view is not None else self.refresh()
-        spec, a, b = self.store.layout.fields["achieved_goal"]
-
-        def read(rows: np.ndarray) -> np.ndarray:
-            got = self._rows(spec.path, rows)
-            return self._field("achieved_goal", got[:, a:b] if spec.is_pack else got, self._goal_shape)
-
+        num_transitions``): random goals of another sampler, when a mixture draws them from all its stores. From a
+        ring, those whose episode the writer evicted meanwhile are drawn again, with ``rng``, among the live ones."""
+        view = self.committed.view if self.committed.view is not None else self.refresh()
         ids, steps = view.locate(k)
-        goals = read(view.start_rows[ids - view.first] + steps + 1)
+        goals = self.gather.achieved_goals(view.start_rows[ids - view.first] + steps + 1)
         if self.store.capacity is None:
             return goals
         for _ in range(100):
@@ -409,31 +254,34 @@ class HerSampler:
             if view.num_transitions == 0:
                 view = self.refresh()
                 continue
-            ids[stale], rows = _random_goal_rows(view, rng, int(stale.sum()))
-            goals[stale] = read(rows)
+            ids[stale], rows = random_transition_rows(view, rng, int(stale.sum()))
+            goals[stale] = self.gather.achieved_goals(rows)
         raise StoreError(f"{self.store.url}: the ring writer overtakes the sampler; sample from a larger ring")
 
-    def _rewards(self, achieved: np.ndarray, desired: np.ndarray, infos: Any) -> np.ndarray:
-        assert self.reward_fn is not None  # set whenever n_sampled_goal > 0
-        r = np.asarray(self.reward_fn(achieved, desired, infos), dtype=np.float32)
-        if r.size != len(achieved):
-            raise ValueError(
-                f"reward_fn returned {r.size} values (shape {r.shape}) for {len(achieved)} transitions; expected "
-                "shape (n,) or (n, 1)"
-            )
-        return r.reshape(-1)
+    # -- one batch -----------------------------------------------------------------------------------------
+    def _achieved_goals_at(self, view: IndexView) -> Any:
+        """A callable strategy's reader of achieved goals (``GoalContext.achieved_goals``) of ``view``'s episodes."""
 
-    def _fresh(
-        self, view: IndexView, B: int, may_refresh: bool
-    ) -> tuple[IndexView, _Draw, dict, dict, np.ndarray | None, Callable[[], None]]:
-        """Draw and gather a batch, and the function completing its fields gathered later (:meth:`_gather`). From a
+        def read(episode_ids: np.ndarray, steps: np.ndarray) -> np.ndarray:
+            episode_ids, steps = np.asarray(episode_ids, np.int64), np.asarray(steps, np.int64)
+            if np.any(episode_ids < view.first) or np.any(episode_ids >= view.end):
+                raise IndexError(f"episode ids must be live ({view.first}..{view.end - 1})")
+            lengths = view.lengths[episode_ids - view.first]
+            if np.any(steps < 0) or np.any(steps >= lengths):
+                raise IndexError("steps must satisfy 0 <= step < episode length")
+            return self.gather.achieved_goals(view.start_rows[episode_ids - view.first] + steps + 1)
+
+        return read
+
+    def _fresh(self, view: IndexView, B: int, may_refresh: bool) -> tuple[IndexView, Draw, dict, dict, Any, Any]:
+        """Draw and gather a batch, and the function completing its fields gathered later (:class:`Gather`). From a
         ring, the rows are complete, and samples whose episode (or goal's episode) the writer evicted meanwhile,
         whose rows may have been overwritten while we read, are drawn again among the live ones; when the writer
         evicted the whole view, among those of a fresh snapshot (``may_refresh``; the prefetch thread may not touch
         the store and raises _Lapped instead)."""
         her = np.arange(B) < int(self.her_ratio * B)
-        d = self._draw(view, her)
-        now, nxt, goals, finish = self._gather(d)
+        d = self.draw(view, her, self.rng)
+        now, nxt, goals, finish = self.gather(d.rows, d.goal_rows)
         if self.store.capacity is None:
             return view, d, now, nxt, goals, finish
         finish()  # the eviction checks below follow the reads
@@ -452,100 +300,38 @@ class HerSampler:
                 if view.num_transitions == 0:  # caught between an eviction record and its commit: look again
                     continue
             sub = np.flatnonzero(stale)
-            d2 = self._draw(view, d.her[sub])
-            now2, nxt2, goals2, finish = self._gather(d2)
+            d2 = self.draw(view, d.her[sub], self.rng)
+            now2, nxt2, goals2, finish = self.gather(d2.rows, d2.goal_rows)
             finish()
             for k in now:
                 now[k][sub] = now2[k]
             for k in nxt:
                 nxt[k][sub] = nxt2[k]
-            d, at = _replace_samples(d, sub, d2)
+            d, at = replace_samples(d, sub, d2)
             if goals is not None and goals2 is not None:
                 goals[at] = goals2
         raise StoreError(f"{self.store.url}: the ring writer overtakes the sampler; sample from a larger ring")
 
     def _make_batch(self, view: IndexView, B: int, may_refresh: bool = True) -> HerBatch:
         view, d, now, nxt, goals, finish = self._fresh(view, B, may_refresh)
-        try:  # while the frames gathered later are decoded
-            n, rewards, terminated, infos_np = self._relabel(view, d, now, nxt, goals)
-        finally:
-            finish()
-        relabeled = np.zeros(B, bool)
-        relabeled[:n] = True
-        t = self._to_device
-        return HerBatch(
-            observations={k: t(now[k]) for k in self._obs_keys},
-            actions=t(now["action"]),
-            rewards=t(rewards.reshape(B, 1)),
-            next_observations={k: t(nxt[k]) for k in self._obs_keys},
-            terminated=t(terminated.reshape(B, 1)),
-            truncated=t(now["truncated"].astype(np.float32).reshape(B, 1)),
-            dones=t(terminated.reshape(B, 1)),  # a timeout does not stop bootstrapping
-            is_relabeled=t(relabeled),
-            episode_ids=t(d.episode_ids),
-            steps=t(d.steps),
-            infos={k: t(v) for k, v in infos_np.items()},
+        return assemble_batch(
+            d, now, nxt, goals, finish, goal_choice=self.goal_choice, rewards=self.rewards,
+            goals_at=lambda: self._achieved_goals_at(view), rng=self.rng, obs_keys=self.plan.obs_keys,
+            to_device=self.to_device,
         )
-
-    def _relabel(
-        self, view: IndexView, d: _Draw, now: dict, nxt: dict, goals: np.ndarray | None
-    ) -> tuple[int, np.ndarray, np.ndarray, dict[str, np.ndarray]]:
-        """Relabel the first samples' desired goals (in place, ``now`` and ``nxt``) and recompute their rewards and
-        terminations: (relabelled samples, rewards, terminated, info fields)."""
-        n = int(d.her.sum())  # the relabelled samples are the first n
-        rewards = now["reward"].astype(np.float32, copy=True)
-        terminated = now["terminated"].astype(np.float32)
-        infos_np = {k: now[k] for k in self._info_keys}
-        if n:
-            desired = now["desired_goal"]
-            if goals is None:  # a callable strategy
-                ctx = GoalContext(
-                    d.episode_ids[:n], d.steps[:n], d.lengths[:n], desired[:n].copy(), nxt["achieved_goal"][:n],
-                    self._achieved_goals_at(view), self.rng,
-                )
-                assert not isinstance(self.strategy, GoalSelectionStrategy)
-                goals = np.asarray(self.strategy(ctx), dtype=self._goal_dtype)
-                if goals.shape != (n, *self._goal_shape):
-                    raise ValueError(f"goal strategy returned shape {goals.shape}, expected {(n, *self._goal_shape)}")
-            if d.given is not None and d.given_goals is not None:
-                goals[d.given] = d.given_goals[d.given]
-            desired[:n] = goals
-            nxt["desired_goal"][:n] = goals
-            info_arg = (
-                [{k: v[i] for k, v in infos_np.items()} for i in range(n)] if self.copy_info_dict else [{}] * n
-            )
-            achieved = nxt["achieved_goal"][:n]
-            rewards[:n] = self._rewards(achieved, goals, info_arg)
-            if self.relabel_terminated:
-                if self.success_fn is not None:
-                    success = np.asarray(self.success_fn(achieved, goals, info_arg), bool).reshape(-1)
-                else:
-                    success = rewards[:n] >= self._rewards(achieved, achieved, info_arg)
-                terminated[:n] = np.maximum(terminated[:n], success)
-        return n, rewards, terminated, infos_np
-
-    def _to_device(self, a: np.ndarray) -> torch.Tensor:
-        x = torch.from_numpy(a)
-        if self.device.type == "cpu":
-            return x
-        if self.pin_memory:  # pragma: no cover - page-locked memory needs a CUDA build and GPU, which CI lacks
-            x = x.pin_memory()
-        return x.to(self.device, non_blocking=self.pin_memory)
 
     # -- public sampling -----------------------------------------------------------------------------------
     def sample(self, batch_size: int | None = None) -> HerBatch:
-        """One batch of ``batch_size`` transitions (default: the sampler's).
+        """One batch of ``batch_size`` transitions (default: the sampler's), an int >= 1.
 
         Raises
         ------
         StoreError
             No committed episode yet (as SB3 raises before its buffer holds one).
         """
-        B = self.batch_size if batch_size is None else int(batch_size)
-        if B < 1:
-            raise ValueError(f"batch_size must be >= 1, got {B}")
-        view = self._current_view()
-        if self._prefetch and B == self.batch_size:
+        B = self.batch_size if batch_size is None else check_int(batch_size, "batch_size", low=1)
+        view = self.committed.current()
+        if self.config.prefetch and B == self.batch_size:
             try:
                 return self._take_prefetched()
             except _Lapped:  # the ring evicted the producer's whole view: this batch is drawn here, afresh
@@ -561,46 +347,16 @@ class HerSampler:
             yield self.sample()
 
     # -- prefetch ------------------------------------------------------------------------------------------
-    def _producer(self) -> None:
-        assert self._queue is not None
-        while not self._stop.is_set():
-            try:
-                view = self._view
-                assert view is not None
-                batch = self._make_batch(view, self.batch_size, may_refresh=False)
-                item: tuple[Any, Any] = (batch, self.rng.bit_generator.state)
-            except BaseException as e:  # handed to the consumer, raised there
-                item = (e, None)
-            while not self._stop.is_set():
-                try:
-                    self._queue.put(item, timeout=0.1)
-                    break
-                except queue.Full:
-                    continue
-            if item[1] is None:
-                return
+    def _produce(self) -> tuple[HerBatch, dict[str, Any]]:
+        """One batch made ahead (in the producer thread), and the generator's state after it."""
+        view = self.committed.view
+        assert view is not None
+        return self._make_batch(view, self.batch_size, may_refresh=False), self.rng.bit_generator.state
 
     def _take_prefetched(self) -> HerBatch:
-        if self._thread is not None and self._thread_pid != os.getpid():
+        if self._prefetcher.inherited:
             self._stop_prefetch()
-        if self._thread is None:
-            self._queue = queue.Queue(maxsize=self._prefetch)
-            self._stop.clear()
-            self._thread = threading.Thread(target=self._producer, name="her_store-prefetch", daemon=True)
-            self._thread.start()
-            self._thread_pid = os.getpid()
-        q = self._queue
-        assert q is not None
-        while True:
-            try:
-                batch, state = q.get(timeout=0.1)
-                break
-            except queue.Empty:
-                if self._queue is not q:  # stopped meanwhile by another thread: no batch will come
-                    raise StoreError(
-                        "the sampler's prefetching was stopped (close() or load_state_dict() in another thread) while "
-                        "sample() waited for a batch"
-                    ) from None
+        batch, state = self._prefetcher.take()
         if state is None:  # the producer has stopped: rewind the generator to the last batch handed out
             self._stop_prefetch()
             raise batch
@@ -610,21 +366,16 @@ class HerSampler:
     def _stop_prefetch(self) -> None:
         """Stop the producer and rewind the generator to just after the last batch handed out.
 
-        In a forked child the producer is the parent's: the child has no such thread, and the producer may have held
-        the locks of the queue, the stop event and the generator at the fork, so all three are replaced unused; the
-        child's next prefetched batch starts a producer of its own, which draws what the parent draws after the
-        batches it handed out.
+        In a forked child the producer is the parent's and may have held the generator's lock at the fork: the
+        generator is replaced unused (the prefetcher replaces its own queue and stop event), and the child's next
+        prefetched batch starts a producer of its own, which draws what the parent draws after the batches it handed
+        out.
         """
-        if self._thread is None:
+        how = self._prefetcher.stop()
+        if how == "idle":
             return
-        if self._thread_pid == os.getpid():
-            self._stop.set()
-            self._thread.join()
-        else:
-            self._stop = threading.Event()
+        if how == "inherited":
             self.rng = np.random.Generator(type(self.rng.bit_generator)(0))
-        self._thread = None
-        self._queue = None
         self.rng.bit_generator.state = self._state_after
 
     # -- state ---------------------------------------------------------------------------------------------

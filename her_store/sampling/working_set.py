@@ -1,36 +1,40 @@
-"""WorkingSetSampler: HER batches from a bounded in-RAM (or on-device) set of whole episodes, refilled in the background.
+"""WorkingSetSampler: HER batches from a bounded in-RAM (or on-device) set of whole episodes, refilled in the
+background.
 
 For a store on object storage or larger than RAM: whole episodes are copied into a ring of rows of a fixed byte
-budget by large reads (runs of consecutive episodes, read through the store's ChunkReader: whole chunks, ranged blocks
-or frame runs, never a request per row), a background thread replaces part of the set at each refill, and batches are
-drawn from the set, with weights that give every transition of the store the same long-run share, and relabelled by
-:class:`~her_store.sampling.sampler.HerSampler`'s own relabelling and reward recomputation.
+budget (:class:`~her_store.sampling.ring_rows.RingRows`) by large reads (runs of consecutive episodes, read through
+the store's ChunkReader: whole chunks, ranged blocks or frame runs, never a request per row), a background thread
+replaces part of the set at each refill, and batches are drawn from the set, with weights that give every transition
+of the store the same long-run share, by the same parts as :class:`~her_store.sampling.sampler.HerSampler`'s (draw,
+goal choice, gather, reward recomputation, assembly), the set's rows their row source.
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from collections.abc import Iterator, Mapping
+from typing import Any
 
 import numpy as np
 import torch
 
-from her_store.checks import is_int
+from her_store.checks import check_bool, check_bounds, check_callable, check_int, check_number
 from her_store.errors import StoreError
-from her_store.sampling.relabel import GoalStrategy
-from her_store.sampling.sampler import HerBatch, HerSampler, RewardFn
+from her_store.sampling.batch import DeviceTransfer, HerBatch, assemble_batch
+from her_store.sampling.committed import CommittedView
+from her_store.sampling.config import SamplerConfig, config_option
+from her_store.sampling.draw import UniformDraw
+from her_store.sampling.gather import Gather, ReadPlan
+from her_store.sampling.relabel import GoalChoice, GoalStrategy
+from her_store.sampling.rewards import RewardFn, RewardRecompute, env_reward_fn
+from her_store.sampling.ring_rows import HOST_FIELDS, RingRows
 from her_store.store.episode_store import EpisodeStore
 from her_store.store.index import IndexView
-
-if TYPE_CHECKING:
-    from her_store.sampling.sampler import _Draw
+from her_store.store.rows import ChunkReader
 
 __all__ = ["WorkingSetSampler"]
 
-# what HerSampler's batch assembly computes on with numpy (goals, rewards, flags; infos too): brought to the host
-_HOST_FIELDS = frozenset({"achieved_goal", "desired_goal", "reward", "terminated", "truncated"})
 _IDLE_WAIT = 0.05  # seconds the refill thread waits after a refill that found nothing to load
 
 
@@ -59,14 +63,14 @@ def _episode_rows(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
     return np.repeat(starts - (np.cumsum(r) - r), r) + np.arange(int(r.sum()), dtype=np.int64)
 
 
-class WorkingSetSampler(HerSampler):
+class WorkingSetSampler:
     """Hindsight Experience Replay batches from a bounded working set of whole episodes of a store.
 
     The set is a ring of ``budget_bytes // row_bytes`` rows (``row_bytes``: one row of every array a batch reads),
     allocated once on ``device``; each episode in it owns ``T + 1`` consecutive rows (past the ring's last row, on
     from its first), so future, final and episode goals stay within the episode. When the live episodes' rows
     (``T + 1`` each, ``R`` in all) fit in the ring, the set is the store: the first batch loads every episode, a
-    refill loads the new ones, and sampling is exactly :class:`HerSampler`'s.
+    refill loads the new ones, and sampling is exactly :class:`~her_store.sampling.sampler.HerSampler`'s.
 
     Otherwise the set holds ``K`` *arcs*. An arc is ``A`` consecutive transitions placed uniformly at random on the
     circle of all ``N`` live transitions (in id order, the newest followed by the oldest); the set holds the episodes
@@ -80,7 +84,7 @@ class WorkingSetSampler(HerSampler):
     shortest length), so that the ring always holds ``K`` arcs. A batch draws an episode of the set with
     probability proportional to the transitions of it that its arc covers (:attr:`episode_shares`; an episode that
     two arcs reached is in the set twice, with each one's share) and the step uniformly among all the episode's
-    ``T`` steps, then relabels and rewards exactly as :class:`HerSampler` does.
+    ``T`` steps, then relabels and rewards exactly as :class:`~her_store.sampling.sampler.HerSampler` does.
 
     **Every committed transition has the same long-run share of the batches, 1 / N, whatever the episode lengths.**
     A batch takes one of the ``K`` arcs with probability ``1 / K``, within it episode ``e`` with probability
@@ -90,7 +94,7 @@ class WorkingSetSampler(HerSampler):
     number of arcs never depends on which episodes they hold (the ring is sized for the worst arc), and during a
     refill's read the set holds the ``K - 1`` others, under the same law. Drawing uniformly over the set's
     transitions instead would favour short episodes: a set holding many of them holds fewer transitions, each then
-    drawn more often. The differences from :class:`HerSampler`'s independent uniform draws:
+    drawn more often. The differences from :class:`~her_store.sampling.sampler.HerSampler`'s independent uniform draws:
 
     - Correlation in time: batches between two refills come from the same ``K`` arcs, each a run of consecutive
       episodes (collected together, by similar policies), and each refill replaces one of them: the sample stream is
@@ -103,8 +107,8 @@ class WorkingSetSampler(HerSampler):
       episode) a batch waits for each refill's read.
     - New commits become eligible at the next refill, covered by each arc with probability ``A / N`` per transition,
       so a new episode enters the batches after a geometric number of refills, not at the next refresh.
-    - Goals of the ``random`` strategy (and a :class:`~her_store.sampling.relabel.GoalMixture`'s random share) are drawn from
-      the set, by the same law as the batch's transitions.
+    - Goals of the ``random`` strategy (and a :class:`~her_store.sampling.relabel.GoalMixture`'s random share) are
+      drawn from the set, by the same law as the batch's transitions.
     - An episode the ring evicts leaves the set at the next refill. Until then it may be sampled: its rows are the
       intact copy read while it was live (a refill checks :meth:`EpisodeStore.live_first` after each read and keeps
       only episodes that were still live, so rows the writer was overwriting are never kept).
@@ -136,7 +140,7 @@ class WorkingSetSampler(HerSampler):
     seed : int, optional
         Seeds the batches' generator (as HerSampler's) and, through ``numpy.random.SeedSequence``, the refills'.
     n_sampled_goal, goal_selection_strategy, reward_fn, copy_info_dict, relabel_terminated, success_fn
-        As :class:`HerSampler` (random goals: from the set).
+        As :class:`~her_store.sampling.sampler.HerSampler` (random goals: from the set).
     io_threads : int, optional
         Threads a refill's read is split across (see :class:`~her_store.store.rows.ChunkReader`).
     refresh_interval : float, optional
@@ -178,52 +182,54 @@ class WorkingSetSampler(HerSampler):
         io_threads: int | None = None,
         refresh_interval: float | None = None,
     ) -> None:
-        if not is_int(budget_bytes):
-            raise TypeError(f"budget_bytes must be an int (bytes of the working set), got {budget_bytes!r}")
-        if budget_bytes < 1:
-            raise ValueError(f"budget_bytes must be >= 1 (bytes of the working set), got {budget_bytes}")
-        if not 0.0 < refill_fraction <= 0.5:
-            raise ValueError(f"refill_fraction must be in (0, 0.5], got {refill_fraction}")
-        if not refill_interval >= 0.0:
-            raise ValueError(f"refill_interval must be >= 0 seconds, got {refill_interval}")
-        super().__init__(
-            store, batch_size, n_sampled_goal=n_sampled_goal, goal_selection_strategy=goal_selection_strategy,
+        budget_bytes = check_bounds(check_int(budget_bytes, "budget_bytes"), "budget_bytes", low=1)
+        self.refill_fraction = check_number(refill_fraction, "refill_fraction", low=0, high=0.5, low_open=True)
+        self.refill_interval = check_number(refill_interval, "refill_interval", low=0, finite=True)
+        self.background = check_bool(background, "background")
+        self.config = config = SamplerConfig(
+            batch_size=batch_size, n_sampled_goal=n_sampled_goal, goal_selection_strategy=goal_selection_strategy,
             reward_fn=reward_fn, device=device, seed=seed, copy_info_dict=copy_info_dict,
             relabel_terminated=relabel_terminated, success_fn=success_fn, io_threads=io_threads,
             cache_bytes=0,  # a refill reads each chunk once, in order: nothing to cache beyond the one in hand
             refresh_interval=refresh_interval,
         )
+        self.store = store
+        self.her_ratio = config.her_ratio
+        reward_fn = config.reward_fn
+        if reward_fn is None and config.n_sampled_goal > 0:
+            reward_fn = env_reward_fn(store)
+        self.rng = np.random.default_rng(config.seed)
+        self.plan = ReadPlan(store, config.copy_info_dict)
         specs = {spec.path: spec for spec in store.layout.arrays}
-        self._specs = {path: specs[path] for path, *_ in self._arrays}
-        self.row_bytes = sum(spec.row_nbytes for spec in self._specs.values())
-        self.capacity_rows = int(budget_bytes) // self.row_bytes
+        specs = {a.path: specs[a.path] for a in self.plan.arrays}
+        self.row_bytes = sum(spec.row_nbytes for spec in specs.values())
+        self.capacity_rows = budget_bytes // self.row_bytes
         if self.capacity_rows < 2:
             raise ValueError(
                 f"budget_bytes={budget_bytes} holds {self.capacity_rows} row(s) of {self.row_bytes} bytes (one row of "
-                f"every array a batch reads: {', '.join(self._specs)}); a working set needs whole episodes"
+                f"every array a batch reads: {', '.join(specs)}); a working set needs whole episodes"
             )
-        self.budget_bytes = int(budget_bytes)
-        self.refill_fraction = float(refill_fraction)
-        self.refill_interval = float(refill_interval)
-        self.background = bool(background)
-        self._host_names = _HOST_FIELDS | set(self._info_keys)
-        self._numpy_gather = self.device.type == "cpu"  # else index_select on the device
+        self.budget_bytes = budget_bytes
         try:
-            self._buffers = {
-                path: torch.empty(
-                    (self.capacity_rows, *spec.row_shape), dtype=torch.from_numpy(np.empty(0, spec.dtype)).dtype,
-                    device=self.device,
-                )
-                for path, spec in self._specs.items()
-            }
+            self.set_rows = RingRows(specs, self.capacity_rows, config.device, HOST_FIELDS | set(self.plan.info_keys))
         except (RuntimeError, MemoryError) as e:  # torch's allocators raise RuntimeError (CUDA's a subclass of it)
-            self.reader.close()
             raise MemoryError(
                 f"budget_bytes={self.budget_bytes}: the working set's {self.capacity_rows} rows of {self.row_bytes} "
-                f"bytes ask {self.device} for {self.capacity_rows * self.row_bytes} bytes, which it cannot give "
+                f"bytes ask {config.device} for {self.capacity_rows * self.row_bytes} bytes, which it cannot give "
                 f"({e}); lower budget_bytes"
             ) from e
-        self._refill_rng = np.random.default_rng(np.random.SeedSequence(seed).spawn(1)[0])
+        self.reader = ChunkReader(store, io_threads=config.io_threads, cache_bytes=config.cache_bytes)
+        self.committed = CommittedView(store, self.reader, config.refresh_interval)
+        self.goal_choice = GoalChoice(config.strategy, self.plan.goal_shape, self.plan.goal_dtype)  # random: the set's
+        self.draw = UniformDraw(self.goal_choice, store.url)
+        self.gather = Gather(self.plan, self.set_rows)
+        self.rewards = RewardRecompute(
+            reward_fn, relabel_terminated=config.relabel_terminated, success_fn=config.success_fn,
+            info_keys=self.plan.info_keys,
+        )
+        self.to_device = DeviceTransfer(config.device, config.pin_memory)
+        self._state_after = self.rng.bit_generator.state  # RNG state after the last batch handed out
+        self._refill_rng = np.random.default_rng(np.random.SeedSequence(config.seed).spawn(1)[0])
         # the set's episodes, oldest loaded first: store id, steps, first ring row (rows run on past the ring's end at
         # its start), the transitions of it its arc covers (its weight), and its arc (-1: loaded whole, the store
         # fitting in the set); one arc's episodes follow each other, in the ring as in this order
@@ -243,11 +249,52 @@ class WorkingSetSampler(HerSampler):
         self.loaded_transitions = 0
         self.refill_seconds = 0.0
 
+    # -- the options ---------------------------------------------------------------------------------------
+    batch_size = config_option("batch_size")
+    n_sampled_goal = config_option("n_sampled_goal")
+    strategy = config_option("strategy")
+    copy_info_dict = config_option("copy_info_dict")
+    relabel_terminated = config_option("relabel_terminated")
+    success_fn = config_option("success_fn")
+
+    @property
+    def device(self) -> torch.device:
+        """Where the set lives and batches go."""
+        return self.to_device.device
+
+    @property
+    def reward_fn(self) -> RewardFn | None:
+        """The reward function relabelled rows are rewarded with (the given one, or the store's env's); may be
+        replaced any time."""
+        return self.rewards.reward_fn
+
+    @reward_fn.setter
+    def reward_fn(self, fn: RewardFn) -> None:
+        self.rewards.reward_fn = check_callable(fn, "reward_fn")
+
+    @property
+    def refresh_interval(self) -> float:
+        """Seconds between looks for new commits by :meth:`sample`; may be changed any time."""
+        return self.committed.interval
+
+    @refresh_interval.setter
+    def refresh_interval(self, seconds: float) -> None:
+        self.committed.interval = float(seconds)
+
+    @property
+    def view(self) -> IndexView | None:
+        """The store's committed episodes as of the last refresh (None before the first): what refills load from."""
+        return self.committed.view
+
+    def refresh(self, *, reread: bool = True) -> IndexView:
+        """Look for new commits now; returns the store's committed episodes (see :meth:`CommittedView.refresh`)."""
+        return self.committed.refresh(reread=reread)
+
     # -- what the set holds ----------------------------------------------------------------------------------
     @property
     def nbytes(self) -> int:
         """Bytes of the ring (every row of every array), at most ``budget_bytes``."""
-        return sum(b.element_size() * b.nelement() for b in self._buffers.values())
+        return self.set_rows.nbytes
 
     @property
     def resident_bytes(self) -> int:
@@ -281,7 +328,7 @@ class WorkingSetSampler(HerSampler):
             The sampler is closed, or the set cannot hold two of the longest episode.
         """
         self._require_open()
-        return self._refill(self._current_view()) or 0
+        return self._refill(self.committed.current()) or 0
 
     def _shape(self, view: IndexView) -> tuple[int, int]:
         """``(K, A)`` for a view whose rows the set cannot hold all at once: the set holds ``K`` arcs of ``A``
@@ -370,17 +417,7 @@ class WorkingSetSampler(HerSampler):
             if not len(pos):
                 return None
             ids, starts, lengths = view.first + pos, view.start_rows[pos], view.lengths[pos]
-            rows = _episode_rows(starts, lengths)
-            split = min(n, C - at)  # the rows past the ring's end go to its start
-            for path, buf in self._buffers.items():
-                for where, part in ((at, rows[:split]), (0, rows[split:])):
-                    if not len(part):
-                        continue
-                    block = buf[where : where + len(part)]
-                    if block.device.type == "cpu":
-                        self.reader.gather(path, part, out=block.numpy())
-                    else:
-                        block.copy_(torch.from_numpy(self.reader.gather(path, part)))
+            self.set_rows.load(self.reader, at, _episode_rows(starts, lengths))  # past the ring's end: at its start
             # a ring may have overwritten rows of episodes it evicted during the read: keep only those still live
             first = self.store.live_first() if ring else view.first
             live = ids >= first
@@ -410,7 +447,7 @@ class WorkingSetSampler(HerSampler):
     def _run(self) -> None:
         while not self._halt.is_set():
             try:
-                view = self._view
+                view = self.committed.view
                 loaded = (self._refill(view) or 0) if view is not None else 0
             except Exception as e:  # handed to the learner's next batch
                 self._error = e
@@ -432,9 +469,9 @@ class WorkingSetSampler(HerSampler):
             self._refiller = threading.Thread(target=self._run, name="her_store-working-set", daemon=True)
             self._refiller.start()
 
-    # -- one batch, HerSampler's, from the set -----------------------------------------------------------------
+    # -- one batch, from the set ------------------------------------------------------------------------------
     def sample(self, batch_size: int | None = None) -> HerBatch:
-        """One batch of ``batch_size`` transitions (default: the sampler's), drawn from the set.
+        """One batch of ``batch_size`` transitions (default: the sampler's), an int >= 1, drawn from the set.
 
         Raises
         ------
@@ -442,15 +479,23 @@ class WorkingSetSampler(HerSampler):
             No committed episode yet, the sampler is closed, or a refill failed (raised at the next batch).
         """
         self._require_open()
-        return super().sample(batch_size)
+        B = self.batch_size if batch_size is None else check_int(batch_size, "batch_size", low=1)
+        batch = self._make_batch(self.committed.current(), B)
+        self._state_after = self.rng.bit_generator.state
+        return batch
 
-    def _make_batch(self, view: IndexView, B: int, may_refresh: bool = True) -> HerBatch:
+    def __iter__(self) -> Iterator[HerBatch]:
+        """Batches forever."""
+        while True:
+            yield self.sample()
+
+    def _make_batch(self, view: IndexView, B: int) -> HerBatch:
         tries = 100
         for _ in range(tries):
             self._ready(view)
             with self._lock:
                 if self._published[0].num_transitions or not view.num_transitions:
-                    return super()._make_batch(self._published[0], B, may_refresh)
+                    return self._batch_of_set(B)
             with self._refill_lock:  # a refill that evicted the set's only arc leaves it empty until its read ends
                 pass
         if self.store.capacity is not None:
@@ -461,52 +506,30 @@ class WorkingSetSampler(HerSampler):
                 "refresh_interval"
             )
         raise StoreError(
-            f"{self.store.url}: the set was empty at {tries} batches in a row: each background refill evicted the whole "
-            f"set ({self.capacity_rows} rows) to place its arc's episodes; raise budget_bytes or lower refill_fraction"
+            f"{self.store.url}: the set was empty at {tries} batches in a row: each background refill evicted the "
+            f"whole set ({self.capacity_rows} rows) to place its arc's episodes; raise budget_bytes or lower "
+            "refill_fraction"
         )
 
-    def _fresh(
-        self, view: IndexView, B: int, may_refresh: bool
-    ) -> tuple[IndexView, _Draw, dict, dict, np.ndarray | None, Callable[[], None]]:
-        """Draw among the set's episodes (positions in the set), gather from the ring, and name the store's ids."""
+    def _batch_of_set(self, B: int) -> HerBatch:
+        """Draw among the set's episodes (positions in the set), gather from the ring, name the store's ids, and
+        assemble; under ``_lock``."""
+        set_view, ids = self._published[0], self._published[1]
         her = np.arange(B) < int(self.her_ratio * B)
-        d = self._draw(view, her)
-        now, nxt, goals, finish = self._gather(d)
-        ids = self._published[1]
+        d = self.draw(set_view, her, self.rng)
+        now, nxt, goals, finish = self.gather(d.rows, d.goal_rows)
         d = d._replace(episode_ids=ids[d.episode_ids], goal_ids=None if d.goal_ids is None else ids[d.goal_ids])
-        return view, d, now, nxt, goals, finish
+        return assemble_batch(
+            d, now, nxt, goals, finish, goal_choice=self.goal_choice, rewards=self.rewards,
+            goals_at=lambda: self._achieved_goals_at(set_view), rng=self.rng, obs_keys=self.plan.obs_keys,
+            to_device=self.to_device,
+        )
 
-    def _rows(self, path: str, rows: np.ndarray) -> Any:
-        """HerSampler's gather reads from the ring, rows past its end at its start: ``numpy.take`` of its rows on the
-        CPU (as the reader gathers a local store's rows), one ``index_select`` on another device."""
-        if self._numpy_gather:
-            return np.take(self._buffers[path].numpy(), rows, axis=0, mode="wrap")
-        return self._buffers[path].index_select(0, torch.as_tensor(rows % self.capacity_rows, device=self.device))
-
-    def _rows_later(self, path: str, rows: np.ndarray) -> tuple[Any, Callable[[], None]]:
-        """The ring's rows are gathered at once (:meth:`_rows`)."""
-        return self._rows(path, rows), lambda: None
-
-    def _field(self, name: str, col: Any, shape: tuple[int, ...]) -> Any:
-        """On a device, the fields batch assembly computes on with numpy come to the host, the others stay there."""
-        if isinstance(col, np.ndarray):
-            return super()._field(name, col, shape)
-        col = col.reshape(len(col), *shape)
-        return self._to_host(col) if name in self._host_names else col.contiguous()
-
-    @staticmethod
-    def _to_host(x: torch.Tensor) -> np.ndarray:
-        return x.contiguous().cpu().numpy()
-
-    def _to_device(self, a: Any) -> torch.Tensor:
-        return a if isinstance(a, torch.Tensor) else super()._to_device(a)
-
-    def _achieved_goals_at(self, view: IndexView) -> Callable[[np.ndarray, np.ndarray], np.ndarray]:
+    def _achieved_goals_at(self, view: IndexView) -> Any:
         """A callable strategy's reader of achieved goals: episodes by store id, which must be in the set."""
         ids = self._published[1]
         order = np.argsort(ids)
         known = ids[order]
-        spec, a, b = self.store.layout.fields["achieved_goal"]
 
         def read(episode_ids: np.ndarray, steps: np.ndarray) -> np.ndarray:
             episode_ids, steps = np.asarray(episode_ids, np.int64), np.asarray(steps, np.int64)
@@ -516,10 +539,18 @@ class WorkingSetSampler(HerSampler):
             at = order[k]
             if np.any(steps < 0) or np.any(steps >= view.lengths[at]):
                 raise IndexError("steps must satisfy 0 <= step < episode length")
-            rows = self._rows(spec.path, view.start_rows[at] + steps + 1)
-            return self._field("achieved_goal", rows[:, a:b] if spec.is_pack else rows, self._goal_shape)
+            return self.gather.achieved_goals(view.start_rows[at] + steps + 1)
 
         return read
+
+    # -- state ---------------------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """The batches' generator state after the last batch handed out (as HerSampler's)."""
+        return {"rng": self._state_after}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.rng.bit_generator.state = dict(state["rng"])
+        self._state_after = self.rng.bit_generator.state
 
     def close(self) -> None:
         """Stop the refill thread, release the set and the reader (the store stays open); then :meth:`sample`
@@ -532,5 +563,11 @@ class WorkingSetSampler(HerSampler):
             self._closed = True
             self._keep(slice(0, 0))
             self._publish()
-            self._buffers = {}
-        super().close()
+            self.set_rows.release()
+        self.reader.close()
+
+    def __enter__(self) -> WorkingSetSampler:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

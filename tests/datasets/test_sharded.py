@@ -467,7 +467,7 @@ def test_random_goals_from_a_ring_shard_are_never_of_an_episode_its_writer_evict
             def evicting(path, rows, out=None):  # after the first read of a batch, the writer evicts episodes it read
                 got = gather(path, rows, out=out)
                 if evict_to:
-                    v = ring._view
+                    v = ring.view
                     hit = (rows[:, None] >= v.start_rows) & (rows[:, None] <= v.start_rows + v.lengths)
                     read = v.first + np.flatnonzero(hit.any(axis=0))
                     last = int(np.median(read)) if evict_to.pop() == "some" else v.end - 1

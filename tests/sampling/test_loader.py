@@ -210,6 +210,9 @@ def test_bad_arguments_are_refused_here(store_path):
         ({"batches_per_epoch": -1}, "batches_per_epoch must be an int >= 0"),
         ({"batches_per_epoch": 4.0}, "batches_per_epoch must be an int >= 0"),
         ({"batches_per_epoch": True}, "batches_per_epoch must be an int >= 0"),
+        ({"n_sampled_goal": 2.5}, "n_sampled_goal must be an int >= 0, not a float: got 2.5"),
+        ({"seed": -1}, "seed must be an int >= 0 or None: got -1"),
+        ({"prefetch": True}, "prefetch must be an int >= 0, not a bool: got True"),
     ]:
         with pytest.raises((TypeError, ValueError), match=match):
             dataset(store_path, **kw)

@@ -325,6 +325,27 @@ def test_random_goals_come_from_a_rows_own_store_of_a_list_and_from_every_store_
     shards.close()
 
 
+def test_a_store_sets_goal_mixture_without_random_goals_relabels_from_each_rows_own_episode(tmp_path):
+    """A store set's samplers take random goals from a source over all its stores; a part of a batch whose
+    relabelled rows drew no random goal (a GoalMixture with p_random 0) asked it for none, which failed an
+    assertion. Each relabelled row's goal is a current or later achieved goal of its own episode."""
+    obs, act = fetch_spaces()
+    root = str(tmp_path / "dataset")
+    for k in range(2):  # achieved goal (1000 k + i, r, 0) at row r of episode i of shard k
+        with open_store(root, obs, act, shard=f"actor-{k}") as writer:
+            for i in range(3):
+                writer.append_episode(coded_episode(obs, act, 1000 * k + i, T=6, seed=i))
+    mixture = GoalMixture(0.5, 0.5, 0.0)
+    with open_store(root) as view, view.sampler(256, goal_selection_strategy=mixture, reward_fn=sparse_reward,
+                                                 seed=2) as m:
+        for _ in range(3):
+            b = m.sample()
+            goal, steps = b.observations["desired_goal"].numpy(), b.steps.numpy()
+            assert b.is_relabeled.all() and set(b.source.tolist()) == {0, 1}
+            np.testing.assert_array_equal(goal[:, 0], 1000 * b.source.numpy() + b.episode_ids.numpy())
+            assert (goal[:, 1] >= steps + 1).all() and (goal[:, 1] <= 6).all()
+
+
 def test_a_sharded_datasets_view_samples_uniformly_and_grows(tmp_path):
     obs, act = fetch_spaces()
     root = str(tmp_path / "dataset")
@@ -347,6 +368,22 @@ def test_a_sharded_datasets_view_samples_uniformly_and_grows(tmp_path):
         assert (np.abs(share - [1 / 6, 1 / 3, 1 / 2]) < 5 * np.sqrt(0.25 / 600)).all(), share
     for w in writers:
         w.close()
+
+
+def test_the_per_store_samplers_options_are_checked_once_naming_them(three):
+    for kw, message in [
+        ({"n_sampled_goal": True}, "n_sampled_goal must be an int >= 0, not a bool: got True"),
+        ({"refresh_interval": -1}, "refresh_interval must be a real number >= 0 or None: got -1"),
+        ({"seed": -1}, "seed must be an int >= 0 or None: got -1"),
+        ({"copy_info_dict": "no"}, "copy_info_dict must be True or False, not a str: got 'no'"),
+    ]:
+        with pytest.raises(ValueError) as e:
+            MixtureSampler(three, "transitions", 32, reward_fn=sparse_reward, **kw)
+        assert str(e.value) == message
+    with MixtureSampler(three, "transitions", np.int64(32), reward_fn=sparse_reward, n_sampled_goal=np.int8(1)) as m:
+        assert m.batch_size == 32 and m.her_ratio == 0.5 and all(s.config == m.samplers[0].config.replace(
+            seed=s.config.seed) for s in m.samplers)
+        assert m.sample().actions.shape == (32, 4)
 
 
 def test_misuse_is_refused_and_large_weights_keep_their_proportions(three):

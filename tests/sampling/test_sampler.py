@@ -218,6 +218,59 @@ def test_a_store_naming_a_module_runs_no_code(tmp_path, monkeypatch):
     assert not marker.exists(), "the store's env_id made the sampler import a module"
 
 
+@pytest.mark.parametrize(
+    ("option", "value", "message"),
+    [
+        ("batch_size", True, "batch_size must be an int >= 1, not a bool: got True"),
+        ("batch_size", 2.5, "batch_size must be an int >= 1, not a float: got 2.5"),
+        ("batch_size", 0, "batch_size must be an int >= 1: got 0"),
+        ("n_sampled_goal", -1, "n_sampled_goal must be an int >= 0: got -1"),
+        ("n_sampled_goal", 4.0, "n_sampled_goal must be an int >= 0, not a float: got 4.0"),
+        ("prefetch", True, "prefetch must be an int >= 0, not a bool: got True"),
+        ("prefetch", -2, "prefetch must be an int >= 0: got -2"),
+        ("io_threads", -1, "io_threads must be an int >= 0 or None: got -1"),
+        ("cache_bytes", 1.5e6, "cache_bytes must be an int >= 0, not a float: got 1500000.0"),
+        ("seed", -1, "seed must be an int >= 0 or None: got -1"),
+        ("seed", 1.0, "seed must be an int >= 0 or None, not a float: got 1.0"),
+        ("refresh_interval", -0.5, "refresh_interval must be a real number >= 0 or None: got -0.5"),
+        ("refresh_interval", float("nan"), "refresh_interval must be a real number >= 0 or None: got nan"),
+        ("refresh_interval", "1", "refresh_interval must be a real number >= 0 or None, not a str: got '1'"),
+        ("copy_info_dict", 1, "copy_info_dict must be True or False, not an int: got 1"),
+        ("relabel_terminated", "yes", "relabel_terminated must be True or False, not a str: got 'yes'"),
+        ("pin_memory", 0, "pin_memory must be True, False or None, not an int: got 0"),
+        ("reward_fn", "sparse", "reward_fn must be a callable or None, not a str: got 'sparse'"),
+        ("success_fn", 3, "success_fn must be a callable or None, not an int: got 3"),
+    ],
+)
+def test_every_option_is_checked_naming_it_what_it_must_be_and_what_was_given(coded_store, option, value, message):
+    """HerSampler(store, batch_size=True) sampled batches of one transition, and batch_size=2.5 batches of two: every
+    option is checked when the sampler is made (a wrong type is a TypeError and a ValueError at once)."""
+    store, _ = coded_store
+    kw = {"reward_fn": sparse_reward, option: value}
+    with pytest.raises(ValueError) as e:
+        HerSampler(store, **kw)
+    assert str(e.value) == message
+    assert isinstance(e.value, TypeError) == (", not " in message)  # a wrong type, not a value out of range
+
+
+def test_numpy_numbers_are_options_and_sample_checks_its_batch_size(coded_store):
+    store, _ = coded_store
+    kw = {"n_sampled_goal": np.uint8(3), "prefetch": np.int32(0), "io_threads": np.int64(2),
+          "refresh_interval": np.float32(0.5), "seed": np.int64(4), "copy_info_dict": np.bool_(False)}
+    with HerSampler(store, np.int64(16), reward_fn=sparse_reward, **kw) as sampler:
+        assert sampler.batch_size == 16 and type(sampler.batch_size) is int and sampler.n_sampled_goal == 3
+        assert sampler.refresh_interval == 0.5 and sampler.her_ratio == 0.75
+        assert sampler.sample().actions.shape == (16, 4) and sampler.sample(np.int16(5)).actions.shape == (5, 4)
+        for bad, message in [
+            (True, "batch_size must be an int >= 1, not a bool: got True"),
+            (2.5, "batch_size must be an int >= 1, not a float: got 2.5"),
+            (0, "batch_size must be an int >= 1: got 0"),
+        ]:
+            with pytest.raises(ValueError) as e:
+                sampler.sample(bad)
+            assert str(e.value) == message
+
+
 def test_callable_strategy_gets_the_context(coded_store):
     store, eps = coded_store
     seen = {}
@@ -398,12 +451,12 @@ def test_a_sample_waiting_for_a_prefetched_batch_hears_when_another_thread_close
     def slow_batch(*args, **kwargs):  # storage that has become slow: the producer's batch takes until it is stopped
         if slow.is_set():
             producing.set()
-            sampler._stop.wait(300)
+            sampler._prefetcher.stopping.wait(300)
         return make(*args, **kwargs)
 
     sampler._make_batch = slow_batch
     slow.set()
-    queue, gets = sampler._queue, []
+    queue, gets = sampler._prefetcher.queue, []
     get = queue.get
     queue.get = lambda *args, **kwargs: (gets.append(1), get(*args, **kwargs))[1]  # each look for a batch
     outcome: list[str] = []
@@ -468,7 +521,7 @@ def test_a_forked_child_samples_a_prefetching_sampler_from_a_producer_of_its_own
     with EpisodeStore.open(tmp_path / "s") as store, HerSampler(store, 64, reward_fn=sparse_reward, seed=7,
                                                                prefetch=2) as sampler:
         before = [sampler.sample() for _ in range(2)]
-        assert sampler._thread is not None and wrong(before[0]) == 0
+        assert sampler._prefetcher.thread is not None and wrong(before[0]) == 0
         mine, theirs = ctx.Pipe()
         proc = ctx.Process(target=child, args=(sampler, theirs))
         proc.start()
@@ -611,7 +664,7 @@ def test_a_batch_waits_for_every_pending_gather_even_when_one_fails():
     """A batch's frames are gathered later (decoded while the rest of the batch is assembled): when one pending
     gather raises, the others are still waited for (no thread left writing into a batch being dropped), and the
     error is raised."""
-    from her_store.sampling.sampler import _finish_all
+    from her_store.sampling.gather import finish_all
 
     done: list[int] = []
 
@@ -620,6 +673,6 @@ def test_a_batch_waits_for_every_pending_gather_even_when_one_fails():
         raise OSError("a disk error")
 
     with pytest.raises(OSError, match="a disk error"):
-        _finish_all([fails, lambda: done.append(1), lambda: done.append(2)])
+        finish_all([fails, lambda: done.append(1), lambda: done.append(2)])
     assert done == [0, 1, 2]
-    _finish_all([])
+    finish_all([])

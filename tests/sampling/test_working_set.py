@@ -153,7 +153,7 @@ def test_the_set_never_holds_more_than_its_budget_while_a_writer_appends(tmp_pat
             writer.append_episode(eps[i])
         with WorkingSetSampler(writer, budget, 64, reward_fn=sparse_reward, seed=0, refill_fraction=0.25, refill_interval=0.0) as s:
             assert s.nbytes == s.capacity_rows * s.row_bytes <= budget
-            assert s.nbytes == sum(b.element_size() * b.nelement() for b in s._buffers.values())
+            assert s.nbytes == sum(b.element_size() * b.nelement() for b in s.set_rows.buffers.values())
             newest = 0
             for i in range(40, 200):
                 writer.append_episode(eps[i])
@@ -257,7 +257,7 @@ def test_the_set_lives_on_the_samplers_device_and_batches_stay_there(coded_store
     store, _ = coded_store
     with WorkingSetSampler(store, 300 * 86, 32, reward_fn=sparse_reward, seed=0, background=False) as s:
         b = s.sample()
-        assert all(buf.device == torch.device("cpu") for buf in s._buffers.values())
+        assert all(buf.device == torch.device("cpu") for buf in s.set_rows.buffers.values())
         assert b.observations["observation"].device == s.device and b.rewards.dtype == torch.float32
     with pytest.raises(ValueError, match="refill_fraction"):
         WorkingSetSampler(store, 300 * 86, reward_fn=sparse_reward, refill_fraction=0.9)
@@ -269,7 +269,7 @@ def test_the_device_gather_gives_the_rows_the_host_gather_gives(coded_store):
     store, eps = coded_store
     kw = dict(reward_fn=sparse_reward, seed=5, background=False, refill_fraction=0.25)
     with WorkingSetSampler(store, 300 * 86, 64, **kw) as host, WorkingSetSampler(store, 300 * 86, 64, **kw) as dev:
-        dev._numpy_gather = False
+        dev.set_rows.numpy_gather = False
         for _ in range(5):
             a, b = host.sample(), dev.sample()
             assert_rows_are_the_stores(b, eps)
@@ -294,7 +294,7 @@ def test_a_callable_strategy_reads_achieved_goals_from_the_set(coded_store, nump
 
     with WorkingSetSampler(store, 300 * 86, 256, goal_selection_strategy=two_ahead, reward_fn=sparse_reward, seed=3,
                            background=False) as s:
-        s._numpy_gather = numpy_gather
+        s.set_rows.numpy_gather = numpy_gather
         for _ in range(3):
             b = s.sample()
             n = int(b.is_relabeled.sum())
@@ -377,6 +377,29 @@ def test_budget_bytes_must_be_a_whole_number_of_bytes_the_machine_can_give(long_
     with pytest.raises(MemoryError, match=f"budget_bytes={budget}.* {budget // 86 * 86} bytes"):
         WorkingSetSampler(long_episodes, budget, reward_fn=sparse_reward)
     assert WorkingSetSampler(long_episodes, np.int64(130 * 86), reward_fn=sparse_reward).capacity_rows == 130
+
+
+def test_its_own_options_and_the_samplers_shared_ones_are_checked_naming_them(long_episodes):
+    budget = 130 * 86
+    for kw, message in [
+        ({"refill_fraction": 0.6}, "refill_fraction must be a real number in (0, 0.5]: got 0.6"),
+        ({"refill_fraction": 0}, "refill_fraction must be a real number in (0, 0.5]: got 0"),
+        ({"refill_fraction": True}, "refill_fraction must be a real number in (0, 0.5], not a bool: got True"),
+        ({"refill_interval": -1}, "refill_interval must be a finite real number >= 0: got -1"),
+        ({"refill_interval": float("inf")}, "refill_interval must be a finite real number >= 0: got inf"),
+        ({"background": 1}, "background must be True or False, not an int: got 1"),
+        ({"batch_size": True}, "batch_size must be an int >= 1, not a bool: got True"),
+        ({"n_sampled_goal": 2.5}, "n_sampled_goal must be an int >= 0, not a float: got 2.5"),
+        ({"io_threads": -4}, "io_threads must be an int >= 0 or None: got -4"),
+    ]:
+        with pytest.raises(ValueError) as e:
+            WorkingSetSampler(long_episodes, budget, reward_fn=sparse_reward, **kw)
+        assert str(e.value) == message
+    with WorkingSetSampler(long_episodes, np.int64(budget), np.int32(8), reward_fn=sparse_reward, background=False,
+                           refill_fraction=np.float32(0.25), refill_interval=np.int64(0)) as s:
+        assert s.batch_size == 8 and s.refill_fraction == 0.25 and s.sample().actions.shape == (8, 4)
+        with pytest.raises(ValueError, match=r"^batch_size must be an int >= 1, not a float: got 2.5$"):
+            s.sample(2.5)
 
 
 def test_a_ring_that_evicts_everything_a_refill_reads_is_named_as_the_cause(tmp_path):

@@ -1,0 +1,127 @@
+"""The samplers' options: one dataclass, checked once, that HerSampler, WorkingSetSampler, MixtureSampler and the
+DataLoader dataset all take their shared options from.
+
+Every option goes through :mod:`her_store.checks` when the config is made, so a sampler never meets
+``batch_size=True`` or ``prefetch=2.5``; the defaults that depend on the store (the env's reward function, the refresh
+interval) and on the device (pinned memory) are resolved by the parts that use them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Collection, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from her_store.checks import check_bool, check_callable, check_int, check_number
+from her_store.sampling.relabel import (
+    GoalContext,
+    GoalMixture,
+    GoalSelectionStrategy,
+    GoalStrategy,
+    her_ratio,
+    parse_strategy,
+)
+from her_store.sampling.rewards import RewardFn
+
+__all__ = ["SamplerConfig", "check_options", "config_option"]
+
+
+@dataclass(frozen=True)
+class SamplerConfig:
+    """Options of a :class:`~her_store.sampling.sampler.HerSampler`, checked when the config is made.
+
+    The fields are HerSampler's keyword arguments (see it for what each does); a sampler built from a config
+    (:meth:`HerSampler.from_config <her_store.sampling.sampler.HerSampler.from_config>`) samples exactly as one
+    built from the same keywords. ``goal_selection_strategy`` is kept parsed (a name becomes its
+    :class:`~her_store.sampling.relabel.GoalSelectionStrategy`) and ``device`` as a ``torch.device``; numbers are kept
+    as Python ints and floats.
+
+    Raises
+    ------
+    ValueError, TypeError
+        An option of the wrong type or out of range, naming it (:class:`~her_store.checks.ArgumentTypeError`,
+        both at once, for a wrong type): ``batch_size`` an int >= 1, ``n_sampled_goal``, ``prefetch`` and
+        ``cache_bytes`` ints >= 0, ``io_threads`` an int >= 0 or None, ``seed`` an int >= 0 or None,
+        ``refresh_interval`` a number of seconds >= 0 or None, the flags True or False (``pin_memory`` or None),
+        ``reward_fn`` and ``success_fn`` callables or None.
+
+    Examples
+    --------
+    >>> cfg = SamplerConfig(batch_size=np.int64(64), goal_selection_strategy="final")
+    >>> cfg.batch_size, cfg.goal_selection_strategy, cfg.her_ratio
+    (64, <GoalSelectionStrategy.FINAL: 'final'>, 0.8)
+    >>> SamplerConfig(prefetch=-1)
+    Traceback (most recent call last):
+    ...
+    ValueError: prefetch must be an int >= 0: got -1
+    """
+
+    batch_size: int = 256
+    n_sampled_goal: int = 4
+    goal_selection_strategy: GoalStrategy = "future"
+    reward_fn: RewardFn | None = None
+    device: str | torch.device = "cpu"
+    seed: int | None = None
+    copy_info_dict: bool = False
+    prefetch: int = 0
+    pin_memory: bool | None = None
+    relabel_terminated: bool = False
+    success_fn: RewardFn | None = None
+    io_threads: int | None = None
+    cache_bytes: int = 32 << 20
+    refresh_interval: float | None = None
+
+    def __post_init__(self) -> None:
+        checked: dict[str, Any] = {
+            "batch_size": check_int(self.batch_size, "batch_size", low=1),
+            "n_sampled_goal": check_int(self.n_sampled_goal, "n_sampled_goal", low=0),
+            "goal_selection_strategy": parse_strategy(self.goal_selection_strategy),
+            "reward_fn": check_callable(self.reward_fn, "reward_fn", or_none=True),
+            "device": torch.device(self.device),
+            "seed": check_int(self.seed, "seed", low=0, or_none=True),
+            "copy_info_dict": check_bool(self.copy_info_dict, "copy_info_dict"),
+            "prefetch": check_int(self.prefetch, "prefetch", low=0),
+            "pin_memory": check_bool(self.pin_memory, "pin_memory", or_none=True),
+            "relabel_terminated": check_bool(self.relabel_terminated, "relabel_terminated"),
+            "success_fn": check_callable(self.success_fn, "success_fn", or_none=True),
+            "io_threads": check_int(self.io_threads, "io_threads", low=0, or_none=True),
+            "cache_bytes": check_int(self.cache_bytes, "cache_bytes", low=0),
+            "refresh_interval": check_number(self.refresh_interval, "refresh_interval", low=0, or_none=True),
+        }
+        for name, value in checked.items():
+            object.__setattr__(self, name, value)
+
+    @property
+    def strategy(self) -> GoalSelectionStrategy | GoalMixture | Callable[[GoalContext], np.ndarray]:
+        """The parsed goal selection strategy."""
+        return self.goal_selection_strategy  # type: ignore[return-value]  # parsed in __post_init__
+
+    @property
+    def her_ratio(self) -> float:
+        """The relabelled share of a batch (:func:`~her_store.sampling.relabel.her_ratio`)."""
+        return her_ratio(self.strategy, self.n_sampled_goal)
+
+    def replace(self, **changes: Any) -> SamplerConfig:
+        """A copy with ``changes``, checked as a new config is."""
+        return dataclasses.replace(self, **changes)
+
+    def options(self) -> dict[str, Any]:
+        """The options as keyword arguments of HerSampler (or of anything taking them, such as a MixtureSampler),
+        ``batch_size`` and ``seed`` left out."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in ("batch_size", "seed")}
+
+
+def check_options(options: Mapping[str, Any], allowed: Collection[str]) -> None:
+    """Raise TypeError naming the options that are not among ``allowed`` (names of :class:`SamplerConfig`'s fields)."""
+    unknown = sorted(set(options) - set(allowed))
+    if unknown:
+        raise TypeError(f"HerSampler takes no argument(s) {unknown}; it takes {sorted(allowed)}")
+
+
+def config_option(name: str) -> property:
+    """A read-only attribute of a sampler that is its ``config``'s option ``name`` (as checked and kept there)."""
+    return property(lambda sampler: getattr(sampler.config, name), doc=f"The ``{name}`` option (see SamplerConfig).")

@@ -1,0 +1,108 @@
+"""Which transitions a batch takes: ``(episode, step)`` drawn uniformly over a view's transitions, the relabelled
+ones marked, with the rows (or goals) their new goals come from.
+
+All of a batch's randomness is drawn here, in batch order, with the generator it is given: a sampler resumed from
+its generator's state draws the same batches.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from her_store.errors import StoreError
+from her_store.sampling.relabel import GoalChoice
+from her_store.store.index import IndexView
+
+__all__ = ["Draw", "UniformDraw", "replace_samples"]
+
+
+class Draw(NamedTuple):
+    """The random part of a batch of ``B`` samples.
+
+    Attributes
+    ----------
+    episode_ids, steps, rows, lengths : numpy.ndarray
+        Each sample's episode, step, row (``start + step``) and episode length, ``(B,)``.
+    her : numpy.ndarray
+        bool ``(B,)``: the relabelled samples (the first ones).
+    goal_rows, goal_ids : numpy.ndarray or None
+        One per relabelled sample: the row whose achieved goal is its new goal, and that row's episode (None for a
+        callable strategy, which chooses at relabelling).
+    given, given_goals : numpy.ndarray or None
+        With a random goal source: the relabelled samples whose goal was read from it, and those goals ``(n, *goal
+        shape)``, valid where ``given``; their goal rows are the samples' own next rows.
+    """
+
+    episode_ids: np.ndarray
+    steps: np.ndarray
+    rows: np.ndarray
+    lengths: np.ndarray
+    her: np.ndarray
+    goal_rows: np.ndarray | None
+    goal_ids: np.ndarray | None
+    given: np.ndarray | None = None
+    given_goals: np.ndarray | None = None
+
+
+class UniformDraw:
+    """Samples drawn uniformly over a view's transitions (one searchsorted over cumulative lengths), with goals.
+
+    Parameters
+    ----------
+    goals : GoalChoice
+        Chooses the relabelled samples' goal rows (or goals) in the same pass, with the same generator.
+    url : str
+        The store's URL, for the error of a view with no transition.
+
+    Examples
+    --------
+    >>> from her_store.sampling.relabel import GoalSelectionStrategy
+    >>> view = IndexView(0, 2, np.array([0, 4]), np.array([3, 2]), np.array([3, 5]), 0)
+    >>> draw = UniformDraw(GoalChoice(GoalSelectionStrategy.FUTURE, (3,), np.float32), "runs/fetch")
+    >>> d = draw(view, np.array([True, True, False]), np.random.default_rng(0))
+    >>> len(d.rows), len(d.goal_rows)
+    (3, 2)
+    """
+
+    def __init__(self, goals: GoalChoice, url: str) -> None:
+        self.goals = goals
+        self.url = url
+
+    def __call__(self, view: IndexView, her: np.ndarray, rng: np.random.Generator) -> Draw:
+        """``len(her)`` samples of ``view``, those ``her`` marks relabelled.
+
+        Raises
+        ------
+        StoreError
+            The view has no committed transition.
+        """
+        if view.num_transitions == 0:
+            raise StoreError(
+                f"{self.url} has no committed episode to sample from yet; add at least one whole episode "
+                "(and let it commit) before sampling"
+            )
+        ids, steps = view.locate(rng.integers(0, view.num_transitions, len(her)))
+        pos = ids - view.first
+        starts, lengths = view.start_rows[pos], view.lengths[pos]
+        goal_ids, goal_rows, given, given_goals = self.goals.choose(view, ids, starts, steps, lengths, her, rng)
+        return Draw(ids, steps, starts + steps, lengths, her, goal_rows, goal_ids, given, given_goals)
+
+
+def replace_samples(d: Draw, sub: np.ndarray, d2: Draw) -> tuple[Draw, np.ndarray]:
+    """``d`` with the samples at positions ``sub`` taken from ``d2`` (drawn for exactly those positions), and where
+    those samples' goals sit among the relabelled ones."""
+    fields: dict[str, Any] = {}
+    for name in ("episode_ids", "steps", "rows", "lengths"):
+        a = getattr(d, name).copy()
+        a[sub] = getattr(d2, name)
+        fields[name] = a
+    at = (np.cumsum(d.her) - 1)[sub[d.her[sub]]]
+    if d.goal_rows is not None and d.goal_ids is not None and d2.goal_rows is not None and d2.goal_ids is not None:
+        fields["goal_rows"], fields["goal_ids"] = d.goal_rows.copy(), d.goal_ids.copy()
+        fields["goal_rows"][at], fields["goal_ids"][at] = d2.goal_rows, d2.goal_ids
+    if d.given is not None and d.given_goals is not None and d2.given is not None and d2.given_goals is not None:
+        fields["given"], fields["given_goals"] = d.given.copy(), d.given_goals.copy()
+        fields["given"][at], fields["given_goals"][at] = d2.given, d2.given_goals
+    return d._replace(**fields), at
