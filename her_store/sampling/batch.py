@@ -10,7 +10,7 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
-from her_store.sampling.draw import Draw
+from her_store.sampling.drawn import Draw
 from her_store.sampling.relabel import GoalChoice
 from her_store.sampling.rewards import RewardRecompute
 

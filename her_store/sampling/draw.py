@@ -7,43 +7,16 @@ its generator's state draws the same batches.
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import Any
 
 import numpy as np
 
 from her_store.errors import StoreError
+from her_store.sampling.drawn import Draw
 from her_store.sampling.relabel import GoalChoice
 from her_store.store.index import IndexView
 
-__all__ = ["Draw", "UniformDraw", "replace_samples"]
-
-
-class Draw(NamedTuple):
-    """The random part of a batch of ``B`` samples.
-
-    Attributes
-    ----------
-    episode_ids, steps, rows, lengths : numpy.ndarray
-        Each sample's episode, step, row (``start + step``) and episode length, ``(B,)``.
-    her : numpy.ndarray
-        bool ``(B,)``: the relabelled samples (the first ones).
-    goal_rows, goal_ids : numpy.ndarray or None
-        One per relabelled sample: the row whose achieved goal is its new goal, and that row's episode (None for a
-        callable strategy, which chooses at relabelling).
-    given, given_goals : numpy.ndarray or None
-        With a random goal source: the relabelled samples whose goal was read from it, and those goals ``(n, *goal
-        shape)``, valid where ``given``; their goal rows are the samples' own next rows.
-    """
-
-    episode_ids: np.ndarray
-    steps: np.ndarray
-    rows: np.ndarray
-    lengths: np.ndarray
-    her: np.ndarray
-    goal_rows: np.ndarray | None
-    goal_ids: np.ndarray | None
-    given: np.ndarray | None = None
-    given_goals: np.ndarray | None = None
+__all__ = ["UniformDraw", "replace_samples"]
 
 
 class UniformDraw:

@@ -24,7 +24,7 @@ import numpy as np
 from her_store.checks import check_bounds, check_number
 
 if TYPE_CHECKING:
-    from her_store.sampling.draw import Draw
+    from her_store.sampling.drawn import Draw
     from her_store.store.index import IndexView
 
 __all__ = [

@@ -20,7 +20,8 @@ from her_store.errors import StoreError
 from her_store.sampling.batch import DeviceTransfer, HerBatch, assemble_batch
 from her_store.sampling.committed import CommittedView
 from her_store.sampling.config import SamplerConfig, config_option
-from her_store.sampling.draw import Draw, UniformDraw, replace_samples
+from her_store.sampling.draw import UniformDraw, replace_samples
+from her_store.sampling.drawn import Draw
 from her_store.sampling.gather import Gather, ReadPlan, StoreRows
 from her_store.sampling.prefetch import Prefetcher
 from her_store.sampling.relabel import GoalChoice, GoalStrategy, RandomGoalSource, random_transition_rows
