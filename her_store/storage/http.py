@@ -16,7 +16,7 @@ from typing import Any
 
 import zarr.storage
 
-from her_store.checks import is_number
+from her_store.checks import check_number
 from her_store.errors import CorruptStoreError, StoreTimeoutError
 from her_store.extras import require
 from her_store.storage.base import METADATA_LIMIT, OBJECT_LIMIT, ObjectReplaced, WriterLock
@@ -139,11 +139,12 @@ def http_filesystem() -> type:
         def __init__(
             self, *args: Any, request_deadline: float = HTTP_DEADLINE, client_kwargs: dict | None = None, **kwargs: Any
         ) -> None:
-            if not is_number(request_deadline, finite=True) or request_deadline <= 0:
-                raise ValueError(f"storage_options['request_deadline'] must be seconds > 0, got {request_deadline!r}")
+            deadline = check_number(
+                request_deadline, "storage_options['request_deadline']", low=0, low_open=True, finite=True
+            )
             idle = aiohttp.ClientTimeout(sock_connect=HTTP_TIMEOUT, sock_read=HTTP_TIMEOUT)  # no total: the deadline's
             super().__init__(*args, client_kwargs={"timeout": idle, **(client_kwargs or {})}, **kwargs)
-            self.request_deadline = float(request_deadline)
+            self.request_deadline = deadline
 
         async def _within_deadline(self, request: Any, what: str) -> Any:
             """The result of coroutine ``request`` (about ``what``, e.g. "GET <url>"), or StoreTimeoutError once it

@@ -12,7 +12,6 @@ import abc
 import contextlib
 import fcntl
 import json
-import math
 import os
 import socket
 import threading
@@ -21,7 +20,7 @@ import uuid
 import warnings
 import weakref
 
-from her_store.checks import is_number
+from her_store.checks import check_number
 from her_store.errors import CorruptStoreError, StoreLockedError
 from her_store.storage.base import Backend, WriterLock
 from her_store.storage.files import open_beneath, pid_alive, write_all
@@ -79,10 +78,8 @@ class _HeldLock(WriterLock):
     """
 
     def __init__(self, key: str, lease_ttl: float = DEFAULT_LEASE_TTL) -> None:
-        if not is_number(lease_ttl) or not 0 < lease_ttl < math.inf:
-            raise ValueError(f"lease_ttl must be a positive, finite number of seconds, got {lease_ttl!r}")
         self.key = key
-        self.lease_ttl = float(lease_ttl)
+        self.lease_ttl = check_number(lease_ttl, "lease_ttl", low=0, low_open=True, finite=True)
         self._token: str = uuid.uuid4().hex  # also makes each writer's lease bytes, so their S3 ETag (an MD5), unique
         self._since = 0.0
         self._held = False

@@ -11,7 +11,8 @@ torn.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Sequence
+import zlib
+from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 import zarr
@@ -20,10 +21,13 @@ from zarr.core.array_spec import ArrayConfigParams
 from her_store.errors import CorruptStoreError
 from her_store.format.frames import shard_limit
 from her_store.format.keys import chunk_entry, chunk_key, key_separator
+from her_store.format.layout import Layout
+from her_store.format.schema import Schema
 from her_store.storage import Backend
 from her_store.storage.files import FileShares, write_all
+from her_store.store.frame_writer import FrameWriter
 
-__all__ = ["ZARR_CONFIG", "RawChunkFile", "ZarrChunks", "chunk_io", "read_rows"]
+__all__ = ["ZARR_CONFIG", "RawChunkFile", "ZarrChunks", "chunk_io", "episode_rows", "read_rows"]
 
 
 ZARR_CONFIG: ArrayConfigParams = {"write_empty_chunks": True}  # an all-zero chunk is data here, not absence
@@ -255,3 +259,26 @@ def chunk_io(backend: Backend, array: zarr.Array, compressed: bool) -> RawChunkF
             backend, array.path, array.dtype, tuple(array.shape[1:]), int(array.chunks[0]), key_separator(array)
         )
     return ZarrChunks(array.with_config(ZARR_CONFIG), backend, raw=not compressed)
+
+
+def episode_rows(
+    arrays: Mapping[str, RawChunkFile | ZarrChunks | FrameWriter], layout: Layout, schema: Schema, start: int, length: int
+) -> tuple[dict[str, np.ndarray], int]:
+    """The fields of the episode at rows ``start .. start + length`` (its ``length + 1`` rows of every array; per-step
+    fields drop the unused last row), in schema order, and the crc32 of its rows as stored (FORMAT.md, Checksums: an
+    image array's rows as encoded)."""
+    crc, data = 0, {}
+    for spec in layout.arrays:
+        io = arrays[spec.path]
+        if isinstance(io, FrameWriter):
+            frames = io.read_encoded(start, start + length + 1)
+            crc = zlib.crc32(b"".join(f or b"" for f in frames), crc)
+            rows = io.decode(frames, start)
+        else:
+            rows = io.read(start, start + length + 1)
+            crc = zlib.crc32(np.ascontiguousarray(rows).data, crc)
+        for name, a, b in spec.columns:
+            f = schema.by_name[name]
+            part = rows[:, a:b] if spec.is_pack else rows
+            data[name] = part[: length if f.per_step else length + 1].reshape(-1, *f.shape)
+    return {f.name: data[f.name] for f in schema.fields}, crc

@@ -15,7 +15,7 @@ import zarr
 import zarr.api.asynchronous
 from zarr.core.sync import sync as zarr_sync
 
-from her_store.checks import is_int
+from her_store.checks import check_int
 from her_store.errors import (
     CorruptStoreError,
     NotAStoreError,
@@ -25,14 +25,16 @@ from her_store.errors import (
     short_repr,
 )
 from her_store.format.frames import frame_codecs, lz4_codec
-from her_store.format.keys import ATTRS_KEY, COMMIT_KEY, MARKER_KEY, is_chunk_key
-from her_store.format.layout import INDEX_COLUMNS, MAX_COUNT, Layout, check_array
+from her_store.format.commit_record import Commit
+from her_store.format.keys import ATTRS_KEY, COMMIT_KEY, LOCK_KEY, MARKER_KEY, is_chunk_key
+from her_store.format.layout import INDEX_COLUMNS, MAX_COUNT, Layout, check_array, check_attrs
 from her_store.format.schema import Schema
 from her_store.storage import Backend
 from her_store.store.chunk_io import ZARR_CONFIG
 from her_store.store.commit import round_up
 
 __all__ = [
+    "make_store",
     "checked_arrays",
     "open_arrays",
     "open_root",
@@ -102,14 +104,12 @@ def plan_arrays(
     loc: Backend, schema: Schema, capacity: Any, chunk_rows: int | None, compressors: Mapping[str, Any] | None
 ) -> tuple[Layout, dict[str, Any]]:
     """The arrays a store of these creation options gets: its Layout and the zarr codecs of compressed fields."""
-    if capacity is not None and (not is_int(capacity) or not 1 <= capacity <= MAX_CAPACITY):
-        raise ValueError(f"capacity must be an int from 1 to {MAX_CAPACITY:,} or None, got {capacity!r}")
+    capacity = check_int(capacity, "capacity", low=1, high=MAX_CAPACITY, or_none=True)
     if chunk_rows is None:
         chunk_rows = loc.defaults.chunk_rows
         if capacity is not None:  # a small ring needs no chunk larger than itself
             chunk_rows = min(chunk_rows, 1 << int(capacity + capacity // RING_ROW_SLACK).bit_length())
-    if not is_int(chunk_rows) or chunk_rows < 1:
-        raise ValueError(f"chunk_rows must be a positive int, got {chunk_rows!r}")
+    chunk_rows = check_int(chunk_rows, "chunk_rows", low=1)
     compressors = dict(compressors or {})
     unknown = sorted(set(compressors) - set(schema.by_name))
     if unknown:
@@ -274,3 +274,40 @@ def checked_arrays(
         check_array(array, dtype, row_shape, chunk_rows, raw, where, sharded, separator)
         arrays.append(array)
     return arrays
+
+
+def make_store(loc: Backend, nodes: Mapping[str, bytes], array_rows: int, fsync: bool) -> tuple[zarr.Group, Commit]:
+    """Write a new store at ``loc`` (its writer lock held): its Zarr metadata ``nodes``, then its first commit record,
+    the last thing a create writes (a create cut short before it is started again). Returns the root group and that
+    record.
+
+    Raises
+    ------
+    StoreExistsError
+        A store, a dataset of many writers' root or another Zarr node is there already: nothing is written.
+    CorruptStoreError
+        her_store arrays with rows but no commit record are there (a damaged store; nothing is removed).
+    """
+    if loc.exists(MARKER_KEY):
+        raise StoreExistsError(
+            f"{loc} is a sharded dataset's root: a writer appends to its own shard, "
+            "her_store.open_store(root, observation_space, action_space, shard='actor-7')"
+        )
+    if loc.exists("zarr.json"):
+        if loc.exists(COMMIT_KEY):
+            raise StoreExistsError(
+                f"{loc} already holds a store; open it with EpisodeStore.open({str(loc)!r}, mode='a') or "
+                "her_store.open_store(...) to resume"
+            )
+        if not unfinished_create(loc):
+            check_attrs(open_root(loc, read_only=True).attrs.asdict(), str(loc))  # someone else's node?
+            raise CorruptStoreError(
+                f"{loc} holds her_store arrays with rows but no commit record {COMMIT_KEY}; it is damaged "
+                "(nothing there was removed)"
+            )
+        loc.clear(keep=LOCK_KEY)  # nothing was ever committed there: finish the create from scratch
+    write_nodes(loc, nodes, fsync)
+    root = open_root(loc, read_only=False)
+    commit = Commit(array_rows=array_rows)
+    loc.write_atomic(COMMIT_KEY, commit.to_bytes(), fsync=fsync)
+    return root, commit

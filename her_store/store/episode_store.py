@@ -9,10 +9,8 @@ from __future__ import annotations
 
 import copy
 import json
-import math
 import os
 import time
-import zlib
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal, cast
 
@@ -21,36 +19,35 @@ import zarr
 import zarr.api.asynchronous
 from gymnasium import spaces
 
-from her_store.checks import is_number
+from her_store.checks import check_number
 from her_store.errors import (
     CorruptStoreError,
     EpisodeNotFoundError,
     NotAStoreError,
     ReadOnlyStoreError,
     StoreError,
-    StoreExistsError,
 )
 from her_store.format.card import card_problems, check_card
 from her_store.format.commit_record import Commit
-from her_store.format.keys import ATTRS_KEY, COMMIT_KEY, LOCK_KEY, MARKER_KEY
-from her_store.format.layout import FORMAT_VERSION, INDEX_COLUMNS, ArraySpec, check_attrs, parse_attrs
+from her_store.format.keys import ATTRS_KEY, LOCK_KEY
+from her_store.format.layout import FORMAT_VERSION, INDEX_COLUMNS, check_attrs, parse_attrs
 from her_store.format.schema import Schema, validate_episode
 from her_store.storage import Backend, open_backend
 from her_store.storage.lock import DEFAULT_LEASE_TTL, WriterLock
-from her_store.store.chunk_io import RawChunkFile, ZarrChunks, chunk_io
+from her_store.store.chunk_io import episode_rows, RawChunkFile, ZarrChunks, chunk_io
 from her_store.store.commit import Committer
 from her_store.store.creation import (
+    make_store,
     checked_arrays,
     open_root,
     plan_arrays,
     plan_nodes,
     ring_sizes,
-    unfinished_create,
-    write_nodes,
 )
 from her_store.store.episode import Episode
 from her_store.store.frame_writer import FrameWriter
-from her_store.store.index import EpisodeIndex, IndexView, check_index, read_index
+from her_store.store.following import CommitFollower, RowSpace, read_commit
+from her_store.store.index import EpisodeIndex, IndexView
 from her_store.store.step_writer import StepWriter
 
 __all__ = ["EpisodeStore"]
@@ -105,7 +102,6 @@ class EpisodeStore:
         self.mode = mode
         self.durability: Durability = durability
         self._committer: Committer | None = None
-        self._version = FORMAT_VERSION  # the store's, from its attributes once opened
         self.commit_interval = backend.defaults.commit_interval
         if commit_interval is not None:
             self.commit_interval = commit_interval
@@ -192,24 +188,6 @@ class EpisodeStore:
         self._lock = loc.writer_lock(LOCK_KEY, lease_ttl)
         self._lock.acquire()
         try:
-            if loc.exists(MARKER_KEY):
-                raise StoreExistsError(
-                    f"{loc} is a sharded dataset's root: a writer appends to its own shard, "
-                    "her_store.open_store(root, observation_space, action_space, shard='actor-7')"
-                )
-            if loc.exists("zarr.json"):
-                if loc.exists(COMMIT_KEY):
-                    raise StoreExistsError(
-                        f"{loc} already holds a store; open it with EpisodeStore.open({str(loc)!r}, mode='a') or "
-                        "her_store.open_store(...) to resume"
-                    )
-                if not unfinished_create(loc):
-                    check_attrs(open_root(loc, read_only=True).attrs.asdict(), str(loc))  # someone else's node?
-                    raise CorruptStoreError(
-                        f"{loc} holds her_store arrays with rows but no commit record {COMMIT_KEY}; it is damaged "
-                        "(nothing there was removed)"
-                    )
-                loc.clear(keep=LOCK_KEY)  # nothing was ever committed there: finish the create from scratch
             attrs: dict[str, Any] = {
                 "format_version": FORMAT_VERSION,
                 "schema": schema.to_json(),
@@ -220,10 +198,7 @@ class EpisodeStore:
                 "created_at": time.time(),
             }
             nodes = plan_nodes(attrs, layout, codecs, array_rows, index_rows, index_chunk)
-            write_nodes(loc, nodes, durability == "fsync")
-            root = open_root(loc, read_only=False)
-            commit = Commit(array_rows=array_rows)
-            loc.write_atomic(COMMIT_KEY, commit.to_bytes(), fsync=durability == "fsync")
+            root, commit = make_store(loc, nodes, array_rows, durability == "fsync")
             self._attach(root, attrs, commit)
         except BaseException:
             self._lock.release()
@@ -274,46 +249,35 @@ class EpisodeStore:
         try:
             if mode == "a":
                 loc.remove_temp_files()  # what a writer killed in an atomic write left (a shard, a commit record)
-            self._version = attrs["format_version"]
-            self._attach(root, attrs, self._read_commit())
+            self._attach(root, attrs, read_commit(loc, attrs["format_version"]))
         except BaseException:
             if self._lock is not None:
                 self._lock.release()
             raise
         return self
 
-    def _read_commit(self) -> Commit:
-        raw = self._backend.read_bytes(COMMIT_KEY)
-        if raw is None and unfinished_create(self._backend):
-            raise NotAStoreError(
-                f"{self._backend} holds an unfinished create (its creator stopped before the first commit record, so "
-                "nothing was stored); her_store.open_store(path, observation_space, action_space, ...) creates it anew"
-            )
-        if raw is None:
-            raise CorruptStoreError(
-                f"{self._backend} has no commit record {COMMIT_KEY}, which every store has (FORMAT.md): the store was removed "
-                "or is damaged"
-            )
-        return Commit.from_bytes(raw, str(self._backend), self._version)
-
     def _attach(self, root: zarr.Group, attrs: dict[str, Any], commit: Commit) -> None:
         self._root = root
         self._attrs = attrs
-        self._root_stamp = self._read_root_stamp()
         # every name and number below becomes a file path, an allocation or an index: all are checked first
         self.schema, self.layout, self.capacity, slots = parse_attrs(attrs, f"{self._backend}/zarr.json")
-        self._index = EpisodeIndex(slots)
-        self._open_io()
-        self._load_committed(commit)
-        self._array_rows = self._commit.array_rows
+        self._follower = CommitFollower(
+            self._backend, attrs["format_version"], self.capacity, slots, attrs["created_at"], retry=self.mode == "r"
+        )
+        self._follower.load(commit, self._open_io())
         if self.mode == "a":
             assert self._lock is not None
             self._committer = Committer(
-                self._backend, root, self.schema, self.layout, self._index, self._arrays, self._index_io, self._commit,
-                self._index_rows, self.capacity, self.durability, self.commit_interval, self._lock,
+                self._backend, root, self.schema, self.layout, self._follower.index, self._arrays, self._index_io,
+                self._follower.commit, self._index_rows, self.capacity, self.durability, self.commit_interval,
+                self._lock,
             )
 
-    def _open_io(self) -> None:
+    @property
+    def _index(self) -> EpisodeIndex:
+        return self._follower.index
+
+    def _open_io(self) -> RowSpace:
         """Row access to every array, each checked against the layout first; a reader calls it again when the
         writer has grown the arrays."""
         for w in (*self._arrays.values(), *self._index_io.values()):
@@ -332,36 +296,7 @@ class EpisodeStore:
             self._index_io[name] = chunk_io(self._backend, array, False)
         self._data_rows = min(a.shape[0] for a in arrays[: len(self.layout.arrays)])
         self._index_rows = min(a.shape[0] for a in arrays[len(self.layout.arrays) :])
-
-    def _load_committed(self, commit: Commit) -> None:
-        """Load the index window of a commit, checked against the arrays and the record; on error the handle keeps
-        what it had. A reader racing a ring writer may read slots the writer reused after that commit: it then
-        retries with the newer commit rather than reporting corruption."""
-        for attempt in range(8):
-            index = EpisodeIndex(self._index.slots)
-            try:
-                self._check_fits(commit)
-                columns = self._read_index(commit.first_episode, commit.end_episode)
-                self._check_index(commit, commit.first_episode, columns, 0)
-            except CorruptStoreError:
-                newer = self._read_commit() if self.mode == "r" else commit
-                if attempt == 7 or newer.generation == commit.generation:
-                    raise
-                commit = newer
-            else:
-                index.load(columns, commit.first_episode, commit.end_episode)
-                self._index, self._commit = index, commit
-                return
-
-    def _check_fits(self, commit: Commit) -> None:
-        where = f"{self._backend}/{COMMIT_KEY}"
-        commit.check_fits(self.capacity, self._index.slots, self._data_rows, self._index_rows, where)
-
-    def _read_index(self, first: int, end: int) -> dict[str, np.ndarray]:
-        return read_index(self._index_io, self._index.positions, first, end, str(self._backend))
-
-    def _check_index(self, commit: Commit, first: int, columns: Mapping[str, np.ndarray], transitions: int) -> None:
-        check_index(commit, self.capacity, first, columns, transitions, str(self._backend))
+        return RowSpace(self._index_io, self._data_rows, self._index_rows)
 
     # -- properties --------------------------------------------------------------------------------------
     @property
@@ -415,9 +350,7 @@ class EpisodeStore:
 
     @commit_interval.setter
     def commit_interval(self, seconds: float) -> None:
-        if not is_number(seconds) or not 0 <= seconds < math.inf:
-            raise ValueError(f"commit_interval must be a finite number of seconds >= 0, got {seconds!r}")
-        self._commit_interval = float(seconds)
+        self._commit_interval = check_number(seconds, "commit_interval", low=0, finite=True)
         if self._committer is not None:
             self._committer.commit_interval = self._commit_interval
 
@@ -542,7 +475,7 @@ class EpisodeStore:
     @property
     def _committed(self) -> Commit:
         """The newest commit record this handle knows: its own last commit, or the one a reader last loaded."""
-        return self._committer.commit_record if self._committer is not None else self._commit
+        return self._committer.commit_record if self._committer is not None else self._follower.commit
 
     @property
     def index(self) -> EpisodeIndex:
@@ -555,15 +488,6 @@ class EpisodeStore:
         return f"EpisodeStore({self.url!r}, mode={self.mode!r}, {cap}, {state})"
 
     # -- reading -----------------------------------------------------------------------------------------
-    def _split(self, spec: ArraySpec, rows: np.ndarray, length: int) -> dict[str, np.ndarray]:
-        """The fields of one array's ``length + 1`` episode rows (per-step fields drop the unused last row)."""
-        out = {}
-        for name, a, b in spec.columns:
-            f = self.schema.by_name[name]
-            part = rows[:, a:b] if spec.is_pack else rows
-            out[name] = part[: length if f.per_step else length + 1].reshape(-1, *f.shape)
-        return out
-
     def episode(self, episode_id: int, *, verify: bool = True) -> Episode:
         """Read one committed episode.
 
@@ -590,18 +514,7 @@ class EpisodeStore:
                 f"episode {episode_id} {what}; {self.url} holds episodes {idx.first}..{idx.end - 1}"
             )
         start, length = idx.rows_of(episode_id)
-        crc, data = 0, {}
-        for spec in self.layout.arrays:
-            io = self._arrays[spec.path]
-            if isinstance(io, FrameWriter):  # the checksum covers a sharded array's rows as stored
-                frames = io.read_encoded(start, start + length + 1)
-                crc = zlib.crc32(b"".join(f or b"" for f in frames), crc)
-                rows = io.decode(frames, start)
-            else:
-                rows = io.read(start, start + length + 1)
-                crc = zlib.crc32(np.ascontiguousarray(rows).data, crc)
-            data.update(self._split(spec, rows, length))
-        data = {f.name: data[f.name] for f in self.schema.fields}
+        data, crc = episode_rows(self._arrays, self.layout, self.schema, start, length)
         if verify and crc != int(idx.column("crc32")[episode_id - idx.first]):
             if self.mode == "r":
                 self.refresh()
@@ -626,63 +539,12 @@ class EpisodeStore:
         self._require_open()
         if self.mode == "a":
             return 0
-        # the root is checked after the commit record is read, and again after the index rows it names: a store
-        # created again before either read is seen before this handle takes anything of it
-        commit = self._read_commit()
-        self._check_same_store()
-        if commit.generation == self._commit.generation:
-            return 0
-        if commit.array_rows != self._array_rows or (self._index.slots is None and commit.end_episode > self._index_rows):
-            self._root = open_root(self._backend, read_only=True)
-            self._open_io()
-        idx = self._index
-        old_end = idx.end
-        new = None
-        if idx.first <= commit.first_episode <= idx.end <= commit.end_episode:
-            self._check_fits(commit)
-            try:
-                new = self._read_index(idx.end, commit.end_episode)
-                self._check_index(commit, old_end, new, idx.transitions_between(commit.first_episode, old_end))
-            except CorruptStoreError:
-                new = None  # the ring reused those slots while they were read: reload the window below
-        self._check_same_store()
-        if new is not None:
-            idx.extend(new)
-            idx.first = commit.first_episode
-            self._commit = commit
-        else:  # fell a whole ring behind (or the slots moved on meanwhile): reload the window
-            self._load_committed(commit)
-        self._array_rows = self._commit.array_rows
-        return max(0, commit.end_episode - old_end)
+        return self._follower.refresh(RowSpace(self._index_io, self._data_rows, self._index_rows), self._reopen)
 
-    def _read_root_stamp(self) -> object | None:
-        """What tells this store from one created again at its place (see :meth:`_check_same_store`): a directory's
-        root file's (inode, mtime), an object store's root object ETag (None where the server reports none, and for a
-        packed store, which never changes)."""
-        return self._backend.stamp("zarr.json")
-
-    def _check_same_store(self) -> None:
-        """A store deleted and created again under this handle (a shard wiped and restarted, say) is another store:
-        its rows are not the ones this handle mapped or cached. Its root ``zarr.json`` is then a new file (object) with
-        another ``created_at`` (a card edit replaces it too, keeping ``created_at``). Object storage: one HEAD of the
-        root object per look, its ETag against the one seen before."""
-        if self._root_stamp is None:
-            return
-        stamp = self._read_root_stamp()
-        if stamp is None:  # no answer, or none with an ETag (an outage, say): nothing to tell by; a store that is
-            return  # gone fails the commit record's read
-        if stamp == self._root_stamp:
-            return
-        try:
-            created = json.loads(self._backend.read_bytes("zarr.json") or b"null")["attributes"][ATTRS_KEY]["created_at"]
-        except (ValueError, TypeError, KeyError, RecursionError):
-            created = None
-        if created != self._attrs.get("created_at"):
-            raise CorruptStoreError(
-                f"{self._backend} was created again since this handle opened it (its zarr.json holds another store); "
-                "open it again"
-            )
-        self._root_stamp = stamp
+    def _reopen(self) -> RowSpace:
+        """Open the arrays again, the writer having grown them: their metadata read anew."""
+        self._root = open_root(self._backend, read_only=True)
+        return self._open_io()
 
     def live_first(self) -> int:
         """The oldest episode id the ring has not evicted, as of now (episodes below may be being overwritten).
@@ -691,7 +553,7 @@ class EpisodeStore:
         committed before any row is overwritten, so rows of an episode read before this call returns a value
         at or below its id are intact.
         """
-        return self._committed.first_episode if self._committer is not None else self._read_commit().first_episode
+        return self._committed.first_episode if self._committer is not None else self._follower.read_commit().first_episode
 
     # -- writing -----------------------------------------------------------------------------------------
     def _require_open(self) -> None:

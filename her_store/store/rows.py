@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from her_store.checks import check_int
 from her_store.errors import StoreError
 from her_store.store.cached_rows import CachedArray, RangedArray
 from her_store.store.frame_rows import FrameArray
@@ -69,6 +70,8 @@ class ChunkReader:
     """
 
     def __init__(self, store: EpisodeStore, io_threads: int | None = None, cache_bytes: int = 32 << 20) -> None:
+        io_threads = check_int(io_threads, "io_threads", low=0, or_none=True)
+        cache_bytes = check_int(cache_bytes, "cache_bytes", low=0)
         self.arrays: dict[str, MappedArray | CachedArray] = {}
         backend = store.backend
         for spec in store.layout.arrays:
@@ -84,7 +87,7 @@ class ChunkReader:
         sharded = any(isinstance(a, FrameArray) for a in self.arrays.values())
         # decoding frames is CPU work, one thread per core by default; rows in the page cache are fastest gathered
         # in the calling thread, so the default splits only decoding
-        self.io_threads = 0 if io_threads is None else int(io_threads)
+        self.io_threads = 0 if io_threads is None else io_threads
         self.decode_threads = CORES if io_threads is None and sharded else self.io_threads
         self._threads = max(self.io_threads, self.decode_threads)
         self._threads_of: ThreadPoolExecutor | None = None

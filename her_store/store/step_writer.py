@@ -8,7 +8,7 @@ from typing import Any, NamedTuple, Protocol
 import numpy as np
 
 from her_store import _kernels
-from her_store.checks import is_int
+from her_store.checks import check_int, is_int
 from her_store.errors import EpisodeValidationError, StoreError, short_repr
 from her_store.format.schema import Field, Schema, conform
 
@@ -79,10 +79,8 @@ class StepWriter:
     """
 
     def __init__(self, store: EpisodeSink, n_envs: int) -> None:
-        if n_envs < 1:
-            raise ValueError(f"n_envs must be >= 1, got {n_envs}")
         self.store = store
-        self.n_envs = int(n_envs)
+        self.n_envs = check_int(n_envs, "n_envs", low=1)
         self._fields: tuple[Field, ...] = store.schema.fields
         self._obs_keys = store.schema.observation_keys
         self._info_keys = store.schema.info_keys

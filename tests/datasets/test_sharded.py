@@ -29,6 +29,7 @@ from her_store.format.keys import MARKER_KEY
 from her_store.format.layout import INDEX_COLUMNS
 from her_store.format.schema import Schema
 from her_store.storage import open_backend
+from her_store.store.following import CommitFollower
 from tests.conftest import ROOT, assert_episode_equal, fetch_spaces, make_episode
 from tests.crash_writer import ACT, OBS, episode_for
 from tests.http_server import serving
@@ -497,14 +498,14 @@ def test_a_view_samplers_refresh_reads_each_shards_commit_record_once(tmp_path, 
         with open_store(root, OBS, ACT, shard=f"actor-{k}", info_keys=INFO) as store:
             store.append_episode(shard_episode(f"actor-{k}", 0))
     reads: list[str] = []
-    real = EpisodeStore._read_commit
+    real = CommitFollower.read_commit
 
     def counted(self):
-        reads.append(self.url)
+        reads.append(self.backend.url)
         return real(self)
 
     with open_dataset(root) as view, MixtureSampler(view, weights="transitions", batch_size=8, n_sampled_goal=0, seed=0) as sampler:
-        monkeypatch.setattr(EpisodeStore, "_read_commit", counted)
+        monkeypatch.setattr(CommitFollower, "read_commit", counted)
         with open_store(root, OBS, ACT, shard="actor-1", info_keys=INFO) as store:
             store.append_episode(shard_episode("actor-1", 1))
         reads.clear()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 import time
@@ -22,7 +23,8 @@ from tests.conftest import ROOT, assert_episode_equal, fetch_spaces, make_episod
 @pytest.mark.parametrize("bad", [0, -1.0, math.nan, math.inf, "60", True, None])
 def test_lease_ttl_must_be_a_positive_number(store_path, fetch, bad):
     obs, act = fetch
-    with pytest.raises(ValueError, match=rf"lease_ttl must be a positive, finite number of seconds, got {bad!r}"):
+    shown = repr(float(bad)) if isinstance(bad, float) else repr(bad)
+    with pytest.raises(ValueError, match=rf"lease_ttl must be a finite real number > 0(, not (a \w+|None))?: got {re.escape(shown)}$"):
         EpisodeStore.create(store_path, obs, act, lease_ttl=bad)
     EpisodeStore.create(store_path, obs, act, lease_ttl=0.5).close()
     with pytest.raises(ValueError, match="lease_ttl must be"):

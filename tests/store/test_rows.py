@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import os
 import shutil
 from pathlib import Path
@@ -631,6 +632,7 @@ def test_a_sampler_out_of_descriptors_says_so(tmp_path):
     store = EpisodeStore.open(tmp_path / "s")
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     with HerSampler(store, 256, reward_fn=sparse_reward, seed=0, io_threads=0) as sampler:
+        gc.collect()  # descriptors other tests' objects held are let go now, not during the gather
         resource.setrlimit(resource.RLIMIT_NOFILE, (len(os.listdir("/proc/self/fd")) + 1, hard))
         try:
             with pytest.raises(StoreError, match=r"out of file descriptors \(the process may have [\d,]+ open\)"):
