@@ -1,8 +1,8 @@
-"""Arguments of rllte's and the simple API: tensors or arrays as numpy, flags as bool, counts and devices checked.
+"""Arguments of rllte's and the simple API: tensors or arrays as numpy, flags as bool, devices checked.
 
 rllte hands over torch tensors on any device and termination flags as floats of 0.0 and 1.0; the simple API takes
 tensors, arrays or lists. :mod:`~her_store.integrations.rllte` and :mod:`~her_store.integrations.simple` share these
-conversions and checks.
+conversions and checks (their counts, flags and callables go through :mod:`her_store.checks`).
 """
 
 from __future__ import annotations
@@ -12,9 +12,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from her_store.checks import is_int
-
-__all__ = ["as_flags", "as_numpy", "check_int", "checked_device"]
+__all__ = ["as_flags", "as_numpy", "checked_device"]
 
 
 def as_numpy(x: Any) -> np.ndarray:
@@ -28,20 +26,6 @@ def as_numpy(x: Any) -> np.ndarray:
     if isinstance(x, torch.Tensor):
         return x.detach().cpu().numpy()
     return np.asarray(x)
-
-
-def check_int(name: str, value: Any, low: int) -> None:
-    """Refuse (ValueError, naming ``name``) a ``value`` that is not an int (a bool is not) of at least ``low``.
-
-    Examples
-    --------
-    >>> check_int("batch_size", 0, 1)
-    Traceback (most recent call last):
-    ...
-    ValueError: batch_size must be an int >= 1, got 0
-    """
-    if not is_int(value) or value < low:
-        raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
 
 
 def checked_device(device: str | torch.device) -> torch.device:

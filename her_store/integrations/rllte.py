@@ -20,12 +20,17 @@ import numpy as np
 import torch
 from gymnasium import spaces
 
+from her_store.checks import check_bool, check_bounds, check_callable, check_int, check_number
 from her_store.datasets.opening import open_store
 from her_store.errors import StoreError
-from her_store.integrations.inputs import as_flags, as_numpy, check_int, checked_device
+from her_store.format.schema import Schema
+from her_store.integrations.inputs import as_flags, as_numpy, checked_device
 from her_store.sampling.relabel import GoalStrategy, parse_strategy
 from her_store.sampling.sampler import HerSampler, RewardFn
+from her_store.storage import Backend
+from her_store.store.creation import MAX_CAPACITY
 from her_store.store.episode_store import EpisodeStore
+from her_store.store.opening import check_creation_options
 from her_store.store.step_writer import StepWriter
 
 __all__ = ["HerReplayBatch", "HerReplayStorage", "NoEpisodeError"]
@@ -98,6 +103,30 @@ def _release(writer: StepWriter, sampler: HerSampler, store: EpisodeStore, tmpdi
                 shutil.rmtree(tmpdir, ignore_errors=True)
 
 
+def _store_of(
+    path: str | os.PathLike[str] | Backend | EpisodeStore,
+    observation_space: spaces.Dict,
+    action_space: spaces.Space,
+    options: Mapping[str, Any],
+) -> EpisodeStore:
+    """The storage's store: the one at ``path`` created or resumed by one :func:`~her_store.open_store`, or ``path``
+    itself, a store handed over open, checked as ``open_store`` checks a store it resumes (spaces, capacity, info keys,
+    metadata) and closed when refused."""
+    if not isinstance(path, EpisodeStore):
+        return open_store(path, observation_space, action_space, **options)
+    store = path
+    try:
+        info = options.get("info_keys", store.schema.info_spaces)
+        Schema(observation_space, action_space, info).check_same(store.schema, store.url)
+        check_creation_options(store, options)
+        if "commit_interval" in options:
+            store.commit_interval = options["commit_interval"]
+    except BaseException:
+        store.close()
+        raise
+    return store
+
+
 class HerReplayStorage:
     """rllte's ``HerReplayStorage`` with the episodes in a her_store store on disk.
 
@@ -117,8 +146,8 @@ class HerReplayStorage:
         ValueError before anything is created.
     storage_size : int or None
         Capacity in transitions, summed over envs (rllte keeps ``storage_size`` per env): a ring that evicts the
-        oldest whole episodes; None grows without bound. Fixed when the store is created; resuming a store needs
-        the same value.
+        oldest whole episodes; None grows without bound. At most a store's largest capacity (2**52 - 1). Fixed when
+        the store is created; resuming a store needs the same value.
     num_envs : int
         Environments stepped together; each :meth:`add` carries one step of each.
     batch_size : int
@@ -134,10 +163,14 @@ class HerReplayStorage:
         registered in this process; otherwise the constructor raises StoreError saying to pass one.
     copy_info_dict : bool
         Hand ``reward_fn`` one dict per relabelled transition holding its stored ``info_keys``.
-    path : str or PathLike, optional
-        Local directory or fsspec URL of the store. None: a fresh temporary directory, removed by :meth:`close`
-        or when the storage is garbage collected; one left by a process that was killed is removed when a later
-        temporary storage is made (once no process holds its writer lock and it has not changed for a minute).
+    path : str, PathLike, Backend or EpisodeStore, optional
+        Local directory, fsspec URL or backend of the store, created or resumed there by one
+        :func:`~her_store.open_store`. Or a store already open for appending (e.g. a writer's shard of a dataset of
+        many), handed over: it must have these spaces and ``storage_size`` (and the ``info_keys`` and ``metadata``
+        given), and the storage closes it (at once if it refuses it). None: a fresh temporary directory, removed by
+        :meth:`close` or when the storage is garbage collected; one left by a process that was killed is removed
+        when a later temporary storage is made (once no process holds its writer lock and it has not changed for a
+        minute).
     info_keys : sequence of str, optional
         Numeric info entries stored per step (e.g. ``["is_success"]``), read from ``infos`` as a list of dicts
         or a dict of per-env arrays. Default: none for a new store, the stored ones for an existing store.
@@ -156,6 +189,15 @@ class HerReplayStorage:
         each segment). This bounds the steps an env keeps in memory and what a kill -9 loses. Default
         ``storage_size``: an episode too long for the store is cut there rather than dropped (rllte cannot hold
         it either); None (with ``storage_size=None``) never cuts.
+
+    Raises
+    ------
+    ArgumentTypeError
+        An option of the wrong type (a bool, float or str where an int belongs, numpy integers being ints; not True
+        or False where a bool belongs; not a callable where one belongs), named with what it must be and what was
+        given; a TypeError and a ValueError. Checked, with the ranges, before anything is created on disk.
+    SchemaMismatchError
+        A store at ``path`` (or handed over) with other spaces, capacity or info keys.
 
     Attributes
     ----------
@@ -189,7 +231,7 @@ class HerReplayStorage:
         num_goals: int = 4,
         reward_fn: RewardFn | None = None,
         copy_info_dict: bool = False,
-        path: str | os.PathLike[str] | None = None,
+        path: str | os.PathLike[str] | Backend | EpisodeStore | None = None,
         *,
         info_keys: Sequence[str] | None = None,
         metadata: Mapping[str, Any] | None = None,
@@ -200,27 +242,27 @@ class HerReplayStorage:
     ) -> None:
         # checked before anything is created on disk
         parse_strategy(goal_selection_strategy)
+        storage_size = check_int(storage_size, "storage_size", low=1, or_none=True)
         if storage_size is not None:
-            check_int("storage_size", storage_size, 1)
-        check_int("num_envs", num_envs, 1)
-        check_int("batch_size", batch_size, 1)
-        check_int("num_goals", num_goals, 0)
+            check_bounds(storage_size, "storage_size", high=MAX_CAPACITY, kind="an int")
+        self.num_envs = check_int(num_envs, "num_envs", low=1)
+        self.batch_size = check_int(batch_size, "batch_size", low=1)
+        num_goals = check_int(num_goals, "num_goals", low=0)
         if segment_steps is None:
             segment_steps = storage_size
         else:
-            check_int("segment_steps", segment_steps, 1)
+            segment_steps = check_int(segment_steps, "segment_steps", low=1)
             if storage_size is not None and segment_steps > storage_size:
                 raise ValueError(
                     f"segment_steps={segment_steps} exceeds storage_size={storage_size}: a segment that long could "
                     "not be stored"
                 )
-        self.segment_steps = None if segment_steps is None else int(segment_steps)
-        if reward_fn is not None and not callable(reward_fn):
-            raise TypeError(f"reward_fn must be callable(achieved_goal, desired_goal, infos), got {reward_fn!r}")
+        self.segment_steps = segment_steps
+        check_callable(reward_fn, "reward_fn", or_none=True)
+        self.copy_info_dict = check_bool(copy_info_dict, "copy_info_dict")
+        seed = check_int(seed, "seed", low=0, or_none=True)
+        commit_interval = check_number(commit_interval, "commit_interval", low=0, finite=True, or_none=True)
         self.device = checked_device(device)
-        self.num_envs = int(num_envs)
-        self.batch_size = int(batch_size)
-        self.copy_info_dict = copy_info_dict
         if path is None:
             _remove_abandoned_temporaries()
         tmpdir = tempfile.mkdtemp(prefix=_TEMP_PREFIX) if path is None else None
@@ -232,25 +274,23 @@ class HerReplayStorage:
         if commit_interval is not None:
             options["commit_interval"] = commit_interval
         try:
-            self.store = open_store(
-                os.path.join(tmpdir, "store") if tmpdir is not None else path, observation_space, action_space,
-                **options,
+            self.store = _store_of(
+                path if tmpdir is None else os.path.join(tmpdir, "store"), observation_space, action_space, options
             )
         except BaseException:
             if tmpdir is not None:
                 shutil.rmtree(tmpdir, ignore_errors=True)
             raise
         try:
-            if copy_info_dict and not self.store.info_keys:
+            if self.copy_info_dict and not self.store.info_keys:
                 raise ValueError(
                     "copy_info_dict=True hands reward_fn the stored info entries, and the store keeps none: name them "
                     "with info_keys=[...] when the store is created"
                 )
             self.writer: StepWriter = self.store.writer(self.num_envs)
             self.sampler = HerSampler(
-                self.store, self.batch_size, n_sampled_goal=int(num_goals),
-                goal_selection_strategy=goal_selection_strategy, reward_fn=reward_fn, device=self.device, seed=seed,
-                copy_info_dict=copy_info_dict,
+                self.store, self.batch_size, n_sampled_goal=num_goals, goal_selection_strategy=goal_selection_strategy,
+                reward_fn=reward_fn, device=self.device, seed=seed, copy_info_dict=self.copy_info_dict,
             )
         except BaseException:
             self.store.close()

@@ -20,15 +20,15 @@ import os
 import tempfile
 import warnings
 import weakref
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 import torch as th
 from gymnasium import spaces
 
-from her_store.checks import is_int
-from her_store.errors import StoreError
+from her_store.checks import ArgumentTypeError, check_bool, check_bounds, check_int
+from her_store.errors import StoreError, short_repr
 from her_store.format.schema import Schema
 from her_store.integrations import require
 from her_store.integrations.sb3_handle import (
@@ -41,9 +41,11 @@ from her_store.integrations.sb3_handle import (
 from her_store.integrations.sb3_infos import BOOKKEEPING_KEYS, end_flags, numeric_info_keys, warn_unstored_info
 from her_store.integrations.sb3_layout import SB3Arrays, env_columns, sb3_arrays
 from her_store.integrations.sb3_relabel import buffer_sampler, her_strategy, sb3_strategy
-from her_store.integrations.sb3_resources import TEMP_PREFIX, BufferResources, open_buffer_store, stored_info_keys
+from her_store.integrations.sb3_resources import TEMP_PREFIX, BufferResources, holds_store, open_buffer_store
 from her_store.integrations.sb3_samples import sb3_samples
 from her_store.sampling.relabel import GoalStrategy, her_ratio, parse_strategy
+from her_store.storage import Backend, open_backend
+from her_store.store.creation import MAX_CAPACITY
 from her_store.store.episode_store import EpisodeStore
 
 _her = require("stable_baselines3.her", "sb3")
@@ -123,7 +125,12 @@ class ZarrHerReplayBuffer(_her.HerReplayBuffer):
     StoreLockedError
         Another buffer (in this or another live process) is writing the store at ``path``.
     ValueError
-        ``optimize_memory_usage=True``, an unknown strategy, a non-positive ``buffer_size`` or ``n_envs``.
+        ``optimize_memory_usage=True``, an unknown strategy, a non-positive ``buffer_size`` (or one above a store's
+        largest capacity, 2**52 - 1) or ``n_envs``, a negative ``n_sampled_goal``, ``prefetch`` or ``io_threads``.
+    ArgumentTypeError
+        An option of the wrong type, named with what it must be and what was given: a bool, float or str where an
+        int belongs (numpy integers are ints), anything but True or False (numpy's too) where a bool belongs, a str
+        as ``info_keys``. It is a TypeError and a ValueError.
 
     Attributes
     ----------
@@ -179,24 +186,22 @@ class ZarrHerReplayBuffer(_her.HerReplayBuffer):
         info_keys: Sequence[str] | None = None,
     ) -> None:
         Schema(observation_space, action_space)  # spaces a store cannot hold are refused before anything is made
-        if optimize_memory_usage:
+        if check_bool(optimize_memory_usage, "optimize_memory_usage"):
             raise ValueError(
                 "ZarrHerReplayBuffer does not support optimize_memory_usage=True (SB3's HerReplayBuffer refuses it "
                 "too); pass optimize_memory_usage=False"
             )
-        if not is_int(buffer_size) or buffer_size < 1:
-            raise ValueError(f"buffer_size must be a positive int (transitions), got {buffer_size!r}")
-        if not is_int(n_envs) or n_envs < 1:
-            raise ValueError(f"n_envs must be a positive int, got {n_envs!r}")
-        if not is_int(n_sampled_goal) or n_sampled_goal < 0:
-            raise ValueError(f"n_sampled_goal must be an int >= 0, got {n_sampled_goal!r}")
-        if info_keys is not None and not copy_info_dict:
-            raise ValueError("info_keys is only used with copy_info_dict=True; pass copy_info_dict=True or drop it")
+        if info_keys is not None and (isinstance(info_keys, (str, bytes)) or not isinstance(info_keys, Iterable)):
+            raise ArgumentTypeError(
+                f"info_keys must be a sequence of str (e.g. ['is_success']) or None, got {short_repr(info_keys)}"
+            )
         self._configure(
             buffer_size, observation_space, action_space, n_envs, device, handle_timeout_termination, n_sampled_goal,
             her_strategy(goal_selection_strategy), copy_info_dict, storage_options, relabel_terminated, prefetch,
             io_threads, None if info_keys is None else tuple(info_keys),
         )
+        if info_keys is not None and not self.copy_info_dict:
+            raise ValueError("info_keys is only used with copy_info_dict=True; pass copy_info_dict=True or drop it")
         self.env = env
         self._keys_given = info_keys is not None
         # SB3 seeds numpy's global generator (set_random_seed); the sampler's seed is drawn from it, so a seeded
@@ -229,30 +234,36 @@ class ZarrHerReplayBuffer(_her.HerReplayBuffer):
         io_threads: int | None,
         info_keys: tuple[str, ...] | None,
     ) -> None:
-        """Set the configuration (BaseBuffer's attributes too: super().__init__, which allocates the RAM arrays,
-        is skipped) and the state of a buffer that has not opened its store yet."""
+        """Check and set the configuration (BaseBuffer's attributes too: super().__init__, which allocates the RAM
+        arrays, is skipped) and the state of a buffer that has not opened its store yet."""
+        # every option is checked here, for a new buffer and a loaded handle alike, before the store is opened
+        self.total_capacity = check_bounds(
+            check_int(buffer_size, "buffer_size", low=1), "buffer_size", high=MAX_CAPACITY, kind="an int"
+        )
+        self.n_envs = check_int(n_envs, "n_envs", low=1)
+        self.handle_timeout_termination = check_bool(handle_timeout_termination, "handle_timeout_termination")
+        self.copy_info_dict = check_bool(copy_info_dict, "copy_info_dict")
+        self.n_sampled_goal = check_int(n_sampled_goal, "n_sampled_goal", low=0)
+        self.relabel_terminated = check_bool(relabel_terminated, "relabel_terminated")
+        self.prefetch = check_int(prefetch, "prefetch", low=0)
+        self.io_threads = check_int(io_threads, "io_threads", low=0, or_none=True)
+        if storage_options is not None and not isinstance(storage_options, Mapping):
+            raise ArgumentTypeError(f"storage_options must be a mapping or None, got {short_repr(storage_options)}")
+        self.storage_options = None if storage_options is None else dict(storage_options)
         self.observation_space = observation_space
         self.action_space = action_space
         self.obs_shape = _preprocessing.get_obs_shape(observation_space)
         self.action_dim = _preprocessing.get_action_dim(action_space)
         # SB3's batches: actions in its buffer's dtype (float64 cast to float32), observations in SB3's shapes
         self._action_dtype = th.from_numpy(np.zeros(0, self._maybe_cast_dtype(action_space.dtype))).dtype
-        self.total_capacity = int(buffer_size)
-        self.buffer_size = max(int(buffer_size) // int(n_envs), 1)
-        self.n_envs = int(n_envs)
+        self.buffer_size = max(self.total_capacity // self.n_envs, 1)
         self.device = _utils.get_device(device)
         self.optimize_memory_usage = False
-        self.handle_timeout_termination = bool(handle_timeout_termination)
-        self.copy_info_dict = bool(copy_info_dict)
-        self.n_sampled_goal = int(n_sampled_goal)
         self.her_ratio = her_ratio(parse_strategy(goal_selection_strategy), self.n_sampled_goal)
         self._goal_strategy = goal_selection_strategy  # the sampler's (her_store's enum for named ones)
         self.goal_selection_strategy = sb3_strategy(goal_selection_strategy)  # what code written for SB3 compares
-        self.storage_options = None if storage_options is None else dict(storage_options)
-        self.relabel_terminated = bool(relabel_terminated)
-        self.prefetch = int(prefetch)
-        self.io_threads = None if io_threads is None else int(io_threads)
         self.info_keys = info_keys
+        self._backend: Backend | None = None  # of the store's place, built once (_place)
         self._added = 0  # add() calls over the store's life: SB3's row counter before it wraps
         self._reset_at = 0  # the value of _added at the last reset()
         self._res = BufferResources()
@@ -273,15 +284,24 @@ class ZarrHerReplayBuffer(_her.HerReplayBuffer):
         """The open store (None until it is opened or created, and after :meth:`close`)."""
         return self._res.store
 
+    def _place(self) -> Backend:
+        """The backend of the store's place, built at its first use; whether a store is there and the store's
+        opening are asked of it."""
+        if self._backend is None:
+            self._backend = open_backend(self.url, self.storage_options)
+        return self._backend
+
     def _open(self) -> EpisodeStore:
-        """Create or resume the store, then a writer for ``n_envs`` (with the saved unfinished episodes, if any)."""
+        """Create or resume the store, then a writer for ``n_envs`` (with the saved unfinished episodes, if any).
+
+        Without ``copy_info_dict`` a resumed store keeps its info keys (missing entries are stored as 0); with it and
+        info keys still unknown (:meth:`_resume_if_present`) the store is resumed with the info keys it holds.
+        """
         kwargs: dict[str, Any] = {"capacity": self.total_capacity}
-        if self.copy_info_dict:  # else a resumed store keeps its info keys (missing entries are stored as 0)
-            kwargs["info_keys"] = list(self.info_keys or ())
-        if self.storage_options is not None:
-            kwargs["storage_options"] = self.storage_options
+        if self.copy_info_dict and self.info_keys is not None:
+            kwargs["info_keys"] = list(self.info_keys)
         store = open_buffer_store(
-            self.url, self.observation_space, self.action_space, must_exist=self._must_exist, **kwargs
+            self._place(), self.observation_space, self.action_space, must_exist=self._must_exist, **kwargs
         )
         self._must_exist = False
         self._res.store = store
@@ -298,9 +318,7 @@ class ZarrHerReplayBuffer(_her.HerReplayBuffer):
 
     def _resume_if_present(self) -> None:
         """With inferred info keys: resume an existing store now, with its info keys; else wait for the first add."""
-        info_keys = stored_info_keys(self.url, self.storage_options)
-        if info_keys is not None:
-            self.info_keys = info_keys
+        if holds_store(self._place()):
             self._open()
 
     def _require_store(self) -> EpisodeStore:

@@ -14,7 +14,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from her_store.checks import is_int
+from her_store.checks import check_bool, check_int
 from her_store.integrations import require
 from her_store.store.episode_store import EpisodeStore
 
@@ -74,7 +74,7 @@ def env_columns(store: EpisodeStore, n_envs: int) -> tuple[np.ndarray, np.ndarra
     >>> int(steps.max())  # the add() calls of SB3's buffer that holds these episodes  # doctest: +SKIP
     120
     """
-    n_envs = _positive(n_envs, "n_envs")
+    n_envs = check_int(n_envs, "n_envs", low=1)
     table = store.episodes
     columns = table["env_index"].astype(np.int64)
     other = (columns < 0) | (columns >= n_envs)
@@ -129,7 +129,8 @@ def sb3_arrays(
     Raises
     ------
     TypeError
-        ``store`` is no EpisodeStore.
+        ``store`` is no EpisodeStore; ``buffer_size``, ``n_envs`` or ``steps`` not an int, or
+        ``handle_timeout_termination`` not a bool (:class:`~her_store.checks.ArgumentTypeError`, a ValueError too).
     ValueError
         A non-positive ``buffer_size`` or ``n_envs``, ``pending`` not one per env or not shaped as an episode, or
         ``steps`` fewer than a column holds.
@@ -156,7 +157,8 @@ def sb3_arrays(
             f"store must be an EpisodeStore (her_store.open_store(path) opens one), got {type(store).__name__}"
         )
     preprocessing = require("stable_baselines3.common.preprocessing", "sb3")
-    bs, n_envs = _positive(buffer_size, "buffer_size"), _positive(n_envs, "n_envs")
+    bs, n_envs = check_int(buffer_size, "buffer_size", low=1), check_int(n_envs, "n_envs", low=1)
+    handle_timeout_termination = check_bool(handle_timeout_termination, "handle_timeout_termination")
     if isinstance(pending, Mapping) or len(pending) != n_envs:
         raise ValueError(f"pending must be a sequence of {n_envs} episodes (one per env), got {_describe(pending)}")
     obs_space, act_space = store.observation_space, store.action_space
@@ -169,9 +171,7 @@ def sb3_arrays(
     columns = stored + pend_t
     n = int(columns.max())
     if steps is not None:
-        if not is_int(steps) or steps < n:
-            raise ValueError(f"steps must be an int >= {n} (the longest env column the store holds), got {steps!r}")
-        n = int(steps)
+        n = check_int(steps, "steps", low=n)  # at least the longest env column
 
     action_dtype = np.float32 if act_space.dtype == np.float64 else act_space.dtype  # SB3's _maybe_cast_dtype
     shapes = preprocessing.get_obs_shape(obs_space)
@@ -245,12 +245,6 @@ def _place(
     offset = step - np.repeat(starts, lens)
     value = np.repeat(np.where(valid, set_len, 0), lens)
     out.ep_length[rows, e] = np.where(offset % bs < np.repeat(set_len, lens), value, 0)[tail]
-
-
-def _positive(v: object, name: str) -> int:
-    if not is_int(v) or v < 1:
-        raise ValueError(f"{name} must be a positive int, got {v!r}")
-    return int(v)
 
 
 def _describe(v: object) -> str:

@@ -2,7 +2,9 @@
 
 The resources are held apart from the buffer so that a finalizer can release them when the buffer is garbage
 collected: SB3's ``load_replay_buffer`` drops the old buffer before the new one opens the store, and
-:func:`open_buffer_store` collects garbage once when a dropped buffer of this process still holds the store's lock.
+:func:`open_buffer_store` collects garbage first when a dropped buffer of this process may still hold the store's lock.
+A buffer builds the backend of its store's place once; whether a store is there (:func:`holds_store`) and the store
+itself (:func:`open_buffer_store`, one :func:`her_store.open_store`) are asked of that backend.
 """
 
 from __future__ import annotations
@@ -10,16 +12,17 @@ from __future__ import annotations
 import gc
 import shutil
 import weakref
-from collections.abc import Mapping
 from typing import Any
 
 from gymnasium import spaces
 
 from her_store.datasets.opening import open_store
 from her_store.errors import NotAStoreError, StoreLockedError
+from her_store.format.keys import COMMIT_KEY
+from her_store.storage import Backend
 from her_store.store.episode_store import EpisodeStore
 
-__all__ = ["TEMP_PREFIX", "BufferResources", "open_buffer_store", "stored_info_keys"]
+__all__ = ["TEMP_PREFIX", "BufferResources", "holds_store", "open_buffer_store"]
 
 TEMP_PREFIX = "her_store_sb3_"
 """The prefix of a buffer's temporary directory (``path=None``, and the copies ``copy.deepcopy`` makes)."""
@@ -63,53 +66,64 @@ class BufferResources:
 _RESOURCES: weakref.WeakSet[BufferResources] = weakref.WeakSet()  # of every buffer of this process not yet released
 
 
-def stored_info_keys(url: str, storage_options: Mapping[str, Any] | None) -> tuple[str, ...] | None:
-    """The info keys of the store at ``url``, or None when there is no store there."""
-    try:
-        store = EpisodeStore.open(url, mode="r", storage_options=storage_options)
-    except NotAStoreError:
-        return None
-    try:
-        return store.info_keys
-    finally:
-        store.close()
+def holds_store(backend: Backend) -> bool:
+    """Whether a store is at ``backend``: its commit record, which every store has (FORMAT.md), is there."""
+    return backend.exists(COMMIT_KEY)
+
+
+def _held_here(url: str) -> bool:
+    """Whether a buffer of this process, in use or dropped and not yet collected, holds the store at ``url``."""
+    return any(r.store is not None and r.store.url == url for r in list(_RESOURCES))
 
 
 def open_buffer_store(
-    url: str, observation_space: spaces.Dict, action_space: spaces.Space, must_exist: bool = False, **kwargs: Any
+    backend: Backend,
+    observation_space: spaces.Dict,
+    action_space: spaces.Space,
+    must_exist: bool = False,
+    **kwargs: Any,
 ) -> EpisodeStore:
-    """``open_store``, collecting garbage once when the store is locked while a buffer of this process holds a store.
+    """The store at ``backend`` created or resumed by one :func:`~her_store.open_store`, garbage collected first
+    when a buffer of this process holds it.
 
     A buffer releases its store when it is garbage collected, and SB3 keeps dropped buffers alive in a reference
     cycle (its callbacks hold the locals of ``learn``) until the cycle collector runs: ``del model`` then
-    ``SAC.load(...)``, or ``load_replay_buffer`` into the same model, would find the store still locked. A lock
-    held by a buffer still in use, or by another process, is refused. With ``must_exist`` (a buffer loaded from a
-    handle of a store that existed) a missing store is an error, never replaced by an empty one: a handle holds no
-    data.
+    ``SAC.load(...)``, or ``load_replay_buffer`` into the same model, would find the store still locked. A store
+    locked though no buffer of this process held it at this URL (another spelling of its place) is opened again
+    once after a collection. A lock held by a buffer still in use, or by another process, is refused. With
+    ``must_exist`` (a buffer loaded from a handle of a store that existed) a missing store is an error, never
+    replaced by an empty one: a handle holds no data.
 
     Raises
     ------
     NotAStoreError
-        ``must_exist``, and there is no store at ``url``.
+        ``must_exist``, and there is no store at ``backend``.
     StoreLockedError
         The store is still locked after the collection; the message says to close a buffer of this process.
     """
-    if must_exist:
-        try:
-            EpisodeStore.open(url, mode="r", storage_options=kwargs.get("storage_options")).close()
-        except NotAStoreError as e:
-            raise NotAStoreError(
-                f"this buffer was loaded from a handle of the store {url}, which holds no store any more "
-                f"({e}); a handle holds no data: restore the store there, or build a new buffer"
-            ) from e
+    if must_exist and not holds_store(backend):
+        raise NotAStoreError(
+            f"this buffer was loaded from a handle of the store {backend.url}, which holds no store any more (no "
+            f"commit record {COMMIT_KEY}); a handle holds no data: restore the store there, or build a new buffer"
+        )
+    if _held_here(backend.url):
+        gc.collect()
+        return _opened_after_collection(backend, observation_space, action_space, **kwargs)
     try:
-        return open_store(url, observation_space, action_space, **kwargs)
+        return open_store(backend, observation_space, action_space, **kwargs)
     except StoreLockedError:
         if not any(r.store is not None for r in list(_RESOURCES)):
             raise
     gc.collect()
+    return _opened_after_collection(backend, observation_space, action_space, **kwargs)
+
+
+def _opened_after_collection(
+    backend: Backend, observation_space: spaces.Dict, action_space: spaces.Space, **kwargs: Any
+) -> EpisodeStore:
+    """``open_store`` once garbage was collected; still locked, the message says to close a buffer of this process."""
     try:
-        return open_store(url, observation_space, action_space, **kwargs)
+        return open_store(backend, observation_space, action_space, **kwargs)
     except StoreLockedError as e:
         raise StoreLockedError(
             f"{e}; if that is a buffer of this process, close it first (model.replay_buffer.close())"

@@ -18,11 +18,15 @@ import numpy as np
 import torch
 from gymnasium import spaces
 
+from her_store.checks import check_bounds, check_callable, check_int, check_number
+from her_store.datasets.opening import open_store
 from her_store.errors import NotAStoreError, SchemaMismatchError, StoreError
-from her_store.integrations.inputs import as_flags, as_numpy, check_int, checked_device
+from her_store.integrations.inputs import as_flags, as_numpy, checked_device
 from her_store.integrations.rllte import HerReplayStorage
 from her_store.sampling.relabel import GoalSelectionStrategy, select_goal_steps
 from her_store.sampling.sampler import RewardFn
+from her_store.storage import Backend, open_backend
+from her_store.store.creation import MAX_CAPACITY
 from her_store.store.episode_store import EpisodeStore
 
 __all__ = ["MAX_SEGMENT_STEPS", "HindsightExperienceReplay", "goal_reached_reward"]
@@ -136,6 +140,15 @@ class HindsightExperienceReplay:
         (at least 1). At most ``buffer_size - 1``. Resuming a store needs the same ``buffer_size`` and
         ``segment_steps``.
 
+    Raises
+    ------
+    ArgumentTypeError
+        An option of the wrong type (a bool, float or str where an int belongs, numpy integers being ints; not a
+        real number as ``tolerance``; not a callable where one belongs), named with what it must be and what was
+        given; a TypeError and a ValueError. Checked, with the ranges, before anything is created on disk.
+    SchemaMismatchError
+        A store at ``path`` with other sizes, or kept with another ``buffer_size - segment_steps``.
+
     Examples
     --------
     >>> her = HindsightExperienceReplay(state_dim=10, action_dim=2, buffer_size=10_000, batch_size=64,
@@ -163,55 +176,46 @@ class HindsightExperienceReplay:
         storage_options: Mapping[str, Any] | None = None,
         segment_steps: int | None = None,
     ) -> None:
-        sizes = {"state_dim": state_dim, "action_dim": action_dim, "batch_size": batch_size}
-        for name, value in sizes.items():
-            check_int(name, value, 1)
-        check_int("buffer_size", buffer_size, 2)  # a ring of ended episodes and an unfinished segment
+        self.state_dim = check_int(state_dim, "state_dim", low=1)
+        self.action_dim = check_int(action_dim, "action_dim", low=1)
+        self.batch_size = check_int(batch_size, "batch_size", low=1)
+        # a ring of ended episodes and an unfinished segment
+        self.buffer_size = check_bounds(
+            check_int(buffer_size, "buffer_size", low=2), "buffer_size", high=MAX_CAPACITY, kind="an int"
+        )
         if segment_steps is None:
-            segment_steps = max(1, min(MAX_SEGMENT_STEPS, buffer_size // 4))
-        check_int("segment_steps", segment_steps, 1)
-        if segment_steps >= buffer_size:
+            segment_steps = max(1, min(MAX_SEGMENT_STEPS, self.buffer_size // 4))
+        self.segment_steps = check_int(segment_steps, "segment_steps", low=1)
+        if self.segment_steps >= self.buffer_size:
             raise ValueError(
                 f"segment_steps={segment_steps} must be less than buffer_size={buffer_size}: the store keeps "
                 "buffer_size - segment_steps transitions of ended episodes"
             )
-        check_int("n_sampled_goal", n_sampled_goal, 0)
-        if not isinstance(tolerance, (int, float, np.number)) or not tolerance >= 0:
-            raise ValueError(f"tolerance must be a number >= 0, got {tolerance!r}")
-        if goal_sampling_strategy is not None and not callable(goal_sampling_strategy):
-            raise TypeError(f"goal_sampling_strategy must be a callable goals -> goals, got {goal_sampling_strategy!r}")
-        if reward_fn is not None and not callable(reward_fn):
-            raise TypeError(f"reward_fn must be callable(achieved_goal, desired_goal, info), got {reward_fn!r}")
-        self.state_dim, self.action_dim, self.batch_size = int(state_dim), int(action_dim), int(batch_size)
-        self.buffer_size, self.segment_steps = int(buffer_size), int(segment_steps)
-        self.goal_sampling_strategy = goal_sampling_strategy
+        goal_dim = check_int(goal_dim, "goal_dim", low=1, or_none=True)
+        self.n_sampled_goal = check_int(n_sampled_goal, "n_sampled_goal", low=0)
+        tolerance = check_number(tolerance, "tolerance", low=0)
+        self.goal_sampling_strategy = check_callable(goal_sampling_strategy, "goal_sampling_strategy", or_none=True)
+        check_callable(reward_fn, "reward_fn", or_none=True)
+        self._seed = check_int(seed, "seed", low=0, or_none=True)
+        self.device = checked_device(device)
         self.reward_fn: RewardFn = reward_fn or functools.partial(goal_reached_reward, tolerance=tolerance)
         self.path = path
-        self.n_sampled_goal = int(n_sampled_goal)
-        self.her_ratio = 1.0 - 1.0 / (n_sampled_goal + 1)
-        self.device = checked_device(device)
-        self._seed = seed
-        self._storage_options = storage_options
-        self._rng = np.random.default_rng(seed)
+        self.her_ratio = 1.0 - 1.0 / (self.n_sampled_goal + 1)
+        self._rng = np.random.default_rng(self._seed)
         self.storage: HerReplayStorage | None = None
         self._closed = False
         self._last_next = np.empty(0, np.float32)  # the next_state of the last transition stored
-        if path is not None:
-            stored = _stored_sizes(path, storage_options)
-            if stored is not None:
-                stored_goal_dim, capacity = stored
-                if goal_dim is not None and goal_dim != stored_goal_dim:
-                    raise SchemaMismatchError(f"{path} holds goals of size {stored_goal_dim}, got goal_dim={goal_dim}")
-                if capacity != self.buffer_size - self.segment_steps:
-                    kept = "an unbounded number of" if capacity is None else capacity
-                    raise SchemaMismatchError(
-                        f"{path} keeps {kept} transitions of ended episodes (its capacity); buffer_size="
-                        f"{self.buffer_size} with segment_steps={self.segment_steps} keeps "
-                        f"{self.buffer_size - self.segment_steps}: resume with the buffer_size and segment_steps "
-                        "it was made with"
-                    )
-                goal_dim = stored_goal_dim
-        if goal_dim is not None:
+        # the store's place, built once: a store there is resumed now, else one is created there once the goal size
+        # is known (given, or at the first transition)
+        self._place = None if path is None else open_backend(path, storage_options)
+        store = None if self._place is None else _resumed(self._place)
+        if store is not None:
+            try:
+                self._open(self._stored_goal_dim(store, goal_dim), store)
+            except BaseException:
+                store.close()
+                raise
+        elif goal_dim is not None:
             self._open(goal_dim)
 
     @property
@@ -219,8 +223,28 @@ class HindsightExperienceReplay:
         """Size of the goal (None until the first transition when it was not given)."""
         return None if self.storage is None else self.storage.store.observation_space["desired_goal"].shape[0]
 
-    def _open(self, goal_dim: Any) -> None:
-        check_int("goal_dim", goal_dim, 1)
+    def _stored_goal_dim(self, store: EpisodeStore, goal_dim: int | None) -> int:
+        """The goal size of the resumed ``store``, checked against ``goal_dim`` and its capacity against
+        ``buffer_size - segment_steps``."""
+        shape = store.observation_space["desired_goal"].shape
+        if shape is None or len(shape) != 1:
+            raise SchemaMismatchError(f"{self.path} holds goals of shape {shape}; this API stores flat goal vectors")
+        stored_goal_dim, capacity = int(shape[0]), store.capacity
+        if goal_dim is not None and goal_dim != stored_goal_dim:
+            raise SchemaMismatchError(f"{self.path} holds goals of size {stored_goal_dim}, got goal_dim={goal_dim}")
+        if capacity != self.buffer_size - self.segment_steps:
+            kept = "an unbounded number of" if capacity is None else capacity
+            raise SchemaMismatchError(
+                f"{self.path} keeps {kept} transitions of ended episodes (its capacity); buffer_size="
+                f"{self.buffer_size} with segment_steps={self.segment_steps} keeps "
+                f"{self.buffer_size - self.segment_steps}: resume with the buffer_size and segment_steps it was made "
+                "with"
+            )
+        return stored_goal_dim
+
+    def _open(self, goal_dim: int, store: EpisodeStore | None = None) -> None:
+        """The storage, on ``store`` (resumed) or on a store created at the place (or in a temporary directory)."""
+        goal_dim = check_int(goal_dim, "goal_dim", low=1)
         if goal_dim > self.state_dim:
             raise ValueError(
                 f"goal_dim={goal_dim} exceeds state_dim={self.state_dim}: the achieved goal of a state is its first "
@@ -231,8 +255,8 @@ class HindsightExperienceReplay:
                            "desired_goal": box((goal_dim,))})
         self.storage = HerReplayStorage(
             obs, box((self.action_dim,)), storage_size=self.buffer_size - self.segment_steps,
-            batch_size=self.batch_size, num_goals=self.n_sampled_goal, reward_fn=self.reward_fn, path=self.path,
-            storage_options=self._storage_options, seed=self._seed, segment_steps=self.segment_steps,
+            batch_size=self.batch_size, num_goals=self.n_sampled_goal, reward_fn=self.reward_fn,
+            path=self._place if store is None else store, seed=self._seed, segment_steps=self.segment_steps,
         )
 
     def store_transition(self, state: Any, action: Any, reward: Any, next_state: Any, done: Any, goal: Any) -> None:
@@ -377,15 +401,10 @@ class HindsightExperienceReplay:
         self.close()
 
 
-def _stored_sizes(
-    path: str | os.PathLike[str], storage_options: Mapping[str, Any] | None
-) -> tuple[int, int | None] | None:
-    """Goal size and capacity of the store at ``path``, or None when there is none."""
+def _resumed(place: Backend) -> EpisodeStore | None:
+    """The store at ``place`` opened for appending, or None when there is none there (which ``open_store`` asks of
+    ``place`` without opening anything)."""
     try:
-        with EpisodeStore.open(path, "r", storage_options) as store:
-            shape, capacity = store.observation_space["desired_goal"].shape, store.capacity
+        return open_store(place)
     except NotAStoreError:
         return None
-    if shape is None or len(shape) != 1:
-        raise SchemaMismatchError(f"{path} holds goals of shape {shape}; this API stores flat goal vectors")
-    return int(shape[0]), capacity

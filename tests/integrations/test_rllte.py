@@ -12,7 +12,8 @@ import pytest
 import torch
 from gymnasium import spaces
 
-from her_store import EpisodeStore, StepWriter
+from her_store import EpisodeStore, StepWriter, open_dataset, open_store
+from her_store.checks import ArgumentTypeError
 from her_store.envs import ENV_ID, PointGoalEnv
 from her_store.errors import EpisodeValidationError, SchemaMismatchError, StoreError
 from her_store.integrations.rllte import HerReplayBatch, HerReplayStorage, NoEpisodeError
@@ -205,7 +206,7 @@ def test_no_reward_fn_and_no_env_id_says_how_to_pass_one(tmp_path, monkeypatch):
         ({"storage_size": 0}, ValueError, "storage_size must be an int >= 1"),
         ({"batch_size": 2.5}, ValueError, "batch_size must be an int >= 1"),
         ({"num_goals": -1}, ValueError, "num_goals must be an int >= 0"),
-        ({"reward_fn": "sparse"}, TypeError, "reward_fn must be callable"),
+        ({"reward_fn": "sparse"}, TypeError, "reward_fn must be a callable"),
         ({"segment_steps": 0}, ValueError, "segment_steps must be an int >= 1"),
         ({"storage_size": 10, "segment_steps": 11}, ValueError, "segment_steps=11 exceeds storage_size=10"),
         ({"device": "cuda:7"}, ValueError, "device 'cuda:7' is not available here"),  # no such GPU in CI
@@ -217,6 +218,69 @@ def test_bad_construction_creates_nothing(tmp_path, kwargs, error, match):
     with pytest.raises(error, match=match):
         HerReplayStorage(**{**args, **kwargs})
     assert not (tmp_path / "x").exists() or not os.listdir(tmp_path / "x")
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"storage_size": True}, ArgumentTypeError, "storage_size must be an int >= 1 or None, not a bool: got True"),
+        ({"storage_size": 1e6}, ArgumentTypeError, "storage_size must be an int >= 1 or None, not a float"),
+        ({"storage_size": 2**52}, ValueError, "storage_size must be an int <= 4503599627370495: got 4503599627370496"),
+        ({"num_envs": 2.0}, ArgumentTypeError, "num_envs must be an int >= 1, not a float: got 2.0"),
+        ({"batch_size": "64"}, ArgumentTypeError, "batch_size must be an int >= 1, not a str: got '64'"),
+        ({"num_goals": True}, ArgumentTypeError, "num_goals must be an int >= 0, not a bool: got True"),
+        ({"segment_steps": 2.5}, ArgumentTypeError, "segment_steps must be an int >= 1, not a float: got 2.5"),
+        ({"copy_info_dict": 1}, ArgumentTypeError, "copy_info_dict must be True or False, not an int: got 1"),
+        ({"copy_info_dict": "no"}, ArgumentTypeError, "copy_info_dict must be True or False, not a str"),
+        ({"seed": -1}, ValueError, "seed must be an int >= 0 or None: got -1"),
+        ({"seed": 1.5}, ArgumentTypeError, "seed must be an int >= 0 or None, not a float: got 1.5"),
+        ({"commit_interval": -1.0}, ValueError, r"commit_interval must be a finite real number >= 0 or None: got -1.0"),
+        ({"commit_interval": float("inf")}, ValueError, "commit_interval must be a finite real number >= 0 or None"),
+        ({"commit_interval": "1"}, ArgumentTypeError, "commit_interval must be a finite real number >= 0 or None, not"),
+    ],
+)
+def test_options_are_checked_by_name_before_anything_is_created(tmp_path, kwargs, error, match):
+    args = {"observation_space": OBS, "action_space": ACT, "reward_fn": ENV.compute_reward, "path": tmp_path / "x"}
+    with pytest.raises(error, match=match):
+        HerReplayStorage(**{**args, **kwargs})
+    assert not (tmp_path / "x").exists()
+
+
+def test_numpy_ints_bools_and_floats_are_accepted(tmp_path):
+    storage = HerReplayStorage(
+        OBS, ACT, storage_size=np.int64(500), num_envs=np.int32(2), batch_size=np.uint16(8), num_goals=np.int64(4),
+        reward_fn=ENV.compute_reward, copy_info_dict=np.bool_(False), path=tmp_path / "s", seed=np.int64(3),
+        commit_interval=np.float32(0.5), segment_steps=np.int64(100),
+    )
+    assert (storage.num_envs, storage.batch_size, storage.segment_steps) == (2, 8, 100)
+    assert type(storage.batch_size) is int and storage.copy_info_dict is False
+    assert storage.store.capacity == 500 and storage.store.commit_interval == 0.5
+    collect(storage, 12)
+    assert storage.sample().rewards.shape == (8, 1)
+    storage.close()
+
+
+def test_a_store_handed_over_open_is_written_checked_and_closed(tmp_path):
+    """An open store (here a writer's shard of a dataset of many) is used as it is: checked as open_store checks a
+    store it resumes, closed when refused and at close."""
+    shard = open_store(tmp_path / "dataset", OBS, ACT, shard="actor-1", capacity=500)
+    storage = HerReplayStorage(OBS, ACT, storage_size=500, num_envs=2, batch_size=8, reward_fn=ENV.compute_reward,
+                               path=shard)
+    assert storage.store is shard
+    collect(storage, 12)
+    storage.close()
+    assert "closed" in repr(shard)
+    again = open_store(tmp_path / "dataset", OBS, ACT, shard="actor-1")  # its writer lock was released
+    with pytest.raises(SchemaMismatchError, match="capacity"):
+        HerReplayStorage(OBS, ACT, reward_fn=ENV.compute_reward, path=again)  # storage_size 1,000,000
+    assert "closed" in repr(again)
+    other_obs, _ = fetch_spaces()
+    again = open_store(tmp_path / "dataset", OBS, ACT, shard="actor-1")
+    with pytest.raises(SchemaMismatchError, match="observation_space differs"):
+        HerReplayStorage(other_obs, ACT, storage_size=500, reward_fn=ENV.compute_reward, path=again)
+    assert "closed" in repr(again)
+    with open_dataset(tmp_path / "dataset") as view:
+        assert view.num_episodes == 5  # the unfinished ones were ended at close
 
 
 def test_store_at_path_with_other_spaces_or_capacity_is_refused_intact(tmp_path, storage):

@@ -19,6 +19,7 @@ import torch as th
 from gymnasium import spaces
 
 from her_store import EpisodeStore, open_store
+from her_store.checks import ArgumentTypeError
 from her_store.envs import PointGoalEnv
 from her_store.errors import EpisodeValidationError, NotAStoreError, SchemaMismatchError, StoreError, StoreLockedError
 
@@ -739,6 +740,60 @@ def test_bad_spaces_and_options_are_refused(tmp_path):
     with pytest.raises(ValueError, match="buffer_size"):
         _buffer(venv, buffer_size=0)
     assert not os.path.exists(tmp_path / "never")
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"buffer_size": True}, ArgumentTypeError, "buffer_size must be an int >= 1, not a bool: got True"),
+        ({"buffer_size": 1000.0}, ArgumentTypeError, "buffer_size must be an int >= 1, not a float: got 1000.0"),
+        ({"buffer_size": 2**52}, ValueError, "buffer_size must be an int <= 4503599627370495: got 4503599627370496"),
+        ({"n_envs": 1.0}, ArgumentTypeError, "n_envs must be an int >= 1, not a float: got 1.0"),
+        ({"n_envs": -1}, ValueError, "n_envs must be an int >= 1: got -1"),
+        ({"n_sampled_goal": 2.5}, ArgumentTypeError, "n_sampled_goal must be an int >= 0, not a float: got 2.5"),
+        ({"n_sampled_goal": True}, ArgumentTypeError, "n_sampled_goal must be an int >= 0, not a bool: got True"),
+        ({"copy_info_dict": "x"}, ArgumentTypeError, "copy_info_dict must be True or False, not a str: got 'x'"),
+        ({"copy_info_dict": 1}, ArgumentTypeError, "copy_info_dict must be True or False, not an int: got 1"),
+        ({"handle_timeout_termination": 0}, ArgumentTypeError, "handle_timeout_termination must be True or False"),
+        ({"relabel_terminated": "yes"}, ArgumentTypeError, "relabel_terminated must be True or False, not a str"),
+        ({"optimize_memory_usage": 0}, ArgumentTypeError, "optimize_memory_usage must be True or False, not an int"),
+        ({"prefetch": 2.5}, ArgumentTypeError, "prefetch must be an int >= 0, not a float: got 2.5"),
+        ({"prefetch": "x"}, ArgumentTypeError, "prefetch must be an int >= 0, not a str: got 'x'"),
+        ({"prefetch": -1}, ValueError, "prefetch must be an int >= 0: got -1"),
+        ({"io_threads": True}, ArgumentTypeError, "io_threads must be an int >= 0 or None, not a bool: got True"),
+        ({"io_threads": 1.5}, ArgumentTypeError, "io_threads must be an int >= 0 or None, not a float: got 1.5"),
+        ({"io_threads": -2}, ValueError, "io_threads must be an int >= 0 or None: got -2"),
+        ({"copy_info_dict": True, "info_keys": "is_success"}, ArgumentTypeError, "info_keys must be a sequence of str"),
+        ({"storage_options": "anon"}, ArgumentTypeError, "storage_options must be a mapping or None, got 'anon'"),
+    ],
+)
+def test_options_are_checked_by_name_before_anything_is_made(tmp_path, kwargs, error, match):
+    """Every option is checked as it is given (2.5 is no count, 1 or "x" no flag), before the store is made."""
+    venv = _venv(1)
+    args = {"buffer_size": 1000, "observation_space": venv.observation_space, "action_space": venv.action_space,
+            "env": venv, "n_envs": 1, "path": tmp_path / "never"}
+    with pytest.raises(error, match=match):
+        ZarrHerReplayBuffer(**{**args, **kwargs})
+    assert not os.path.exists(tmp_path / "never")
+
+
+def test_numpy_ints_and_bools_are_accepted_and_kept_as_python_ones(tmp_path):
+    venv = _venv(1)
+    rb = ZarrHerReplayBuffer(
+        np.int64(1000), venv.observation_space, venv.action_space, env=venv, device=th.device("cpu"),
+        n_envs=np.int32(1), handle_timeout_termination=np.bool_(True), n_sampled_goal=np.int64(2),
+        copy_info_dict=np.bool_(False), relabel_terminated=np.bool_(False), prefetch=np.uint8(1),
+        io_threads=np.int64(2), path=tmp_path / "rb",
+    )
+    config = (rb.total_capacity, rb.n_envs, rb.n_sampled_goal, rb.prefetch, rb.io_threads, rb.copy_info_dict)
+    assert config == (1000, 1, 2, 1, 2, False) and all(type(v) in (int, bool) for v in config)
+    assert rb.her_ratio == pytest.approx(2 / 3)
+    _collect([rb], venv, 10)
+    assert rb.sample(8).rewards.shape == (8, 1)
+    handle = pickle.loads(pickle.dumps(rb))  # the handle holds the options as kept
+    rb.close()
+    assert (handle.total_capacity, handle.io_threads, handle.prefetch) == (1000, 2, 1)
+    handle.close()
 
 
 def test_a_store_of_other_spaces_or_capacity_is_refused_and_kept(tmp_path):

@@ -7,6 +7,7 @@ import pytest
 from gymnasium import spaces
 
 from her_store import EpisodeStore, open_store
+from her_store.checks import ArgumentTypeError
 from her_store.integrations.sb3_layout import SB3Arrays, env_columns, sb3_arrays
 from tests.conftest import fetch_spaces, make_episode, random_rows
 
@@ -216,7 +217,7 @@ def test_episodes_of_no_env_in_range_are_dealt_to_the_columns_in_turn(tmp_path, 
     assert got.ep_length[:, 1].tolist() == [0] * 4 + [2] * 2 + [4] * 4 + [0] * 6  # ends at row pos - 1, as env 0
     np.testing.assert_array_equal(got.actions[6:10, 1], eps[2]["action"])
     assert env_columns(store, 1)[1].tolist() == [16] and env_columns(store, 3)[0].tolist() == [0, 2, 1, 2, 0]
-    with pytest.raises(ValueError, match="n_envs must be a positive int"):
+    with pytest.raises(ValueError, match="n_envs must be an int >= 1"):
         env_columns(store, 0)
     store.close()
 
@@ -255,9 +256,9 @@ def test_bad_input_is_refused_and_the_store_is_intact(tmp_path, fetch):
         sb3_arrays(other, 8, 3, pend[0])
     with pytest.raises(TypeError, match="store must be an EpisodeStore"):
         sb3_arrays(str(tmp_path / "t"), 8, 3, pend)
-    with pytest.raises(ValueError, match="buffer_size must be a positive int"):
+    with pytest.raises(ValueError, match="buffer_size must be an int >= 1"):
         sb3_arrays(other, 0, 3, pend)
-    with pytest.raises(ValueError, match="n_envs must be a positive int"):
+    with pytest.raises(ValueError, match="n_envs must be an int >= 1"):
         sb3_arrays(other, 8, True, pend)
     with pytest.raises(ValueError, match=r"pending\[1\].*missing \['reward'\]"):
         sb3_arrays(other, 8, 3, [pend[0], {k: v for k, v in pend[1].items() if k != "reward"}, pend[2]])
@@ -278,3 +279,31 @@ def test_bad_input_is_refused_and_the_store_is_intact(tmp_path, fetch):
     assert store.num_episodes == 1
     store.close()
     other.close()
+
+
+def test_counts_and_flags_are_checked_by_name_and_numpy_ints_accepted(tmp_path, fetch):
+    obs_space, act_space = fetch
+    store = open_store(str(tmp_path / "s"), obs_space, act_space)
+    store.append_episode(make_episode(obs_space, act_space, 5, seed=1))
+    w = store.writer(2)
+    pend = [w.pending(e) for e in range(2)]
+    cases = [
+        ({"buffer_size": 8.0}, "buffer_size must be an int >= 1, not a float: got 8.0"),
+        ({"buffer_size": True}, "buffer_size must be an int >= 1, not a bool: got True"),
+        ({"n_envs": 2.0}, "n_envs must be an int >= 1, not a float: got 2.0"),
+        ({"steps": 7.5}, "steps must be an int >= 5, not a float: got 7.5"),
+        ({"handle_timeout_termination": "yes"}, "handle_timeout_termination must be True or False, not a str"),
+        ({"handle_timeout_termination": 1}, "handle_timeout_termination must be True or False, not an int: got 1"),
+    ]
+    for change, match in cases:
+        kwargs = {"buffer_size": 8, "n_envs": 2, "pending": pend, **change}
+        with pytest.raises(ArgumentTypeError, match=match):
+            sb3_arrays(store, **kwargs)
+    with pytest.raises(ArgumentTypeError, match="n_envs must be an int >= 1, not a str: got '2'"):
+        env_columns(store, "2")
+    got = sb3_arrays(
+        store, np.int64(8), np.int32(2), pend, handle_timeout_termination=np.bool_(False), steps=np.uint8(6)
+    )
+    assert (got.pos, got.full) == (6, False) and not got.timeouts.any()
+    assert env_columns(store, np.int64(2))[1].tolist() == [5, 0]
+    store.close()

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from her_store import EpisodeStore
+from her_store.checks import ArgumentTypeError
 from her_store.envs import PointGoalEnv
 from her_store.errors import SchemaMismatchError, StoreError
 from her_store.integrations.rllte import HerReplayStorage
@@ -210,12 +211,12 @@ def test_bad_transitions_are_refused_and_change_nothing(tmp_path):
         ({"goal_dim": 5}, ValueError, "goal_dim=5 exceeds state_dim=4"),
         ({"goal_dim": 0}, ValueError, "goal_dim must be an int >= 1"),
         ({"goal_sampling_strategy": "future"}, TypeError, "goal_sampling_strategy must be a callable"),
-        ({"reward_fn": 1}, TypeError, "reward_fn must be callable"),
+        ({"reward_fn": 1}, TypeError, "reward_fn must be a callable"),
         ({"buffer_size": 1}, ValueError, "buffer_size must be an int >= 2"),
         ({"segment_steps": 0}, ValueError, "segment_steps must be an int >= 1"),
         ({"segment_steps": 100}, ValueError, "segment_steps=100 must be less than buffer_size=100"),
         ({"n_sampled_goal": -1}, ValueError, "n_sampled_goal must be an int >= 0"),
-        ({"tolerance": float("nan")}, ValueError, "tolerance must be a number >= 0"),
+        ({"tolerance": float("nan")}, ValueError, "tolerance must be a real number >= 0"),
         ({"device": "cuda:7"}, ValueError, "device 'cuda:7' is not available here"),  # no such GPU in CI
         ({"goal_dim": None, "device": "warp"}, ValueError, "device 'warp' is not available here"),
     ],
@@ -226,6 +227,44 @@ def test_bad_construction(tmp_path, kwargs, error, match):
     with pytest.raises(error, match=match):
         HindsightExperienceReplay(**{**args, **kwargs})
     assert not (tmp_path / "x").exists()
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"state_dim": True}, ArgumentTypeError, "state_dim must be an int >= 1, not a bool: got True"),
+        ({"action_dim": 2.0}, ArgumentTypeError, "action_dim must be an int >= 1, not a float: got 2.0"),
+        ({"buffer_size": "100"}, ArgumentTypeError, "buffer_size must be an int >= 2, not a str: got '100'"),
+        ({"buffer_size": 2**52 + 1}, ValueError, "buffer_size must be an int <= 4503599627370495: got"),
+        ({"batch_size": -8}, ValueError, "batch_size must be an int >= 1: got -8"),
+        ({"goal_dim": 2.0}, ArgumentTypeError, "goal_dim must be an int >= 1 or None, not a float: got 2.0"),
+        ({"n_sampled_goal": True}, ArgumentTypeError, "n_sampled_goal must be an int >= 0, not a bool: got True"),
+        ({"segment_steps": 10.0}, ArgumentTypeError, "segment_steps must be an int >= 1, not a float: got 10.0"),
+        ({"tolerance": True}, ArgumentTypeError, "tolerance must be a real number >= 0, not a bool: got True"),
+        ({"tolerance": "0.1"}, ArgumentTypeError, "tolerance must be a real number >= 0, not a str: got '0.1'"),
+        ({"tolerance": -0.5}, ValueError, "tolerance must be a real number >= 0: got -0.5"),
+        ({"seed": -1}, ValueError, "seed must be an int >= 0 or None: got -1"),
+        ({"seed": 0.5}, ArgumentTypeError, "seed must be an int >= 0 or None, not a float: got 0.5"),
+    ],
+)
+def test_options_are_checked_by_name_before_anything_is_created(tmp_path, kwargs, error, match):
+    args = {"state_dim": 4, "action_dim": 2, "buffer_size": 100, "batch_size": 8, "goal_dim": 2,
+            "path": tmp_path / "x"}
+    with pytest.raises(error, match=match):
+        HindsightExperienceReplay(**{**args, **kwargs})
+    assert not (tmp_path / "x").exists()
+
+
+def test_numpy_ints_and_floats_are_accepted(tmp_path):
+    her = HindsightExperienceReplay(
+        np.int64(4), np.int32(2), np.int64(1000), np.uint8(16), path=tmp_path / "s", goal_dim=np.int64(2),
+        n_sampled_goal=np.int64(4), tolerance=np.float32(0.1), seed=np.int64(0), segment_steps=np.int64(50),
+    )
+    assert (her.state_dim, her.buffer_size, her.batch_size, her.segment_steps, her.goal_dim) == (4, 1000, 16, 50, 2)
+    assert type(her.batch_size) is int and her.her_ratio == pytest.approx(0.8)
+    fill(her, [10, 10])
+    check_batch(her.sample(), 16, tolerance=0.1)
+    her.close()
 
 
 def test_goal_larger_than_state_at_first_transition():
