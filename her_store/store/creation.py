@@ -34,6 +34,7 @@ from her_store.store.chunk_io import ZARR_CONFIG
 from her_store.store.commit import round_up
 
 __all__ = [
+    "MAX_CAPACITY",
     "make_store",
     "checked_arrays",
     "open_arrays",
