@@ -19,9 +19,10 @@
  *       Python (the rest of a batch). Task.wait() decodes the rows the threads have not taken yet (threads and
  *       caller take 8 rows at a time: each does as much as it can), joins them and returns what map_lz4 would
  *       have (the first failing row found); Task.done() tells whether the threads are done.
- *   map_file(fd, offset, length) -> Mapping
- *       bytes offset .. offset + length of an open file, mapped read-only (MADV_RANDOM: a page fault reads its page
- *       alone) as a buffer; unmapped when the last reference goes. It holds no file descriptor. Its drop_pages()
+ *   map_file(fd, offset, length[, random]) -> Mapping
+ *       bytes offset .. offset + length of an open file, mapped read-only as a buffer; with random (the default)
+ *       MADV_RANDOM: a page fault reads its page alone, else the kernel reads ahead as it sees fit (rows read in
+ *       order). Unmapped when the last reference goes. It holds no file descriptor. Its drop_pages()
  *       lets its pages go from this process, so that the page cache can drop them (a cold start).
  *   take_rows(src, rows, first, skip, out, row_nbytes[, at]) -> (index, errno)
  *       an uncompressed array's gather: out[i] (or out[at[i]]) = row rows[i] - first of a mapped chunk (its row k at skip + k *
@@ -278,7 +279,8 @@ static PyTypeObject MappingType = {
 static PyObject *map_file(PyObject *self, PyObject *args) {
     int fd;
     long long offset, length;
-    if (!PyArg_ParseTuple(args, "iLL", &fd, &offset, &length)) return NULL;
+    int random = 1;
+    if (!PyArg_ParseTuple(args, "iLL|p", &fd, &offset, &length, &random)) return NULL;
     if (offset < 0 || length <= 0 || length > PY_SSIZE_T_MAX - 65536) {
         PyErr_SetString(PyExc_ValueError, "map_file needs offset >= 0 and a length of at least one byte");
         return NULL;
@@ -294,7 +296,8 @@ static PyObject *map_file(PyObject *self, PyObject *args) {
     void *base;
     Py_BEGIN_ALLOW_THREADS
     base = mmap(NULL, mapped, PROT_READ, MAP_SHARED, fd, (off_t)(offset - (long long)skip));
-    if (base != MAP_FAILED) madvise(base, mapped, MADV_RANDOM); /* advice only: its failure changes nothing read */
+    /* advice only: its failure changes nothing read */
+    if (base != MAP_FAILED && random) madvise(base, mapped, MADV_RANDOM);
     Py_END_ALLOW_THREADS
     if (base == MAP_FAILED) return PyErr_SetFromErrno(PyExc_OSError);
     Mapping *m = PyObject_New(Mapping, &MappingType);

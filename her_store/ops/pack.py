@@ -37,8 +37,8 @@ from her_store.format.keys import ATTRS_KEY, COMMIT_KEY, chunk_key, is_chunk_key
 from her_store.format.layout import INDEX_COLUMNS, Layout
 from her_store.progress import progress as progress_bar
 from her_store.storage import open_backend
-from her_store.storage.archive import LOCAL_HEADER
 from her_store.storage.files import data_runs, open_regular, staged_output, write_all, write_sparse
+from her_store.storage.zip_directory import LOCAL_HEADER
 from her_store.store.episode_store import EpisodeStore
 from her_store.store.index import chunks_holding
 

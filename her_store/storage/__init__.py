@@ -10,12 +10,14 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from her_store.storage.archive import ArchiveBackend, PackedArchive, is_archive, open_remote_archive
+from her_store.storage.archive import PackedArchive, open_remote_archive
+from her_store.storage.archive_backend import ArchiveBackend
 from her_store.storage.base import METADATA_LIMIT, OBJECT_LIMIT, Backend, Defaults, ObjectReplaced, WriterLock
 from her_store.storage.http import HTTPBackend
 from her_store.storage.local import LocalBackend
 from her_store.storage.lock import DEFAULT_LEASE_TTL
 from her_store.storage.objects import FsspecBackend
+from her_store.storage.zip_directory import is_archive
 
 __all__ = [
     "DEFAULT_LEASE_TTL",

@@ -10,13 +10,9 @@ where they would open a file of their own. Over HTTP(S) and S3 a zip object is r
 (:func:`open_remote_archive`): each member's bytes are a range of the object, read by a ranged GET conditioned on the
 ETag the object had when it was opened.
 
-Nothing in an archive is trusted: :class:`PackedArchive` parses the central directory itself (zipfile is not used
-to read, so no second parser can disagree with it) and refuses, naming the member, anything that is not a plain
-stored file inside the archive: compressed or encrypted members, absolute names or names with ``..``, duplicates,
-symbolic links, offsets or sizes past the end, and more members or central-directory bytes than a store has; every
-read of it is bounded by what the records it comes from allow. A compressed member is refused rather than read
-slowly: extract such an archive (``unzip``) and open the directory. (zarr's ZipStore reads through zipfile, which
-trusts the archive, and reads local files only.)
+Nothing in an archive is trusted: :class:`PackedArchive` takes its members from
+:func:`~her_store.storage.zip_directory.read_members`, which checks every record, and every read of a member is
+bounded by the (offset, size) it was given.
 """
 
 from __future__ import annotations
@@ -26,58 +22,14 @@ import io
 import os
 import re
 import stat
-import struct
 import weakref
-import zipfile
-from collections.abc import AsyncIterator, Callable, Coroutine, Iterable, Mapping, Sequence
-from typing import Any
-
-import numpy as np
-import zarr.storage
-from zarr.abc.store import ByteRequest, OffsetByteRequest, RangeByteRequest, Store, SuffixByteRequest
-from zarr.core.buffer import Buffer, BufferPrototype
+from collections.abc import Sequence
 
 from her_store.errors import CorruptStoreError, NotAStoreError, StoreError, short_repr
-from her_store.storage.base import METADATA_LIMIT, Backend, Defaults, ObjectReplaced, WriterLock
-from her_store.storage.files import data_between, data_runs, drop_page_cache
+from her_store.storage.base import METADATA_LIMIT, Backend, ObjectReplaced
+from her_store.storage.zip_directory import read_members
 
-__all__ = ["LOCAL_HEADER", "ArchiveBackend", "ArchiveStore", "PackedArchive", "RemoteZip", "is_archive", "open_remote_archive"]
-
-LOCAL_HEADER = struct.Struct("<4s5H3L2H")  # a zip's local file header
-MAX_MEMBERS = 1 << 22  # a store of 10^9 frames in shards of 256 rows has about 4 million files
-
-
-MAX_DIRECTORY_BYTES = 1 << 30  # the central directory is read whole: about 250 bytes per member at most
-
-
-_EOCD = struct.Struct("<4s4H2LH")  # end of central directory record
-
-
-_EOCD64 = struct.Struct("<4sQ2H2L4Q")  # zip64 end of central directory record
-
-
-_LOCATOR = struct.Struct("<4sLQL")  # zip64 end of central directory locator
-
-
-_CENTRAL = struct.Struct("<4s6H3L5H2L")  # central directory file header
-
-
-def is_archive(path: str) -> bool:
-    """Whether ``path`` is a regular file starting like a zip archive (a local file header or an empty archive).
-
-    Examples
-    --------
-    >>> is_archive("runs/fetch.zip")  # doctest: +SKIP
-    True
-    """
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)  # a FIFO must not block the open
-    except OSError:
-        return False
-    try:
-        return stat.S_ISREG(os.fstat(fd).st_mode) and os.pread(fd, 4, 0) in (b"PK\x03\x04", b"PK\x05\x06")
-    finally:
-        os.close(fd)
+__all__ = ["PackedArchive", "RemoteZip", "open_remote_archive"]
 
 
 class PackedArchive:
@@ -111,7 +63,7 @@ class PackedArchive:
             # a member's tag, what its readers condition their GETs on: it changes only with the whole archive
             self.tag = remote.etag or '"packed"'
             self._close = weakref.finalize(self, lambda: None)  # nothing of its own to close
-            self.members = _read_members(remote.read_many, self.size, path)
+            self.members = read_members(remote.read_many, self.size, path)
             return
         self.fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
         # closed by close(), or when the archive is garbage: readers of members hold descriptors of their own
@@ -122,7 +74,7 @@ class PackedArchive:
             if not stat.S_ISREG(st.st_mode):
                 raise CorruptStoreError(f"{path} is not a regular file; a packed store is a zip file")
             self.size = st.st_size
-            self.members = _read_members(self._read_local, self.size, path)
+            self.members = read_members(self._read_local, self.size, path)
         except BaseException:
             self._close()
             raise
@@ -226,10 +178,6 @@ class PackedArchive:
         """Close the archive; readers that opened members (:meth:`open_range`) keep their own descriptors."""
         self._close()
 
-    def zarr_store(self) -> ArchiveStore:
-        """A read-only Zarr store over the members (what zarr reads metadata through)."""
-        return ArchiveStore(self)
-
 
 def _span(rng: str | None, size: int) -> tuple[int, int]:
     """Bytes ``a .. b`` of an object of ``size`` bytes that the HTTP range ``rng`` (``bytes=a-b``, ``bytes=a-``,
@@ -259,7 +207,8 @@ class RemoteZip:
     Parameters
     ----------
     backend : Backend
-        The backend whose root is the zip object (an HTTP or S3 one: :attr:`~her_store.storage.base.Backend.conditional`).
+        The backend whose root is the zip object (an HTTP or S3 one:
+        :attr:`~her_store.storage.base.Backend.conditional`).
     size : int
         The object's size.
     etag : str
@@ -341,382 +290,3 @@ def open_remote_archive(backend: Backend) -> PackedArchive | None:
             "read in place by byte ranges; serve it from a server that honours Range, or download it and open the file"
         )
     return PackedArchive(backend.url, RemoteZip(backend, size, etag))
-
-
-def _corrupt(path: str, what: str) -> CorruptStoreError:
-    return CorruptStoreError(
-        f"{path}: {what}; expected a packed store as her-store pack writes it (FORMAT.md, Packed stores)"
-    )
-
-
-def _read_members(
-    read_many: Callable[[Sequence[tuple[int, int]]], list[bytes]], size: int, path: str
-) -> dict[str, tuple[int, int]]:
-    """Every member's (data offset, size), each checked (see the module docstring) before any is used. The archive's
-    bytes come from ``read_many``: ``n`` bytes at ``at`` for each ``(n, at)`` asked for, within the archive."""
-
-    def read(n: int, at: int) -> bytes:
-        return read_many([(n, at)])[0]
-
-    tail_len = min(size, _EOCD.size + 0xFFFF)  # the record, then a comment of at most 65,535 bytes
-    tail = read(tail_len, size - tail_len)
-    at = tail.rfind(b"PK\x05\x06")
-    while at >= 0 and (at + _EOCD.size > len(tail) or at + _EOCD.size + _EOCD.unpack_from(tail, at)[-1] != len(tail)):
-        at = tail.rfind(b"PK\x05\x06", 0, at)
-    if at < 0:
-        raise _corrupt(path, "no end of central directory record (a truncated or damaged zip)")
-    eocd_at = size - tail_len + at
-    _, disk, cd_disk, _, count, cd_size, cd_offset, _ = _EOCD.unpack_from(tail, at)
-    end = eocd_at  # the central directory ends where the records after it start
-    if 0xFFFF in (disk, cd_disk, count) or 0xFFFFFFFF in (cd_size, cd_offset):
-        if eocd_at < _LOCATOR.size:
-            raise _corrupt(path, "a zip64 end record without its locator")
-        sig, _, eocd64_at, _ = _LOCATOR.unpack(read(_LOCATOR.size, eocd_at - _LOCATOR.size))
-        if sig != b"PK\x06\x07" or eocd64_at > eocd_at - _LOCATOR.size - _EOCD64.size:
-            raise _corrupt(path, "a damaged zip64 end of central directory locator")
-        sig, _, _, _, disk, cd_disk, _, count, cd_size, cd_offset = _EOCD64.unpack(read(_EOCD64.size, eocd64_at))
-        if sig != b"PK\x06\x06":
-            raise _corrupt(path, f"no zip64 end of central directory record at byte {eocd64_at:,}")
-        end = eocd64_at
-    if disk or cd_disk:
-        raise _corrupt(path, "a zip split over several disks")
-    if count > MAX_MEMBERS or cd_size > MAX_DIRECTORY_BYTES:
-        raise _corrupt(
-            path,
-            f"{count:,} members in {cd_size:,} bytes of central directory, more than a store has "
-            f"({MAX_MEMBERS:,} members, {MAX_DIRECTORY_BYTES:,} bytes)",
-        )
-    if cd_offset + cd_size > end:
-        raise _corrupt(
-            path, f"its central directory (bytes {cd_offset:,}..{cd_offset + cd_size:,}) runs past byte {end:,}"
-        )
-    cd = read(cd_size, cd_offset)
-    entries: dict[str, tuple[bytes, int, int]] = {}  # name: (raw name, local header offset, size)
-    p = 0
-    for i in range(count):
-        if p + _CENTRAL.size > len(cd) or cd[p : p + 4] != b"PK\x01\x02":
-            raise _corrupt(path, f"central directory entry {i} of {count} is missing or damaged")
-        (
-            _,
-            made_by,
-            _,
-            flags,
-            method,
-            _,
-            _,
-            _,
-            csize,
-            usize,
-            name_len,
-            extra_len,
-            comment_len,
-            _,
-            _,
-            ext_attr,
-            header_at,
-        ) = _CENTRAL.unpack_from(cd, p)
-        raw_name = cd[p + _CENTRAL.size : p + _CENTRAL.size + name_len]
-        extra = cd[p + _CENTRAL.size + name_len : p + _CENTRAL.size + name_len + extra_len]
-        p += _CENTRAL.size + name_len + extra_len + comment_len
-        if p > len(cd):
-            raise _corrupt(path, f"central directory entry {i} runs past the directory")
-        usize, csize, header_at = _zip64_values(extra, usize, csize, header_at, path, raw_name)
-        name = _member_name(raw_name, path)
-        kind = stat.S_IFMT(ext_attr >> 16) if made_by >> 8 == 3 else 0  # Unix file type, when a Unix zip says so
-        if name.endswith("/"):  # a directory entry (zip -r adds them): holds nothing
-            if usize or kind not in (0, stat.S_IFDIR):
-                raise _corrupt(path, f"directory entry {name!r} holds {usize} bytes or is not a directory")
-            continue
-        if kind == stat.S_IFLNK:
-            raise _corrupt(path, f"member {name!r} is a symbolic link; a store's files are regular files")
-        if kind not in (0, stat.S_IFREG):
-            raise _corrupt(path, f"member {name!r} is not a regular file (Unix mode {ext_attr >> 16:o})")
-        if flags & 1:
-            raise _corrupt(path, f"member {name!r} is encrypted")
-        if method != zipfile.ZIP_STORED or csize != usize:
-            raise _corrupt(
-                path,
-                f"member {name!r} is compressed (method {method}, {csize:,} bytes for {usize:,}); a packed store's "
-                "members are stored uncompressed, so that they are read in place (extract this archive with unzip and "
-                "open the directory instead)",
-            )
-        if name in entries:
-            raise _corrupt(path, f"member {name!r} appears twice")
-        entries[name] = (raw_name, header_at, usize)
-    # every local header, read at once (concurrently remotely), each no further than the members' end
-    asked = {name: e for name, e in entries.items() if e[1] < cd_offset}
-    got = read_many([(min(LOCAL_HEADER.size + len(raw), cd_offset - at), at) for raw, at, _ in asked.values()])
-    headers = dict(zip(asked, got))
-    return {
-        name: (_data_offset(headers.get(name, b""), at, raw, usize, cd_offset, path, name), usize)
-        for name, (raw, at, usize) in entries.items()
-    }
-
-
-def _zip64_values(
-    extra: bytes, usize: int, csize: int, header_at: int, path: str, raw_name: bytes
-) -> tuple[int, int, int]:
-    """The sizes and header offset of a central directory entry, from its zip64 extra field where they are 0xFFFFFFFF."""
-    want = [v == 0xFFFFFFFF for v in (usize, csize, header_at)]
-    if not any(want):
-        return usize, csize, header_at
-    q = 0
-    while q + 4 <= len(extra):
-        tag, n = struct.unpack_from("<2H", extra, q)
-        if tag == 1:
-            if n < 8 * sum(want) or q + 4 + n > len(extra):
-                break
-            values = iter(struct.unpack_from(f"<{sum(want)}Q", extra, q + 4))
-            return tuple(next(values) if w else v for w, v in zip(want, (usize, csize, header_at)))  # type: ignore[return-value]
-        q += 4 + n
-    raise _corrupt(path, f"member {short_repr(raw_name)} lacks the zip64 sizes its entry says it has")
-
-
-def _member_name(raw: bytes, path: str) -> str:
-    """A member's name, which must be a relative key inside the store: no absolute path, ``..``, backslash or NUL."""
-    try:
-        name = raw.decode("utf-8")  # flagged UTF-8 (bit 11), or ASCII, which any store key written by pack is
-    except UnicodeDecodeError:
-        raise _corrupt(path, f"member name {short_repr(raw)} is not UTF-8 text") from None
-    parts = name.rstrip("/").split("/")
-    if not name or name.startswith("/") or "\\" in name or "\0" in name or any(s in ("", ".", "..") for s in parts):
-        raise _corrupt(
-            path,
-            f"member name {short_repr(name)} is not a relative path inside the store (no leading /, "
-            "no empty, '.' or '..' parts, no backslash or NUL)",
-        )
-    return name
-
-
-def _data_offset(header: bytes, header_at: int, raw_name: bytes, size: int, limit: int, path: str, name: str) -> int:
-    """Where a member's bytes start, from its local ``header`` (read at ``header_at``; empty when that lies past the
-    members' end), which must name it; its bytes must end by ``limit``."""
-    if len(header) < LOCAL_HEADER.size or header[:4] != b"PK\x03\x04":
-        raise _corrupt(
-            path,
-            f"member {name!r}: no local header at byte {header_at:,} (the archive holds {limit:,} bytes of members)",
-        )
-    _, _, _, method, _, _, _, _, _, name_len, extra_len = LOCAL_HEADER.unpack_from(header)
-    if method != zipfile.ZIP_STORED or header[LOCAL_HEADER.size :] != raw_name or name_len != len(raw_name):
-        raise _corrupt(path, f"member {name!r}: its local header disagrees with the central directory")
-    start = header_at + LOCAL_HEADER.size + name_len + extra_len
-    if start + size > limit:
-        raise _corrupt(
-            path, f"member {name!r}: bytes {start:,}..{start + size:,} run past the members' end, byte {limit:,}"
-        )
-    return start
-
-
-class ArchiveStore(Store):
-    """A read-only Zarr store over a :class:`PackedArchive`: what zarr reads a packed store's metadata through.
-
-    Examples
-    --------
-    >>> zarr.open_group(ArchiveStore(PackedArchive("runs/fetch.zip")), mode="r")  # doctest: +SKIP
-    """
-
-    supports_writes = False
-    supports_deletes = False
-    supports_partial_writes = False
-    supports_listing = True
-
-    def __init__(self, archive: PackedArchive) -> None:
-        super().__init__(read_only=True)
-        self.archive = archive
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, ArchiveStore) and other.archive is self.archive
-
-    def __str__(self) -> str:
-        return self.archive.path
-
-    async def get(self, key: str, prototype: BufferPrototype, byte_range: ByteRequest | None = None) -> Buffer | None:
-        got = self.archive.member(key)
-        if got is None:
-            return None
-        size = got[1]
-        if byte_range is None:
-            a, b = 0, size
-        elif isinstance(byte_range, RangeByteRequest):
-            a, b = byte_range.start, byte_range.end
-        elif isinstance(byte_range, OffsetByteRequest):
-            a, b = byte_range.offset, size
-        elif isinstance(byte_range, SuffixByteRequest):
-            a, b = max(0, size - byte_range.suffix), size
-        else:
-            raise TypeError(f"unexpected byte range {byte_range!r}")
-        return prototype.buffer.from_bytes(self.archive.pread(key, max(0, b - a), a))
-
-    async def get_partial_values(
-        self, prototype: BufferPrototype, key_ranges: Iterable[tuple[str, ByteRequest | None]]
-    ) -> list[Buffer | None]:
-        return [await self.get(key, prototype, byte_range) for key, byte_range in key_ranges]
-
-    async def exists(self, key: str) -> bool:
-        return key in self.archive.members
-
-    async def set(self, key: str, value: Buffer) -> None:
-        self._check_writable()
-
-    async def set_partial_values(self, key_start_values: Iterable[tuple[str, int, Any]]) -> None:
-        self._check_writable()
-
-    async def delete(self, key: str) -> None:
-        self._check_writable()
-
-    async def list(self) -> AsyncIterator[str]:
-        for key in list(self.archive.members):
-            yield key
-
-    async def list_prefix(self, prefix: str) -> AsyncIterator[str]:
-        for key in list(self.archive.members):
-            if key.startswith(prefix):
-                yield key
-
-    async def list_dir(self, prefix: str) -> AsyncIterator[str]:
-        prefix = prefix.rstrip("/") + "/" if prefix.rstrip("/") else ""
-        seen = set()
-        for key in list(self.archive.members):
-            if key.startswith(prefix):
-                child = key[len(prefix) :].split("/")[0]
-                if child not in seen:
-                    seen.add(child)
-                    yield child
-
-
-class ArchiveBackend(Backend):
-    """A packed store read in place: a zip file on local disk (:attr:`mappable`: members are mapped at their offset
-    in it) or a zip object over HTTP(S) or S3 (members read by ranged GETs conditioned on its ETag). Read-only.
-
-    Parameters
-    ----------
-    archive : PackedArchive
-        The archive, its members checked.
-    defaults : Defaults
-        Those of the place the archive lies in (local disk, or the network).
-
-    Examples
-    --------
-    >>> open_backend("runs/point.zip").read_bytes("commit.json")  # doctest: +SKIP
-    b'{"array_rows": ...'
-    """
-
-    def __init__(self, archive: PackedArchive, defaults: Defaults, storage_options: Mapping[str, Any] | None = None) -> None:
-        self.archive = archive
-        self.url = self.root = archive.path
-        self.storage_options = dict(storage_options or {})
-        self.defaults = defaults
-        self.mappable = archive.remote is None
-        self.conditional = archive.remote is not None
-        self.read_only = (
-            f"{self.url} is a packed store (one zip file), which is read in place and never written: extract it "
-            "(any unzip tool gives the store directory) to append to it"
-        )
-
-    def read_bytes(self, key: str, limit: int = METADATA_LIMIT) -> bytes | None:
-        return self.archive.read(key, limit)
-
-    def _read_ranges(self, keys: Sequence[str], starts: Sequence[int], ends: Sequence[int]) -> list[Any]:
-        return self.archive.read_ranges(keys, starts, ends)
-
-    async def get_object(
-        self, key: str, rng: str | None, if_match: str | None, limit: int
-    ) -> tuple[bytes | None, str, int]:
-        return await self.archive.get_object(key, rng, if_match, limit)
-
-    def run(self, coroutine: Callable[..., Coroutine[Any, Any, Any]], *args: Any) -> Any:
-        if self.archive.remote is None:
-            return asyncio.run(coroutine(*args))
-        return self.archive.remote.backend.run(coroutine, *args)
-
-    def check_file(self, key: str, limit: int = METADATA_LIMIT) -> None:
-        self.archive.check(key, limit)
-
-    def exists(self, key: str) -> bool:
-        return self.archive.member(key) is not None
-
-    def stamp(self, key: str) -> None:
-        return None  # an archive never changes under its readers (a remote one replaced fails their reads)
-
-    def place_exists(self) -> bool:
-        return True
-
-    def open_range(self, key: str) -> tuple[io.FileIO, int, int]:
-        return self.archive.open_range(key)
-
-    def pread_into(self, key: str, buf: Any, offset: int) -> int:
-        raw = self.archive.pread(key, len(memoryview(buf).cast("B")), offset)
-        memoryview(buf).cast("B")[: len(raw)] = raw
-        return len(raw)
-
-    def size(self, key: str) -> int:
-        got = self.archive.member(key)
-        if got is None:
-            raise FileNotFoundError(f"{self.url}: no member {key}")
-        return got[1]
-
-    def fingerprints(self, keys: Sequence[str]) -> dict[str, tuple[str, int]]:
-        """A member's place in the archive, and the archive's tag: an archive never changes under its readers."""
-        return {k: (f"{self.archive.tag}:{o}", n) for k in keys if (m := self.archive.member(k)) for o, n in [m]}
-
-    def list_files(self, prefix: str = "") -> dict[str, int]:
-        below = prefix.rstrip("/") + "/" if prefix else ""
-        return {k: size for k, (_, size) in self.archive.members.items() if k.startswith(below)}
-
-    def disk_usage(self, prefix: str = "") -> dict[str, tuple[int, int]]:
-        """A local archive's members' bytes that are not holes of the zip file (pages of zeros it left unwritten)."""
-        sizes = self.list_files(prefix)
-        if self.archive.remote is not None:
-            return {k: (n, n) for k, n in sizes.items()}
-        keys = list(sizes)
-        spans = np.array([self.archive.members[k] for k in keys], np.int64).reshape(-1, 2)
-        held = data_between(data_runs(self.archive.fd, self.archive.size), spans[:, 0], spans[:, 0] + spans[:, 1])
-        return {key: (sizes[key], int(h)) for key, h in zip(keys, held.tolist())}
-
-    def list_dir(self, prefix: str) -> list[str]:
-        below = prefix.rstrip("/") + "/" if prefix.rstrip("/") else ""
-        return sorted({k[len(below) :].split("/", 1)[0] for k in self.archive.members if k.startswith(below)})
-
-    def drop_page_cache(self, prefix: str) -> None:
-        if self.archive.remote is None:  # the whole archive: its members are its pages
-            drop_page_cache(self.archive.path)
-
-    def list_dirs(self, prefix: str) -> list[str]:
-        below = prefix.rstrip("/") + "/" if prefix.rstrip("/") else ""
-        return sorted({k[len(below) :].split("/", 1)[0] for k in self.archive.members if k.startswith(below) and "/" in k[len(below) :]})
-
-    def zarr_store(self, read_only: bool) -> zarr.storage.StoreLike:
-        return ArchiveStore(self.archive)
-
-    def write_atomic(self, key: str, data: bytes, fsync: bool, if_match: str | None = None) -> str | None:
-        self._writable()
-        return None
-
-    def create_once(self, key: str, data: bytes) -> bool:
-        self._writable()
-        return False
-
-    def put_many(self, items: Mapping[str, bytes]) -> None:
-        self._writable()
-
-    def make_root(self) -> None:
-        self._writable()
-
-    def clear(self, keep: str) -> None:
-        self._writable()
-
-    def remove(self, key: str) -> None:
-        self._writable()
-
-    def writer_lock(self, key: str, lease_ttl: float) -> WriterLock:
-        self._writable()
-        raise AssertionError("unreachable: a packed store is read-only")
-
-    def active_writer(self, key: str) -> str | None:
-        return None
-
-    def child(self, key: str) -> Backend:
-        raise NotAStoreError(f"{self.url} is a packed store (one zip file), not a sharded dataset's root")
-
-    def close(self) -> None:
-        self.archive.close()

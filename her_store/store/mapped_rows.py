@@ -1,17 +1,18 @@
 """Rows of an uncompressed array whose chunks are local files (or members of a local zip): :class:`MappedArray` maps
 each chunk file and copies rows from the mapping, a file cut short under it failing the row with EIO.
 
-The raw chunk files are memory-mapped (MADV_RANDOM: no readahead for random rows) and gathered with numpy's take
-(in C without the GIL where the compiled kernels are built), so the page faults of a cold store (one larger than RAM)
-are served in parallel when a gather is split across threads.
+The raw chunk files are memory-mapped (``_kernels.map_file``; MADV_RANDOM: no readahead for random rows) and gathered
+with numpy's take (in C without the GIL where the compiled kernels are built), so the page faults of a cold store (one
+larger than RAM) are served in parallel when a gather is split across threads.
 """
 
 from __future__ import annotations
 
 import errno
-import mmap
+import io
 import os
 import threading
+from typing import Any
 
 import numpy as np
 
@@ -27,10 +28,11 @@ __all__ = ["MappedArray"]
 class MappedArray:
     """An uncompressed local array whose chunk files (members, in a packed store) are memory-mapped on first use.
 
-    Each map holds a file descriptor (Python's mmap keeps a duplicate of the file's), so at most its share of ``MAPS``
-    (every mapped array's in the process) stay mapped: past that the oldest half are let go (unmapped once no gather
-    reads them) and mapped again when next used. A store of small chunks that a writer keeps growing would otherwise
-    run the process out of descriptors.
+    Each map holds its file open (to see the file's size after a gather; a pure mapping holds a duplicate of the
+    descriptor too, :mod:`her_store._kernels.pure`), so at most its share of ``MAPS`` descriptors (every mapped
+    array's in the process) stay mapped: past that the oldest half are let go (unmapped once no gather reads them)
+    and mapped again when next used. A store of small chunks that a writer keeps growing would otherwise run the
+    process out of descriptors.
     """
 
     MAPS = FileShares(divisor=16, least=1, most=4096)
@@ -40,12 +42,13 @@ class MappedArray:
         self.backend = backend
         self.chunk_rows = spec.chunk_rows
         self.random_access = random_access
-        self._maps: dict[int, tuple[mmap.mmap, int, int]] = {}  # per chunk: its mapping, its rows' start in it and end in the file
+        self._maps: dict[int, tuple[Any, io.FileIO, int]] = {}  # per chunk: its mapping, its file, its rows' end in it
         self._lock = threading.Lock()
         self.MAPS.join(self)
 
-    def _map(self, chunk: int) -> tuple[mmap.mmap, int, int]:
-        """The chunk's mapping, where its rows start in it, and where they end in the file (mapped on first use)."""
+    def _map(self, chunk: int) -> tuple[Any, io.FileIO, int]:
+        """The chunk's rows mapped (``_kernels.map_file``), its file, and where its rows end in the file (mapped on
+        first use)."""
         got = self._maps.get(chunk)
         if got is not None:
             return got
@@ -55,22 +58,23 @@ class MappedArray:
                 key = self.spec.chunk_key(chunk)
                 f, base, size = self.backend.open_range(key)
                 need = self.chunk_rows * self.spec.row_nbytes
-                with f:
+                try:
                     if size < need:
                         raise CorruptStoreError(f"{self.backend}/{key}: {size:,} bytes, a chunk holds {need:,}")
                     if os.fstat(f.fileno()).st_size < base + need:  # a packed store's file cut short past its index
                         raise CorruptStoreError(
                             f"{self.backend}/{key}: the file ends before the chunk's rows do (cut short)"
                         )
-                    skip = base % mmap.ALLOCATIONGRANULARITY  # a map starts on a page; a packed store's members do
-                    m = mmap.mmap(f.fileno(), skip + need, access=mmap.ACCESS_READ, offset=base - skip)
-                if self.random_access:
-                    m.madvise(mmap.MADV_RANDOM)
-                bound = self.MAPS.share()
+                    m = _kernels.map_file(f.fileno(), base, need, self.random_access)
+                except BaseException:
+                    f.close()
+                    raise
+                # descriptors each map holds: its file's, and a pure mapping's duplicate of it
+                bound = self.MAPS.share() // (1 if _kernels.COMPILED else 2)
                 if len(self._maps) >= bound:
                     for old in list(self._maps)[: len(self._maps) - bound // 2 + 1]:
                         del self._maps[old]
-                self._maps[chunk] = got = (m, skip, base + need)
+                self._maps[chunk] = got = (m, f, base + need)
         return got
 
     def gather(self, rows: np.ndarray, out: np.ndarray) -> None:
@@ -98,11 +102,12 @@ class MappedArray:
     def _take(self, chunk: int, rows: np.ndarray, out: np.ndarray, at: np.ndarray | None = None) -> None:
         """Rows ``rows`` (int64, of chunk ``chunk``) into ``out`` (its rows ``at``), copied from the chunk's mapping
         in C."""
-        m, skip, end = self._map(chunk)
+        m, f, end = self._map(chunk)
         first = chunk * self.chunk_rows
-        args = (m, rows, first, skip, out, self.spec.row_nbytes)
+        args = (m, rows, first, 0, out, self.spec.row_nbytes)
         failed, err = _kernels.take_rows(*args) if at is None else _kernels.take_rows(*args, at)
-        size = m.size() if failed < 0 else end
+        # the file's size now (its end, by lseek: no read of the file uses its offset, each is a pread)
+        size = os.lseek(f.fileno(), 0, os.SEEK_END) if failed < 0 else end
         if size < end:  # cut short in place, but not below these rows' pages
             past = np.flatnonzero(end + (rows - first + 1 - self.chunk_rows) * self.spec.row_nbytes > size)
             if past.size:  # rows past the new end on its last page: they read as zeros
@@ -119,9 +124,9 @@ class MappedArray:
         """Drop this array's pages from memory, for cold-start measurements: the mapping's pages (MADV_DONTNEED;
         mapped pages survive fadvise) and then the file's page cache (written back first, POSIX_FADV_DONTNEED)."""
         for m, _, _ in self._maps.values():
-            m.madvise(mmap.MADV_DONTNEED)
+            m.drop_pages()
         self.backend.drop_page_cache(self.spec.path)
 
     def close(self) -> None:
-        self._maps.clear()  # each mmap closes when no gather holds it any more
+        self._maps.clear()  # each mapping and file closes when no gather holds it any more
         self.MAPS.leave(self)

@@ -189,8 +189,8 @@ def test_map_lz4_is_the_same_on_both_paths(tmp_path_factory, data, order_seed, c
     base=st.sampled_from([0, mmap.ALLOCATIONGRANULARITY]), cut=st.none() | st.floats(0, 1), with_at=st.booleans(),
 )
 def test_take_rows_is_the_same_on_both_paths(tmp_path_factory, data, rn, chunk_rows, base, cut, with_at):
-    """A chunk mapped as the reader maps it (a Python mmap from a page boundary, the rows ``skip`` bytes in), rows
-    outside it, at entries outside out or repeated, the file cut short before the call."""
+    """A chunk mapped as the reader maps it (each path's map_file, the rows ``skip`` bytes in), rows outside it, at
+    entries outside out or repeated, the file cut short before the call."""
     skip = data.draw(st.integers(0, 30))
     path = tmp_path_factory.mktemp("take") / "f"
     body = np.random.default_rng(chunk_rows).integers(0, 256, skip + chunk_rows * rn + 1, np.uint8).tobytes()
@@ -203,12 +203,12 @@ def test_take_rows_is_the_same_on_both_paths(tmp_path_factory, data, rn, chunk_r
     out_rows = data.draw(st.integers(n, n + 3)) if not with_at else data.draw(st.integers(0, n + 3))
     at = np.array(data.draw(st.lists(st.integers(-1, out_rows), min_size=n, max_size=n)), np.int64) if with_at else None
     with open(path, "r+b") as f:
-        src = mmap.mmap(f.fileno(), len(body), access=mmap.ACCESS_READ, offset=base)
+        maps = {p: p.map_file(f.fileno(), base, len(body)) for p in PATHS}
         if cut is not None:
             os.ftruncate(f.fileno(), base + int(cut * len(body)))
         tail = () if at is None else (at,)
-        got = _both("take_rows", lambda _: (src, rows, first, skip, np.full((out_rows, rn), 7, np.uint8), rn, *tail))
-        src.close()
+        out = np.full((out_rows, rn), 7, np.uint8)
+        got = _both("take_rows", lambda p: (maps[p], rows, first, skip, out.copy(), rn, *tail))
     (a, args_a), (b, args_b) = got
     assert a == b
     if a[0] == "ok":
@@ -415,6 +415,58 @@ def test_map_file_is_the_same_on_both_paths(tmp_path):
     for fd in (-1, 2**31, "3"):
         (a, _), (b, _) = _both("map_file", (fd, 0, 10))
         assert a == b and a[0] == "raised", (fd, a)
+
+
+def _advised_random(mapping: Any) -> bool:
+    """Whether the pages of ``mapping`` are advised MADV_RANDOM: the ``rr`` flag of its area in /proc/self/smaps."""
+    address = np.frombuffer(mapping, np.uint8).__array_interface__["data"][0]
+    inside = False
+    with open("/proc/self/smaps") as smaps:
+        for line in smaps:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                low, high = (int(x, 16) for x in head.split("-"))
+                inside = low <= address < high
+            elif inside and head == "VmFlags:":
+                return "rr" in line.split()[1:]
+    raise AssertionError(f"no area of /proc/self/smaps holds address {address:#x}")
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/smaps"), reason="the advice is read from Linux's /proc/self/smaps")
+def test_map_file_advises_random_reads_unless_asked_not_to(tmp_path):
+    """A mapping for random rows reads no page ahead (MADV_RANDOM); one for rows read in order (random=False, what an
+    export's reader asks for) leaves the kernel's readahead on: the same on both paths, and the same bytes."""
+    data = np.random.default_rng(0).integers(0, 256, 5 * 4096 + 100, np.uint8).tobytes()
+    (tmp_path / "f").write_bytes(data)
+    with open(tmp_path / "f", "rb") as f:
+        for path in PATHS:
+            for args, advised in (((), True), ((True,), True), ((False,), False), ((0,), False), ((1,), True)):
+                m = path.map_file(f.fileno(), 4097, 3 * 4096, *args)
+                assert bytes(memoryview(m)) == data[4097 : 4097 + 3 * 4096]
+                assert _advised_random(m) is advised, (path.__name__, args)
+                del m
+
+
+def test_pure_take_rows_reads_no_repr_of_its_source(tmp_path):
+    """The pure gather knows a mapped file's end from its own Mapping alone: a Python mmap (whose repr says where it
+    starts in its file) is read as any buffer, whatever its repr says, and the same rows come out as from the
+    compiled gather."""
+
+    class Told(mmap.mmap):
+        def __repr__(self) -> str:
+            return "<mmap.mmap closed=False, access=ACCESS_READ, length=8192, pos=0, offset=1048576>"
+
+    body = np.arange(2 * 4096, dtype=np.uint64).astype(np.uint8).tobytes()
+    (tmp_path / "f").write_bytes(body)
+    rows = np.array([0, 7, 3, 15], np.int64)
+    with open(tmp_path / "f", "rb") as f:
+        src = Told(f.fileno(), len(body), access=mmap.ACCESS_READ)
+        outs = [np.zeros((4, 512), np.uint8) for _ in PATHS]
+        answers = [path.take_rows(src, rows, 0, 0, out, 512) for path, out in zip(PATHS, outs)]
+        del src
+    assert answers == [(-1, 0), (-1, 0)]
+    for out in outs:
+        np.testing.assert_array_equal(out, np.frombuffer(body, np.uint8).reshape(16, 512)[rows])
 
 
 def test_a_pure_mapping_is_a_buffer_that_compares_as_the_compiled_one(tmp_path):

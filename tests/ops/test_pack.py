@@ -28,7 +28,8 @@ from her_store.errors import CorruptStoreError, NotAStoreError, ReadOnlyStoreErr
 from her_store.format.layout import INDEX_COLUMNS
 from her_store.ops.pack import ALIGNMENT, pack_store
 from her_store.ops.verify import verify
-from her_store.storage.archive import ArchiveBackend, PackedArchive
+from her_store.storage.archive import PackedArchive
+from her_store.storage.archive_backend import ArchiveBackend
 from her_store.storage.files import data_runs
 from her_store.store.cached_rows import RangedArray
 from her_store.store.frame_rows import FrameArray

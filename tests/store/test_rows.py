@@ -347,6 +347,24 @@ def test_an_uncompressed_chunk_cut_short_in_place_under_a_sampler_is_an_io_error
     store.close()
 
 
+@pytest.mark.skipif(not os.path.exists("/proc/self/smaps"), reason="the advice is read from Linux's /proc/self/smaps")
+def test_only_a_reader_of_rows_in_order_maps_chunks_with_readahead(tmp_path):
+    """A sampler's chunks are mapped for random rows (MADV_RANDOM: a page fault reads its page alone); those an
+    export's reader maps (rows read in order: random_access False) keep the kernel's readahead."""
+    from tests.kernels.test_kernels import _advised_random
+
+    store, reader, want = _big_store_reader(tmp_path / "s", {"pixels": None})
+    spec = store.layout.fields["pixels"][0]
+    pixels = reader.arrays[spec.path]
+    np.testing.assert_array_equal(reader.gather(spec.path, np.array([1])).reshape(1, *want.shape[1:]), want[[1]])
+    pixels.random_access = False
+    rows = np.array([CHUNK_ROWS + 2])
+    np.testing.assert_array_equal(reader.gather(spec.path, rows).reshape(1, *want.shape[1:]), want[rows])
+    assert [_advised_random(pixels._maps[c][0]) for c in (0, 1)] == [True, False]
+    reader.close()
+    store.close()
+
+
 _HANDLER_AFTER_A_GATHER = """
 import faulthandler, mmap, os, signal, sys
 import numpy as np
