@@ -1,9 +1,9 @@
 """The ``her-store`` command: one sub-command per job, each implemented in the module that owns it.
 
-``demo`` (collect, commit, reopen, read back) and ``info`` live here; the dataset commands (``inspect``, ``verify``,
-``card``, ``plot``, ``export``, ``import``, ``copy``, ``pack``) are in their own modules, which declare their
-arguments (``add_arguments``) and run them (``run``); ``train`` parses its own options. Modules are imported only
-when their command runs or shows its help, and a broken input ends as one line on stderr and a non-zero status.
+``demo`` (collect, commit, reopen, read back) lives here; the dataset commands (``inspect``, also named ``info``,
+``verify``, ``card``, ``plot``, ``export``, ``import``, ``copy``, ``pack``) are in their own modules, which declare
+their arguments (``add_arguments``) and run them (``run``); ``train`` parses its own options. Modules are imported
+only when their command runs or shows its help, and a broken input ends as one line on stderr and a non-zero status.
 """
 
 from __future__ import annotations
@@ -99,7 +99,7 @@ DATASET_COMMANDS: dict[str, tuple[str, str]] = {
     "copy": ("her_store.ops.copy", "copy a store between local disk and object storage (consistent, resumable)"),
     "pack": ("her_store.ops.pack", "pack a store into one zip file that opens read-only in place"),
 }
-ALIASES: dict[str, list[str]] = {"inspect": ["info"]}  # "info": the name of inspect before it had options
+ALIASES: dict[str, list[str]] = {"inspect": ["info"]}  # "her-store info" is inspect
 EXIT_ERROR = 2  # a broken input or a failed operation; verify exits 1 for a corrupt store
 
 

@@ -1,5 +1,7 @@
-"""``her-store verify``: the command line of :func:`~her_store.ops.verify.verify` and
-:func:`~her_store.ops.repair.repair`."""
+"""``her-store verify [--repair]``: the command line of verify and repair.
+
+It runs :func:`~her_store.ops.verify.verify`, and :func:`~her_store.ops.repair.repair` with ``--repair``.
+"""
 
 from __future__ import annotations
 

@@ -1,10 +1,9 @@
-"""The root of a dataset of many writers: its marker (``sharded.json``, written once, never rewritten), the names of
-its shards (one writer's store each, under ``shards/``), and finding them.
+"""The root of a dataset of many writers: its marker, the names of its shards, and finding them.
 
-A dataset root holds the root marker, written once by whichever writer comes first (create-if-absent: a hard link
-locally, a conditional PUT on object storage), and ``shards/<name>/``, each a full store with its own commit record and
-writer lock. Writers never share a file: a writer appends to its own shard, and readers find shards by listing
-``shards/``. FORMAT.md (Sharded datasets) is the on-disk contract.
+A dataset root holds the root marker, ``sharded.json``, written once by whichever writer comes first (create-if-absent:
+a hard link locally, a conditional PUT on object storage) and never rewritten, and ``shards/<name>/``, each one writer's
+store, a full store with its own commit record and writer lock. Writers never share a file: a writer appends to its own
+shard, and readers find shards by listing ``shards/``. FORMAT.md (Sharded datasets) is the on-disk contract.
 """
 
 from __future__ import annotations

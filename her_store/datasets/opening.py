@@ -1,5 +1,8 @@
-"""The documented ways to a store or a dataset: :func:`open_store` for a writer (one store, or one writer's shard of a
-dataset of many), :func:`open_dataset` for a reader of a dataset of many writers."""
+"""The documented ways to a store or a dataset: :func:`open_store` for writers, :func:`open_dataset` for readers.
+
+:func:`open_store` opens one store for appending (a store, or one writer's shard of a dataset of many);
+:func:`open_dataset` reads a dataset of many writers.
+"""
 
 from __future__ import annotations
 
@@ -86,6 +89,6 @@ def open_dataset(
     Examples
     --------
     >>> view = open_dataset("s3://bucket/fetch", storage_options=opts)  # doctest: +SKIP
-    >>> sampler = MixtureSampler(view, batch_size=256, reward_fn=env.unwrapped.compute_reward)  # doctest: +SKIP
+    >>> sampler = MixtureSampler(view, weights="transitions", batch_size=256, reward_fn=reward_fn)  # doctest: +SKIP
     """
     return ShardedView(path_or_url, storage_options)

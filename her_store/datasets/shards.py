@@ -1,5 +1,7 @@
-"""One writer's store in a dataset of many writers: :func:`open_shard` creates it on first use (with the dataset's root,
-if there is none yet) and resumes it after."""
+"""One writer's store in a dataset of many writers: :func:`open_shard`.
+
+It creates the shard on first use (with the dataset's root, if there is none yet) and resumes it after.
+"""
 
 from __future__ import annotations
 

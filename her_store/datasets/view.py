@@ -29,7 +29,7 @@ __all__ = ["ShardedView"]
 
 
 class ShardedView:
-    """Every committed episode of every shard of a sharded dataset, read-only: what ``open_store(root)`` returns.
+    """Every committed episode of every shard of a sharded dataset, read-only: what ``open_dataset(root)`` returns.
 
     Each shard is an ordinary store opened with ``mode="r"`` (:attr:`stores`, in the order of :attr:`shards`), so a
     view takes no lock and any number of them read while the writers append. An episode is named by its shard and

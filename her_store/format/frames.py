@@ -1,11 +1,13 @@
-"""The frame codec of image rows: compressed arrays stored as frame files (Zarr shards) of one frame per inner chunk,
-so reading a frame decodes that frame alone.
+"""The frame codec of image rows: frame files (Zarr shards) of one frame per inner chunk, encoded and checked.
 
-(Zarr calls such a file a shard; in her_store's own terms it is a *frame file*, and a *shard* is one writer's store
-in a dataset of many writers, :mod:`her_store.datasets`.) A frame file is one file (one object on object storage) holding ``chunk_rows`` rows: each row's encoded bytes, then the
-shard index, ``chunk_rows`` pairs ``(offset, nbytes)`` as little-endian uint64 (both ``2**64 - 1`` for a row never
-written), then the index's crc32c. That is Zarr v3's ``sharding_indexed`` codec with the index at the end, so
-``zarr`` alone reads any row; her_store encodes, writes and reads the bytes itself (FORMAT.md, Arrays):
+Compressed arrays are stored as frame files of one frame per inner chunk, so reading a frame decodes that frame alone.
+
+(Zarr calls such a file a shard; in her_store's own terms it is a *frame file*, and a *shard* is one writer's store in a
+dataset of many writers, :mod:`her_store.datasets`.) A frame file is one file (one object on object storage) holding
+``chunk_rows`` rows: each row's encoded bytes, then the shard index, ``chunk_rows`` pairs ``(offset, nbytes)`` as
+little-endian uint64 (both ``2**64 - 1`` for a row never written), then the index's crc32c. That is Zarr v3's
+``sharding_indexed`` codec with the index at the end, so ``zarr`` alone reads any row; her_store encodes, writes and
+reads the bytes itself (FORMAT.md, Arrays):
 
 - :class:`FrameCodec` encodes and decodes one row with the array's inner codecs, straight into the caller's buffer;
 - :func:`build_shard` and :func:`parse_index` make and check a shard's bytes (nothing read is trusted: every offset

@@ -1,5 +1,8 @@
-"""The names of a store's keys: its fixed files (``zarr.json``'s attribute, ``commit.json``, ``writer.lock``, a sharded
-dataset's ``sharded.json`` and ``shards/``) and the keys of its chunks (FORMAT.md, Chunk keys)."""
+"""The names of a store's keys: its fixed files and the keys of its chunks (FORMAT.md, Chunk keys).
+
+The fixed files are ``zarr.json``'s attribute, ``commit.json``, ``writer.lock``, and a sharded dataset's
+``sharded.json`` and ``shards/``.
+"""
 
 from __future__ import annotations
 

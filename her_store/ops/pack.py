@@ -1,5 +1,6 @@
-"""How a store is packed: ``her-store pack`` writes a whole store as one uncompressed zip file that opens in place,
-read-only (:mod:`her_store.storage.archive` reads it).
+"""How a store is packed: ``her-store pack``, a whole store as one zip file that opens read-only in place.
+
+The archive is uncompressed; :mod:`her_store.storage.archive` reads it.
 
 A packed store is a zip archive (FORMAT.md, Packed stores) whose members are the store's files, stored uncompressed
 (ZIP_STORED), each member's bytes contiguous in the archive; a data array's chunks and frame files start on a

@@ -1,5 +1,8 @@
-"""The plan a repair leaves beside a store while it moves good episodes: where they wait, and what is left to do, so
-that a repair killed half-way is finished by the next one (and :func:`~her_store.ops.verify.verify` says so)."""
+"""The plan a repair leaves beside a store while it moves good episodes, so that the next repair finishes it.
+
+The plan says where the episodes wait and what is left to do: a repair killed half-way is finished by the next one
+(and :func:`~her_store.ops.verify.verify` says so).
+"""
 
 from __future__ import annotations
 

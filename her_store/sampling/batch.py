@@ -1,5 +1,7 @@
-"""The batch a sampler returns, and its assembly: goals relabelled and rewards recomputed on the gathered rows, then
-every field handed to the device as a tensor (page-locked and copied with ``non_blocking`` on CUDA).
+"""The batch a sampler returns (:class:`HerBatch`), and its assembly from the gathered rows.
+
+Goals are relabelled and rewards recomputed on the gathered rows, then every field is handed to the device as a
+tensor (page-locked and copied with ``non_blocking`` on CUDA).
 """
 
 from __future__ import annotations

@@ -1,5 +1,6 @@
-"""The committed episodes a sampler draws from: a snapshot of the store's index, taken again at most every
-``refresh_interval`` seconds.
+"""The committed episodes a sampler draws from: a snapshot of the store's index, refreshed at an interval.
+
+The snapshot is taken again at most every ``refresh_interval`` seconds.
 """
 
 from __future__ import annotations

@@ -1,5 +1,6 @@
-"""The samplers' options: one dataclass, checked once, that HerSampler, WorkingSetSampler, MixtureSampler and the
-DataLoader dataset all take their shared options from.
+"""The samplers' options: one dataclass (:class:`SamplerConfig`), checked once, shared by every sampler.
+
+HerSampler, WorkingSetSampler, MixtureSampler and the DataLoader dataset all take their shared options from it.
 
 Every option goes through :mod:`her_store.checks` when the config is made, so a sampler never meets
 ``batch_size=True`` or ``prefetch=2.5``; the defaults that depend on the store (the env's reward function, the refresh

@@ -1,5 +1,6 @@
-"""Which transitions a batch takes: ``(episode, step)`` drawn uniformly over a view's transitions, the relabelled
-ones marked, with the rows (or goals) their new goals come from.
+"""Which transitions a batch takes: ``(episode, step)`` drawn uniformly over a view's transitions.
+
+The relabelled ones are marked, with the rows (or goals) their new goals come from.
 
 All of a batch's randomness is drawn here, in batch order, with the generator it is given: a sampler resumed from
 its generator's state draws the same batches.

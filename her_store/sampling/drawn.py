@@ -1,5 +1,7 @@
-"""What a draw chose for a batch (:class:`Draw`): its episodes, steps, rows and the goal rows of its relabelled
-samples, made by :mod:`~her_store.sampling.draw` and read by the goal choice, the gather and the batch assembly."""
+"""What a draw chose for a batch (:class:`Draw`): episodes, steps, rows and the goal rows of relabelled samples.
+
+It is made by :mod:`~her_store.sampling.draw` and read by the goal choice, the gather and the batch assembly.
+"""
 
 from __future__ import annotations
 

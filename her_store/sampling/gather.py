@@ -1,6 +1,8 @@
-"""How a batch's rows are gathered: which arrays and fields a batch reads (the read plan), where rows come from (a
-row source: the store's chunks through its ChunkReader, or a working set's rows in memory), and the gather that
-reads rows ``t``, ``t + 1`` and the goal rows with one read per array.
+"""How a batch's rows are gathered: the read plan, the row sources, and the gather of one read per array.
+
+The read plan is which arrays and fields a batch reads; a row source is where rows come from (the store's chunks
+through its ChunkReader, or a working set's rows in memory); the gather reads rows ``t``, ``t + 1`` and the goal rows
+with one read per array.
 """
 
 from __future__ import annotations

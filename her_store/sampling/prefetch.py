@@ -1,5 +1,6 @@
-"""Batches made ahead: a background producer thread filling a bounded queue, which a forked child never waits on
-(the producer is its parent's) but replaces with one of its own.
+"""Batches made ahead: a background producer thread filling a bounded queue.
+
+A forked child never waits on that queue (its producer is the parent's) but replaces it with one of its own.
 """
 
 from __future__ import annotations

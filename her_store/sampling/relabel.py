@@ -1,5 +1,7 @@
-"""Where goals are chosen: the strategies (future, final, episode, random, a GoalMixture or a user's callable) and the
-goal choice that turns a batch's sampled transitions into the rows, or the goals, its relabelled samples take.
+"""Where goals are chosen: the goal-selection strategies and the goal choice every sampler uses.
+
+The strategies are future, final, episode, random, a GoalMixture or a user's callable; the goal choice turns a
+batch's sampled transitions into the rows, or the goals, its relabelled samples take.
 
 Index maths only (vectorised): given sampled transitions ``(episode, t)`` with episode lengths ``L``, choose
 the step ``j`` whose next achieved goal becomes the new desired goal. The formulas are SB3's

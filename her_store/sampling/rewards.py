@@ -1,5 +1,6 @@
-"""Reward recomputation of relabelled rows: the reward function (given, or the env's the store names), rewards for
-the new goals, and the terminated flag a reached goal sets.
+"""Reward recomputation of relabelled rows: the reward function, rewards for the new goals, the terminated flag.
+
+The reward function is the one given, or the env's that the store names; a reached goal sets the terminated flag.
 """
 
 from __future__ import annotations

@@ -1,5 +1,6 @@
-"""A working set's rows: a ring of rows of every array a batch reads, on the host or a device, loaded by refills
-and gathered by batches (the working set's row source).
+"""A working set's rows (its row source): a ring of rows of every array a batch reads, on the host or a device.
+
+Refills load it and batches gather from it.
 """
 
 from __future__ import annotations

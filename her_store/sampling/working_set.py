@@ -1,5 +1,4 @@
-"""WorkingSetSampler: HER batches from a bounded in-RAM (or on-device) set of whole episodes, refilled in the
-background.
+"""WorkingSetSampler: HER batches from a bounded set of whole episodes in RAM or on a device, refilled as it samples.
 
 For a store on object storage or larger than RAM: whole episodes are copied into a ring of rows of a fixed byte
 budget (:class:`~her_store.sampling.ring_rows.RingRows`) by large reads (runs of consecutive episodes, read through

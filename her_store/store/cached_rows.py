@@ -1,9 +1,11 @@
-"""Rows of a compressed or remote array read chunk by chunk into an LRU cache: :class:`CachedArray` (whole chunks,
-decoded), :class:`RangedArray` (blocks of rows of an uncompressed array on object storage or HTTP, by ranged GETs).
+"""The row readers of compressed or remote arrays: chunks read into an LRU cache, or blocks by ranged GETs.
+
+:class:`CachedArray` reads whole chunks, decoded; :class:`RangedArray` reads blocks of rows of an uncompressed array
+on object storage or HTTP, by ranged GETs.
 
 Commits and ring evictions change chunks after they are cached, so each cached one carries the committed end under
-which it was read, and each array records the newest episode whose rows reach each chunk (:meth:`CachedArray.committed`):
-a cached chunk serves a gather only while no episode at or past its tag reaches it.
+which it was read, and each array records the newest episode whose rows reach each chunk
+(:meth:`CachedArray.committed`): a cached chunk serves a gather only while no episode at or past its tag reaches it.
 """
 
 from __future__ import annotations

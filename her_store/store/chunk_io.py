@@ -1,6 +1,7 @@
-"""How rows of an array are read and written at commit: :class:`RawChunkFile` writes uncompressed rows in place in
-local chunk files, :class:`ZarrChunks` writes whole chunks through zarr (compressed arrays, or any array on object
-storage).
+"""How rows of an array are read and written at commit: in place in raw chunk files, or whole chunks through zarr.
+
+:class:`RawChunkFile` writes uncompressed rows in place in local chunk files; :class:`ZarrChunks` writes whole chunks
+through zarr (compressed arrays, or any array on object storage).
 
 A v3 chunk without codecs is the raw little-endian rows, so a local uncompressed array's rows are ``pwrite``-n in
 place into pre-sized chunk files: a commit writes only its own bytes. Elsewhere whole chunks are assembled in memory

@@ -1,5 +1,7 @@
-"""How a store is made: its arrays planned from the creation options, its Zarr metadata written, and its root group
-opened and checked; what a create cut short leaves, and the options a store was made with checked when given again.
+"""How a store is made: its arrays planned, its Zarr metadata and first commit record written, its root opened.
+
+The arrays are planned from the creation options; the root group and arrays of a store are opened and checked
+against its layout; a create cut short is told apart (it left no commit record and no chunk) and started again.
 """
 
 from __future__ import annotations

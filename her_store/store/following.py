@@ -1,5 +1,6 @@
-"""Following a store's commits: the commit record a handle last loaded, the index rows it names (read in checked
-pieces), and a reading handle's refresh to newer commits, a store created again at its place told apart.
+"""Following a store's commits: the commit record a handle loaded, the index rows it names, refreshes to newer ones.
+
+The index rows are read in checked pieces; a refresh tells a store created again at its place apart.
 
 A reader trusts only the commit record: every index row it names is checked against it (ids, row ranges within the
 arrays, no two live episodes sharing a row, lengths summing to ``num_transitions``) before it is used, and a reader

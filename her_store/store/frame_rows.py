@@ -75,19 +75,19 @@ class FrameArray(CachedArray):
     file (and its mapping) still holds every row committed when it was opened (a shard is replaced by a rename,
     never written in place, so a mapped shard never shrinks under its readers).
 
-    On object storage (bounded by ``cache_bytes``) a shard is kept as its parsed index alone, read by one ranged GET
-    of the object's last bytes, and the frames of a gather are fetched by concurrent ranged GETs (adjacent frames,
-    such as rows ``t`` and ``t + 1``, in one), each conditioned on the ETag the index was read with: a shard a
-    commit replaced since (one PUT) answers 412, and its index is read again before its frames are, so old offsets
-    are never applied to new bytes. A shard a gather needs ``WHOLE_RUNS`` separate runs of rows from (as many
-    GETs by range) is fetched whole in one GET and kept whole, as is every shard on a store that cannot condition a GET on an ETag (checked, not
+    On object storage (bounded by ``cache_bytes``) a shard is kept as its parsed index alone, read by one ranged GET of
+    the object's last bytes, and the frames of a gather are fetched by concurrent ranged GETs (adjacent frames, such as
+    rows ``t`` and ``t + 1``, in one), each conditioned on the ETag the index was read with: a shard a commit replaced
+    since (one PUT) answers 412, and its index is read again before its frames are, so old offsets are never applied to
+    new bytes. A shard a gather needs ``WHOLE_RUNS`` separate runs of rows from (as many GETs by range) is fetched whole
+    in one GET and kept whole, as is every shard on a store that cannot condition a GET on an ETag (checked, not
     assumed: S3 through s3fs can).
     """
 
     # open shard files, shared by every local image array of the process (all samplers': a mixture over many stores):
     # a store of 1,000,000 frames has about 4,000 shards of 3x84x84 frames
     OPEN = FileShares(divisor=4, least=2, most=8192)
-    WHOLE_RUNS = 2  # a gather needing this many separate runs of rows of a shard fetches it whole (README, measured)
+    WHOLE_RUNS = 2  # a gather needing this many separate runs of a shard's rows fetches it whole: one GET, not one each
     REREADS = 2  # a shard replaced under this many successive reads of its index is then fetched whole
 
     def __init__(self, array: Any, spec: ArraySpec, cache_bytes: int, backend: Backend) -> None:

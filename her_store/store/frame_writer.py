@@ -1,9 +1,9 @@
-"""How image rows are written: :class:`FrameWriter` encodes an episode's frames as it is staged and replaces each
-frame file (a Zarr shard of ``chunk_rows`` frames) a commit touched whole and atomically.
+"""How image rows are written: :class:`FrameWriter` encodes frames as episodes are staged, replaces frame files.
 
-Rows are encoded as episodes are staged (the appending thread and the encoder threads each take a share, read in
-place, :class:`Encoded`), placed at commit, and a commit replaces each frame file it touched whole (a temp file renamed
-into place, or one PUT), so a reader or a crash sees the old file or the new one, never a mix.
+Rows are encoded as episodes are staged (the appending thread and the encoder threads each take a share, read in place,
+:class:`Encoded`), placed at commit, and a commit replaces each frame file (a Zarr shard of ``chunk_rows`` frames) it
+touched whole (a temp file renamed into place, or one PUT), so a reader or a crash sees the old file or the new one,
+never a mix.
 """
 
 from __future__ import annotations

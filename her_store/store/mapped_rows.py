@@ -1,5 +1,7 @@
-"""Rows of an uncompressed array whose chunks are local files (or members of a local zip): :class:`MappedArray` maps
-each chunk file and copies rows from the mapping, a file cut short under it failing the row with EIO.
+"""The row reader of local uncompressed arrays: :class:`MappedArray`, rows copied from memory-mapped chunk files.
+
+The chunks are local files (or members of a local zip); :class:`MappedArray` maps each chunk file and copies rows from
+the mapping, a file cut short under it failing the row with EIO.
 
 The raw chunk files are memory-mapped (``_kernels.map_file``; MADV_RANDOM: no readahead for random rows) and gathered
 with numpy's take (in C without the GIL where the compiled kernels are built), so the page faults of a cold store (one

@@ -1,5 +1,7 @@
-"""The one road to a store for writing: :func:`open_or_create` resumes the store at a place if there is one (checking
-its spaces and creation options) and creates it otherwise, on one backend built once."""
+"""The one road to a store for writing: :func:`open_or_create` resumes the store at a place, or creates it.
+
+An existing store's spaces and creation options are checked against those given; one backend is built, once.
+"""
 
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
-"""Where rows are gathered: :class:`ChunkReader` reads arbitrary rows of a store's arrays straight from their chunks,
-past zarr's own read path (whose indexing costs tens of milliseconds per 1,024 random rows).
+"""Where rows are gathered: :class:`ChunkReader`, arbitrary rows of a store's arrays straight from their chunks.
+
+It reads past zarr's own read path, whose indexing costs tens of milliseconds per 1,024 random rows.
 
 Each array gets the reader that suits its storage:
 - uncompressed arrays whose chunks are local files: memory-mapped (:class:`~her_store.store.mapped_rows.MappedArray`);
