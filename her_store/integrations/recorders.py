@@ -257,9 +257,9 @@ class RecordEpisodes(_Recording, gym.Wrapper):
         A goal env; for a vector env use :class:`RecordVectorEpisodes`.
     store : EpisodeStore or path
         A store opened for appending, whose spaces must be the env's; or a path or URL, opened or created with
-        :func:`~her_store.store.episode_store.open_store` with the env's spaces (and then closed by :meth:`close`).
+        :func:`~her_store.datasets.opening.open_store` with the env's spaces (and then closed by :meth:`close`).
     **store_options
-        For a path: passed to :func:`~her_store.store.episode_store.open_store` (``capacity``, ``info_keys``,
+        For a path: passed to :func:`~her_store.datasets.opening.open_store` (``capacity``, ``info_keys``,
         ``metadata``, ...).
 
     Attributes
@@ -365,7 +365,7 @@ class RecordVectorEpisodes(_Recording, VectorWrapper):
     store : EpisodeStore or path
         As for :class:`RecordEpisodes`: a store open for appending with the envs' single spaces, or a path.
     **store_options
-        For a path: passed to :func:`~her_store.store.episode_store.open_store`.
+        For a path: passed to :func:`~her_store.datasets.opening.open_store`.
 
     Examples
     --------

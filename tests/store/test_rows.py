@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
-import gc
 import os
+import re
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -13,12 +15,12 @@ import zarr.codecs
 from gymnasium import spaces
 
 from her_store import EpisodeStore, HerSampler
-from her_store.errors import CorruptStoreError, StoreError
+from her_store.errors import CorruptStoreError
 from her_store.storage.files import drop_page_cache
 from her_store.store.cached_rows import CachedArray
 from her_store.store.frame_rows import WARM_GATHERS, FrameArray
 from her_store.store.rows import MIN_ROWS_PER_THREAD, ChunkReader
-from tests.conftest import DATA
+from tests.conftest import DATA, ROOT
 from tests.sampling.test_sampler import sparse_reward
 from tests.system.test_differential import ACT, OBS, episode, rows, wrong_rows
 
@@ -639,22 +641,33 @@ def test_the_samplers_of_many_stores_in_one_process_share_its_open_files(tmp_pat
         store.close()
 
 
+_OUT_OF_DESCRIPTORS = """
+import os, resource, sys
+sys.path.insert(0, sys.argv[2])
+from her_store import EpisodeStore, HerSampler, StoreError
+from tests.sampling.test_sampler import sparse_reward
+store = EpisodeStore.open(sys.argv[1])
+soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+with HerSampler(store, 256, reward_fn=sparse_reward, seed=0, io_threads=0) as sampler:
+    resource.setrlimit(resource.RLIMIT_NOFILE, (len(os.listdir("/proc/self/fd")) + 1, hard))
+    try:
+        sampler.sample()
+        print("sampled")
+    except StoreError as e:
+        print(f"{type(e).__name__}: {e}")
+"""
+
+
 def test_a_sampler_out_of_descriptors_says_so(tmp_path):
     """Below the few files each array keeps, a gather cannot open its shards: a StoreError naming the array, the
-    limit and what to do, not a raw OSError naming 'steps'."""
-    import resource
-
+    limit and what to do, not a raw OSError naming 'steps'. (In a process of its own: no other test's objects let
+    descriptors go while it gathers.)"""
     with EpisodeStore.create(tmp_path / "s", OBS, ACT, chunk_rows=2) as store:
         for e in range(10):
             store.append_episode(episode(e))
-    store = EpisodeStore.open(tmp_path / "s")
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    with HerSampler(store, 256, reward_fn=sparse_reward, seed=0, io_threads=0) as sampler:
-        gc.collect()  # descriptors other tests' objects held are let go now, not during the gather
-        resource.setrlimit(resource.RLIMIT_NOFILE, (len(os.listdir("/proc/self/fd")) + 1, hard))
-        try:
-            with pytest.raises(StoreError, match=r"out of file descriptors \(the process may have [\d,]+ open\)"):
-                sampler.sample()
-        finally:
-            resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
-    store.close()
+    run = subprocess.run(
+        [sys.executable, "-c", _OUT_OF_DESCRIPTORS, str(tmp_path / "s"), ROOT],
+        capture_output=True, text=True, timeout=300, cwd=ROOT,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert re.match(r"StoreError: .*out of file descriptors \(the process may have [\d,]+ open\)", run.stdout), run.stdout
