@@ -27,6 +27,7 @@ from collections.abc import Sequence
 
 from her_store.errors import CorruptStoreError, NotAStoreError, StoreError, short_repr
 from her_store.storage.base import METADATA_LIMIT, Backend, ObjectReplaced
+from her_store.storage.files import SharedFile
 from her_store.storage.zip_directory import read_members
 
 __all__ = ["PackedArchive", "RemoteZip", "open_remote_archive"]
@@ -151,7 +152,8 @@ class PackedArchive:
         return body, self.tag, size
 
     def open_range(self, key: str) -> tuple[io.FileIO, int, int]:
-        """(the archive, open anew for the caller to close; the offset of ``key``'s bytes in it; their size).
+        """(the archive, open anew: closed by the caller or when its last holder lets go of it; the offset of
+        ``key``'s bytes in it; their size).
 
         Raises
         ------
@@ -161,7 +163,7 @@ class PackedArchive:
         got = self.members.get(key)
         if got is None or self.remote is not None:
             raise FileNotFoundError(f"{self.path} has no member {key} on local disk")
-        return io.FileIO(os.dup(self.fd), "rb"), got[0], got[1]
+        return SharedFile(os.dup(self.fd), "rb"), got[0], got[1]
 
     def _read_local(self, ranges: Sequence[tuple[int, int]]) -> list[bytes]:
         return [os.pread(self.fd, n, at) for n, at in ranges]

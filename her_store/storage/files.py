@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
+import io
 import os
 import re
 import resource
@@ -28,6 +29,7 @@ from her_store.errors import CorruptStoreError
 
 __all__ = [
     "FileShares",
+    "SharedFile",
     "create_new",
     "dir_beneath",
     "open_bounded",
@@ -48,6 +50,14 @@ __all__ = [
     "write_all",
     "write_sparse",
 ]
+
+
+class SharedFile(io.FileIO):
+    """A file that readers share (a chunk's mapping, a shard's gathers in flight): it closes when its last holder
+    lets go of it, which is how such a file is meant to close, so without the unclosed-file ResourceWarning."""
+
+    def __del__(self) -> None:
+        self.close()
 
 HOLE_PAGE = 4096  # the unit of a hole: a page of zeros written nowhere
 

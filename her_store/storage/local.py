@@ -20,6 +20,7 @@ import zarr.storage
 from her_store.errors import CorruptStoreError
 from her_store.storage.base import METADATA_LIMIT, Backend, Defaults, WriterLock
 from her_store.storage.files import (
+    SharedFile,
     create_new,
     dir_beneath,
     drop_page_cache,
@@ -122,7 +123,7 @@ class LocalBackend(Backend):
     def open_range(self, key: str) -> tuple[io.FileIO, int, int]:
         """Raises CorruptStoreError where something other than a regular file, or a link on the way, is at ``key``
         (:func:`~her_store.storage.files.open_beneath`)."""
-        f = io.FileIO(open_beneath(self.root, key), "rb")
+        f = SharedFile(open_beneath(self.root, key), "rb")
         return f, 0, os.fstat(f.fileno()).st_size
 
     def pread_into(self, key: str, buf: Any, offset: int) -> int:
