@@ -27,7 +27,8 @@ settings.load_profile("her_store")
 
 # what only the compiled kernels do (her_store._kernels.pure says why the pure twins cannot)
 requires_compiled = pytest.mark.skipif(
-    not _kernels.COMPILED, reason="the compiled kernels' behaviour (her_store._kernels._frames not built, or HER_STORE_PURE=1)"
+    not _kernels.COMPILED,
+    reason="the compiled kernels' behaviour (her_store._kernels._frames not built, or HER_STORE_PURE=1)",
 )
 
 
@@ -119,10 +120,10 @@ def store_path(tmp_path):
 
 @pytest.fixture(scope="session")
 def s3_endpoint():
-    """moto's S3 server on loopback, in its own process (tests/s3_server.py), for the whole session."""
+    """moto's S3 server on loopback, in its own process (tools/s3_server.py), for the whole session."""
     pytest.importorskip("s3fs", reason="pip install her_store[s3]")
     pytest.importorskip("moto.server", reason="pip install moto[server]")
-    from tests.s3_server import moto_server
+    from tools.s3_server import moto_server
 
     with moto_server() as endpoint:
         yield endpoint

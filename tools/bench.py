@@ -978,7 +978,7 @@ def bench_pack(workdir: str, quick: bool) -> dict[str, Any]:
 def _serve_http(directory: str, port: Any) -> None:
     import functools
 
-    from tests.http_server import RangeHandler, Server
+    from http_server import RangeHandler, Server  # tools/http_server.py
 
     server = Server(("127.0.0.1", 0), functools.partial(RangeHandler, directory=directory))
     port.put(server.server_address[1])
@@ -987,11 +987,10 @@ def _serve_http(directory: str, port: Any) -> None:
 
 @contextlib.contextmanager
 def moto_s3() -> Iterator[dict[str, Any]]:
-    """moto's S3 server on loopback in its own process (tests/s3_server.py), with a bucket ``bench``: the storage
+    """moto's S3 server on loopback in its own process (tools/s3_server.py), with a bucket ``bench``: the storage
     options to reach it."""
     import s3fs
-
-    from tests.s3_server import moto_server
+    from s3_server import moto_server  # tools/s3_server.py
 
     with moto_server() as endpoint:
         opts = {"client_kwargs": {"endpoint_url": endpoint}, "key": "testing", "secret": "testing"}

@@ -47,6 +47,7 @@ def test_an_abbreviated_option_is_refused(tmp_path, monkeypatch, capsys, argv):
     assert os.listdir(tmp_path) == []
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("tool", "argv", "bad"),
     [("train.py", ["--step", "100"], "--step 100"), ("store_inspect.py", ["somewhere", "--js"], "--js"),

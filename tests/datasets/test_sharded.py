@@ -94,6 +94,7 @@ def root(request, tmp_path):
     return url.rsplit("/", 1)[0] + "/dataset", opts
 
 
+@pytest.mark.slow
 def test_writer_processes_append_to_their_shards_and_a_kill_9_loses_only_its_own(tmp_path):
     """Three writer processes append to three shards of one root at once while a view reads them; one is killed by
     SIGKILL. The others finish untouched, every committed episode of every shard reads back bit for bit, and the
@@ -151,6 +152,7 @@ def test_writer_processes_append_to_their_shards_and_a_kill_9_loses_only_its_own
     view.close()
 
 
+@pytest.mark.slow
 def test_the_root_marker_is_created_once(root):
     """Create-if-absent, locally and on S3: the first write stays, a second one writes nothing."""
     url, opts = root
@@ -402,6 +404,7 @@ def _coded_shards(root: str, counts: tuple[int, ...], **kw) -> list[np.ndarray]:
     return lengths
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("counts", [(40, 40), (50, 10)], ids=["equal", "unequal"])
 @pytest.mark.parametrize("strategy", ["random", GoalMixture(0.2, 0.3, 0.5)], ids=["random", "mixture"])
 def test_random_goals_of_a_view_come_from_every_shard_by_its_share_of_transitions(tmp_path, counts, strategy):

@@ -785,6 +785,7 @@ def test_map_file_maps_bytes_of_a_file_without_keeping_a_descriptor(tmp_path):
     assert e.value.errno == errno.EBADF
 
 
+@pytest.mark.slow
 def test_map_lz4_fails_the_row_of_a_file_cut_short_under_its_mapping(tmp_path):
     """A mapped file cut short in place (by another process): reading a page past its new end raised SIGBUS, which
     killed the process; the row now fails with EIO, as pread's short read does, and SIGBUS elsewhere is untouched."""
@@ -881,6 +882,7 @@ else:  # a signal to the process, then the file cut short under the decodes: the
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["sent", pytest.param("stray then cut", marks=requires_compiled)])
 def test_a_sigbus_a_process_sends_during_decodes_reaches_its_handler_and_leaves_the_guard(tmp_path, mode):
     """A SIGBUS sent (not a fault) to a decoding thread failed a good row with EIO and was lost; one sent to the

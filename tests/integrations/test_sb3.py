@@ -100,6 +100,7 @@ def _learn(cls, env, steps: int = 60, **kw):
 
 
 # -- training runs -----------------------------------------------------------------------------------------
+@pytest.mark.slow
 @pytest.mark.parametrize("algo", [SAC, TD3, DDPG])
 def test_continuous_algorithms_train_into_the_store(tmp_path, algo):
     env = BitFlippingEnv(n_bits=4, continuous=True, max_steps=4)
@@ -116,6 +117,7 @@ def test_continuous_algorithms_train_into_the_store(tmp_path, algo):
         assert ep["observation"].dtype == np.int8 and ep["action"].shape[1] == 4
 
 
+@pytest.mark.slow
 def test_dqn_trains_on_image_observations_and_samples_sb3_shapes(tmp_path):
     env = BitFlippingEnv(n_bits=4, image_obs_space=True, max_steps=4)
     model = _learn(
@@ -135,6 +137,7 @@ def test_dqn_trains_on_image_observations_and_samples_sb3_shapes(tmp_path):
     np.testing.assert_array_equal(batch.rewards[:n, 0].numpy(), want)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("cls", [DummyVecEnv, SubprocVecEnv])
 def test_several_envs_keep_their_episodes_apart(tmp_path, cls):
     kw = {"start_method": "fork"} if cls is SubprocVecEnv else {}
@@ -958,6 +961,7 @@ model.learn(10**7)
 """
 
 
+@pytest.mark.slow
 def test_a_killed_run_resumes_from_its_last_commit(tmp_path):
     import signal
     import subprocess

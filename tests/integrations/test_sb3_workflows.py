@@ -71,6 +71,7 @@ def _assert_same_as_shadow(buffer: TeeBuffer) -> None:
     np.testing.assert_array_equal(got.ep_length, shadow.ep_length)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("algo", [SAC, TD3, DDPG, DQN], ids=lambda a: a.__name__)
 def test_training_stores_what_sb3s_buffer_holds(tmp_path, algo):
     env = BitFlippingEnv(n_bits=4, continuous=algo is not DQN, max_steps=6)
@@ -112,6 +113,7 @@ def test_dqn_on_discrete_observations(tmp_path):
     _assert_same_as_shadow(model.replay_buffer)
 
 
+@pytest.mark.slow
 def test_subprocess_envs(tmp_path):
     env = SubprocVecEnv([lambda: BitFlippingEnv(n_bits=4, continuous=True, max_steps=5)] * 2, start_method="fork")
     try:
@@ -240,6 +242,7 @@ def no_gc():
         gc.enable()
 
 
+@pytest.mark.slow
 def test_save_load_learn_goes_on_appending_to_the_store(tmp_path, no_gc):
     """model.load rebuilds the buffer from its kwargs: the store it names is resumed, not wiped (right after
     ``del model``, as SB3's docs do it: the dropped model's buffer releases the store)."""
@@ -267,6 +270,7 @@ def test_save_load_learn_goes_on_appending_to_the_store(tmp_path, no_gc):
     assert (buffer.ep_length > 0).sum() == n and buffer._current_ep_start[0] == buffer.pos
 
 
+@pytest.mark.slow
 @pytest.mark.filterwarnings("ignore:The last trajectory in the replay buffer will be truncated")
 def test_sb3s_documented_save_and_load_flows_work_as_written(tmp_path, no_gc):
     """SB3's docs example (save, save_replay_buffer, del model, load, load_replay_buffer) and loading a handle
@@ -288,6 +292,7 @@ def test_sb3s_documented_save_and_load_flows_work_as_written(tmp_path, no_gc):
     model.replay_buffer.close()
 
 
+@pytest.mark.slow
 def test_save_and_load_replay_buffer_into_a_new_model(tmp_path, no_gc):
     """The pickle is a handle; loading it gives the stored episodes, the last one truncated as SB3 does."""
     env = BitFlippingEnv(n_bits=4, continuous=True, max_steps=5)
@@ -390,6 +395,7 @@ def test_image_observations(tmp_path):
     _assert_same_as_shadow(model.replay_buffer)
 
 
+@pytest.mark.slow
 def test_a_seeded_run_is_reproducible(tmp_path):
     """SB3's seed fixes every batch its buffer draws (whatever the wall clock does, e.g. when group commits fall),
     so two runs train the same weights, as with SB3's own buffer."""
@@ -444,6 +450,7 @@ def _success_rate(buffer_class, tmp_path) -> float:
     return float(np.mean(successes))
 
 
+@pytest.mark.slow
 def test_dqn_learns_bit_flipping_as_well_as_with_sb3s_buffer(tmp_path):
     ours, sb3 = _success_rate(ZarrHerReplayBuffer, tmp_path), _success_rate(HerReplayBuffer, tmp_path)
     assert sb3 >= 0.8  # the task is learnt in this budget

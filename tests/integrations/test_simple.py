@@ -378,6 +378,7 @@ def test_an_episode_without_done_is_cut_into_segments_within_buffer_size(tmp_pat
     her.close()
 
 
+@pytest.mark.slow
 def test_segments_bound_memory_and_what_a_kill_loses(tmp_path):
     path = tmp_path / "k"
     child = f"""

@@ -230,6 +230,7 @@ runpy.run_path(sys.argv[0], run_name="__main__")
 """
 
 
+@pytest.mark.slow
 @needs_sb3
 def test_kill_9_then_the_same_command_resumes(tmp_path):
     out_dir = str(tmp_path / "run")
@@ -401,6 +402,7 @@ def test_a_damaged_checkpoint_is_named_in_one_line(tmp_path, capsys):
     assert err.startswith(f"her-store train: error: loading the checkpoint {ckpt}: "), err
 
 
+@pytest.mark.slow
 @needs_sb3
 def test_sigterm_writes_a_checkpoint_and_exits_143(tmp_path):
     out_dir = str(tmp_path / "run")

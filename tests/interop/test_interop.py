@@ -517,6 +517,7 @@ def _one_line(args: list[str], cwd: str) -> str:
     return lines[0]
 
 
+@pytest.mark.slow
 def test_broken_inputs_exit_2_with_one_line(ring_store, tmp_path):
     root = ROOT
     good = str(tmp_path / "good.npz")
@@ -579,6 +580,7 @@ def test_minari_is_wired(ring_store, tmp_path):
         assert_episode_equal(b.episode(2), s.episode(s.end_episode - 1))
 
 
+@pytest.mark.slow
 def test_export_from_object_storage(s3_url, tmp_path):
     """A store on S3 (the loopback server) exports as a local one does: batches gathered through ranged reads."""
     url, opts = s3_url
@@ -599,6 +601,7 @@ def test_export_from_object_storage(s3_url, tmp_path):
             assert_episode_equal(got.episode(i), want[i])
 
 
+@pytest.mark.slow
 def test_hostile_files_are_refused_in_one_line_before_they_are_read(ring_store, tmp_path):
     """Files made by someone else: data kept outside the file, links, claims of more bytes than memory holds,
     JSON nested past any parser, and npy headers that are not Python literals."""
@@ -716,6 +719,7 @@ def test_read_batches_leaves_out_what_the_writer_evicted_while_it_was_read(tmp_p
             assert_episode_equal(ep, _ring_model(obs, act, i))
 
 
+@pytest.mark.slow
 def test_exports_of_a_ring_its_writer_keeps_evicting(tmp_path):
     """Each export format of a small ring store while a writer process appends and commits all the time: every
     export succeeds, and every episode in it is bit-exact the episode of its id (the writer evicts some while they
@@ -775,6 +779,7 @@ def _same(got: dict[str, np.ndarray], want: dict[str, np.ndarray]) -> bool:
 
 
 # -- inputs made elsewhere ------------------------------------------------------------------------------------------
+@pytest.mark.slow
 @pytest.mark.parametrize("fmt", [None, "npz", "ogbench", "sb3"])
 def test_an_input_that_is_a_fifo_is_refused_at_once(tmp_path, fmt):
     """Opening a FIFO blocks until someone writes to it: the import hung forever. Refused by name now."""

@@ -119,6 +119,7 @@ def test_minari_load_dataset_opens_the_export(tmp_path, monkeypatch):
         np.testing.assert_array_equal(got.infos["is_success"], np.r_[0, want["is_success"]])
 
 
+@pytest.mark.slow
 def test_a_dataset_recorded_by_minaris_data_collector_imports(tmp_path, monkeypatch):
     pytest.importorskip("jax", reason="Minari's DataCollector needs jax (pip install 'minari[create]')")
     import gymnasium as gym
@@ -405,6 +406,7 @@ def test_export_of_a_ring_store_its_writer_overwrites_meanwhile(tmp_path):
         np.testing.assert_array_equal(got.infos["is_success"][1:], ep["is_success"])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("what", ["a link out of the dataset", "a FIFO"])
 def test_a_data_file_that_is_no_regular_file_of_the_dataset_is_refused_at_once(tmp_path, what):
     """Minari's reader opened data/main_data.hdf5 by path: a FIFO there blocked the import forever, and a link to a
@@ -532,6 +534,7 @@ print(json.dumps(out))
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("craft", ["9000x9000 PNG headers", "100,000 frames"])
 def test_encoded_frames_that_would_decode_past_memory_are_refused_before_anything_decodes(tmp_path, monkeypatch, craft):
     """A 3 MB dataset (``jpeg_encoding`` true, 64x64x3 declared) whose 12 frames are real PNGs of 9000x9000 decoded

@@ -73,6 +73,7 @@ def _sparse_source(path: str) -> tuple[int, int]:
     return size, disk
 
 
+@pytest.mark.slow
 def test_local_to_s3_to_local_is_bit_exact(tmp_path, s3_url):
     """Uncompressed chunks travel to object storage whole (it has no holes, and Zarr reads such a chunk only whole),
     the rows not yet written as zeros, which the result and the command's line count; back on local disk they are
@@ -104,6 +105,7 @@ def test_local_to_s3_to_local_is_bit_exact(tmp_path, s3_url):
     assert not os.path.exists(os.path.join(back, MANIFEST_KEY)) and not os.path.exists(os.path.join(back, "writer.lock"))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("capacity", [0, 1000])
 def test_a_copy_while_a_writer_appends_is_a_committed_prefix(tmp_path, capacity):
     src = str(tmp_path / "src")
@@ -153,6 +155,7 @@ def _copy_stopped_half_way(args: str, files: int = 30) -> subprocess.Popen:
     return proc
 
 
+@pytest.mark.slow
 def test_a_copy_killed_half_way_resumes(tmp_path, s3_url, s3_endpoint):
     import s3fs
 
@@ -221,6 +224,7 @@ def test_a_resumed_copy_copies_again_what_changed_in_its_partial_directory(tmp_p
     assert verify(dest).clean
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("entry", [7, {"2": 1}, [1, 2], [], [-1, 0, "x"], [1, "crc", "x"]])
 def test_a_manifest_whose_entries_are_not_a_copys_is_refused(tmp_path, entry):
     """Entries edited by hand gave raw TypeError, KeyError and IndexError from deep in the copy."""
@@ -302,6 +306,7 @@ def test_the_copy_command(tmp_path, capsys):
     assert err.startswith("her-store copy:") and err.count("\n") == 1
 
 
+@pytest.mark.slow
 def test_a_copy_to_s3_stopped_right_after_its_first_objects_resumes(tmp_path, s3_url, monkeypatch):
     """The process dies between the first PUTs and the manifest recording them: the next run still resumes."""
     from her_store.ops import copy as transfer

@@ -406,6 +406,7 @@ def test_a_hostile_card_still_opens_and_inspects(tmp_path, capsys):
                                   "code_permalink": "[bold red]see[/]", "nested": {"deep": [[[1]]]}}
 
 
+@pytest.mark.slow
 def test_inspect_and_card_on_s3(s3_url, capsys):
     url, opts = s3_url
     obs, act = fetch_spaces()
@@ -425,6 +426,7 @@ def test_inspect_and_card_on_s3(s3_url, capsys):
     assert s["bytes_on_disk"] == s["apparent_bytes"] == sum(listed.values()) > 0  # an object holds its every byte
 
 
+@pytest.mark.slow
 def test_image_shards_are_counted_alike_on_disk_on_s3_and_in_a_pack(tmp_path, s3_url, capsys):
     """Shard files are named c.<i>.0.0.0 beside the array's metadata: each listing (a directory scan, an S3 listing,
     a pack's members) counts them, and the same bytes."""

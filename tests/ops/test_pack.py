@@ -293,6 +293,7 @@ store.close()
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("capacity", [None, 100], ids=["unbounded", "ring"])
 def test_pack_while_a_writer_appends_gives_a_committed_prefix(tmp_path, capacity):
     """Each archive holds one commit's episodes, bit-exact and passing their crc32. A ring of 100 transitions is lapped
@@ -588,6 +589,7 @@ def test_a_packed_store_opens_in_place_over_http(published, name, capsys):
     assert RecordingHandler.ranges and None not in RecordingHandler.ranges  # nothing fetched whole
 
 
+@pytest.mark.slow
 def test_a_packed_store_on_s3_opens_in_place(published, s3_url):
     """The same over S3 (moto's server on loopback): the zip object's bytes by ranged GETs conditioned on its ETag."""
     import s3fs

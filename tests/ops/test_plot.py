@@ -91,6 +91,7 @@ def test_final_goals_of_a_ring_after_evictions(tmp_path):
     np.testing.assert_array_equal(data.desired[:, 1], -data.goal_ids)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("goal_shape", [(2,), (3,), (8,), (2, 2)], ids=["2d", "3d", "8d", "2x2"])
 def test_png_for_each_kind_of_goal(tmp_path, goal_shape):
     _goal_store(tmp_path / "s", 30, goal_shape, card={"success_threshold": 0.05})
@@ -125,6 +126,7 @@ def test_command_writes_the_png_and_refuses_to_overwrite(tmp_path, capsys):
     assert "at least 1" in capsys.readouterr().err and not (tmp_path / "b.png").exists()
 
 
+@pytest.mark.slow
 def test_empty_store_exits_2_with_one_line(tmp_path):
     _goal_store(tmp_path / "s", 0)
     r = subprocess.run([sys.executable, TOOL, str(tmp_path / "s"), "-o", str(tmp_path / "e.png")],

@@ -120,6 +120,7 @@ def test_a_clean_store_verifies_clean_and_exits_0(tmp_path):
         assert done.returncode == 0 and "clean" in done.stdout, done
 
 
+@pytest.mark.slow
 def test_a_packed_store_verifies_like_its_directory(tmp_path):
     from her_store.ops.pack import pack_store
 
@@ -248,6 +249,7 @@ def test_a_shard_with_a_damaged_index_drops_its_episodes_and_is_removed(tmp_path
     _assert_repaired(path, eps, set(files[0].episodes))
 
 
+@pytest.mark.slow
 def test_index_and_rows_past_the_commit_are_reported_and_cleared(tmp_path):
     path = str(tmp_path / "s")
     eps = _build(path, "image", n=N)
@@ -307,6 +309,7 @@ JUNK = {  # what may be found at a chunk key past the commit, per kind of array
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("capacity", [None, 4096], ids=["unbounded", "ring"])
 @pytest.mark.parametrize("kind, what", [(k, w) for k, ws in JUNK.items() for w in ws])
 def test_an_unreadable_chunk_past_the_commit_is_reported_and_removed_so_the_store_can_be_appended_to(tmp_path, kind, what, capacity):

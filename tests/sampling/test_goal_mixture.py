@@ -249,6 +249,7 @@ def test_random_goals_of_a_ring_come_only_from_its_live_episodes(tmp_path):
 # -- the offline behaviour-cloning example ----------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_offline_gcbc_example_learns_to_beat_a_random_policy(tmp_path):
     # seeds 0..11 at these settings: random 8-18%, GCBC 46-78%, GCBC ahead by 34 points or more
     out = subprocess.run(

@@ -85,6 +85,7 @@ def test_fork_workers_sample_store_rows_in_streams_of_their_own(store_path):
     assert draws(load(dataset(store_path, batches_per_epoch=6, seed=1))) != w0 + w1
 
 
+@pytest.mark.slow
 def test_spawn_workers_draw_the_fork_workers_streams(store_path):
     ds = dataset(store_path, batches_per_epoch=4)
     spawned = load(ds, "spawn")

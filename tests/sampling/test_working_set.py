@@ -116,6 +116,7 @@ def test_each_episodes_long_run_share_of_samples_is_its_share_of_transitions(tmp
     assert chisquare(drawn, expected).pvalue > 1e-4
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("long_T, n_long, rows", [(300, 10, 700), (100, 30, 1000)])
 def test_each_length_class_gets_its_share_of_the_transitions_in_the_long_run(tmp_path, long_T, n_long, rows):
     """Episodes of 1 and of 300 steps in a set of 700 rows (just over two of the longest), and of 1 and 100 steps in
@@ -175,6 +176,7 @@ def test_the_set_never_holds_more_than_its_budget_while_a_writer_appends(tmp_pat
             s.sample()
 
 
+@pytest.mark.slow
 def test_over_s3_a_refill_reads_whole_chunks(s3_url):
     url, opts = s3_url
     eps = {i: coded(i) for i in range(60)}

@@ -148,6 +148,7 @@ def test_an_interrupt_after_the_record_is_in_place_counts_the_commit(store_path,
         assert_episode_equal(reader.episode(i), e)
 
 
+@pytest.mark.slow
 def test_a_commit_record_write_that_raised_after_it_happened_counts(s3_url, fetch, monkeypatch):
     """Object storage: the PUT of the record was applied and its reply lost. The append succeeds (the record is
     read back), and no episode id or generation is used twice."""

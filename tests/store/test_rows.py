@@ -88,6 +88,7 @@ def test_a_reader_that_fell_a_whole_ring_behind(tmp_path):
             assert wrong_rows(b, writer.first_episode, writer.end_episode) is None
 
 
+@pytest.mark.slow
 def test_the_prefetch_thread_gathers_while_commits_change_cached_chunks(tmp_path):
     for capacity in (None, 48):
         with _create(tmp_path / f"s{capacity}", capacity) as store:
@@ -395,6 +396,7 @@ else:  # faulthandler installed over ours, a gather, faulthandler disabled: a fa
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", ["python handler", "faulthandler disabled"])
 def test_a_handler_installed_over_the_guard_after_a_gather(tmp_path, case):
     """A SIGBUS handler installed after a gather armed the guard took SIGBUS first: a Python one returned, so a gather
@@ -459,6 +461,7 @@ def test_a_mapped_shard_a_commit_replaced_still_reads_what_was_committed(tmp_pat
             assert arr.mapped_gathers > 40
 
 
+@pytest.mark.slow
 def test_a_store_of_more_chunks_than_it_may_map_keeps_its_descriptors_bounded(tmp_path, monkeypatch):
     """Each mapped chunk holds a descriptor: a sampler of a store a writer keeps growing, in chunks of 16 rows, maps at
     most its arrays' share of MAPS at once and maps the others again when it samples them, reading the same rows."""
@@ -603,6 +606,7 @@ def test_evicting_the_page_cache_passes_over_what_is_no_file_of_the_store(tmp_pa
     store.close()
 
 
+@pytest.mark.slow
 def test_the_samplers_of_many_stores_in_one_process_share_its_open_files(tmp_path, monkeypatch):
     """Each sampler kept its own bound of open shard files, so a mixture over six image stores in tiny shards ran the
     process out of descriptors (a raw OSError) at a limit one sampler kept within. Every image array and mapped

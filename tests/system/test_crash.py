@@ -65,6 +65,7 @@ def _beside(proc: subprocess.Popen) -> Iterator[None]:
         yield
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("capacity", [0, 400])
 def test_kill_9_at_random_moments(tmp_path, capacity):
     path = str(tmp_path / "store")
@@ -81,6 +82,7 @@ def test_kill_9_at_random_moments(tmp_path, capacity):
         committed = _check_recovered(path, committed)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("capacity", [0, 400])
 @pytest.mark.parametrize("kill_on", ["data", "index", "commit"])
 def test_kill_9_inside_the_commit_protocol(tmp_path, capacity, kill_on):
@@ -95,6 +97,7 @@ def test_kill_9_inside_the_commit_protocol(tmp_path, capacity, kill_on):
         committed = _check_recovered(path, committed)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kill_on", ["shard", "rename"])
 def test_kill_9_while_an_image_shard_is_replaced(tmp_path, kill_on):
     """Die half-way through a shard's temp file, or with it whole but not renamed: the shard keeps every committed
@@ -118,6 +121,7 @@ def test_kill_9_while_an_image_shard_is_replaced(tmp_path, kill_on):
             assert_episode_equal(store.episode(i), episode_for(i))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("capacity", [0, 300])
 def test_concurrent_reader_never_sees_a_torn_or_uncommitted_episode(tmp_path, capacity):
     path = str(tmp_path / "store")

@@ -308,6 +308,7 @@ def _assert_wrapped(store: EpisodeStore, capacity: int | None) -> None:
         assert written >= 2 * store.commit_record.array_rows, (written, store.commit_record.array_rows)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("capacity", [None, RING], ids=["unbounded", "ring"])
 def test_a_sampler_on_the_writers_handle_between_appends(storage, capacity, encode_tasks):
     name, url, opts = storage
@@ -358,6 +359,7 @@ def _follow(
     check_mapped(name, "://" not in url, int(closed.split()[1]))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("capacity", [None, RING], ids=["unbounded", "ring"])
 def test_a_readers_sampler_in_another_process_while_appending(storage, capacity, reader_process):
     name, url, opts = storage
@@ -367,6 +369,7 @@ def test_a_readers_sampler_in_another_process_while_appending(storage, capacity,
 
 
 # -- read-only paths: a store over HTTP, a packed store -----------------------------------------------------
+@pytest.mark.slow
 @pytest.mark.parametrize("capacity", [None, RING], ids=["unbounded", "ring"])
 @pytest.mark.parametrize("name", sorted(SERVED))
 def test_a_reader_over_http_between_appends(name, capacity, tmp_path):

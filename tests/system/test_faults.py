@@ -90,6 +90,7 @@ def _modes(kind: str) -> tuple[str, ...]:
     return ("short", "enospc", "eio") if kind == "bytes" else ("enospc", "eio")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("config", list(CONFIGS))
 def test_every_local_write_failing_every_way(tmp_path, config):
     base, kinds = _baseline(tmp_path, config)
@@ -128,6 +129,7 @@ def _assert_frames(config: str, sampler: HerSampler) -> None:
 SHARDS = {"under": "steps/pixels/", "renames": True}  # the writes and renames that replace an image shard
 
 
+@pytest.mark.slow
 def test_every_shard_write_failing_every_way(tmp_path):
     """Each write of a shard's temp file failing and each rename putting it in place failing, one mode each in turn
     (write: short, ENOSPC, EIO; rename: ENOSPC, EIO): the last commit stays whole (through episode() and the
@@ -171,6 +173,7 @@ def test_a_handle_whose_shard_write_failed_appends_again(tmp_path):
             assert_episode_equal(store.episode(i), episode_for(config, i))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("config", ["ring-compressed"])
 def test_every_write_of_a_create_failing(tmp_path, config):
     """A create that fails (or dies) at any write leaves nothing or a store that open_store resumes. (The ring of
@@ -229,6 +232,7 @@ def _kill_at(config: str, path: str, at: int, opts: dict | None = None, first: i
     return proc.returncode
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("config", ["raw", "ring-compressed"])  # kill -9 loses no fsync: the fsync'ed variant adds nothing
 def test_kill_9_at_writes(tmp_path, config):
     base, kinds = _baseline(tmp_path, config)
@@ -251,6 +255,7 @@ def test_kill_9_at_writes(tmp_path, config):
             assert store.end_episode in (0, 1)
 
 
+@pytest.mark.slow
 def test_s3_writes_failing_every_way(s3_url):
     url, opts = s3_url
     bucket_root = url.split("://", 1)[1].rsplit("/", 1)[0]
@@ -280,6 +285,7 @@ def test_s3_writes_failing_every_way(s3_url):
         _check_and_retry(config, path, opts, BASELINE)
 
 
+@pytest.mark.slow
 def test_s3_shard_puts_failing(s3_url):
     """A PUT replacing an image shard on object storage failing: the last commit stays whole, through episode() and
     the sampler, and a retry commits (the local tests above fail every shard write in every way)."""
@@ -379,6 +385,7 @@ def _objects(fs: Any, root: str) -> dict[str, str]:
     return {k[len(root) :]: i["ETag"] for k, i in found.items() if k[len(root) :] not in ("/zarr.json", "/writer.lock")}
 
 
+@pytest.mark.slow
 def test_card_set_on_s3_failing_at_puts(tmp_path, s3_url):
     """The same on object storage, where the new zarr.json is one PUT: that PUT failing leaves every other object
     untouched (the same ETags) and the old card, and the command sets it again."""
@@ -435,6 +442,7 @@ def _kept_originals(path: str, n: int) -> list[int]:
     return found
 
 
+@pytest.mark.slow
 def test_repair_failing_at_writes_is_finished_by_the_next_repair(tmp_path):
     """`verify --repair` of a store whose third episode is damaged moves the five after it aside, cuts, and appends
     them again: each sampled write of it failing leaves a store that opens, and the next --repair finishes: clean,
@@ -467,6 +475,7 @@ def test_repair_failing_at_writes_is_finished_by_the_next_repair(tmp_path):
         shutil.rmtree(os.path.dirname(path))
 
 
+@pytest.mark.slow
 def test_repair_failing_at_removals_and_copies_is_finished_by_the_next_repair(tmp_path):
     """Repair removes what holds no committed row and cannot be read (here a file where a raw chunk's directory goes, a
     directory of files where the next chunk's file goes, a link out of the store), and gives a committed chunk with
@@ -590,6 +599,7 @@ def test_a_resumed_copy_failing_at_its_removals_of_junk_is_finished_by_the_next_
     assert tree_digest(src) == digest
 
 
+@pytest.mark.slow
 def test_copy_to_s3_failing_at_puts_is_not_a_store_until_a_rerun_finishes(tmp_path, s3_url):
     url, opts = s3_url
     src, digest = _tool_source(tmp_path)
@@ -623,6 +633,7 @@ def test_copy_to_s3_failing_at_puts_is_not_a_store_until_a_rerun_finishes(tmp_pa
                 np.testing.assert_array_equal(copied.episodes[name], column)
 
 
+@pytest.mark.slow
 def test_pack_failing_at_writes_leaves_no_archive_and_packs_again(tmp_path):
     src, digest = _tool_source(tmp_path)
     kinds = _count(str(tmp_path / "probe"), "pack", "--quiet", src, str(tmp_path / "probe" / "s.zip"))
@@ -684,6 +695,7 @@ for limit in json.loads(sys.argv[4]):
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("to", ["hdf5", "minari"])
 def test_hdf5_export_cut_short_by_a_full_quota_leaves_nothing_at_dest(tmp_path, to):
     """HDF5 writes in C, out of WriteFaults' reach: a file-size limit fails its writes (EFBIG) from a byte on, from

@@ -419,6 +419,7 @@ def _write_docs(store: Path, docs: dict[str, Any], valid_crc: bool) -> None:
             (store / file).write_text(json.dumps(doc))
 
 
+@pytest.mark.slow
 @settings(max_examples=110, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(data=st.data())
 def test_hostile_stores_give_store_errors_only(bases, arena, data):
@@ -510,6 +511,7 @@ def _craft_shard(data: st.DataObject, raw: bytes, rows: int) -> bytes:
     return bytes(raw)
 
 
+@pytest.mark.slow
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(data=st.data())
 def test_crafted_shard_files_give_store_errors_only(shard_bases, arena, data):

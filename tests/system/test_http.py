@@ -303,6 +303,7 @@ def test_a_hostile_server_gives_corrupt_store_error(stores, serve, handler):
             sampler.sample()
 
 
+@pytest.mark.slow
 def test_a_read_only_open_on_s3_writes_nothing(s3_url):
     import s3fs
 
@@ -432,6 +433,7 @@ class EndlessRangeHandler(RangeHandler):
                 self.wfile.write(zeros)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("hostile", "batch"),
     [
@@ -501,6 +503,7 @@ sys.stdin.read()
 """
 
 
+@pytest.mark.slow
 def test_a_server_that_drips_its_answer_is_given_up_at_the_request_deadline(stores, serve):
     """A server that sends a byte every second never trips the 60 s idle timeout: an open read its first record for
     the record's length in seconds (a byte every 50 s: hours). Every request has a deadline now (here 2 s, from

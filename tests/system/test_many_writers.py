@@ -154,6 +154,7 @@ def _seed(root: str, opts: dict, tmp_path) -> None:
     )
 
 
+@pytest.mark.slow
 def test_four_writers_and_a_learner_on_s3_and_a_writer_killed(s3_url, tmp_path):
     """Four writer processes append to four shards of one dataset on S3 while a learner process samples the view;
     one writer is killed by SIGKILL once it has committed. The others finish unaware of it (exit 0, every episode
@@ -219,6 +220,7 @@ def test_four_writers_and_a_learner_on_s3_and_a_writer_killed(s3_url, tmp_path):
             assert said[-1] == ("closed", end)  # every episode it appended is committed
 
 
+@pytest.mark.slow
 def test_the_ray_actors_example_runs():
     """examples/ray_actors.py, briefly: two Ray actors on a local cluster each fill a shard while the learner
     samples both; every episode an actor wrote is in the dataset (the example checks it), and the learner's batches

@@ -55,6 +55,7 @@ def test_round_trip_resume_and_reader_refresh(s3_url, fetch):
             assert_episode_equal(store.episode(i), e)
 
 
+@pytest.mark.slow
 def test_a_reader_refuses_a_store_created_again_under_it_on_s3(s3_url, fetch):
     """An S3 store deleted and created again under an open reader is another store: refresh says so (its root
     object's ETag, then its created_at) rather than pair the new index with chunks it cached from the old one. A card
@@ -83,6 +84,7 @@ def test_a_reader_refuses_a_store_created_again_under_it_on_s3(s3_url, fetch):
             reader.refresh()
 
 
+@pytest.mark.slow
 def test_ring_on_s3(s3_url, fetch):
     url, opts = s3_url
     obs, act = fetch
@@ -110,6 +112,7 @@ def test_images_compressed_on_s3(s3_url):
             assert_episode_equal(store.episode(i), e)
 
 
+@pytest.mark.slow
 def test_lease_names_the_holder_and_a_dead_holder_is_taken_over(s3_url, fetch):
     url, opts = s3_url
     obs, act = fetch
@@ -174,6 +177,7 @@ def test_corrupt_commit_record_on_s3(s3_url, fetch):
         EpisodeStore.open(url, storage_options=opts)
 
 
+@pytest.mark.slow
 def test_sampler_reads_s3_through_the_chunk_cache(s3_url, fetch):
     from her_store import HerSampler
     from tests.sampling.test_sampler import sparse_reward
@@ -236,6 +240,7 @@ def _lease(url: str, opts: dict) -> dict:
     return json.loads(s3fs.S3FileSystem(**opts).cat_file(url[len("s3://") :] + "/writer.lock"))
 
 
+@pytest.mark.slow
 def test_a_suspended_writer_that_lost_its_lease_commits_nothing(s3_url, fetch):
     url, opts = s3_url
     obs, act = fetch
@@ -267,6 +272,7 @@ def test_a_suspended_writer_that_lost_its_lease_commits_nothing(s3_url, fetch):
             assert_episode_equal(store.episode(i, verify=True), e)
 
 
+@pytest.mark.slow
 def test_an_idle_writer_keeps_its_lease_past_its_ttl(s3_url, fetch):
     url, opts = s3_url
     obs, act = fetch
@@ -286,6 +292,7 @@ def test_an_idle_writer_keeps_its_lease_past_its_ttl(s3_url, fetch):
         assert_episode_equal(store.episode(0), e)
 
 
+@pytest.mark.slow
 def test_a_writer_checks_its_lease_before_every_commit(s3_url, fetch):
     import s3fs
 
@@ -350,6 +357,7 @@ except StoreLockedError:
 """
 
 
+@pytest.mark.slow
 def test_a_writer_frozen_in_the_middle_of_a_commit_cannot_replace_the_next_writers_commits(s3_url, fetch):
     """Frozen past its lease after its pre-commit check, writer A resumes inside its commit: the index and the
     commit record are fenced, so B's commit record stands and the store opens; only rows of the data chunk A was
@@ -431,6 +439,7 @@ def _rows_of(view, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return e[k], s[k]
 
 
+@pytest.mark.slow
 def test_a_sharded_frame_read_under_a_replaced_shards_index_reads_the_index_again(s3_url):
     from her_store.format.frames import parse_index
     from her_store.store.rows import ChunkReader
@@ -472,6 +481,7 @@ def test_a_sharded_frame_read_under_a_replaced_shards_index_reads_the_index_agai
         reader.close()
 
 
+@pytest.mark.slow
 def test_a_readers_sampler_reads_every_frame_while_the_writer_appends_and_a_ring_wraps(s3_url):
     from her_store import HerSampler
     from tests.sampling.test_sampler import sparse_reward
@@ -498,6 +508,7 @@ def test_a_readers_sampler_reads_every_frame_while_the_writer_appends_and_a_ring
         assert written >= 2 * w.commit_record.array_rows  # the ring wrapped twice
 
 
+@pytest.mark.slow
 def test_a_crafted_shard_on_s3_is_a_corrupt_store(s3_url):
     import google_crc32c
     import s3fs
