@@ -18,6 +18,8 @@ import numpy as np
 import torch
 
 from her_store.checks import check_bool, check_callable, check_int, check_number
+from her_store.sampling.batch import DeviceTransfer
+from her_store.sampling.committed import CommittedView
 from her_store.sampling.relabel import (
     GoalContext,
     GoalMixture,
@@ -26,9 +28,10 @@ from her_store.sampling.relabel import (
     her_ratio,
     parse_strategy,
 )
-from her_store.sampling.rewards import RewardFn
+from her_store.sampling.rewards import RewardFn, RewardRecompute
+from her_store.store.index import IndexView
 
-__all__ = ["SamplerConfig", "check_options", "config_option"]
+__all__ = ["ConfiguredSampler", "SamplerConfig", "check_options"]
 
 
 @dataclass(frozen=True)
@@ -123,6 +126,69 @@ def check_options(options: Mapping[str, Any], allowed: Collection[str]) -> None:
         raise TypeError(f"HerSampler takes no argument(s) {unknown}; it takes {sorted(allowed)}")
 
 
-def config_option(name: str) -> property:
+def _option(name: str) -> property:
     """A read-only attribute of a sampler that is its ``config``'s option ``name`` (as checked and kept there)."""
     return property(lambda sampler: getattr(sampler.config, name), doc=f"The ``{name}`` option (see SamplerConfig).")
+
+
+class ConfiguredSampler:
+    """What every sampler made from a :class:`SamplerConfig` shows of the parts it is composed of: its options
+    (read-only), where its batches go, the reward function, and the committed episodes it samples from.
+
+    A sampler sets ``config`` (a SamplerConfig), ``rewards`` (a
+    :class:`~her_store.sampling.rewards.RewardRecompute`), ``committed`` (a
+    :class:`~her_store.sampling.committed.CommittedView`) and ``to_device`` (a
+    :class:`~her_store.sampling.batch.DeviceTransfer`).
+    """
+
+    config: SamplerConfig
+    rewards: RewardRecompute
+    committed: CommittedView
+    to_device: DeviceTransfer
+
+    batch_size = _option("batch_size")
+    n_sampled_goal = _option("n_sampled_goal")
+    strategy = _option("strategy")
+    copy_info_dict = _option("copy_info_dict")
+    relabel_terminated = _option("relabel_terminated")
+    success_fn = _option("success_fn")
+
+    @property
+    def device(self) -> torch.device:
+        """Where batches go (and a working set lives)."""
+        return self.to_device.device
+
+    @property
+    def pin_memory(self) -> bool:
+        """Whether host tensors are page-locked before their copy to the device."""
+        return self.to_device.pin_memory
+
+    @property
+    def reward_fn(self) -> RewardFn | None:
+        """The reward function relabelled rows are rewarded with (the given one, or the store's env's); may be
+        replaced any time."""
+        return self.rewards.reward_fn
+
+    @reward_fn.setter
+    def reward_fn(self, fn: RewardFn) -> None:
+        self.rewards.reward_fn = check_callable(fn, "reward_fn")
+
+    @property
+    def refresh_interval(self) -> float:
+        """Seconds between looks for new commits by ``sample`` (``math.inf``: only :meth:`refresh`); may be changed
+        any time."""
+        return self.committed.interval
+
+    @refresh_interval.setter
+    def refresh_interval(self, seconds: float) -> None:
+        self.committed.interval = float(seconds)
+
+    @property
+    def view(self) -> IndexView | None:
+        """The committed episodes sampled from, as of the last refresh (None before the first)."""
+        return self.committed.view
+
+    def refresh(self, *, reread: bool = True) -> IndexView:
+        """Look for new commits now; returns the committed episodes sampled from. ``reread=False`` takes what the
+        store's handle already holds (its owner, a sharded dataset's view, has just refreshed it)."""
+        return self.committed.refresh(reread=reread)

@@ -19,7 +19,7 @@ from her_store.checks import check_callable, check_int
 from her_store.errors import StoreError
 from her_store.sampling.batch import DeviceTransfer, HerBatch, assemble_batch
 from her_store.sampling.committed import CommittedView
-from her_store.sampling.config import SamplerConfig, config_option
+from her_store.sampling.config import ConfiguredSampler, SamplerConfig
 from her_store.sampling.draw import UniformDraw, replace_samples
 from her_store.sampling.drawn import Draw
 from her_store.sampling.gather import Gather, ReadPlan, StoreRows
@@ -37,7 +37,7 @@ class _Lapped(Exception):
     """The ring evicted every episode of the view a prefetched batch was drawn from."""
 
 
-class HerSampler:
+class HerSampler(ConfiguredSampler):
     """Hindsight Experience Replay batches straight from an :class:`EpisodeStore`.
 
     Parameters
@@ -188,54 +188,6 @@ class HerSampler:
         self.to_device = DeviceTransfer(config.device, config.pin_memory)
         self._prefetcher = Prefetcher(config.prefetch, self._produce)
         self._state_after = self.rng.bit_generator.state  # RNG state after the last batch handed out
-
-    # -- the options ---------------------------------------------------------------------------------------
-    batch_size = config_option("batch_size")
-    n_sampled_goal = config_option("n_sampled_goal")
-    strategy = config_option("strategy")
-    copy_info_dict = config_option("copy_info_dict")
-    relabel_terminated = config_option("relabel_terminated")
-    success_fn = config_option("success_fn")
-
-    @property
-    def device(self) -> torch.device:
-        """Where batches go."""
-        return self.to_device.device
-
-    @property
-    def pin_memory(self) -> bool:
-        """Whether host tensors are page-locked before their copy to the device."""
-        return self.to_device.pin_memory
-
-    @property
-    def reward_fn(self) -> RewardFn | None:
-        """The reward function relabelled rows are rewarded with (the given one, or the store's env's); may be
-        replaced any time."""
-        return self.rewards.reward_fn
-
-    @reward_fn.setter
-    def reward_fn(self, fn: RewardFn) -> None:
-        self.rewards.reward_fn = check_callable(fn, "reward_fn")
-
-    @property
-    def refresh_interval(self) -> float:
-        """Seconds between looks for new commits; may be changed any time (``math.inf``: only :meth:`refresh`)."""
-        return self.committed.interval
-
-    @refresh_interval.setter
-    def refresh_interval(self, seconds: float) -> None:
-        self.committed.interval = float(seconds)
-
-    # -- the committed episodes ----------------------------------------------------------------------------
-    @property
-    def view(self) -> IndexView | None:
-        """The committed episodes sampled from, as of the last refresh (None before the first)."""
-        return self.committed.view
-
-    def refresh(self, *, reread: bool = True) -> IndexView:
-        """Look for new commits now; returns the episodes sampled from. ``reread=False`` takes what the store's
-        handle already holds (its owner, a sharded dataset's view, has just refreshed it)."""
-        return self.committed.refresh(reread=reread)
 
     def transition_goals(self, k: np.ndarray, rng: np.random.Generator) -> np.ndarray:
         """The achieved goals of the next observations of transitions ``k`` of the view sampled from (``0 <= k <

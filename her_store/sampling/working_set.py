@@ -18,11 +18,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from her_store.checks import check_bool, check_bounds, check_callable, check_int, check_number
+from her_store.checks import check_bool, check_bounds, check_int, check_number
 from her_store.errors import StoreError
 from her_store.sampling.batch import DeviceTransfer, HerBatch, assemble_batch
 from her_store.sampling.committed import CommittedView
-from her_store.sampling.config import SamplerConfig, config_option
+from her_store.sampling.config import ConfiguredSampler, SamplerConfig
 from her_store.sampling.draw import UniformDraw
 from her_store.sampling.gather import Gather, ReadPlan
 from her_store.sampling.relabel import GoalChoice, GoalStrategy
@@ -62,7 +62,7 @@ def _episode_rows(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
     return np.repeat(starts - (np.cumsum(r) - r), r) + np.arange(int(r.sum()), dtype=np.int64)
 
 
-class WorkingSetSampler:
+class WorkingSetSampler(ConfiguredSampler):
     """Hindsight Experience Replay batches from a bounded working set of whole episodes of a store.
 
     The set is a ring of ``budget_bytes // row_bytes`` rows (``row_bytes``: one row of every array a batch reads),
@@ -247,47 +247,6 @@ class WorkingSetSampler:
         self.refills = 0
         self.loaded_transitions = 0
         self.refill_seconds = 0.0
-
-    # -- the options ---------------------------------------------------------------------------------------
-    batch_size = config_option("batch_size")
-    n_sampled_goal = config_option("n_sampled_goal")
-    strategy = config_option("strategy")
-    copy_info_dict = config_option("copy_info_dict")
-    relabel_terminated = config_option("relabel_terminated")
-    success_fn = config_option("success_fn")
-
-    @property
-    def device(self) -> torch.device:
-        """Where the set lives and batches go."""
-        return self.to_device.device
-
-    @property
-    def reward_fn(self) -> RewardFn | None:
-        """The reward function relabelled rows are rewarded with (the given one, or the store's env's); may be
-        replaced any time."""
-        return self.rewards.reward_fn
-
-    @reward_fn.setter
-    def reward_fn(self, fn: RewardFn) -> None:
-        self.rewards.reward_fn = check_callable(fn, "reward_fn")
-
-    @property
-    def refresh_interval(self) -> float:
-        """Seconds between looks for new commits by :meth:`sample`; may be changed any time."""
-        return self.committed.interval
-
-    @refresh_interval.setter
-    def refresh_interval(self, seconds: float) -> None:
-        self.committed.interval = float(seconds)
-
-    @property
-    def view(self) -> IndexView | None:
-        """The store's committed episodes as of the last refresh (None before the first): what refills load from."""
-        return self.committed.view
-
-    def refresh(self, *, reread: bool = True) -> IndexView:
-        """Look for new commits now; returns the store's committed episodes (see :meth:`CommittedView.refresh`)."""
-        return self.committed.refresh(reread=reread)
 
     # -- what the set holds ----------------------------------------------------------------------------------
     @property
