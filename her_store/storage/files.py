@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 
 from her_store.errors import CorruptStoreError
+from her_store.forks import reset_in_child
 
 __all__ = [
     "FileShares",
@@ -496,6 +497,10 @@ class FileShares:
     def __init__(self, divisor: int, least: int, most: int) -> None:
         self.divisor, self.least, self.most = divisor, least, most
         self._live: weakref.WeakSet[Any] = weakref.WeakSet()
+        self._lock = threading.Lock()
+        reset_in_child(self)
+
+    def after_fork(self) -> None:
         self._lock = threading.Lock()
 
     def join(self, holder: Any) -> None:

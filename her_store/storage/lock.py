@@ -22,6 +22,7 @@ import weakref
 
 from her_store.checks import check_number
 from her_store.errors import CorruptStoreError, StoreLockedError
+from her_store.forks import reset_in_child
 from her_store.storage.base import Backend, WriterLock
 from her_store.storage.files import open_beneath, pid_alive, write_all
 
@@ -85,6 +86,7 @@ class _HeldLock(WriterLock):
         self._held = False
         self._pid = os.getpid()
         _LOCKS.add(self)
+        reset_in_child(self)
 
     def _record(self, expires: float | None = None) -> bytes:
         return json.dumps(
@@ -97,9 +99,14 @@ class _HeldLock(WriterLock):
             }
         ).encode()
 
+    def after_fork(self) -> None:
+        """In a child after fork: the lock is the parent's; the child neither holds nor releases it."""
+        if self._pid != os.getpid():
+            self._forked()
+
     @abc.abstractmethod
     def _forked(self) -> None:
-        """In a child after fork: the lock is the parent's; the child neither holds nor releases it."""
+        """Let go of what the child inherited of the parent's lock."""
 
 
 class FlockLock(_HeldLock):
@@ -354,12 +361,3 @@ class LeaseLock(_HeldLock):
 
 
 _LOCKS: weakref.WeakSet[_HeldLock] = weakref.WeakSet()
-
-
-def _after_fork_in_child() -> None:
-    for lock in list(_LOCKS):
-        if lock._pid != os.getpid():
-            lock._forked()
-
-
-os.register_at_fork(after_in_child=_after_fork_in_child)

@@ -157,6 +157,15 @@ class CachedArray:
             c = int(chunk[sel[0]])
             out[sel] = self._chunk(c)[rows[sel] - c * cr]
 
+    def after_fork(self) -> None:
+        """In a forked child: the lock made anew; the cache and the commits recorded dropped (a thread of the
+        parent may have been changing them)."""
+        self._lock = threading.Lock()
+        self._cache.clear()
+        self._bytes = 0
+        self._newest = np.full(0, -1, np.int64)
+        self._end = 0
+
     def evict_page_cache(self) -> None:
         """Empty the decoded-chunk cache, and drop local chunk files from the page cache (cold reads)."""
         with self._lock:

@@ -587,6 +587,14 @@ class FrameArray(CachedArray):
             self._fds[:] = -1
         self.OPEN.leave(self)
 
+    def after_fork(self) -> None:
+        super().after_fork()
+        self._files.clear()
+        self._maps.clear()
+        self._tags[:] = -1
+        self._fds[:] = -1
+        self._warm = 0
+
     def _close_oldest(self, k: int) -> None:
         """Forget the ``k`` least recently used open shards (under the lock); gathers holding them finish first."""
         open_ = np.fromiter(self._files, np.int64, len(self._files))

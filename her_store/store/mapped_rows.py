@@ -122,6 +122,10 @@ class MappedArray:
                               "cut short under its mapping)")
             raise CorruptStoreError(f"{self.backend}/{key}: row {row} is outside the chunk")
 
+    def after_fork(self) -> None:
+        """In a forked child: the lock made anew (the mappings stay; each is the child's too)."""
+        self._lock = threading.Lock()
+
     def evict_page_cache(self) -> None:
         """Drop this array's pages from memory, for cold-start measurements: the mapping's pages (MADV_DONTNEED;
         mapped pages survive fadvise) and then the file's page cache (written back first, POSIX_FADV_DONTNEED)."""

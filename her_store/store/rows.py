@@ -32,6 +32,7 @@ import numpy as np
 
 from her_store.checks import check_int
 from her_store.errors import StoreError
+from her_store.forks import reset_in_child
 from her_store.store.cached_rows import CachedArray, RangedArray
 from her_store.store.frame_rows import FrameArray
 from her_store.store.index import IndexView
@@ -95,6 +96,7 @@ class ChunkReader:
         self._threads_pid = -1
         self._end = 0  # one past the newest episode id observed
         self._lock = threading.Lock()
+        reset_in_child(self)
 
     @property
     def _pool(self) -> ThreadPoolExecutor | None:
@@ -199,6 +201,15 @@ class ChunkReader:
             for arr in cached:
                 arr.committed(view.first + k, view.start_rows[k:], view.lengths[k:], view.end)
             self._end = view.end
+
+    def after_fork(self) -> None:
+        """In a forked child: the locks made anew, and what the parent's gathers may have been changing (caches,
+        open shards, the commits recorded) dropped, to be read again; the next :meth:`observe` records every
+        committed episode."""
+        self._lock = threading.Lock()
+        self._end = 0
+        for arr in self.arrays.values():
+            arr.after_fork()
 
     def evict_page_cache(self) -> None:
         """Make the next reads cold: page cache of local arrays dropped, decoded-chunk caches emptied."""

@@ -438,6 +438,54 @@ def test_a_forked_child_gathers_with_threads_of_its_own(tmp_path):
     store.close()
 
 
+@pytest.mark.parametrize("codec", ["lz4", "raw", "zstd"])  # FrameArray, MappedArray, CachedArray
+def test_a_forked_child_gathers_though_a_thread_of_the_parent_held_the_readers_locks(tmp_path, codec):
+    """A thread of the parent (a prefetching sampler's producer, a gather on the reader's threads) holds the locks of
+    the reader and its arrays at the moment of a fork: in the child that thread is gone and its locks stayed held,
+    so the child's first gather waited forever. The child makes them anew and reads every row right."""
+    import signal
+    import threading
+
+    import zarr
+
+    compressors = {"lz4": None, "raw": {"pixels": None}, "zstd": {"pixels": zarr.codecs.ZstdCodec(level=1)}}[codec]
+    store, reader, want = _big_store_reader(tmp_path / "s", compressors)
+    path = store.layout.fields["pixels"][0].path
+    arr = reader.arrays[path]
+    rows = np.arange(len(want))
+    assert np.array_equal(reader.gather(path, rows).reshape(want.shape), want)
+    locks = [reader._lock, arr._lock, *(shares._lock for shares in (getattr(arr, "MAPS", None),
+                                                                   getattr(arr, "OPEN", None)) if shares)]
+    held, release = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        for lock in locks:
+            lock.acquire()
+        held.set()
+        release.wait()
+        for lock in locks:
+            lock.release()
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    assert held.wait(60)
+    pid = os.fork()
+    if pid == 0:  # the child: exit 0 when its gathers are right, 1 otherwise; a hang is ended by the alarm
+        signal.signal(signal.SIGALRM, signal.SIG_DFL)
+        signal.alarm(60)
+        reader.observe(store.snapshot())
+        ok = all(np.array_equal(reader.gather(path, rows[::step]).reshape(want[::step].shape),
+                                want[::step]) for step in (1, 3))
+        os._exit(0 if ok else 1)
+    release.set()
+    holder.join()
+    status = os.waitpid(pid, 0)[1]
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, f"the child ended with status {status:#x}"
+    assert np.array_equal(reader.gather(path, rows).reshape(want.shape), want)
+    reader.close()
+    store.close()
+
+
 def test_a_mapped_shard_a_commit_replaced_still_reads_what_was_committed(tmp_path, monkeypatch):
     """A ring rewrites its shards while a sampler in another handle decodes from their mappings (on C threads): a
     shard replaced by a rename leaves the old mapping whole (no SIGBUS, no bytes of the new file under old offsets),
