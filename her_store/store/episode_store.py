@@ -241,18 +241,19 @@ class EpisodeStore:
         """
         loc = open_backend(path_or_url, storage_options)
         self = cls(loc, mode, durability, commit_interval)
-        root = open_root(loc, read_only=mode == "r")
-        attrs = check_attrs(root.attrs.asdict(), str(loc))
-        if mode == "a":
-            self._lock = loc.writer_lock(LOCK_KEY, lease_ttl)
-            self._lock.acquire()
         try:
+            root = open_root(loc, read_only=mode == "r")
+            attrs = check_attrs(root.attrs.asdict(), str(loc))
             if mode == "a":
+                lock = loc.writer_lock(LOCK_KEY, lease_ttl)
+                lock.acquire()
+                self._lock = lock
                 loc.remove_temp_files()  # what a writer killed in an atomic write left (a shard, a commit record)
             self._attach(root, attrs, read_commit(loc, attrs["format_version"]))
-        except BaseException:
+        except BaseException:  # the store owns its backend, as close() does: what it opened is let go
             if self._lock is not None:
                 self._lock.release()
+            loc.close()
             raise
         return self
 

@@ -58,3 +58,31 @@ def test_the_tools_refuse_abbreviated_options(tmp_path, tool, argv, bad):
                           check=False, cwd=tmp_path, timeout=300)
     assert done.returncode == 2 and f"unrecognized arguments: {bad}" in done.stderr, done.stderr
     assert os.listdir(tmp_path) == []
+
+
+def test_a_command_reading_over_http_says_one_line_and_leaves_no_open_session(tmp_path):
+    """Over HTTP, a command that fails says one line on stderr, and one that succeeds says nothing there: the HTTP
+    sessions of the reads end with the store (aiohttp's "Unclosed client session" notice at exit made them three)."""
+    from tests.conftest import fetch_spaces, make_episode
+    from tests.http_server import serving
+
+    obs, act = fetch_spaces()
+    with EpisodeStore.create(tmp_path / "served" / "store", obs, act) as store:
+        store.append_episode(make_episode(obs, act, 5, seed=0))
+
+    def cli(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "her_store.cli", *args], capture_output=True, text=True,
+                              cwd=ROOT, timeout=120, check=False)
+
+    with serving(str(tmp_path / "served")) as base:
+        good = cli("inspect", f"{base}/store")
+        assert good.returncode == 0 and good.stderr == "", good
+        out = str(tmp_path / "e.npz")
+        exported = cli("export", "--quiet", f"{base}/store", "--to", "npz", out)
+        assert exported.returncode == 0 and exported.stderr == "" and os.path.getsize(out) > 0, exported
+        for args in (("inspect", f"{base}/nothing"), ("verify", f"{base}/nothing"),
+                     ("copy", f"{base}/nothing", str(tmp_path / "c"))):
+            bad = cli(*args)
+            lines = bad.stderr.strip().splitlines()
+            assert bad.returncode == 2 and len(lines) == 1 and lines[0].startswith(f"her-store {args[0]}: "), bad
+            assert "no Zarr group" in lines[0], bad
