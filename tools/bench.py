@@ -230,7 +230,10 @@ def torchrl_filled(n_transitions: int):
     rb = HERReplayBuffer(reward_fn=reward_fn, storage=LazyMemmapStorage(n_transitions))
     block = 50_000
     rng = np.random.default_rng(4)
-    t = lambda a: torch.from_numpy(np.ascontiguousarray(a))
+
+    def t(a):
+        return torch.from_numpy(np.ascontiguousarray(a))
+
     for lo in range(0, n_transitions, block):
         n = min(block, n_transitions - lo)
         o = {k: rng.standard_normal((n, s.shape[0])).astype(np.float32) for k, s in OBS.spaces.items()}
@@ -335,7 +338,10 @@ def _disk_random_reads_per_s(workdir: str, size: int, threads: int, n: int, read
     try:
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
         pages = size // 4096 - span
-        parts = lambda a: np.array_split(a, threads)
+
+        def parts(a):
+            return np.array_split(a, threads)
+
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         offs = rng.choice(pages, n, replace=False) * 4096
         t = time.perf_counter()
@@ -677,7 +683,9 @@ def _encode_ceiling(pool: list[dict[str, np.ndarray]], disk: float) -> dict[str,
         for t in sorted({1, threads}):
             written, start = 0, time.perf_counter()
             for _ in range(4):
-                encode = lambda f: sum(map(len, _kernels.encode_lz4(f, nbytes, 1)))
+                def encode(f):
+                    return sum(map(len, _kernels.encode_lz4(f, nbytes, 1)))
+
                 written += sum(ex.map(encode, frames) if t > 1 else map(encode, frames))
             seconds = time.perf_counter() - start
             out[f"writer: LZ4 encode alone, {t} thread(s), compressed MB/s"] = written / seconds / 1e6
@@ -1111,7 +1119,10 @@ def bench_sb3_train(workdir: str, quick: bool) -> dict[str, Any]:
 
     steps, chunk = (400, 200) if quick else (5_000, 500)
     torch.set_num_threads(1)  # both runs alike; a small MLP is fastest on one thread
-    make_env = lambda: gym.make("her_store/PointGoal-v0")
+
+    def make_env():
+        return gym.make("her_store/PointGoal-v0")
+
     models = {
         name: SAC(
             "MultiInputPolicy", make_env(), replay_buffer_class=cls, learning_starts=200, seed=0, device="cpu",

@@ -38,7 +38,10 @@ def collect(store: EpisodeStore, env_id: str, n_envs: int, steps: int, seed: int
     for i, env in enumerate(envs):
         env.action_space.seed(seed + i)
     writer = store.writer(n_envs)
-    stack = lambda dicts: {k: np.stack([d[k] for d in dicts]) for k in dicts[0]}
+
+    def stack(dicts):
+        return {k: np.stack([d[k] for d in dicts]) for k in dicts[0]}
+
     bar = progress_bar(steps, "collecting", progress, unit="step")
     for _ in range(steps):
         actions = np.stack([env.action_space.sample() for env in envs])

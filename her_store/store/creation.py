@@ -26,8 +26,8 @@ from her_store.errors import (
     StoreExistsError,
     short_repr,
 )
-from her_store.format.frames import frame_codecs, lz4_codec
 from her_store.format.commit_record import Commit
+from her_store.format.frames import frame_codecs, lz4_codec
 from her_store.format.keys import ATTRS_KEY, COMMIT_KEY, LOCK_KEY, MARKER_KEY, is_chunk_key
 from her_store.format.layout import INDEX_COLUMNS, MAX_COUNT, Layout, check_array, check_attrs
 from her_store.format.schema import Schema

@@ -34,19 +34,19 @@ from her_store.format.layout import FORMAT_VERSION, INDEX_COLUMNS, check_attrs, 
 from her_store.format.schema import Schema, validate_episode
 from her_store.storage import Backend, open_backend
 from her_store.storage.lock import DEFAULT_LEASE_TTL, WriterLock
-from her_store.store.chunk_io import episode_rows, RawChunkFile, ZarrChunks, chunk_io
+from her_store.store.chunk_io import RawChunkFile, ZarrChunks, chunk_io, episode_rows
 from her_store.store.commit import Committer
 from her_store.store.creation import (
-    make_store,
     checked_arrays,
+    make_store,
     open_root,
     plan_arrays,
     plan_nodes,
     ring_sizes,
 )
 from her_store.store.episode import Episode
-from her_store.store.frame_writer import FrameWriter
 from her_store.store.following import CommitFollower, RowSpace, read_commit
+from her_store.store.frame_writer import FrameWriter
 from her_store.store.index import EpisodeIndex, IndexView
 from her_store.store.step_writer import StepWriter
 

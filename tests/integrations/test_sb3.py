@@ -248,7 +248,9 @@ class Float64Goal(gym.Env):
     """A goal env whose spaces are all float64 (SB3 casts the actions it stores to float32, not the observations)."""
 
     def __init__(self) -> None:
-        box = lambda n: spaces.Box(-1, 1, (n,), np.float64)
+        def box(n):
+            return spaces.Box(-1, 1, (n,), np.float64)
+
         self.observation_space = spaces.Dict({"observation": box(3), "achieved_goal": box(2), "desired_goal": box(2)})
         self.action_space = box(2)
         self.t = 0

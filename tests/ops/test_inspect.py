@@ -37,7 +37,9 @@ def _json(capsys, *args: str) -> dict:
 
 def _image_store(path: str, lengths: list[int]) -> list[dict]:
     """A store with a compressed image observation (a smooth pattern that LZ4 shrinks) and is_success."""
-    box = lambda shape: spaces.Box(-np.inf, np.inf, shape, np.float32)
+    def box(shape):
+        return spaces.Box(-np.inf, np.inf, shape, np.float32)
+
     obs = spaces.Dict({"observation": spaces.Box(0, 255, (48, 48, 3), np.uint8), "achieved_goal": box((2,)),
                        "desired_goal": box((2,))})
     act = spaces.Box(-1, 1, (2,), np.float32)

@@ -341,7 +341,10 @@ def test_other_spaces_sample_with_their_dtypes(tmp_path, case):
     with EpisodeStore.create(tmp_path / "s", obs, act) as store:
         for e in eps:
             store.append_episode(e)
-        rf = lambda a, d, i: -(np.abs(np.asarray(a, np.float32) - np.asarray(d, np.float32)).sum(-1) > 0).astype(np.float32)
+
+        def rf(a, d, i):
+            return -(np.abs(np.asarray(a, np.float32) - np.asarray(d, np.float32)).sum(-1) > 0).astype(np.float32)
+
         b = HerSampler(store, 300, reward_fn=rf, seed=0).sample()
         for k in obs.spaces:
             assert b.observations[k].dtype == torch.from_numpy(np.zeros(1, eps[0][k].dtype)).dtype

@@ -29,7 +29,10 @@ def assert_rows_are_the_stores(b, eps) -> None:
     """Every row of the batch is its episode's row at (episode_id, step); relabelled goals come from the same
     episode at or after the step (future), and every relabelled reward is recomputed for its new goal."""
     ids, t = b.episode_ids.numpy(), b.steps.numpy()
-    at = lambda key, d=0: np.stack([eps[e][key][k + d] for e, k in zip(ids, t)])
+
+    def at(key, d=0):
+        return np.stack([eps[e][key][k + d] for e, k in zip(ids, t)])
+
     for k in ("observation", "achieved_goal"):
         np.testing.assert_array_equal(b.observations[k].numpy(), at(k))
         np.testing.assert_array_equal(b.next_observations[k].numpy(), at(k, 1))

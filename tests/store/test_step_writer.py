@@ -126,8 +126,13 @@ def test_cut_resets_ends_the_episode_of_an_env_whose_obs_does_not_follow_its_las
     obs, act = fetch
     eps = [make_episode(obs, act, 6, seed=e) for e in range(2)]
     eps[1]["observation"][:, 0] = np.nan
-    row = lambda t: {k: np.stack([e[k][t] for e in eps]) for k in obs.spaces}
-    action = lambda t: np.stack([e["action"][t] for e in eps])
+
+    def row(t):
+        return {k: np.stack([e[k][t] for e in eps]) for k in obs.spaces}
+
+    def action(t):
+        return np.stack([e["action"][t] for e in eps])
+
     no = np.zeros(2, bool)
     with EpisodeStore.create(store_path, obs, act) as store:
         w = store.writer(2)
@@ -201,7 +206,9 @@ def test_plain_python_values_take_the_converting_path(store_path):
 
 def _steps(ep: dict, keys, t: int, n_envs: int) -> tuple:
     """Step ``t`` of ``ep`` for every env: (obs, next_obs, action, reward, terminated, truncated) with n_envs rows."""
-    rows = lambda a: np.repeat(a[t : t + 1], n_envs, axis=0)
+    def rows(a):
+        return np.repeat(a[t : t + 1], n_envs, axis=0)
+
     obs = {k: rows(ep[k]) for k in keys}
     nxt = {k: np.repeat(ep[k][t + 1 : t + 2], n_envs, axis=0) for k in keys}
     return obs, nxt, rows(ep["action"]), rows(ep["reward"]), rows(ep["terminated"]), rows(ep["truncated"])
@@ -297,10 +304,13 @@ def test_an_episode_longer_than_the_capacity_is_dropped_and_its_env_writes_again
     long_ep, short = make_episode(obs, act, 6, seed=1), make_episode(obs, act, 2, seed=2)
     with EpisodeStore.create(store_path, obs, act, capacity=5) as store:
         w = store.writer(2)
-        both = lambda a, b: tuple(
-            {k: np.concatenate([x[k], y[k]]) for k in x} if isinstance(x, dict) else np.concatenate([x, y])
-            for x, y in zip(a, b)
-        )
+
+        def both(a, b):
+            return tuple(
+                {k: np.concatenate([x[k], y[k]]) for k in x} if isinstance(x, dict) else np.concatenate([x, y])
+                for x, y in zip(a, b)
+            )
+
         for t in range(5):
             w.add(*both(_steps(long_ep, obs.spaces, t, 1), _steps(short, obs.spaces, t % 2, 1)))
         assert w.episode_ids == [0, 1] and list(w.pending_steps) == [5, 1]
@@ -526,7 +536,10 @@ def _step(eps, t):
     keys = [k for k in eps[0] if len(eps[0][k]) == len(eps[0]["action"]) + 1]
     obs = {k: np.stack([ep[k][s] for ep, s in zip(eps, t)]) for k in keys}
     nxt = {k: np.stack([ep[k][s + 1] for ep, s in zip(eps, t)]) for k in keys}
-    col = lambda name: np.stack([ep[name][s] for ep, s in zip(eps, t)])
+
+    def col(name):
+        return np.stack([ep[name][s] for ep, s in zip(eps, t)])
+
     return obs, nxt, col("action"), col("reward"), col("terminated"), col("truncated")
 
 
@@ -650,8 +663,13 @@ def test_cut_resets_holds_on_every_path_of_an_add(store_path, fetch):
     obs, act = fetch
     T = 8
     eps = [make_episode(obs, act, T, seed=e) for e in range(2)]
-    row = lambda t: {k: np.stack([e[k][t] for e in eps]) for k in obs.spaces}
-    action = lambda t: np.stack([e["action"][t] for e in eps])
+
+    def row(t):
+        return {k: np.stack([e[k][t] for e in eps]) for k in obs.spaces}
+
+    def action(t):
+        return np.stack([e["action"][t] for e in eps])
+
     no, zero = np.zeros(2, bool), np.zeros(2, np.float32)
     with EpisodeStore.create(store_path, obs, act) as store:
         w = store.writer(2)

@@ -208,13 +208,27 @@ def test_episode_longer_than_capacity_is_refused(store_path, fetch):
 def _bad_episodes(obs, act):
     good = make_episode(obs, act, 5, seed=0)
     cases = {}
-    e = dict(good); del e["desired_goal"]; cases["missing key"] = (e, r"missing \['desired_goal'\]")
-    e = dict(good); e["bonus"] = np.zeros(5); cases["extra key"] = (e, r"unexpected \['bonus'\]")
-    e = dict(good); e["observation"] = good["observation"][:, :4]; cases["wrong shape"] = (e, r"'observation' has shape \(6, 4\), expected \(6, 10\)")
-    e = dict(good); e["achieved_goal"] = good["achieved_goal"][:5]; cases["T mismatch obs"] = (e, r"'achieved_goal' has shape \(5, 3\), expected \(6, 3\)")
-    e = dict(good); e["reward"] = good["reward"][:4]; cases["T mismatch step"] = (e, r"'reward' has shape \(4,\), expected \(5,\)")
-    e = dict(good); e["terminated"] = np.zeros(5, np.float32); cases["wrong dtype"] = (e, "'terminated' has dtype float32, expected bool")
-    e = dict(good); e["action"] = np.zeros((0, 4), np.float32); cases["empty"] = (e, "at least one step")
+    e = dict(good)
+    del e["desired_goal"]
+    cases["missing key"] = (e, r"missing \['desired_goal'\]")
+    e = dict(good)
+    e["bonus"] = np.zeros(5)
+    cases["extra key"] = (e, r"unexpected \['bonus'\]")
+    e = dict(good)
+    e["observation"] = good["observation"][:, :4]
+    cases["wrong shape"] = (e, r"'observation' has shape \(6, 4\), expected \(6, 10\)")
+    e = dict(good)
+    e["achieved_goal"] = good["achieved_goal"][:5]
+    cases["T mismatch obs"] = (e, r"'achieved_goal' has shape \(5, 3\), expected \(6, 3\)")
+    e = dict(good)
+    e["reward"] = good["reward"][:4]
+    cases["T mismatch step"] = (e, r"'reward' has shape \(4,\), expected \(5,\)")
+    e = dict(good)
+    e["terminated"] = np.zeros(5, np.float32)
+    cases["wrong dtype"] = (e, "'terminated' has dtype float32, expected bool")
+    e = dict(good)
+    e["action"] = np.zeros((0, 4), np.float32)
+    cases["empty"] = (e, "at least one step")
     cases["not a mapping"] = ([1, 2], "mapping")
     return good, cases
 
