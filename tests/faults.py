@@ -5,8 +5,8 @@ under the store's directory, the raw writes of files opened with ``open`` under 
 Python's buffered files write through them), zarr's local ``_put`` (array metadata, compressed chunks) under it, and
 s3fs PUTs (``_pipe_file``) under the store's URL; with ``renames``, also the ``os.replace``/``os.rename`` that puts a
 written temp file or directory in place (a whole-object write); with ``removals``, also each ``os.unlink``/``os.remove``
-/``os.rmdir`` of an entry under the store (``shutil.rmtree`` removes through them), named by its ``dir_fd`` when given. ``under`` narrows all of these to one part of the
-store, such as one sharded array's shards. Modes:
+/``os.rmdir`` of an entry under the store (``shutil.rmtree`` removes through them), named by its ``dir_fd`` when given.
+``under`` narrows all of these to one part of the store, such as one sharded array's shards. Modes:
 
 - ``short``: that call writes half of its bytes and returns the short count (a whole-object write raises ENOSPC
   instead); every later write raises ENOSPC: a disk filling up.

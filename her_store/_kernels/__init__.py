@@ -1,8 +1,8 @@
 """The kernels of her_store's hot paths (batch LZ4 decoding and encoding of image rows, gathers from mapped files,
 crc32 runs, shard bodies), from the one place that chooses them.
 
-They are the C extension's (her_store._kernels._frames, built from her_store/_kernels/_frames.c where a C compiler was found at
-install) when it imports and the environment variable HER_STORE_PURE is not ``1``; else their pure-Python twins
+They are the C extension's (her_store._kernels._frames, built from her_store/_kernels/_frames.c where a C compiler was
+found at install) when it imports and the environment variable HER_STORE_PURE is not ``1``; else their pure-Python twins
 (her_store._kernels.pure: numpy, numcodecs' LZ4, zlib's crc32), which take the same arguments and give the same
 answers, slower; a file cut short in place during a gather from its mapping is survived by the compiled path only.
 ``COMPILED`` tells which are live. Modules call them through this module (``_kernels.map_lz4(...)``), so that a

@@ -41,7 +41,9 @@ def parse_selection(text: str | None, first: int, end: int) -> np.ndarray:
     for item in text.split(","):
         m = _ITEM.match(item)
         if m is None or (m.group(1) is None and m.group(2) is None):
-            raise ValueError(f"episode selection item {item.strip()!r} is not an id N or a range A:B (e.g. '0:100,250,-10:')")
+            raise ValueError(
+                f"episode selection item {item.strip()!r} is not an id N or a range A:B (e.g. '0:100,250,-10:')"
+            )
         a, colon, b = m.groups()
         if colon is None:
             i = int(a)

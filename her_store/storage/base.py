@@ -256,8 +256,8 @@ class Backend(abc.ABC):
         return 1
 
     def open_range(self, key: str) -> tuple[io.FileIO, int, int]:
-        """``key``'s bytes as (an open file, closed by the caller or when its last holder lets go of it, their offset in it, their size), on a :attr:`mappable`
-        backend: a file of its own, or a member of a zip archive.
+        """``key``'s bytes as (an open file, closed by the caller or when its last holder lets go of it, their offset in
+        it, their size), on a :attr:`mappable` backend: a file of its own, or a member of a zip archive.
 
         Raises
         ------

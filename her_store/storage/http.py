@@ -258,7 +258,9 @@ def http_filesystem() -> type:
                             )
                         cap = want + 1  # one byte past the range tells a server that sends more than it names
                     elif r.content_length is not None and r.content_length > limit:
-                        raise CorruptStoreError(f"{url} holds {r.content_length:,} bytes, more than the {limit:,} it may")
+                        raise CorruptStoreError(
+                            f"{url} holds {r.content_length:,} bytes, more than the {limit:,} it may"
+                        )
                     else:  # a whole object: of one sent for a range bytes=a-b, the range lies in its first b + 1 bytes
                         cap = min(int(closed[2]) + 1, limit + 1) if closed else limit + 1
                     body = bytearray()

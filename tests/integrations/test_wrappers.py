@@ -617,7 +617,9 @@ def test_a_store_given_open_is_left_to_its_owner(tmp_path):
         running.step(zero)
     assert len(stored(tmp_path / "run")) == 1
     done.close()  # its episode ended: nothing left to write to the closed store
-    with pytest.warns(RecordingWarning, match=r"episode of 1 steps was dropped, not recorded \(StoreError: .*is closed"):
+    with pytest.warns(
+        RecordingWarning, match=r"episode of 1 steps was dropped, not recorded \(StoreError: .*is closed"
+    ):
         running.close()
     assert [(d.env, d.steps) for d in running.dropped] == [(0, 1)]
 

@@ -53,8 +53,12 @@ def test_interleaved_envs_produce_the_same_episodes(store_path, fetch, n_envs, i
     obs, act = fetch
     rng = np.random.default_rng(n_envs)
     per_env = [
-        [make_episode(obs, act, int(rng.integers(1, 40)), seed=100 * e + i, info_keys=("is_success",), terminated=bool(i % 2))
-         for i in range(5)]
+        [
+            make_episode(
+                obs, act, int(rng.integers(1, 40)), seed=100 * e + i, info_keys=("is_success",), terminated=bool(i % 2)
+            )
+            for i in range(5)
+        ]
         for e in range(n_envs)
     ]
     with EpisodeStore.create(store_path, obs, act, info_keys=["is_success"]) as store:
@@ -93,8 +97,12 @@ def test_eight_envs_append_image_episodes_into_shards_and_sampled_frames_are_the
             b = sampler.sample()
         ids, t = b.episode_ids.numpy(), b.steps.numpy()
         assert len(set(ids.tolist())) > 16
-        np.testing.assert_array_equal(b.observations["pixels"].numpy(), [model[e]["pixels"][s] for e, s in zip(ids, t)])
-        np.testing.assert_array_equal(b.next_observations["pixels"].numpy(), [model[e]["pixels"][s + 1] for e, s in zip(ids, t)])
+        np.testing.assert_array_equal(
+            b.observations["pixels"].numpy(), [model[e]["pixels"][s] for e, s in zip(ids, t)]
+        )
+        np.testing.assert_array_equal(
+            b.next_observations["pixels"].numpy(), [model[e]["pixels"][s + 1] for e, s in zip(ids, t)]
+        )
 
 
 def test_flush_partial_ends_unfinished_episodes_as_truncated(store_path, fetch):
@@ -106,7 +114,10 @@ def test_flush_partial_ends_unfinished_episodes_as_truncated(store_path, fetch):
             w.add(
                 {k: ep[k][t : t + 1] for k in obs.spaces},
                 {k: ep[k][t + 1 : t + 2] for k in obs.spaces},
-                ep["action"][t : t + 1], ep["reward"][t : t + 1], ep["terminated"][t : t + 1], ep["truncated"][t : t + 1],
+                ep["action"][t : t + 1],
+                ep["reward"][t : t + 1],
+                ep["terminated"][t : t + 1],
+                ep["truncated"][t : t + 1],
             )
         assert store.num_episodes == 0 and list(w.pending_steps) == [4]
         assert w.flush_partial() == [0]
@@ -412,7 +423,9 @@ BAD_VALUES = {
         r"has 16777217 at \(1, 0\), which float32 cannot hold exactly \(it would store 16777216\.0\)",
     ),
     "uint64 2**64 - 1 for float32": (
-        "observation", lambda a: _put(a, 2**64 - 1, np.uint64), r"has 18446744073709551615 at \(1, 0\), which float32 cannot hold exactly",
+        "observation",
+        lambda a: _put(a, 2**64 - 1, np.uint64),
+        r"has 18446744073709551615 at \(1, 0\), which float32 cannot hold exactly",
     ),
 }
 
@@ -453,7 +466,9 @@ def test_casts_that_keep_values_are_accepted(store_path):
     given["bits"] = ep["bits"].astype(bool)
     given["action"] = ep["action"].astype(np.uint8)
     given["reward"] = np.array([2**30, -(2**40), 7], np.int64)  # integers float32 holds exactly, however large
-    want = dict(ep, observation=given["observation"].astype(np.float32), reward=np.array([2**30, -(2**40), 7], np.float32))
+    want = dict(
+        ep, observation=given["observation"].astype(np.float32), reward=np.array([2**30, -(2**40), 7], np.float32)
+    )
     with EpisodeStore.create(store_path, obs, act, info_keys=info) as store:
         store.append_episode(given)
         w = store.writer(1)
@@ -517,7 +532,8 @@ def test_pending_gives_each_envs_unfinished_episode_as_append_episode_takes_it(s
         for t in range(3):
             obs = {k: np.stack([e[k][t] for e in eps]) for k in obs_space.spaces}
             nxt = {k: np.stack([e[k][t + 1] for e in eps]) for k in obs_space.spaces}
-            w.add(obs, nxt, *(np.stack([e[name][t] for e in eps]) for name in ("action", "reward", "terminated", "truncated")))
+            steps = (np.stack([e[name][t] for e in eps]) for name in ("action", "reward", "terminated", "truncated"))
+            w.add(obs, nxt, *steps)
         for env, ep in enumerate(eps):
             got = w.pending(env)
             for k in obs_space.spaces:

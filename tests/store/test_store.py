@@ -48,11 +48,15 @@ def _goal_obs(extra: dict | None = None, goal: spaces.Space | None = None) -> sp
 
 SPACE_CASES = {
     "box-float32": (_goal_obs(), spaces.Box(-1, 1, (4,), np.float32)),
-    "box-float64-2d": (_goal_obs({"joints": spaces.Box(-1, 1, (2, 3), np.float64)}), spaces.Box(-1, 1, (2, 2), np.float64)),
+    "box-float64-2d": (
+        _goal_obs({"joints": spaces.Box(-1, 1, (2, 3), np.float64)}), spaces.Box(-1, 1, (2, 2), np.float64)
+    ),
     "discrete": (_goal_obs({"mode": spaces.Discrete(5, start=-2)}), spaces.Discrete(7)),
     "multibinary": (_goal_obs({"bits": spaces.MultiBinary(6)}, goal=spaces.MultiBinary(4)), spaces.MultiBinary(3)),
     "multidiscrete": (_goal_obs({"grid": spaces.MultiDiscrete([3, 4, 5])}), spaces.MultiDiscrete([2, 9])),
-    "uint8-image": (_goal_obs({"pixels": spaces.Box(0, 255, (3, 16, 16), np.uint8)}), spaces.Box(-1, 1, (2,), np.float32)),
+    "uint8-image": (
+        _goal_obs({"pixels": spaces.Box(0, 255, (3, 16, 16), np.uint8)}), spaces.Box(-1, 1, (2,), np.float32)
+    ),
 }
 
 
@@ -480,7 +484,10 @@ def test_zarr_alone_reads_every_frame_of_sharded_images(tmp_path):
             n = table["length"] + 1
             rows = np.concatenate([np.arange(s, s + k) for s, k in zip(table["start_row"], n)])
             frames = np.concatenate(
-                [make_episode(obs, act, int(T), seed=eps[int(e)])["pixels"] for e, T in zip(table["episode_id"], table["length"])]
+                [
+                    make_episode(obs, act, int(T), seed=eps[int(e)])["pixels"]
+                    for e, T in zip(table["episode_id"], table["length"])
+                ]
             )
             np.savez(path + ".npz", rows=rows, frames=frames)
             cases.append(path)
@@ -604,7 +611,9 @@ def test_an_unfinished_create_is_told_from_damage_by_its_arrays_chunk_keys_alone
     EpisodeStore.create(store_path, obs, act).close()
     os.unlink(os.path.join(store_path, "commit.json"))
     os.makedirs(os.path.join(store_path, "notes", "c"))
-    strays = ("c.05", "c.5.0.0.0", "notes/c.\u00b2", "notes/c/7", "steps/pixels/c.\u00b2.0.0.0", "steps/pixels/c.05.0.0.0")
+    strays = (
+        "c.05", "c.5.0.0.0", "notes/c.\u00b2", "notes/c/7", "steps/pixels/c.\u00b2.0.0.0", "steps/pixels/c.05.0.0.0"
+    )
     for name in strays:
         Path(store_path, name).write_bytes(b"x")
     with pytest.raises(NotAStoreError, match="unfinished create"):
@@ -642,7 +651,8 @@ def test_a_compressed_field_named_zarr_json_is_refused_before_anything_is_writte
     with pytest.raises(SchemaMismatchError, match="cannot be named 'zarr.json'"):
         EpisodeStore.create(store_path, obs, act)
     assert not os.path.exists(store_path)
-    with EpisodeStore.create(store_path, obs, act, compressors={"zarr.json": None}) as store:  # packed: no array of its own
+    # packed: no array of its own
+    with EpisodeStore.create(store_path, obs, act, compressors={"zarr.json": None}) as store:
         ep = make_episode(obs, act, 3, seed=0)
         assert store.append_episode(ep) == 0
         assert_episode_equal(store.episode(0), ep)
