@@ -569,6 +569,47 @@ class _Check:
         found = (chunk_of(n, spec.separator, 1 + len(spec.row_shape)) for n in names)
         return sorted(c for c in found if c is not None and c >= first)
 
+    def _tail_chunk(self, spec: ArraySpec, c: int, ring: bool) -> bool | None:
+        """Whether chunk (shard) ``c`` of the tail (:meth:`_data_tail`) holds data past ``write_row``: False also where
+        that is not read (a ring's chunk, a compressed chunk that is no shard: those are only opened); None when it
+        cannot be read or written in place (cut short, undecodable, a link or something else in its place, a raw chunk
+        file with other names)."""
+        w, cr, rb = self.commit.write_row, spec.chunk_rows, spec.row_nbytes
+        if spec.compressed and not spec.sharded:
+            # version 1 chunks are not decoded past the commit (the next writer overwrites them), only opened
+            try:
+                self.loc.check_file(spec.chunk_key(c), shard_limit(cr, rb))
+            except CorruptStoreError:
+                return None
+            return False
+        skip = 0 if ring else max(w - c * cr, 0)
+        # a ring's raw chunk is only opened: whether it can be is all there is to know of it
+        start = 0 if spec.sharded else skip * rb
+        local_tail = not (spec.sharded or ring) and self.loc.mappable  # read past its holes (_holds_bytes)
+        whole = spec.sharded or not (ring or local_tail)
+        data, _, error = self._read(spec, c, start, None if whole else 0)
+        nonzero = None
+        if local_tail and error is None and data is not None:
+            try:
+                nonzero = self._holds_bytes(spec, c, start)
+            except (CorruptStoreError, OSError) as e:
+                error = str(e)
+        if spec.sharded and error is None and data is not None:
+            try:
+                offsets, _ = parse_index(data, cr, spec.chunk_key(c))
+            except CorruptStoreError as e:
+                error = str(e)
+        raw_linked = not spec.sharded and data is not None and self._links(spec, c) > 1
+        if error is not None or spec.chunk_entry(c) in self.report.damaged_files or raw_linked:
+            return None
+        if ring or data is None:
+            return False
+        if spec.sharded:
+            nonzero = (offsets[skip:] >= 0).any()
+        elif nonzero is None:
+            nonzero = np.frombuffer(data, np.uint8).any()
+        return bool(nonzero)
+
     def _data_tail(self) -> None:
         """What lies in chunks (shards) that hold no committed row, or past ``write_row`` of an unbounded store: rows
         there hold nothing (zeros, or rows a shard never wrote) unless a commit stopped before its record; and a chunk
@@ -577,49 +618,17 @@ class _Check:
         w, r = self.commit.write_row, self.report
         ring = self.store.capacity is not None
         for spec in self.store.layout.arrays:
-            cr, rb = spec.chunk_rows, spec.row_nbytes
+            cr = spec.chunk_rows
             live = set(self._chunks(spec))
             held, junk = [], []
             for c in self._existing(spec, 0 if ring else w // cr):
                 if ring and c in live:
                     continue  # checked with the committed rows; a ring's other rows are its evicted episodes'
-                if spec.compressed and not spec.sharded:
-                    # version 1 chunks are not decoded past the commit (the next writer overwrites them), only opened
-                    try:
-                        self.loc.check_file(spec.chunk_key(c), shard_limit(cr, rb))
-                    except CorruptStoreError:
-                        if c not in live and (ring or c * cr >= w):
-                            junk.append(c)
-                    continue
-                skip = 0 if ring else max(w - c * cr, 0)
-                # a ring's raw chunk is only opened: whether it can be is all there is to know of it
-                start = 0 if spec.sharded else skip * rb
-                local_tail = not (spec.sharded or ring) and self.loc.mappable  # read past its holes (_holds_bytes)
-                whole = spec.sharded or not (ring or local_tail)
-                data, _, error = self._read(spec, c, start, None if whole else 0)
-                nonzero = None
-                if local_tail and error is None and data is not None:
-                    try:
-                        nonzero = self._holds_bytes(spec, c, start)
-                    except (CorruptStoreError, OSError) as e:
-                        error = str(e)
-                if spec.sharded and error is None and data is not None:
-                    try:
-                        offsets, _ = parse_index(data, cr, spec.chunk_key(c))
-                    except CorruptStoreError as e:
-                        error = str(e)
-                raw_linked = not spec.sharded and data is not None and self._links(spec, c) > 1
-                if error is not None or spec.chunk_entry(c) in r.damaged_files or raw_linked:
+                holds = self._tail_chunk(spec, c, ring)
+                if holds is None:  # one holding committed rows is reported with them
                     if c not in live and (ring or c * cr >= w):
                         junk.append(c)
-                    continue  # one holding committed rows is reported with them
-                if ring or data is None:
-                    continue
-                if spec.sharded:
-                    nonzero = (offsets[skip:] >= 0).any()
-                elif nonzero is None:
-                    nonzero = np.frombuffer(data, np.uint8).any()
-                if nonzero:
+                elif holds:
                     held.append(c)
             if held:
                 r.tail_chunks[spec.path] = held
