@@ -136,7 +136,9 @@ def main(argv: list[str] | None = None) -> int:
             ray.init(address=args.address)
         try:
             t0 = time.perf_counter()
-            actors = [Actor.remote(root, f"actor-{k}", args.storage_options, seed=10_000 * k) for k in range(args.actors)]
+            actors = [
+                Actor.remote(root, f"actor-{k}", args.storage_options, seed=10_000 * k) for k in range(args.actors)
+            ]
             pending = [a.run.remote(args.seconds) for a in actors]
             seen = learn(root, args.storage_options, list(pending), args.batch_size)
             episodes = dict(zip((f"actor-{k}" for k in range(args.actors)), ray.get(pending)))

@@ -109,7 +109,9 @@ def main() -> None:
     path, capacity = sys.argv[1], int(sys.argv[2])
     if len(sys.argv) > 3:
         _kill_on(sys.argv[3], int(sys.argv[4]))
-    store = open_store(path, OBS, ACT, capacity=capacity or None, info_keys=["is_success"], chunk_rows=64, commit_interval=0.005)
+    store = open_store(
+        path, OBS, ACT, capacity=capacity or None, info_keys=["is_success"], chunk_rows=64, commit_interval=0.005
+    )
     i = store.end_episode
     print("start", i, flush=True)
     while True:

@@ -5,8 +5,8 @@ under the store's directory, the raw writes of files opened with ``open`` under 
 Python's buffered files write through them), zarr's local ``_put`` (array metadata, compressed chunks) under it, and
 s3fs PUTs (``_pipe_file``) under the store's URL; with ``renames``, also the ``os.replace``/``os.rename`` that puts a
 written temp file or directory in place (a whole-object write); with ``removals``, also each ``os.unlink``/``os.remove``
-/``os.rmdir`` of an entry under the store (``shutil.rmtree`` removes through them), named by its ``dir_fd`` when given. ``under`` narrows all of these to one part of the
-store, such as one sharded array's shards. Modes:
+/``os.rmdir`` of an entry under the store (``shutil.rmtree`` removes through them), named by its ``dir_fd`` when given.
+``under`` narrows all of these to one part of the store, such as one sharded array's shards. Modes:
 
 - ``short``: that call writes half of its bytes and returns the short count (a whole-object write raises ENOSPC
   instead); every later write raises ENOSPC: a disk filling up.
@@ -101,9 +101,19 @@ class WriteFaults:
         import zarr.storage._local as zlocal
 
         s3fs = _s3fs()
-        write, pwrite, fsync, replace, rename, real_open = os.write, os.pwrite, os.fsync, os.replace, os.rename, io.open
-        real_removals = {name: getattr(os, name) for name in ("unlink", "remove", "rmdir")}
-        put = zlocal._put
+        self._patch_fd_writes()
+        self._patch_renames()
+        if self.removals:
+            self._patch_removals()
+        self._patch_open()
+        self._patch_zarr_put(zlocal)
+        if s3fs is not None:
+            self._patch_s3_put(s3fs)
+        return self
+
+    def _patch_fd_writes(self) -> None:
+        """``os.write``, ``os.pwrite`` and ``os.fsync`` of a file under the prefix."""
+        write, pwrite, fsync = os.write, os.pwrite, os.fsync
 
         def p_write(fd: int, data: Any) -> int:
             if (path := self._ours_fd(fd)) and self._fault(False, path) == "short":
@@ -120,6 +130,14 @@ class WriteFaults:
                 self._fault(True, path)
             return fsync(fd)
 
+        self._patch(os, "write", p_write)
+        self._patch(os, "pwrite", p_pwrite)
+        self._patch(os, "fsync", p_fsync)
+
+    def _patch_renames(self) -> None:
+        """``os.replace`` and ``os.rename`` onto a path under the prefix, counted with ``renames``."""
+        replace, rename = os.replace, os.rename
+
         def p_replace(src: Any, dst: Any, *args: Any, **kwargs: Any) -> None:
             if self.renames and os.path.abspath(dst).startswith(self.prefix):
                 self._fault(True, os.path.abspath(dst))
@@ -130,6 +148,12 @@ class WriteFaults:
                 self._fault(True, os.path.abspath(dst))
             return rename(src, dst, *args, **kwargs)
 
+        self._patch(os, "replace", p_replace)
+        self._patch(os, "rename", p_rename)
+
+    def _patch_removals(self) -> None:
+        """``os.unlink``, ``os.remove`` and ``os.rmdir`` of an entry under the prefix (named by its ``dir_fd``)."""
+
         def removal(real: Callable[..., None]) -> Callable[..., None]:
             def p_remove(path: Any, *, dir_fd: int | None = None) -> None:
                 where = os.path.join(os.readlink(f"/proc/self/fd/{dir_fd}"), path) if dir_fd is not None else path
@@ -139,6 +163,12 @@ class WriteFaults:
 
             return p_remove
 
+        for name in ("unlink", "remove", "rmdir"):
+            self._patch(os, name, removal(getattr(os, name)))
+
+    def _patch_open(self) -> None:
+        """``open`` (and ``io.open``) of a file under the prefix for writing: its raw writes are counted."""
+        real_open = io.open
         faults = self
 
         class FaultyFile(io.FileIO):
@@ -146,47 +176,61 @@ class WriteFaults:
 
             def write(self, data: Any) -> int | None:
                 if faults._fault(False, str(self.name)) == "short":
-                    return super().write(memoryview(data).cast("B")[: max(1, len(memoryview(data).cast("B")) // 2)])
+                    view = memoryview(data).cast("B")
+                    return super().write(view[: max(1, len(view) // 2)])
                 return super().write(data)
 
-        def p_open(file: Any, mode: str = "r", buffering: int = -1, encoding: str | None = None, errors: str | None = None,
-                   newline: str | None = None, closefd: bool = True, opener: Any = None) -> Any:
-            if isinstance(file, int) or not set(mode) & set("wxa+") or not os.path.abspath(os.fsdecode(file)).startswith(self.prefix):
+        def p_open(
+            file: Any,
+            mode: str = "r",
+            buffering: int = -1,
+            encoding: str | None = None,
+            errors: str | None = None,
+            newline: str | None = None,
+            closefd: bool = True,
+            opener: Any = None,
+        ) -> Any:
+            if (
+                isinstance(file, int)
+                or not set(mode) & set("wxa+")
+                or not os.path.abspath(os.fsdecode(file)).startswith(self.prefix)
+            ):
                 return real_open(file, mode, buffering, encoding, errors, newline, closefd, opener)
             raw = FaultyFile(file, mode.replace("b", "").replace("t", ""), closefd=closefd, opener=opener)
             if buffering == 0:
                 return raw
-            buffered = (io.BufferedRandom if "+" in mode else io.BufferedWriter)(raw, buffering if buffering > 1 else io.DEFAULT_BUFFER_SIZE)
-            return buffered if "b" in mode else io.TextIOWrapper(buffered, encoding, errors, newline, line_buffering=buffering == 1)
+            buffered_class = io.BufferedRandom if "+" in mode else io.BufferedWriter
+            buffered = buffered_class(raw, buffering if buffering > 1 else io.DEFAULT_BUFFER_SIZE)
+            if "b" in mode:
+                return buffered
+            return io.TextIOWrapper(buffered, encoding, errors, newline, line_buffering=buffering == 1)
+
+        self._patch(io, "open", p_open)
+        self._patch(builtins, "open", p_open)
+
+    def _patch_zarr_put(self, zlocal: Any) -> None:
+        """zarr's local ``_put`` (array metadata, compressed chunks) of a path under the prefix."""
+        put = zlocal._put
 
         def p_put(path: Any, *args: Any, **kwargs: Any) -> Any:
             if str(path).startswith(self.prefix):
                 self._fault(True, str(path))
             return put(path, *args, **kwargs)
 
-        self._patch(os, "write", p_write)
-        self._patch(os, "pwrite", p_pwrite)
-        self._patch(os, "fsync", p_fsync)
-        self._patch(os, "replace", p_replace)
-        self._patch(os, "rename", p_rename)
-        if self.removals:
-            for name, real in real_removals.items():
-                self._patch(os, name, removal(real))
-        self._patch(io, "open", p_open)
-        self._patch(builtins, "open", p_open)
         self._patch(zlocal, "_put", p_put)
-        if s3fs is not None:
-            pipe = s3fs.S3FileSystem._pipe_file
 
-            async def p_pipe(fs: Any, path: str, *args: Any, **kwargs: Any) -> Any:
-                if path.startswith(self.prefix):
-                    self._fault(True, path)
-                return await pipe(fs, path, *args, **kwargs)
+    def _patch_s3_put(self, s3fs: Any) -> None:
+        """s3fs's PUTs (``_pipe_file``) of a key under the prefix."""
+        pipe = s3fs.S3FileSystem._pipe_file
 
-            self._patch(s3fs.S3FileSystem, "_pipe_file", p_pipe)
-            # a filesystem instance binds its sync methods (fs.pipe_file) to _pipe_file when it is made: new ones only
-            s3fs.S3FileSystem.clear_instance_cache()
-        return self
+        async def p_pipe(fs: Any, path: str, *args: Any, **kwargs: Any) -> Any:
+            if path.startswith(self.prefix):
+                self._fault(True, path)
+            return await pipe(fs, path, *args, **kwargs)
+
+        self._patch(s3fs.S3FileSystem, "_pipe_file", p_pipe)
+        # a filesystem instance binds its sync methods (fs.pipe_file) to _pipe_file when it is made: new ones only
+        s3fs.S3FileSystem.clear_instance_cache()
 
     def _patch(self, owner: Any, name: str, fn: Callable[..., Any]) -> None:
         self._saved.append((owner, name, getattr(owner, name)))
@@ -222,7 +266,8 @@ class FileSizeLimit:
     def __enter__(self) -> Self:
         soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
         self._saved = ((soft, hard), signal.signal(signal.SIGXFSZ, signal.SIG_IGN))
-        resource.setrlimit(resource.RLIMIT_FSIZE, (self.nbytes if hard == resource.RLIM_INFINITY else min(self.nbytes, hard), hard))
+        limit = self.nbytes if hard == resource.RLIM_INFINITY else min(self.nbytes, hard)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, hard))
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -309,7 +354,9 @@ def store_options(config: str, storage_options: dict[str, Any] | None) -> dict[s
     return kw
 
 
-def workload(config: str, path: str, first: int, count: int, storage_options: dict[str, Any] | None = None) -> list[int]:
+def workload(
+    config: str, path: str, first: int, count: int, storage_options: dict[str, Any] | None = None
+) -> list[int]:
     """Open (or create) the store and append episodes ``first .. first + count - 1`` with a commit after every
     second one; returns the ids appended before anything raised (then re-raises)."""
     from her_store import open_store

@@ -68,7 +68,10 @@ def step_stream(n: int, seed: int = 0) -> list[tuple]:
     r = -np.ones((n, 1), np.float32)
     term = np.zeros((n, 1), bool)
     trunc = (np.arange(n) % EP_LEN == EP_LEN - 1)[:, None]
-    return [({k: v[i] for k, v in o.items()}, {k: v[i + 1] for k, v in o.items()}, a[i], r[i], term[i], trunc[i]) for i in range(n)]
+    return [
+        ({k: v[i] for k, v in o.items()}, {k: v[i + 1] for k, v in o.items()}, a[i], r[i], term[i], trunc[i])
+        for i in range(n)
+    ]
 
 
 def median_rate(rounds: list[float]) -> float:
@@ -230,7 +233,10 @@ def torchrl_filled(n_transitions: int):
     rb = HERReplayBuffer(reward_fn=reward_fn, storage=LazyMemmapStorage(n_transitions))
     block = 50_000
     rng = np.random.default_rng(4)
-    t = lambda a: torch.from_numpy(np.ascontiguousarray(a))
+
+    def t(a):
+        return torch.from_numpy(np.ascontiguousarray(a))
+
     for lo in range(0, n_transitions, block):
         n = min(block, n_transitions - lo)
         o = {k: rng.standard_normal((n, s.shape[0])).astype(np.float32) for k, s in OBS.spaces.items()}
@@ -265,7 +271,8 @@ def _time_batches(fn: Callable[[], Any], n: int) -> float:
 
 
 def bench_sample_warm(workdir: str, quick: bool) -> dict[str, Any]:
-    """Warm page cache: batch 256 / 1024 transitions/s (future, n_sampled_goal=4, rewards recomputed) vs SB3 and TorchRL."""
+    """Warm page cache: batch 256 / 1024 transitions/s (future, n_sampled_goal=4, rewards recomputed) vs SB3 and
+    TorchRL."""
     from her_store import HerSampler
 
     n = 200_000 if quick else 1_000_000
@@ -335,7 +342,10 @@ def _disk_random_reads_per_s(workdir: str, size: int, threads: int, n: int, read
     try:
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
         pages = size // 4096 - span
-        parts = lambda a: np.array_split(a, threads)
+
+        def parts(a):
+            return np.array_split(a, threads)
+
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         offs = rng.choice(pages, n, replace=False) * 4096
         t = time.perf_counter()
@@ -368,7 +378,9 @@ def bench_sample_cold(workdir: str, quick: bool) -> dict[str, Any]:
     disk_rate = max(disk.values())
     store = EpisodeStore.open(filled_store(workdir, n))
     reads = _device_reads(store.url)
-    out: dict[str, Any] = {"stored transitions": n, "disk 4KiB reads/s (pread)": disk["pread"], "disk 4KiB reads/s (mmap)": disk["mmap"]}
+    out: dict[str, Any] = {
+        "stored transitions": n, "disk 4KiB reads/s (pread)": disk["pread"], "disk 4KiB reads/s (mmap)": disk["mmap"]
+    }
     for io_threads in (threads, 0):
         sampler = HerSampler(store, 1024, reward_fn=fetch_reward, seed=1, io_threads=io_threads)
         sampler.sample()  # maps the chunk files
@@ -513,7 +525,9 @@ def _image_compressors(spec: Any) -> Any:
     return spec
 
 
-def build_image_store(path: str, pool: list[dict[str, np.ndarray]], n: int, compressors: Any = None, progress: bool = False) -> str:
+def build_image_store(
+    path: str, pool: list[dict[str, np.ndarray]], n: int, compressors: Any = None, progress: bool = False
+) -> str:
     """A store of n image transitions: the pool's episodes appended round-robin (append_episode)."""
     n_eps = n // EP_LEN
     t = time.perf_counter()
@@ -584,7 +598,9 @@ def _cold_image_rate(store: EpisodeStore, batches: int, io_threads: int = 32) ->
     return IMG_BATCH / statistics.median(spent), disk_reads / (batches * IMG_BATCH), first
 
 
-def _cold_figures(workdir: str, store: EpisodeStore, frame_bytes: float, batches: int, file_size: int) -> dict[str, Any]:
+def _cold_figures(
+    workdir: str, store: EpisodeStore, frame_bytes: float, batches: int, file_size: int
+) -> dict[str, Any]:
     """Cold sampling against the disk's random-read rate at the compressed frame size, measured now."""
     read_bytes = int(np.ceil(frame_bytes))
     disk = _disk_random_reads_per_s(workdir, file_size, 32, 20_000, read_bytes)
@@ -677,7 +693,9 @@ def _encode_ceiling(pool: list[dict[str, np.ndarray]], disk: float) -> dict[str,
         for t in sorted({1, threads}):
             written, start = 0, time.perf_counter()
             for _ in range(4):
-                encode = lambda f: sum(map(len, _kernels.encode_lz4(f, nbytes, 1)))
+                def encode(f):
+                    return sum(map(len, _kernels.encode_lz4(f, nbytes, 1)))
+
                 written += sum(ex.map(encode, frames) if t > 1 else map(encode, frames))
             seconds = time.perf_counter() - start
             out[f"writer: LZ4 encode alone, {t} thread(s), compressed MB/s"] = written / seconds / 1e6
@@ -747,7 +765,9 @@ def bench_images(workdir: str, quick: bool) -> dict[str, Any]:
     # decode scaling: the same warm batches decoded in the calling thread (io_threads=0), then across one thread per
     # core (the default; io_threads=2 would also split the low-dimensional gathers, which costs more than it saves)
     decoders = {
-        f"{label} io_threads={t}": HerSampler(stores["rendered", label], IMG_BATCH, reward_fn=fetch_reward, seed=4, io_threads=t)
+        f"{label} io_threads={t}": HerSampler(
+            stores["rendered", label], IMG_BATCH, reward_fn=fetch_reward, seed=4, io_threads=t
+        )
         for label in DECODE
         if ("rendered", label) in stores
         for t in (0, None)
@@ -842,7 +862,8 @@ def _drop_store(path: str) -> None:
 
 
 def bench_inspect(workdir: str, quick: bool) -> dict[str, Any]:
-    """her-store inspect --json of a store of 1,000,000 episodes: in-process, and as a fresh process (imports included)."""
+    """her-store inspect --json of a store of 1,000,000 episodes: in-process, and as a fresh process (imports
+    included)."""
     import contextlib
     import io
     import subprocess
@@ -1031,9 +1052,12 @@ def bench_remote(workdir: str, quick: bool) -> dict[str, Any]:
                         first = time.perf_counter()
                         sampler.sample()
                         out[f"{name} {kind} first batch s"] = time.perf_counter() - first
-                        out[f"{name} {kind} transitions/s"] = IMG_BATCH / _time_batches(sampler.sample, 10 if quick else 30)
+                        seconds = _time_batches(sampler.sample, 10 if quick else 30)
+                        out[f"{name} {kind} transitions/s"] = IMG_BATCH / seconds
                 for kind in ("http", "s3"):
-                    out[f"{name} {kind} / local"] = out[f"{name} {kind} transitions/s"] / out[f"{name} local transitions/s"]
+                    out[f"{name} {kind} / local"] = (
+                        out[f"{name} {kind} transitions/s"] / out[f"{name} local transitions/s"]
+                    )
             shutil.rmtree(stores["images"])
     finally:
         http_server.terminate()
@@ -1065,7 +1089,10 @@ def bench_working_set(workdir: str, quick: bool) -> dict[str, Any]:
 
     with moto_s3() as opts:
         for name, path in stores.items():
-            with EpisodeStore.open(path) as store, HerSampler(store, IMG_BATCH, reward_fn=fetch_reward, seed=0) as local:
+            with (
+                EpisodeStore.open(path) as store,
+                HerSampler(store, IMG_BATCH, reward_fn=fetch_reward, seed=0) as local,
+            ):
                 for _ in range(20):
                     local.sample()
                 out[f"{name} local warm transitions/s"] = rate(local.sample)
@@ -1111,7 +1138,10 @@ def bench_sb3_train(workdir: str, quick: bool) -> dict[str, Any]:
 
     steps, chunk = (400, 200) if quick else (5_000, 500)
     torch.set_num_threads(1)  # both runs alike; a small MLP is fastest on one thread
-    make_env = lambda: gym.make("her_store/PointGoal-v0")
+
+    def make_env():
+        return gym.make("her_store/PointGoal-v0")
+
     models = {
         name: SAC(
             "MultiInputPolicy", make_env(), replay_buffer_class=cls, learning_starts=200, seed=0, device="cpu",
@@ -1204,7 +1234,8 @@ def bench_sb3_sample(workdir: str, quick: bool) -> dict[str, Any]:
 
 
 def bench_sb3_save(workdir: str, quick: bool) -> dict[str, Any]:
-    """save_replay_buffer (SB3's save_to_pkl), then load and first batch, of a full buffer: seconds and bytes, vs SB3."""
+    """save_replay_buffer (SB3's save_to_pkl), then load and first batch, of a full buffer: seconds and bytes, vs
+    SB3."""
     if (missing := _sb3_missing()) is not None:
         return missing
     from stable_baselines3.common.save_util import load_from_pkl, save_to_pkl

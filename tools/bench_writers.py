@@ -74,14 +74,21 @@ def writer(root: str, shard: str, seconds: float, options: dict[str, Any] | None
         store.append_episode(pool[n % len(pool)])
         n += 1
     store.close()
-    return {"episodes": n, "transitions": n * EP_LEN, "seconds": time.perf_counter() - t, "create": create, "run": dict(calls.counts)}
+    return {
+        "episodes": n,
+        "transitions": n * EP_LEN,
+        "seconds": time.perf_counter() - t,
+        "create": create,
+        "run": dict(calls.counts),
+    }
 
 
 def _run(root: str, n: int, seconds: float, options: dict[str, Any] | None) -> list[dict[str, Any]]:
     """``n`` writer processes into ``root``, started together once each has opened its shard."""
     procs = [
         subprocess.Popen(
-            [sys.executable, os.path.abspath(__file__), "--writer", root, f"actor-{k}", str(seconds), json.dumps(options)],
+            [sys.executable, os.path.abspath(__file__), "--writer", root, f"actor-{k}", str(seconds),
+             json.dumps(options)],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
         )
         for k in range(n)
@@ -152,9 +159,13 @@ def bench_writers(workdir: str, quick: bool) -> dict[str, Any]:
                         run.update(r["run"])
                     commits = max(run.pop("commits", 0), 1)
                     out[f"s3 N={n} commits/s per writer"] = commits / n / wall
-                    out[f"s3 N={n} requests per commit"] = " ".join(f"{k}={v / commits:.1f}" for k, v in sorted(run.items()))
+                    out[f"s3 N={n} requests per commit"] = " ".join(
+                        f"{k}={v / commits:.1f}" for k, v in sorted(run.items())
+                    )
                     if n == 1:
-                        out["s3 requests to create a shard"] = " ".join(f"{k}={v}" for k, v in sorted(runs[0]["create"].items()))
+                        out["s3 requests to create a shard"] = " ".join(
+                            f"{k}={v}" for k, v in sorted(runs[0]["create"].items())
+                        )
                         out["s3 bytes PUT per commit"] = _commit_bytes(f"{root}/shards/actor-0", opts)
                 else:
                     shutil.rmtree(root)

@@ -25,7 +25,9 @@ from her_store.store.episode_store import EpisodeStore
 __all__ = ["collect", "main"]
 
 
-def collect(store: EpisodeStore, env_id: str, n_envs: int, steps: int, seed: int = 0, progress: bool = True) -> list[int]:
+def collect(
+    store: EpisodeStore, env_id: str, n_envs: int, steps: int, seed: int = 0, progress: bool = True
+) -> list[int]:
     """Run a uniformly random policy in ``n_envs`` copies of ``env_id`` for ``steps`` steps, writing every episode.
 
     Envs are stepped the way SB3 does: an env that ends reports its terminal observation as ``next_obs`` and is
@@ -38,7 +40,10 @@ def collect(store: EpisodeStore, env_id: str, n_envs: int, steps: int, seed: int
     for i, env in enumerate(envs):
         env.action_space.seed(seed + i)
     writer = store.writer(n_envs)
-    stack = lambda dicts: {k: np.stack([d[k] for d in dicts]) for k in dicts[0]}
+
+    def stack(dicts):
+        return {k: np.stack([d[k] for d in dicts]) for k in dicts[0]}
+
     bar = progress_bar(steps, "collecting", progress, unit="step")
     for _ in range(steps):
         actions = np.stack([env.action_space.sample() for env in envs])

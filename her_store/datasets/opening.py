@@ -61,7 +61,9 @@ def open_store(
     Examples
     --------
     >>> store = open_store("runs/fetch", env.observation_space, env.action_space, capacity=1_000_000)  # doctest: +SKIP
-    >>> actor = open_store("s3://bucket/fetch", env.observation_space, env.action_space, shard="actor-7")  # doctest: +SKIP
+    >>> actor = open_store(  # doctest: +SKIP
+    ...     "s3://bucket/fetch", env.observation_space, env.action_space, shard="actor-7"
+    ... )
     """
     if shard is not None:
         return open_shard(path_or_url, observation_space, action_space, shard, **kwargs)

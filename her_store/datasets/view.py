@@ -223,4 +223,7 @@ class ShardedView:
     def __repr__(self) -> str:
         if self._closed:
             return f"ShardedView({self.url!r}, closed)"
-        return f"ShardedView({self.url!r}, {len(self._stores)} shards, {self.num_episodes} episodes, {len(self)} transitions)"
+        return (
+            f"ShardedView({self.url!r}, {len(self._stores)} shards, {self.num_episodes} episodes, "
+            f"{len(self)} transitions)"
+        )

@@ -32,7 +32,9 @@ CARD_FIELDS: dict[str, tuple[str, str]] = {
     "requirements": ("list", "pip requirements to use the dataset's environment"),
     "ref_min_score": ("number", "reference score of a random policy"),
     "ref_max_score": ("number", "reference score of an expert policy"),
-    "reward_function": ("str", "'module:function' computing reward(achieved_goal, desired_goal, info); never run on open"),
+    "reward_function": (
+        "str", "'module:function' computing reward(achieved_goal, desired_goal, info); never run on open"
+    ),
     "goal_keys": ("list", "[achieved key, desired key], default ['achieved_goal', 'desired_goal']"),
     "success_threshold": ("number", "distance under which a goal counts as reached"),
 }

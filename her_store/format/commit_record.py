@@ -65,7 +65,9 @@ class Commit:
         try:
             body = json.loads(raw)
         except (ValueError, RecursionError) as e:
-            raise CorruptStoreError(f"{where}: commit record {COMMIT_KEY} is unreadable ({e!r}); expected the JSON described in FORMAT.md") from e
+            raise CorruptStoreError(
+                f"{where}: commit record {COMMIT_KEY} is unreadable ({e!r}); expected the JSON described in FORMAT.md"
+            ) from e
         keys = {*names, "format_version", "crc32"}
         if not isinstance(body, dict) or body.keys() != keys:
             got = sorted(body) if isinstance(body, dict) else short_repr(body)
@@ -80,7 +82,9 @@ class Commit:
             raise CorruptStoreError(f"{where}: commit record {COMMIT_KEY} fails its crc32 check")
         found = body.pop("format_version")
         if found > FORMAT_VERSION:
-            raise FormatVersionError(f"{where}: commit record has format version {found}; this her_store reads up to {FORMAT_VERSION}")
+            raise FormatVersionError(
+                f"{where}: commit record has format version {found}; this her_store reads up to {FORMAT_VERSION}"
+            )
         if version is not None and found != version:
             raise CorruptStoreError(
                 f"{where}: commit record has format version {found}, the store's attributes {version}; they must agree"

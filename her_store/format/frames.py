@@ -110,7 +110,11 @@ class FrameCodec:
             if isinstance(c, LZ4):
                 config = dict(c.codec_config)
                 acceleration = config.pop("acceleration", 1)
-                if config.pop("id", "lz4") != "lz4" or config or not (type(acceleration) is int and 1 <= acceleration <= LZ4_MAX_ACCELERATION):
+                if (
+                    config.pop("id", "lz4") != "lz4"
+                    or config
+                    or not (type(acceleration) is int and 1 <= acceleration <= LZ4_MAX_ACCELERATION)
+                ):
                     raise CorruptStoreError(
                         f"{where}: numcodecs.lz4 configuration {short_repr(c.codec_config)}, expected only "
                         f"'acceleration', an integer 1..{LZ4_MAX_ACCELERATION}"
@@ -227,7 +231,9 @@ def frame_codecs(codecs: Any, field: Field) -> Any:
         Naming the field, what was given and what is supported.
     """
     items = list(codecs) if isinstance(codecs, (list, tuple)) else [codecs]
-    if len(items) != 1 or not (isinstance(items[0], (LZ4, zc.BloscCodec, zc.ZstdCodec, zc.GzipCodec)) or is_lossy(items[0])):
+    if len(items) != 1 or not (
+        isinstance(items[0], (LZ4, zc.BloscCodec, zc.ZstdCodec, zc.GzipCodec)) or is_lossy(items[0])
+    ):
         raise StoreError(
             f"compressors[{field.name!r}] is {items!r}; an image field takes one codec: 'lz4' (default), 'zstd', "
             "'jpeg', a zarr.codecs Blosc/Zstd/Gzip codec or numcodecs LZ4/Blosc/Zstd, or None for uncompressed"

@@ -44,7 +44,9 @@ if TYPE_CHECKING:
     from zarr.core.array_spec import ArraySpec
     from zarr.core.buffer import Buffer
 
-__all__ = ["ErrorReport", "JpegCodec", "JpegFrames", "check_frames", "error_report", "frame_codec", "is_lossy", "jpeg_codec"]
+__all__ = [
+    "ErrorReport", "JpegCodec", "JpegFrames", "check_frames", "error_report", "frame_codec", "is_lossy", "jpeg_codec"
+]
 
 CODEC_NAME = "her_store.jpeg"
 DEFAULT_QUALITY = 90
@@ -109,7 +111,9 @@ def check_frames(dtype: Any, shape: tuple[int, ...]) -> _Plan:
         c, h, w = shape if first else (shape[2], shape[0], shape[1])
         plan = _Plan((h, w, 3), first, False) if c == 3 else _Plan((c * h, w), first, True)
     if max(plan.image[:2]) > MAX_SIDE:
-        raise ValueError(f"frames of shape {shape} make a {plan.image[0]}x{plan.image[1]} JPEG; sides are at most {MAX_SIDE}")
+        raise ValueError(
+            f"frames of shape {shape} make a {plan.image[0]}x{plan.image[1]} JPEG; sides are at most {MAX_SIDE}"
+        )
     return plan
 
 
@@ -141,7 +145,8 @@ def _header(raw: bytes) -> tuple[int, int, int]:
 
 
 class JpegFrames:
-    """One frame at a time, as :class:`her_store.format.frames.FrameCodec` calls it: ``encode(row)`` and ``decode(raw, out)``.
+    """One frame at a time, as :class:`her_store.format.frames.FrameCodec` calls it: ``encode(row)`` and ``decode(raw,
+    out)``.
 
     Parameters
     ----------
@@ -260,7 +265,9 @@ class JpegCodec(BytesBytesCodec):
     def _frames_of(self, chunk_spec: ArraySpec) -> JpegFrames:
         shape = tuple(chunk_spec.shape)
         if len(shape) < 3 or shape[0] != 1:
-            raise ValueError(f"{CODEC_NAME} encodes chunks of one frame, shape (1, *frame); got chunks of shape {shape}")
+            raise ValueError(
+                f"{CODEC_NAME} encodes chunks of one frame, shape (1, *frame); got chunks of shape {shape}"
+            )
         return _frames(self.quality, chunk_spec.dtype.to_native_dtype().str, shape[1:])
 
     def _decode_sync(self, chunk_bytes: Buffer, chunk_spec: ArraySpec) -> Buffer:

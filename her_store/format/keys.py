@@ -48,9 +48,9 @@ def is_chunk_key(key: str) -> bool:
 
 
 def chunk_entry(path: str, chunk: int, ndim: int, separator: str) -> str:
-    """The entry of an array's directory tree that holds chunk ``chunk`` and nothing else: the file ``<path>/c.<i>.0...``
-    for ``"."``; for ``"/"``, ``<path>/c/<i>``, the chunk's own directory (or, for a 1-D array, its file). Removing it
-    removes the chunk, whatever is there, and never reaches past a link in its place."""
+    """The entry of an array's directory tree that holds chunk ``chunk`` and nothing else: the file
+    ``<path>/c.<i>.0...`` for ``"."``; for ``"/"``, ``<path>/c/<i>``, the chunk's own directory (or, for a 1-D array,
+    its file). Removing it removes the chunk, whatever is there, and never reaches past a link in its place."""
     return chunk_key(path, chunk, ndim, separator) if separator == "." else f"{path}/c/{chunk}"
 
 

@@ -94,8 +94,8 @@ class ArraySpec:
         return chunk_key(self.path, chunk, 1 + len(self.row_shape), self.separator)
 
     def chunk_entry(self, chunk: int) -> str:
-        """The entry that holds chunk (or shard) ``chunk`` and nothing else (:func:`~her_store.format.keys.chunk_entry`):
-        what removing the chunk removes."""
+        """The entry that holds chunk (or shard) ``chunk`` and nothing else
+        (:func:`~her_store.format.keys.chunk_entry`): what removing the chunk removes."""
         return chunk_entry(self.path, chunk, 1 + len(self.row_shape), self.separator)
 
     def to_json(self) -> dict[str, Any]:
@@ -170,7 +170,8 @@ class Layout:
     def describe(self) -> str:
         """The arrays in a line, as messages and ``her-store info`` show them."""
         return ", ".join(
-            f"{a.path} ({a.chunk_rows} rows/{'shard' if a.sharded else 'chunk'}{', compressed' if a.compressed else ''})"
+            f"{a.path} ({a.chunk_rows} rows/{'shard' if a.sharded else 'chunk'}"
+            f"{', compressed' if a.compressed else ''})"
             for a in self.arrays
         )
 
@@ -282,7 +283,9 @@ def parse_attrs(meta: Mapping[str, Any], where: str) -> StoreAttrs:
         raise CorruptStoreError(f"{where}: {ATTRS_KEY}.schema is invalid: {e}") from e
     version = meta.get("format_version")
     if not (is_count(version) and 1 <= version <= FORMAT_VERSION):
-        raise CorruptStoreError(f"{where}: {ATTRS_KEY}.format_version is {short_repr(version)}, expected 1..{FORMAT_VERSION}")
+        raise CorruptStoreError(
+            f"{where}: {ATTRS_KEY}.format_version is {short_repr(version)}, expected 1..{FORMAT_VERSION}"
+        )
     return StoreAttrs(schema, Layout.from_json(meta["layout"], schema, where, version), capacity, slots)
 
 

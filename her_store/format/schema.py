@@ -13,7 +13,9 @@ from gymnasium import spaces
 from her_store.checks import is_int, is_number
 from her_store.errors import EpisodeValidationError, SchemaMismatchError, short_repr
 
-__all__ = ["GOAL_KEYS", "STEP_KEYS", "Field", "Schema", "conform", "space_from_json", "space_to_json", "validate_episode"]
+__all__ = [
+    "GOAL_KEYS", "STEP_KEYS", "Field", "Schema", "conform", "space_from_json", "space_to_json", "validate_episode"
+]
 
 GOAL_KEYS = ("observation", "achieved_goal", "desired_goal")
 STEP_KEYS = ("action", "reward", "terminated", "truncated")
@@ -163,7 +165,8 @@ class Schema:
     ) -> None:
         if not isinstance(observation_space, spaces.Dict):
             raise SchemaMismatchError(
-                f"observation_space must be a gymnasium Dict with keys {GOAL_KEYS}, got {type(observation_space).__name__}"
+                f"observation_space must be a gymnasium Dict with keys {GOAL_KEYS}, "
+                f"got {type(observation_space).__name__}"
             )
         missing = [k for k in GOAL_KEYS if k not in observation_space.spaces]
         if missing:
@@ -190,17 +193,21 @@ class Schema:
             )
         bad = [
             n for n in names
-            if not n or any(c in n for c in "/\\\0") or n.startswith(("__", ".")) or len(n.encode("utf-8", "replace")) > MAX_NAME_BYTES
+            if not n
+            or any(c in n for c in "/\\\0")
+            or n.startswith(("__", "."))
+            or len(n.encode("utf-8", "replace")) > MAX_NAME_BYTES
         ]
         if bad:
             raise SchemaMismatchError(
-                f"field names {short_repr(bad)} cannot be Zarr array names (no '/', backslash or NUL, no leading '__' or "
-                f"'.', at most {MAX_NAME_BYTES} bytes of UTF-8: an image field is a directory named after it)"
+                f"field names {short_repr(bad)} cannot be Zarr array names (no '/', backslash or NUL, no leading "
+                f"'__' or '.', at most {MAX_NAME_BYTES} bytes of UTF-8: an image field is a directory named after it)"
             )
         ag, dg = (observation_space.spaces[k] for k in ("achieved_goal", "desired_goal"))
         if ag.shape != dg.shape or ag.dtype != dg.dtype:
             raise SchemaMismatchError(
-                f"achieved_goal {ag.shape} {ag.dtype} and desired_goal {dg.shape} {dg.dtype} must have the same shape and dtype"
+                f"achieved_goal {ag.shape} {ag.dtype} and desired_goal {dg.shape} {dg.dtype} must have the same "
+                "shape and dtype"
             )
         self.fields: tuple[Field, ...] = tuple(fields)
         self.by_name: dict[str, Field] = {f.name: f for f in fields}
@@ -271,9 +278,9 @@ def conform(value: np.ndarray, field: Field, value_range: tuple[Any, Any] | None
 
     Refused: a dtype that does not cast to the field's within its kind (float for an integer field, an integer
     for a flag); integers the field's dtype cannot hold (uint16 300 for uint8; int64 2**24 + 1 for float32, which
-    would store 2**24); finite floats that a narrower float dtype would turn into inf (float64 1e39 for float32); values outside ``value_range`` (a Discrete,
-    MultiDiscrete or MultiBinary space: see ``Schema.value_ranges``). NaN and inf given as such are kept.
-    Shapes are the caller's to check.
+    would store 2**24); finite floats that a narrower float dtype would turn into inf (float64 1e39 for float32); values
+    outside ``value_range`` (a Discrete, MultiDiscrete or MultiBinary space: see ``Schema.value_ranges``). NaN and inf
+    given as such are kept. Shapes are the caller's to check.
 
     Parameters
     ----------
@@ -499,7 +506,8 @@ def validate_episode(schema: Schema, episode: Mapping[str, Any]) -> tuple[int, d
         if a.shape[:1] != (rows,) or a.shape[1:] != f.shape:
             what = "T" if f.per_step else "T + 1"
             raise EpisodeValidationError(
-                f"field {f.name!r} has shape {a.shape}, expected {(rows, *f.shape)} ({what} rows with T={T} from 'action')"
+                f"field {f.name!r} has shape {a.shape}, expected {(rows, *f.shape)} "
+                f"({what} rows with T={T} from 'action')"
             )
         a = conform(a, f, schema.value_ranges.get(f.name), f"field {f.name!r}")
         out[f.name] = a if a.flags.c_contiguous else np.ascontiguousarray(a)

@@ -16,11 +16,12 @@ A local DEST is built in ``.NAME.copy-partial`` beside it (kept by an interrupte
 into place at the end; on object storage the manifest sits under DEST's prefix until ``commit.json`` is written.
 
 Sparse files: an uncompressed array's chunk files are full-size, the rows not yet written left as holes
-(storage.RawChunkFile). A local DEST leaves every page of zeros a hole too (:func:`her_store.storage.files.write_sparse`), so a
-copy takes about its source's disk space. Object storage has no holes, and Zarr reads an uncompressed chunk only whole,
-so such a chunk is sent whole, zeros included: only the chunks holding committed rows are sent at all, and the result
-counts the bytes sent and the zeros among them. A store meant for sharing sends less with compressed arrays (the
-default for images: their shards hold only the rows written) or smaller chunks (``chunk_rows``).
+(storage.RawChunkFile). A local DEST leaves every page of zeros a hole too
+(:func:`her_store.storage.files.write_sparse`), so a copy takes about its source's disk space. Object storage has no
+holes, and Zarr reads an uncompressed chunk only whole, so such a chunk is sent whole, zeros included: only the chunks
+holding committed rows are sent at all, and the result counts the bytes sent and the zeros among them. A store meant for
+sharing sends less with compressed arrays (the default for images: their shards hold only the rows written) or smaller
+chunks (``chunk_rows``).
 """
 
 from __future__ import annotations
@@ -99,7 +100,9 @@ class _Dest:
         else:
             self.loc = self.final
             if self.loc.exists(COMMIT_KEY):
-                raise StoreExistsError(f"{dest} already holds a store; copy to a new destination (nothing was overwritten)")
+                raise StoreExistsError(
+                    f"{dest} already holds a store; copy to a new destination (nothing was overwritten)"
+                )
 
     def manifest(self, identity: str) -> dict[str, list[Any]]:
         """The files an earlier run of this copy recorded; refuses a destination holding anything else."""
@@ -125,7 +128,9 @@ class _Dest:
                 ):
                     raise ValueError(f"its entry for {key!r} is {short_repr(entry)}, not [size, crc32, fingerprint]")
         except (ValueError, KeyError, TypeError) as e:
-            raise CorruptStoreError(f"{self.loc}/{MANIFEST_KEY} is not a copy manifest ({e}); delete it to start over") from e
+            raise CorruptStoreError(
+                f"{self.loc}/{MANIFEST_KEY} is not a copy manifest ({e}); delete it to start over"
+            ) from e
         if not same:
             raise StoreExistsError(
                 f"{self.loc} holds a copy in progress of another store; delete it or choose a new destination"
@@ -184,7 +189,9 @@ def _prune(loc: Backend, directory: str, keep: set[str]) -> None:
             wanted = key in keep and stat.S_ISREG(st.st_mode) or key in leads and stat.S_ISDIR(st.st_mode)
             if not wanted:
                 loc.remove(key)
-        dirs[:] = [n for n in dirs if (n if here == "." else f"{here}/{n}") in leads and os.path.isdir(os.path.join(d, n))]
+        dirs[:] = [
+            n for n in dirs if (n if here == "." else f"{here}/{n}") in leads and os.path.isdir(os.path.join(d, n))
+        ]
 
 
 def _read(loc: Backend, keys: list[str], limits: list[int]) -> list[bytes]:
@@ -220,7 +227,9 @@ def _plan(store: EpisodeStore) -> tuple[list[str], list[tuple[ArraySpec | None, 
     for spec in store.layout.arrays:
         cr = spec.chunk_rows
         span = (ends - 1) // cr - starts // cr + 1
-        used = np.unique(np.repeat(starts // cr, span) + np.arange(int(span.sum())) - np.repeat(np.cumsum(span) - span, span))
+        used = np.unique(
+            np.repeat(starts // cr, span) + np.arange(int(span.sum())) - np.repeat(np.cumsum(span) - span, span)
+        )
         chunks += [(spec, spec.chunk_key(int(c)), int(c)) for c in used.tolist()]
     slots = store.index.slots
     ids = table["episode_id"]
@@ -256,7 +265,9 @@ def _episode_bytes(spec: ArraySpec, chunk: int, raw: bytes, starts: np.ndarray, 
 def _identity(store: EpisodeStore) -> str:
     """What tells this store from another: its creation time, schema and layout (the card may change)."""
     attrs = store.attrs
-    return json.dumps({k: attrs[k] for k in ("created_at", "schema", "layout", "capacity", "index_slots")}, sort_keys=True)
+    return json.dumps(
+        {k: attrs[k] for k in ("created_at", "schema", "layout", "capacity", "index_slots")}, sort_keys=True
+    )
 
 
 @dataclass
@@ -267,7 +278,9 @@ class _Tally:
     zeros: int = 0
 
 
-def _copy_pass(store: EpisodeStore, out: _Dest, files: dict[str, list[Any]], tally: _Tally, progress: bool) -> np.ndarray:
+def _copy_pass(
+    store: EpisodeStore, out: _Dest, files: dict[str, list[Any]], tally: _Tally, progress: bool
+) -> np.ndarray:
     """Copy what the store's commit record needs (skipping files an earlier run copied whole); returns per live
     episode whether it failed its crc32 or its index rows as copied."""
     meta, chunks = _plan(store)
@@ -394,7 +407,8 @@ def copy_store(
             if not bad.any():
                 out.finish(commit.to_bytes(store.layout.version), set(files))
                 tail = verify(out.final.url, checksums=False, storage_options=out.final.storage_options)
-                if tail.tail_positions or tail.tail_chunks or tail.junk_chunks:  # rows the writer added past this commit meanwhile
+                # rows the writer added past this commit meanwhile
+                if tail.tail_positions or tail.tail_chunks or tail.junk_chunks:
                     with EpisodeStore.open(out.final.url, "a", out.final.storage_options) as copied:
                         clear_tail(copied, log=lambda line: None)
                 return CopyResult(
@@ -417,7 +431,9 @@ def copy_store(
         store.close()
 
 
-def _index_matches(store: EpisodeStore, pieces: Mapping[str, list[tuple[int, bytes]]], table: Mapping[str, np.ndarray]) -> np.ndarray:
+def _index_matches(
+    store: EpisodeStore, pieces: Mapping[str, list[tuple[int, bytes]]], table: Mapping[str, np.ndarray]
+) -> np.ndarray:
     """Per live episode: whether the index rows as copied are the ones the commit's open read (a ring reuses the
     slots of evicted episodes)."""
     ok = np.ones(len(table["episode_id"]), bool)
@@ -439,7 +455,9 @@ def _index_matches(store: EpisodeStore, pieces: Mapping[str, list[tuple[int, byt
 def add_arguments(parser: argparse.ArgumentParser, name: str) -> None:
     """``her-store copy SRC DEST``."""
     parser.add_argument("src", help="the store to copy: a local path, s3://bucket/name or http(s)://... (read only)")
-    parser.add_argument("dest", help="where to: a new local path or s3://bucket/name (an interrupted copy there resumes)")
+    parser.add_argument(
+        "dest", help="where to: a new local path or s3://bucket/name (an interrupted copy there resumes)"
+    )
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
     parser.epilog = (
         "Only the chunks holding committed rows are copied. An uncompressed array (the low-dimensional fields, by "
@@ -466,7 +484,8 @@ def _summary(r: CopyResult) -> str:
         else ""
     )
     return (
-        f"copied {r.episodes:,} episodes ({r.transitions:,} transitions, commit generation {r.generation}) to {r.dest}: "
+        f"copied {r.episodes:,} episodes ({r.transitions:,} transitions, commit generation {r.generation}) "
+        f"to {r.dest}: "
         f"{r.files_copied} files, {r.bytes_copied / 1e6:.1f} MB {'written' if local else 'sent'}{zeros} in "
         f"{r.seconds:.1f} s" + (f", {r.files_skipped} already copied by an earlier run" if r.files_skipped else "")
     )

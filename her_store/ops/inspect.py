@@ -330,7 +330,11 @@ def _summary_sections(s: Mapping[str, Any]) -> tuple[list[Section], list[str]]:
     overview: list[Sequence[str]] = [
         ("location", s["location"]),
         ("format", f"version {s['format_version']}"),
-        ("episodes", f"{s['episodes']:,}" + (f" (ids {s['first_episode']:,}..{s['end_episode'] - 1:,})" if s["episodes"] else "")),
+        (
+            "episodes",
+            f"{s['episodes']:,}"
+            + (f" (ids {s['first_episode']:,}..{s['end_episode'] - 1:,})" if s["episodes"] else ""),
+        ),
         ("transitions", f"{s['transitions']:,}"),
         ("capacity", capacity),
         ("commit", f"generation {c['generation']:,}, next row {c['write_row']:,} of {c['array_rows']:,}"),
@@ -352,7 +356,10 @@ def _summary_sections(s: Mapping[str, Any]) -> tuple[list[Section], list[str]]:
     ]
     sc = st["success"]
     outcome: list[Sequence[str]] = [
-        ("success rate", "-" if sc["rate"] is None else f"{sc['rate']:.1%} of {sc['known']:,} episodes with is_success"),
+        (
+            "success rate",
+            "-" if sc["rate"] is None else f"{sc['rate']:.1%} of {sc['known']:,} episodes with is_success",
+        ),
         ("terminated", f"{st['terminated']:,}"),
         ("truncated", f"{st['truncated']:,}"),
     ]

@@ -64,7 +64,9 @@ def _store_files(root: str, keep: set[str]) -> list[tuple[str, int]]:
         for name in dirs:  # os.walk does not enter a linked directory: what the store needs behind one would be lost
             rel = os.path.relpath(os.path.join(d, name), root).replace(os.sep, "/")
             if os.path.islink(os.path.join(d, name)) and any(k.startswith(f"{rel}/") for k in keep):
-                raise CorruptStoreError(f"{os.path.join(d, name)} is a symbolic link; a store's directories are its own")
+                raise CorruptStoreError(
+                    f"{os.path.join(d, name)} is a symbolic link; a store's directories are its own"
+                )
         for name in sorted(files):
             key = os.path.relpath(os.path.join(d, name), root).replace(os.sep, "/")
             if key in keep:
@@ -412,7 +414,7 @@ def _add(zf: zipfile.ZipFile, key: str, at: int, blocks: Iterable[bytes | memory
     return start + n
 
 
-# -- the command --------------------------------------------------------------------------------------------------------
+# -- the command ------------------------------------------------------------------------------------------------------
 
 
 def add_arguments(parser: argparse.ArgumentParser, name: str) -> None:
@@ -428,9 +430,9 @@ def add_arguments(parser: argparse.ArgumentParser, name: str) -> None:
     )
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
     parser.epilog = (
-        "The archive holds the store's data, not the holes of its chunk files: its uncompressed arrays are written with "
-        "chunks of the rows they hold, so it is about the size of the data. EpisodeStore.open reads it in place from "
-        "local disk, and from an HTTP(S) server (one that honours Range) or S3 by its URL."
+        "The archive holds the store's data, not the holes of its chunk files: its uncompressed arrays are written "
+        "with chunks of the rows they hold, so it is about the size of the data. EpisodeStore.open reads it in place "
+        "from local disk, and from an HTTP(S) server (one that honours Range) or S3 by its URL."
     )
 
 

@@ -130,7 +130,9 @@ def final_goals(store: EpisodeStore, episode_ids: np.ndarray) -> tuple[np.ndarra
     return out["achieved_goal"], out["desired_goal"]
 
 
-def plot_data(store: EpisodeStore, *, window: int | None = None, max_goal_episodes: int = MAX_GOAL_EPISODES) -> PlotData:
+def plot_data(
+    store: EpisodeStore, *, window: int | None = None, max_goal_episodes: int = MAX_GOAL_EPISODES
+) -> PlotData:
     """The series and goals :func:`plot_store` draws.
 
     Raises
@@ -329,7 +331,8 @@ def add_arguments(parser: argparse.ArgumentParser, name: str) -> None:
     """Arguments of ``her-store plot``."""
     parser.add_argument("path", metavar="PATH_OR_URL", help="the store: a local path or a URL")
     parser.add_argument("-o", "--out", required=True, help="the PNG to write (a new file)")
-    parser.add_argument("--window", type=int, default=None, help="rolling mean window in episodes (default: a fiftieth)")
+    parser.add_argument("--window", type=int, default=None,
+                        help="rolling mean window in episodes (default: a fiftieth)")
     parser.add_argument("--goal-episodes", type=int, default=MAX_GOAL_EPISODES,
                         help=f"episodes whose final goals are drawn, evenly spread (default {MAX_GOAL_EPISODES:,})")
 

@@ -61,8 +61,8 @@ def repair(path: str | os.PathLike[str], *, progress: bool = False, log: Callabl
     loc = open_backend(path)
     if loc.local_directory() is None and loc.read_only is None:  # object storage (a read-only place says why below)
         raise StoreError(
-            f"{loc}: --repair works on a store on local disk (it drops episodes in place, and readers of object storage "
-            "cannot be kept out meanwhile); copy the store to local disk, repair it there, and copy it back"
+            f"{loc}: --repair works on a store on local disk (it drops episodes in place, and readers of object "
+            "storage cannot be kept out meanwhile); copy the store to local disk, repair it there, and copy it back"
         )
     try:
         store = EpisodeStore.open(loc, mode="a")

@@ -41,7 +41,9 @@ def parse_selection(text: str | None, first: int, end: int) -> np.ndarray:
     for item in text.split(","):
         m = _ITEM.match(item)
         if m is None or (m.group(1) is None and m.group(2) is None):
-            raise ValueError(f"episode selection item {item.strip()!r} is not an id N or a range A:B (e.g. '0:100,250,-10:')")
+            raise ValueError(
+                f"episode selection item {item.strip()!r} is not an id N or a range A:B (e.g. '0:100,250,-10:')"
+            )
         a, colon, b = m.groups()
         if colon is None:
             i = int(a)
@@ -50,7 +52,10 @@ def parse_selection(text: str | None, first: int, end: int) -> np.ndarray:
                 raise ValueError(f"episode {i} is not live; the store holds episodes {first}..{end - 1}")
             parts.append(np.array([eid], np.int64))
             continue
-        at = lambda v, default: default if v is None else (end + int(v) if int(v) < 0 else int(v))
+
+        def at(v, default):
+            return default if v is None else (end + int(v) if int(v) < 0 else int(v))
+
         lo, hi = max(first, at(a, first)), min(end, at(b, end))
         parts.append(np.arange(lo, max(lo, hi), dtype=np.int64))
     return np.unique(np.concatenate(parts)) if parts else np.empty(0, np.int64)

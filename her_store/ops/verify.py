@@ -96,7 +96,8 @@ class Report:
     linked_files: list[str] = field(default_factory=list)  # raw chunk keys of committed rows with other (hard) links
     tail_positions: list[int] = field(default_factory=list)  # index positions holding ids never committed
     tail_chunks: dict[str, list[int]] = field(default_factory=dict)  # per array, chunks holding rows past write_row
-    junk_chunks: dict[str, list[int]] = field(default_factory=dict)  # per array, unreadable chunks with no committed row
+    # per array, unreadable chunks with no committed row
+    junk_chunks: dict[str, list[int]] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)  # what is not wrong but worth saying (a live writer's tail)
 
     @property
@@ -242,7 +243,11 @@ class _Check:
             failed &= ~self.bad
             if failed.any():
                 r.problems.append(
-                    Problem("checksum", "rows do not match the crc32 recorded when they were written", tuple(self.ids[failed].tolist()))
+                    Problem(
+                        "checksum",
+                        "rows do not match the crc32 recorded when they were written",
+                        tuple(self.ids[failed].tolist()),
+                    )
                 )
             self.bad |= failed
         r.bad_episodes = np.sort(self.ids[self.bad])
@@ -340,8 +345,8 @@ class _Check:
                 self._spare_bytes += buf.nbytes
 
     def _holds_bytes(self, spec: ArraySpec, c: int, start: int) -> bool:
-        """Whether a local raw chunk's rows hold a byte other than zero from byte ``start`` on: its data read a piece at a
-        time, past the holes of a file of its own (``SEEK_DATA``, ``SEEK_HOLE``: a hole reads as zeros, and the rows
+        """Whether a local raw chunk's rows hold a byte other than zero from byte ``start`` on: its data read a piece at
+        a time, past the holes of a file of its own (``SEEK_DATA``, ``SEEK_HOLE``: a hole reads as zeros, and the rows
         past ``write_row`` of a store are holes unless a commit stopped there). Raises what reading raises."""
         f, offset, size = self.loc.open_range(spec.chunk_key(c))
         size = min(size, spec.chunk_rows * spec.row_nbytes)  # past its rows, a file's bytes are no row's
@@ -406,8 +411,8 @@ class _Check:
         return tuple(self.ids[sel].tolist())
 
     def _check_chunk(self, spec: ArraySpec, c: int, read: Any, lo: int, hi: int) -> int:
-        """Check bytes ``lo`` .. ``hi`` of chunk (shard) ``c`` (a raw chunk's file-level checks with its last piece, when
-        none of its pieces could not be read: such a chunk is reported as that alone); returns the bytes read."""
+        """Check bytes ``lo`` .. ``hi`` of chunk (shard) ``c`` (a raw chunk's file-level checks with its last piece,
+        when none of its pieces could not be read: such a chunk is reported as that alone); returns the bytes read."""
         cr, rb = spec.chunk_rows, spec.row_nbytes
         r0, r1 = c * cr, (c + 1) * cr
         k = self._episodes_in(r0, r1)
@@ -419,7 +424,9 @@ class _Check:
         data, size, error = read
         if error is not None:
             if spec.chunk_entry(c) not in self.report.damaged_files:  # once, whichever of its pieces failed
-                self.report.problems.append(Problem("file", f"{where} cannot be read: {error}", self._affected(k, r0, r1)))
+                self.report.problems.append(
+                    Problem("file", f"{where} cannot be read: {error}", self._affected(k, r0, r1))
+                )
                 self.report.damaged_files.append(spec.chunk_entry(c))
                 self.bad[k.start : k.stop] |= (self.starts[k.start : k.stop] < r1) & (self.ends[k.start : k.stop] > r0)
             return 0
@@ -452,7 +459,9 @@ class _Check:
         if size != want:
             # FORMAT.md: raw chunks are always full-size; what is missing reads as zeros (as the readers read it)
             have_rows = min(size, want) // rb
-            what = "is missing" if not exists else f"holds {size:,} bytes, expected {want:,} ({cr:,} rows of {rb} bytes)"
+            what = (
+                "is missing" if not exists else f"holds {size:,} bytes, expected {want:,} ({cr:,} rows of {rb} bytes)"
+            )
             self.report.problems.append(Problem("file", f"{where} {what}", self._affected(k, r0 + have_rows, r1)))
             self.report.short_files.append((spec.chunk_key(c), want))
 
@@ -491,7 +500,9 @@ class _Check:
                     for o, n in zip(offsets[a:b].tolist(), nbytes[a:b].tolist()):
                         self.crcs[i] = _kernels.crc32(view[o : o + n], self.crcs[i])
         if missing:
-            self.report.problems.append(Problem("file", f"{where}: committed rows are missing from the shard", tuple(missing)))
+            self.report.problems.append(
+                Problem("file", f"{where}: committed rows are missing from the shard", tuple(missing))
+            )
         return len(data)
 
     def _check_v1_chunk(self, spec: ArraySpec, c: int, k: range, where: str) -> int:
@@ -558,6 +569,47 @@ class _Check:
         found = (chunk_of(n, spec.separator, 1 + len(spec.row_shape)) for n in names)
         return sorted(c for c in found if c is not None and c >= first)
 
+    def _tail_chunk(self, spec: ArraySpec, c: int, ring: bool) -> bool | None:
+        """Whether chunk (shard) ``c`` of the tail (:meth:`_data_tail`) holds data past ``write_row``: False also where
+        that is not read (a ring's chunk, a compressed chunk that is no shard: those are only opened); None when it
+        cannot be read or written in place (cut short, undecodable, a link or something else in its place, a raw chunk
+        file with other names)."""
+        w, cr, rb = self.commit.write_row, spec.chunk_rows, spec.row_nbytes
+        if spec.compressed and not spec.sharded:
+            # version 1 chunks are not decoded past the commit (the next writer overwrites them), only opened
+            try:
+                self.loc.check_file(spec.chunk_key(c), shard_limit(cr, rb))
+            except CorruptStoreError:
+                return None
+            return False
+        skip = 0 if ring else max(w - c * cr, 0)
+        # a ring's raw chunk is only opened: whether it can be is all there is to know of it
+        start = 0 if spec.sharded else skip * rb
+        local_tail = not (spec.sharded or ring) and self.loc.mappable  # read past its holes (_holds_bytes)
+        whole = spec.sharded or not (ring or local_tail)
+        data, _, error = self._read(spec, c, start, None if whole else 0)
+        nonzero = None
+        if local_tail and error is None and data is not None:
+            try:
+                nonzero = self._holds_bytes(spec, c, start)
+            except (CorruptStoreError, OSError) as e:
+                error = str(e)
+        if spec.sharded and error is None and data is not None:
+            try:
+                offsets, _ = parse_index(data, cr, spec.chunk_key(c))
+            except CorruptStoreError as e:
+                error = str(e)
+        raw_linked = not spec.sharded and data is not None and self._links(spec, c) > 1
+        if error is not None or spec.chunk_entry(c) in self.report.damaged_files or raw_linked:
+            return None
+        if ring or data is None:
+            return False
+        if spec.sharded:
+            nonzero = (offsets[skip:] >= 0).any()
+        elif nonzero is None:
+            nonzero = np.frombuffer(data, np.uint8).any()
+        return bool(nonzero)
+
     def _data_tail(self) -> None:
         """What lies in chunks (shards) that hold no committed row, or past ``write_row`` of an unbounded store: rows
         there hold nothing (zeros, or rows a shard never wrote) unless a commit stopped before its record; and a chunk
@@ -566,55 +618,26 @@ class _Check:
         w, r = self.commit.write_row, self.report
         ring = self.store.capacity is not None
         for spec in self.store.layout.arrays:
-            cr, rb = spec.chunk_rows, spec.row_nbytes
+            cr = spec.chunk_rows
             live = set(self._chunks(spec))
             held, junk = [], []
             for c in self._existing(spec, 0 if ring else w // cr):
                 if ring and c in live:
                     continue  # checked with the committed rows; a ring's other rows are its evicted episodes'
-                if spec.compressed and not spec.sharded:
-                    # version 1 chunks are not decoded past the commit (the next writer overwrites them), only opened
-                    try:
-                        self.loc.check_file(spec.chunk_key(c), shard_limit(cr, rb))
-                    except CorruptStoreError:
-                        if c not in live and (ring or c * cr >= w):
-                            junk.append(c)
-                    continue
-                skip = 0 if ring else max(w - c * cr, 0)
-                # a ring's raw chunk is only opened: whether it can be is all there is to know of it
-                start = 0 if spec.sharded else skip * rb
-                local_tail = not (spec.sharded or ring) and self.loc.mappable  # read past its holes (_holds_bytes)
-                whole = spec.sharded or not (ring or local_tail)
-                data, _, error = self._read(spec, c, start, None if whole else 0)
-                nonzero = None
-                if local_tail and error is None and data is not None:
-                    try:
-                        nonzero = self._holds_bytes(spec, c, start)
-                    except (CorruptStoreError, OSError) as e:
-                        error = str(e)
-                if spec.sharded and error is None and data is not None:
-                    try:
-                        offsets, _ = parse_index(data, cr, spec.chunk_key(c))
-                    except CorruptStoreError as e:
-                        error = str(e)
-                raw_linked = not spec.sharded and data is not None and self._links(spec, c) > 1
-                if error is not None or spec.chunk_entry(c) in r.damaged_files or raw_linked:
+                holds = self._tail_chunk(spec, c, ring)
+                if holds is None:  # one holding committed rows is reported with them
                     if c not in live and (ring or c * cr >= w):
                         junk.append(c)
-                    continue  # one holding committed rows is reported with them
-                if ring or data is None:
-                    continue
-                if spec.sharded:
-                    nonzero = (offsets[skip:] >= 0).any()
-                elif nonzero is None:
-                    nonzero = np.frombuffer(data, np.uint8).any()
-                if nonzero:
+                elif holds:
                     held.append(c)
             if held:
                 r.tail_chunks[spec.path] = held
                 keys = ", ".join(spec.chunk_key(c) for c in held)
                 r.problems.append(
-                    Problem("uncommitted", f"{spec.path}: rows past write_row {w:,} hold data that was never committed ({keys})")
+                    Problem(
+                        "uncommitted",
+                        f"{spec.path}: rows past write_row {w:,} hold data that was never committed ({keys})",
+                    )
                 )
             if junk:
                 r.junk_chunks[spec.path] = junk

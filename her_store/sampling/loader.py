@@ -54,8 +54,8 @@ def open_source(source: StoreSource, storage_options: Mapping[str, Any] | None =
         A store's path or URL, opened read-only (``EpisodeStore.open(source, "r", storage_options)``), or a sharded
         dataset's root, opened as a read view over every shard (:class:`~her_store.datasets.view.ShardedView`). Or a
         picklable callable taking no arguments that returns a read-only :class:`EpisodeStore` or a view of many stores
-        with ``stores``, ``refresh()`` and ``close()`` (as ShardedView has, sampled by a MixtureSampler): this is how other views
-        plug in, e.g. ``functools.partial(EpisodeStore.open, url, "r", storage_options=opts)``.
+        with ``stores``, ``refresh()`` and ``close()`` (as ShardedView has, sampled by a MixtureSampler): this is how
+        other views plug in, e.g. ``functools.partial(EpisodeStore.open, url, "r", storage_options=opts)``.
     storage_options : mapping, optional
         fsspec options of a path or URL (a callable carries its own).
 

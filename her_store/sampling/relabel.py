@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum
-from typing import TYPE_CHECKING, Any, Protocol, Union
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
@@ -178,7 +178,7 @@ class GoalMixture:
         return j, anywhere
 
 
-GoalStrategy = Union[str, GoalSelectionStrategy, GoalMixture, Callable[[GoalContext], np.ndarray]]
+GoalStrategy = str | GoalSelectionStrategy | GoalMixture | Callable[[GoalContext], np.ndarray]
 
 
 def her_ratio(strategy: GoalStrategy, n_sampled_goal: int) -> float:

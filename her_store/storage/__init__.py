@@ -35,7 +35,9 @@ __all__ = [
 ]
 
 
-def open_backend(path_or_url: str | os.PathLike[str] | Backend, storage_options: Mapping[str, Any] | None = None) -> Backend:
+def open_backend(
+    path_or_url: str | os.PathLike[str] | Backend, storage_options: Mapping[str, Any] | None = None
+) -> Backend:
     """The backend of a store's place: a local directory (or ``file://`` URL), a packed store (a zip file, or a URL
     ending in ``.zip`` that names a zip object over HTTP(S) or S3), an ``http(s)://`` URL (read-only), or any other
     fsspec URL (``s3://``, ``gs://``, ``memory://``). A backend given is returned as it is.
@@ -66,7 +68,9 @@ def open_backend(path_or_url: str | os.PathLike[str] | Backend, storage_options:
             return ArchiveBackend(PackedArchive(local.root), local.defaults, storage_options)
         return local
     scheme = url.split("://", 1)[0].lower()
-    backend: Backend = HTTPBackend(url, storage_options) if scheme in ("http", "https") else FsspecBackend(url, storage_options)
+    backend: Backend = (
+        HTTPBackend(url, storage_options) if scheme in ("http", "https") else FsspecBackend(url, storage_options)
+    )
     if backend.url.lower().endswith(".zip"):  # a zip object, read by ranged GETs; else a directory of that name
         archive = open_remote_archive(backend)
         if archive is not None:

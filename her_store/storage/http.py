@@ -125,14 +125,180 @@ def _range_header(start: int | None, end: int | None) -> str | None:
     return f"bytes={start}-{end - 1}" if end > start else None
 
 
+class _BoundedHTTPReads:
+    """The methods of :func:`http_filesystem`'s class, which puts them ahead of fsspec's HTTPFileSystem (imported,
+    with aiohttp, only when a store is opened by http(s) URL): bounded bodies, ranged and conditional GETs, each within
+    its deadline, one clear error each."""
+
+    def __init__(
+        self, *args: Any, request_deadline: float = HTTP_DEADLINE, client_kwargs: dict | None = None, **kwargs: Any
+    ) -> None:
+        aiohttp = require("aiohttp", "http")
+        deadline = check_number(
+            request_deadline, "storage_options['request_deadline']", low=0, low_open=True, finite=True
+        )
+        idle = aiohttp.ClientTimeout(sock_connect=HTTP_TIMEOUT, sock_read=HTTP_TIMEOUT)  # no total: the deadline's
+        super().__init__(*args, client_kwargs={"timeout": idle, **(client_kwargs or {})}, **kwargs)
+        self.request_deadline = deadline
+
+    async def _within_deadline(self, request: Any, what: str) -> Any:
+        """The result of coroutine ``request`` (about ``what``, e.g. "GET <url>"), or StoreTimeoutError once it
+        has run ``request_deadline`` seconds; it is then cancelled, which closes its connection."""
+        task = asyncio.ensure_future(request)
+        try:
+            done, _ = await asyncio.wait((task,), timeout=self.request_deadline)
+        except asyncio.CancelledError:
+            task.cancel()
+            raise
+        if not done:
+            task.cancel()
+            await asyncio.wait((task,))
+            raise StoreTimeoutError(
+                f"{what}: no whole answer within the request deadline of {self.request_deadline:g} s "
+                "(storage_options['request_deadline'])"
+            )
+        return task.result()
+
+    async def _info(self, url: str, **kwargs: Any) -> dict[str, Any]:
+        return await self._within_deadline(super()._info(url, **kwargs), f"HEAD {url}")
+
+    async def _ls_real(self, url: str, detail: bool = True, **kwargs: Any) -> list[Any]:
+        return await self._within_deadline(super()._ls_real(url, detail, **kwargs), f"GET {url} (a listing)")
+
+    async def _exists(self, path: str, strict: bool = False, **kwargs: Any) -> bool:
+        return await self._within_deadline(super()._exists(path, strict, **kwargs), f"GET {path}")
+
+    async def _cat_file(self, url: str, start: int | None = None, end: int | None = None, **kwargs: Any) -> bytes:
+        if start is not None and end is not None and 0 <= end <= start:
+            return b""
+        rng = _range_header(start, end)
+        limit = METADATA_LIMIT if url.endswith(".json") else OBJECT_LIMIT
+        body, _, _, partial = await self.get_object(url, rng, limit=limit)
+        if body is None:
+            raise FileNotFoundError(url)
+        return body if partial or rng is None and start is None and end is None else body[start:end]
+
+    async def get_object(
+        self, url: str, rng: str | None = None, if_match: str | None = None, limit: int = OBJECT_LIMIT
+    ) -> tuple[bytes | None, str, int, bool]:
+        """One GET, within ``request_deadline``: (the body, None when the server has no such object; its ETag or
+        ""; the object's size; whether the server sent just the range asked for, 206).
+
+        What is read of an answer is bounded: the body of a 206 is read no further than the
+        bytes its ``Content-Range`` names (the range asked for, or less at the object's end) and one more, which
+        tells a server that sends more than it names; of a whole object sent for a range ``bytes=a-b`` (a server
+        that ignores Range), only the first ``b + 1`` bytes are read (the range lies within them; the size
+        returned is then theirs); any other body, at most ``limit`` bytes. So the 206 answers to the concurrent
+        GETs of a gather together hold no more than the ranges asked for and a byte each, whatever the server
+        sends or announces (Content-Length, Content-Range).
+
+        Raises
+        ------
+        ObjectReplaced
+            ``if_match`` is given and the object no longer has that ETag (412).
+        CorruptStoreError
+            A body longer than ``limit`` bytes or than its range, cut short, or not the range its Content-Range
+            names.
+        StoreTimeoutError
+            Nothing sent for ``HTTP_TIMEOUT`` s, or no whole answer within ``request_deadline`` s.
+        OSError
+            Another answer than 200, 206, 404, 410, 412 or 416, or no connection.
+        """
+        what = f"GET {url}" + (f" ({rng})" if rng else "")
+        return await self._within_deadline(self._get_object(url, rng, if_match, limit), what)
+
+    @staticmethod
+    def _range_of(url: str, rng: str | None, content_range: str, limit: int) -> tuple[int, int]:
+        """(the object's size, the bytes of the body) a 206's ``Content-Range`` names, checked to be the range
+        ``rng`` asked for and at most ``limit`` bytes: the body is then read no further."""
+        m = re.fullmatch(r"bytes (\d+)-(\d+)/(\d+)", content_range.strip())
+        if m is None or int(m[2]) >= int(m[3]) or not _range_answers(rng, int(m[1]), int(m[2]), int(m[3])):
+            raise CorruptStoreError(
+                f"{url}: a ranged GET answered with Content-Range {content_range!r}; expected "
+                f"'bytes first-last/size' naming the range asked for ({rng})"
+            )
+        want = int(m[2]) - int(m[1]) + 1
+        if want > limit:
+            raise CorruptStoreError(f"{url}: bytes {m[1]}-{m[2]} are {want:,}, more than the {limit:,} it may hold")
+        return int(m[3]), want
+
+    async def _get_object(
+        self, url: str, rng: str | None, if_match: str | None, limit: int
+    ) -> tuple[bytes | None, str, int, bool]:
+        aiohttp = require("aiohttp", "http")
+        headers = dict(self.kwargs.get("headers") or {})
+        if rng:
+            headers["Range"] = rng
+        if if_match:
+            headers["If-Match"] = if_match
+        kw = {**self.kwargs, "headers": headers}
+        session = await self.set_session()
+        try:
+            async with session.get(self.encode_url(url), **kw) as r:
+                if r.status in (404, 410):
+                    return None, "", 0, False
+                if r.status == 412:
+                    raise ObjectReplaced(url)
+                if r.status == 416:  # a range past the end: the object is shorter than its readers need
+                    return b"", "", 0, True
+                if r.status not in (200, 206):
+                    raise OSError(f"GET {url} answered HTTP {r.status} {r.reason}")
+                size, want, cap = self._read_bound(url, rng, r, limit)
+                body = await self._read_at_most(r, cap)
+                if r.status == 206 and len(body) != want:
+                    raise CorruptStoreError(
+                        f"{url}: a ranged GET ({rng}) answered {'more' if len(body) > want else 'fewer'} than the "
+                        f"{want:,} bytes its Content-Range {r.headers['Content-Range']!r} names"
+                    )
+                if len(body) > limit:
+                    raise CorruptStoreError(f"{url} holds more than the {limit:,} bytes it may")
+                etag = r.headers.get("ETag", "")
+        except aiohttp.ClientPayloadError as e:
+            raise CorruptStoreError(f"{url}: the server's answer was cut short or malformed ({e})") from e
+        except asyncio.TimeoutError as e:
+            raise StoreTimeoutError(f"GET {url}: nothing sent for {HTTP_TIMEOUT:g} s") from e
+        except aiohttp.ClientError as e:
+            raise OSError(f"GET {url} failed: {e}") from e
+        return bytes(body), etag, len(body) if size is None else size, r.status == 206
+
+    def _read_bound(self, url: str, rng: str | None, r: Any, limit: int) -> tuple[int | None, int | None, int]:
+        """For answer ``r`` (200 or 206) to a GET of ``rng``: (the object's size and the bytes of the range, as a
+        206's ``Content-Range`` names them, else None and None; the most bytes of the body to read). Of a 206, its
+        range and one byte more, which tells a server that sends more than it names; of a whole object sent for a
+        range ``bytes=a-b``, its first ``b + 1`` bytes (the range lies in them); of any other body, ``limit + 1``."""
+        if r.status == 206:
+            size, want = self._range_of(url, rng, r.headers.get("Content-Range", ""), limit)
+            if r.content_length is not None and r.content_length != want:
+                raise CorruptStoreError(
+                    f"{url}: a ranged GET ({rng}) announced {r.content_length:,} bytes for the {want:,} "
+                    f"its Content-Range {r.headers['Content-Range']!r} names"
+                )
+            return size, want, want + 1
+        if r.content_length is not None and r.content_length > limit:
+            raise CorruptStoreError(f"{url} holds {r.content_length:,} bytes, more than the {limit:,} it may")
+        closed = re.fullmatch(r"bytes=(\d+)-(\d+)", rng or "")
+        return None, None, min(int(closed[2]) + 1, limit + 1) if closed else limit + 1
+
+    @staticmethod
+    async def _read_at_most(r: Any, cap: int) -> bytearray:
+        """The body of answer ``r``, read no further than its first ``cap`` bytes."""
+        body = bytearray()
+        while len(body) < cap:
+            piece = await r.content.read(min(1 << 20, cap - len(body)))
+            if not piece:
+                break
+            body += piece
+        return body
+
+
 @functools.cache
 def http_filesystem() -> type:
     """fsspec's HTTPFileSystem (aiohttp, imported only when a store is opened by http(s) URL), every GET of which is
     bounded and checked: nothing a server sends is trusted (see ``get_object``); no request outlives its deadline."""
-    aiohttp = require("aiohttp", "http")
+    require("aiohttp", "http")
     from fsspec.implementations.http import HTTPFileSystem
 
-    class StoreHTTPFileSystem(HTTPFileSystem):  # type: ignore[misc]
+    class StoreHTTPFileSystem(_BoundedHTTPReads, HTTPFileSystem):  # type: ignore[misc]
         """Reads of a her_store store over HTTP: bounded bodies, ranged and conditional GETs, one clear error each.
 
         Parameters
@@ -146,153 +312,6 @@ def http_filesystem() -> type:
         **storage_options
             As fsspec's HTTPFileSystem's (headers, auth, and the like go with every request).
         """
-
-        def __init__(
-            self, *args: Any, request_deadline: float = HTTP_DEADLINE, client_kwargs: dict | None = None, **kwargs: Any
-        ) -> None:
-            deadline = check_number(
-                request_deadline, "storage_options['request_deadline']", low=0, low_open=True, finite=True
-            )
-            idle = aiohttp.ClientTimeout(sock_connect=HTTP_TIMEOUT, sock_read=HTTP_TIMEOUT)  # no total: the deadline's
-            super().__init__(*args, client_kwargs={"timeout": idle, **(client_kwargs or {})}, **kwargs)
-            self.request_deadline = deadline
-
-        async def _within_deadline(self, request: Any, what: str) -> Any:
-            """The result of coroutine ``request`` (about ``what``, e.g. "GET <url>"), or StoreTimeoutError once it
-            has run ``request_deadline`` seconds; it is then cancelled, which closes its connection."""
-            task = asyncio.ensure_future(request)
-            try:
-                done, _ = await asyncio.wait((task,), timeout=self.request_deadline)
-            except asyncio.CancelledError:
-                task.cancel()
-                raise
-            if not done:
-                task.cancel()
-                await asyncio.wait((task,))
-                raise StoreTimeoutError(
-                    f"{what}: no whole answer within the request deadline of {self.request_deadline:g} s "
-                    "(storage_options['request_deadline'])"
-                )
-            return task.result()
-
-        async def _info(self, url: str, **kwargs: Any) -> dict[str, Any]:
-            return await self._within_deadline(super()._info(url, **kwargs), f"HEAD {url}")
-
-        async def _ls_real(self, url: str, detail: bool = True, **kwargs: Any) -> list[Any]:
-            return await self._within_deadline(super()._ls_real(url, detail, **kwargs), f"GET {url} (a listing)")
-
-        async def _exists(self, path: str, strict: bool = False, **kwargs: Any) -> bool:
-            return await self._within_deadline(super()._exists(path, strict, **kwargs), f"GET {path}")
-
-        async def _cat_file(self, url: str, start: int | None = None, end: int | None = None, **kwargs: Any) -> bytes:
-            if start is not None and end is not None and 0 <= end <= start:
-                return b""
-            rng = _range_header(start, end)
-            limit = METADATA_LIMIT if url.endswith(".json") else OBJECT_LIMIT
-            body, _, _, partial = await self.get_object(url, rng, limit=limit)
-            if body is None:
-                raise FileNotFoundError(url)
-            return body if partial or rng is None and start is None and end is None else body[start:end]
-
-        async def get_object(
-            self, url: str, rng: str | None = None, if_match: str | None = None, limit: int = OBJECT_LIMIT
-        ) -> tuple[bytes | None, str, int, bool]:
-            """One GET, within ``request_deadline``: (the body, None when the server has no such object; its ETag or
-            ""; the object's size; whether the server sent just the range asked for, 206).
-
-            What is read of an answer is bounded: the body of a 206 is read no further than the
-            bytes its ``Content-Range`` names (the range asked for, or less at the object's end) and one more, which
-            tells a server that sends more than it names; of a whole object sent for a range ``bytes=a-b`` (a server
-            that ignores Range), only the first ``b + 1`` bytes are read (the range lies within them; the size
-            returned is then theirs); any other body, at most ``limit`` bytes. So the 206 answers to the concurrent
-            GETs of a gather together hold no more than the ranges asked for and a byte each, whatever the server
-            sends or announces (Content-Length, Content-Range).
-
-            Raises
-            ------
-            ObjectReplaced
-                ``if_match`` is given and the object no longer has that ETag (412).
-            CorruptStoreError
-                A body longer than ``limit`` bytes or than its range, cut short, or not the range its Content-Range
-                names.
-            StoreTimeoutError
-                Nothing sent for ``HTTP_TIMEOUT`` s, or no whole answer within ``request_deadline`` s.
-            OSError
-                Another answer than 200, 206, 404, 410, 412 or 416, or no connection.
-            """
-            what = f"GET {url}" + (f" ({rng})" if rng else "")
-            return await self._within_deadline(self._get_object(url, rng, if_match, limit), what)
-
-        @staticmethod
-        def _range_of(url: str, rng: str | None, content_range: str, limit: int) -> tuple[int, int]:
-            """(the object's size, the bytes of the body) a 206's ``Content-Range`` names, checked to be the range
-            ``rng`` asked for and at most ``limit`` bytes: the body is then read no further."""
-            m = re.fullmatch(r"bytes (\d+)-(\d+)/(\d+)", content_range.strip())
-            if m is None or int(m[2]) >= int(m[3]) or not _range_answers(rng, int(m[1]), int(m[2]), int(m[3])):
-                raise CorruptStoreError(
-                    f"{url}: a ranged GET answered with Content-Range {content_range!r}; expected "
-                    f"'bytes first-last/size' naming the range asked for ({rng})"
-                )
-            want = int(m[2]) - int(m[1]) + 1
-            if want > limit:
-                raise CorruptStoreError(f"{url}: bytes {m[1]}-{m[2]} are {want:,}, more than the {limit:,} it may hold")
-            return int(m[3]), want
-
-        async def _get_object(
-            self, url: str, rng: str | None, if_match: str | None, limit: int
-        ) -> tuple[bytes | None, str, int, bool]:
-            headers = dict(self.kwargs.get("headers") or {})
-            if rng:
-                headers["Range"] = rng
-            if if_match:
-                headers["If-Match"] = if_match
-            kw = {**self.kwargs, "headers": headers}
-            closed = re.fullmatch(r"bytes=(\d+)-(\d+)", rng or "")
-            session = await self.set_session()
-            try:
-                async with session.get(self.encode_url(url), **kw) as r:
-                    if r.status in (404, 410):
-                        return None, "", 0, False
-                    if r.status == 412:
-                        raise ObjectReplaced(url)
-                    if r.status == 416:  # a range past the end: the object is shorter than its readers need
-                        return b"", "", 0, True
-                    if r.status not in (200, 206):
-                        raise OSError(f"GET {url} answered HTTP {r.status} {r.reason}")
-                    size = None
-                    if r.status == 206:
-                        size, want = self._range_of(url, rng, r.headers.get("Content-Range", ""), limit)
-                        if r.content_length is not None and r.content_length != want:
-                            raise CorruptStoreError(
-                                f"{url}: a ranged GET ({rng}) announced {r.content_length:,} bytes for the {want:,} "
-                                f"its Content-Range {r.headers['Content-Range']!r} names"
-                            )
-                        cap = want + 1  # one byte past the range tells a server that sends more than it names
-                    elif r.content_length is not None and r.content_length > limit:
-                        raise CorruptStoreError(f"{url} holds {r.content_length:,} bytes, more than the {limit:,} it may")
-                    else:  # a whole object: of one sent for a range bytes=a-b, the range lies in its first b + 1 bytes
-                        cap = min(int(closed[2]) + 1, limit + 1) if closed else limit + 1
-                    body = bytearray()
-                    while len(body) < cap:
-                        piece = await r.content.read(min(1 << 20, cap - len(body)))
-                        if not piece:
-                            break
-                        body += piece
-                    if r.status == 206 and len(body) != want:
-                        raise CorruptStoreError(
-                            f"{url}: a ranged GET ({rng}) answered {'more' if len(body) > want else 'fewer'} than the "
-                            f"{want:,} bytes its Content-Range {r.headers['Content-Range']!r} names"
-                        )
-                    if len(body) > limit:
-                        raise CorruptStoreError(f"{url} holds more than the {limit:,} bytes it may")
-                    etag = r.headers.get("ETag", "")
-            except aiohttp.ClientPayloadError as e:
-                raise CorruptStoreError(f"{url}: the server's answer was cut short or malformed ({e})") from e
-            except asyncio.TimeoutError as e:
-                raise StoreTimeoutError(f"GET {url}: nothing sent for {HTTP_TIMEOUT:g} s") from e
-            except aiohttp.ClientError as e:
-                raise OSError(f"GET {url} failed: {e}") from e
-            return bytes(body), etag, len(body) if size is None else size, r.status == 206
 
     return StoreHTTPFileSystem
 

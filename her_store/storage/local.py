@@ -223,7 +223,8 @@ class LocalBackend(Backend):
                 fsync_file(os.path.dirname(path))
             except OSError as e:  # the new bytes are in place and visible: raising would report a write that happened
                 warnings.warn(
-                    f"{path} was replaced but its directory could not be fsync'ed ({e}); it may not survive a power loss",
+                    f"{path} was replaced but its directory could not be fsync'ed ({e}); it may not survive a "
+                    "power loss",
                     RuntimeWarning,
                     stacklevel=2,
                 )

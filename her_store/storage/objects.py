@@ -73,7 +73,8 @@ class FsspecBackend(Backend):
         """
         paths = [self.key_path(k) for k in keys]
         out: list[bytes | None] = []
-        for path, raw in zip(paths, self.fs.cat_ranges(paths, [0] * len(paths), [limit + 1] * len(paths), on_error="return")):
+        got = self.fs.cat_ranges(paths, [0] * len(paths), [limit + 1] * len(paths), on_error="return")
+        for path, raw in zip(paths, got):
             if isinstance(raw, FileNotFoundError):
                 raw = None
             elif isinstance(raw, BaseException):

@@ -79,6 +79,23 @@ def read_members(
     def read(n: int, at: int) -> bytes:
         return read_many([(n, at)])[0]
 
+    count, cd_size, cd_offset = _end_records(read, size, path)
+    cd = read(cd_size, cd_offset)
+    entries = _central_entries(cd, count, path)
+    # every local header, read at once (concurrently remotely), each no further than the members' end
+    asked = {name: e for name, e in entries.items() if e[1] < cd_offset}
+    got = read_many([(min(LOCAL_HEADER.size + len(raw), cd_offset - at), at) for raw, at, _ in asked.values()])
+    headers = dict(zip(asked, got))
+    return {
+        name: (_data_offset(headers.get(name, b""), at, raw, usize, cd_offset, path, name), usize)
+        for name, (raw, at, usize) in entries.items()
+    }
+
+
+def _end_records(read: Callable[[int, int], bytes], size: int, path: str) -> tuple[int, int, int]:
+    """The central directory's (number of entries, size, offset), from the archive's end records (zip64 ones where
+    the end record says so), checked to be one disk's, within a store's bounds, and before the records that follow
+    it; ``read(n, at)`` gives the archive's ``n`` bytes at ``at``."""
     tail_len = min(size, _EOCD.size + 0xFFFF)  # the record, then a comment of at most 65,535 bytes
     tail = read(tail_len, size - tail_len)
     at = tail.rfind(b"PK\x05\x06")
@@ -111,7 +128,12 @@ def read_members(
         raise _corrupt(
             path, f"its central directory (bytes {cd_offset:,}..{cd_offset + cd_size:,}) runs past byte {end:,}"
         )
-    cd = read(cd_size, cd_offset)
+    return count, cd_size, cd_offset
+
+
+def _central_entries(cd: bytes, count: int, path: str) -> dict[str, tuple[bytes, int, int]]:
+    """The ``count`` entries of central directory ``cd`` by member name: (raw name, local header offset, size), each
+    a plain stored file (a directory entry holds nothing and is left out), named once."""
     entries: dict[str, tuple[bytes, int, int]] = {}  # name: (raw name, local header offset, size)
     p = 0
     for i in range(count):
@@ -164,14 +186,7 @@ def read_members(
         if name in entries:
             raise _corrupt(path, f"member {name!r} appears twice")
         entries[name] = (raw_name, header_at, usize)
-    # every local header, read at once (concurrently remotely), each no further than the members' end
-    asked = {name: e for name, e in entries.items() if e[1] < cd_offset}
-    got = read_many([(min(LOCAL_HEADER.size + len(raw), cd_offset - at), at) for raw, at, _ in asked.values()])
-    headers = dict(zip(asked, got))
-    return {
-        name: (_data_offset(headers.get(name, b""), at, raw, usize, cd_offset, path, name), usize)
-        for name, (raw, at, usize) in entries.items()
-    }
+    return entries
 
 
 def _zip64_values(

@@ -206,7 +206,10 @@ class RangedArray(CachedArray):
         starts = [(b % per_chunk) * nb for b in blocks]
         got = self.backend.read_ranges(keys, starts, [a + nb for a in starts])
         shape = (self.chunk_rows, *self.spec.row_shape)
-        return [np.zeros(shape, self.spec.dtype) if raw is None else np.frombuffer(raw, self.spec.dtype).reshape(shape) for raw in got]
+        return [
+            np.zeros(shape, self.spec.dtype) if raw is None else np.frombuffer(raw, self.spec.dtype).reshape(shape)
+            for raw in got
+        ]
 
     def gather(self, rows: np.ndarray, out: np.ndarray) -> None:
         br = self.chunk_rows

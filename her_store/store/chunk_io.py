@@ -133,8 +133,9 @@ class ZarrChunks:
 
     def _check(self, first: int, last: int) -> None:
         """Locally, before zarr reads or replaces chunks ``first .. last`` (it would follow a link, and block on a
-        FIFO): each a regular file of at most what a compressed chunk may hold (:func:`~her_store.format.frames.shard_limit`,
-        as copies and verify bound it), or missing, with no link on its way (:meth:`Backend.check_file`)."""
+        FIFO): each a regular file of at most what a compressed chunk may hold
+        (:func:`~her_store.format.frames.shard_limit`, as copies and verify bound it), or missing, with no link on its
+        way (:meth:`Backend.check_file`)."""
         row_nbytes = int(np.prod(self.array.shape[1:], dtype=np.int64)) * np.dtype(self.array.dtype).itemsize
         limit = shard_limit(self.chunk_rows, row_nbytes)
         for chunk in range(first, last + 1):
@@ -263,7 +264,11 @@ def chunk_io(backend: Backend, array: zarr.Array, compressed: bool) -> RawChunkF
 
 
 def episode_rows(
-    arrays: Mapping[str, RawChunkFile | ZarrChunks | FrameWriter], layout: Layout, schema: Schema, start: int, length: int
+    arrays: Mapping[str, RawChunkFile | ZarrChunks | FrameWriter],
+    layout: Layout,
+    schema: Schema,
+    start: int,
+    length: int,
 ) -> tuple[dict[str, np.ndarray], int]:
     """The fields of the episode at rows ``start .. start + length`` (its ``length + 1`` rows of every array; per-step
     fields drop the unused last row), in schema order, and the crc32 of its rows as stored (FORMAT.md, Checksums: an

@@ -44,8 +44,8 @@ def round_up(n: int, multiple: int) -> int:
 class Committer:
     """The writing side of a store opened with ``mode="a"``: staging, ring placement and the commit protocol.
 
-    The store facade (:class:`~her_store.store.episode_store.EpisodeStore`) validates episodes and hands them here; readers
-    only ever see what :meth:`commit` published.
+    The store facade (:class:`~her_store.store.episode_store.EpisodeStore`) validates episodes and hands them here;
+    readers only ever see what :meth:`commit` published.
 
     Parameters
     ----------
@@ -106,7 +106,9 @@ class Committer:
         self._sharded = {p: io for p, io in arrays.items() if isinstance(io, FrameWriter)}
         self._frames: dict[str, list[bytes]] = {p: [] for p in self._sharded}  # one per staged row
         self._stage: dict[str, np.ndarray] = {
-            spec.path: np.zeros((1024, *spec.row_shape), spec.dtype) for spec in layout.arrays if spec.path not in self._sharded
+            spec.path: np.zeros((1024, *spec.row_shape), spec.dtype)
+            for spec in layout.arrays
+            if spec.path not in self._sharded
         }
         self._plan = [_staging_plan(spec, schema) for spec in layout.arrays]
         self._plan_of = {path: members for path, members, _ in self._plan}
@@ -139,7 +141,9 @@ class Committer:
         staged for the next commit.
         """
         if self.capacity is not None and T > self.capacity:
-            raise EpisodeValidationError(f"episode of {T} transitions is longer than the store's capacity {self.capacity}")
+            raise EpisodeValidationError(
+                f"episode of {T} transitions is longer than the store's capacity {self.capacity}"
+            )
         idx = self.index
         first, end, head = idx.first, idx.end, self.head
         staged = None
@@ -250,7 +254,13 @@ class Committer:
         return crc
 
     def _stage_array(
-        self, path: str, members: list[tuple[str, Any, bool]], step_cols: Any, at: int, T: int, data: Mapping[str, np.ndarray]
+        self,
+        path: str,
+        members: list[tuple[str, Any, bool]],
+        step_cols: Any,
+        at: int,
+        T: int,
+        data: Mapping[str, np.ndarray],
     ) -> np.ndarray:
         """Copy an episode's fields into the staging buffer of their unsharded array from staged row ``at`` (grown
         when needed); returns the buffer."""
@@ -296,7 +306,12 @@ class Committer:
             first = min(idx.first, old.end_episode)
             gen += 1
             evicted = Commit(
-                gen, first, old.end_episode, old.write_row, idx.transitions_between(first, old.end_episode), old.array_rows
+                gen,
+                first,
+                old.end_episode,
+                old.write_row,
+                idx.transitions_between(first, old.end_episode),
+                old.array_rows,
             )
             self._publish(evicted)  # a sampler of this process checks it after reading rows (live_first)
         if self._stage_n:

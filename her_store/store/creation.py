@@ -26,8 +26,8 @@ from her_store.errors import (
     StoreExistsError,
     short_repr,
 )
-from her_store.format.frames import frame_codecs, lz4_codec
 from her_store.format.commit_record import Commit
+from her_store.format.frames import frame_codecs, lz4_codec
 from her_store.format.keys import ATTRS_KEY, COMMIT_KEY, LOCK_KEY, MARKER_KEY, is_chunk_key
 from her_store.format.layout import INDEX_COLUMNS, MAX_COUNT, Layout, check_array, check_attrs
 from her_store.format.schema import Schema
@@ -56,7 +56,8 @@ MAX_CAPACITY = MAX_COUNT // 2  # the ring's rows, capacity * 5/4 rounded up to a
 
 
 def to_zarr_codecs(codecs: Any) -> Any:
-    """Accept zarr v3 codecs and plain numcodecs codecs (mapped to zarr's own Zstd/Blosc, else the numcodecs wrapper)."""
+    """Accept zarr v3 codecs and plain numcodecs codecs (mapped to zarr's own Zstd/Blosc, else the numcodecs
+    wrapper)."""
     import numcodecs.abc
     import zarr.codecs
 
@@ -82,7 +83,9 @@ def to_zarr_codecs(codecs: Any) -> Any:
 
                 cls = getattr(zn, type(c).__name__, None)
                 if cls is None:
-                    raise StoreError(f"compressor {c!r} has no Zarr v3 form; use a zarr.codecs or numcodecs Zstd/Blosc codec")
+                    raise StoreError(
+                        f"compressor {c!r} has no Zarr v3 form; use a zarr.codecs or numcodecs Zstd/Blosc codec"
+                    )
                 c = cls(**cfg)
         out.append(c)
     return out
@@ -174,7 +177,11 @@ def unfinished_create(loc: Backend) -> bool:
         attrs = json.loads(loc.read_bytes("zarr.json") or b"").get("attributes", {})
     except (ValueError, AttributeError):
         return False
-    return isinstance(attrs, dict) and isinstance(attrs.get(ATTRS_KEY), dict) and not any(map(is_chunk_key, loc.list_files()))
+    return (
+        isinstance(attrs, dict)
+        and isinstance(attrs.get(ATTRS_KEY), dict)
+        and not any(map(is_chunk_key, loc.list_files()))
+    )
 
 
 def default_codec(field: Any) -> Any:
@@ -253,7 +260,9 @@ def ring_sizes(layout: Layout, capacity: int | None, index_chunk: int) -> tuple[
 
 
 def checked_arrays(
-    backend: Backend, root: zarr.Group, wanted: Sequence[tuple[str, np.dtype, tuple[int, ...], int | None, bool, bool, str]]
+    backend: Backend,
+    root: zarr.Group,
+    wanted: Sequence[tuple[str, np.dtype, tuple[int, ...], int | None, bool, bool, str]],
 ) -> list[zarr.Array]:
     """The arrays at ``(path, dtype, row_shape, chunk_rows, raw, sharded, separator)``, each checked against what
     the layout says it is. Their metadata is read concurrently: on object storage an open waits one request, not

@@ -34,19 +34,19 @@ from her_store.format.layout import FORMAT_VERSION, INDEX_COLUMNS, check_attrs, 
 from her_store.format.schema import Schema, validate_episode
 from her_store.storage import Backend, open_backend
 from her_store.storage.lock import DEFAULT_LEASE_TTL, WriterLock
-from her_store.store.chunk_io import episode_rows, RawChunkFile, ZarrChunks, chunk_io
+from her_store.store.chunk_io import RawChunkFile, ZarrChunks, chunk_io, episode_rows
 from her_store.store.commit import Committer
 from her_store.store.creation import (
-    make_store,
     checked_arrays,
+    make_store,
     open_root,
     plan_arrays,
     plan_nodes,
     ring_sizes,
 )
 from her_store.store.episode import Episode
-from her_store.store.frame_writer import FrameWriter
 from her_store.store.following import CommitFollower, RowSpace, read_commit
+from her_store.store.frame_writer import FrameWriter
 from her_store.store.index import EpisodeIndex, IndexView
 from her_store.store.step_writer import StepWriter
 
@@ -307,7 +307,8 @@ class EpisodeStore:
 
     @property
     def backend(self) -> Backend:
-        """Where the store lives: every byte of it is read and written through this (:class:`~her_store.storage.Backend`)."""
+        """Where the store lives: every byte of it is read and written through this
+        (:class:`~her_store.storage.Backend`)."""
         return self._backend
 
     def zarr_array(self, path: str) -> zarr.Array:
@@ -407,7 +408,9 @@ class EpisodeStore:
         # whose temp file a later writer's open removes
         doc = json.loads(self._backend.read_bytes("zarr.json") or b"null")
         if not isinstance(doc, dict) or not isinstance(doc.get("attributes"), dict):
-            raise CorruptStoreError(f"{self._backend}/zarr.json changed since the store was opened; expected a Zarr group")
+            raise CorruptStoreError(
+                f"{self._backend}/zarr.json changed since the store was opened; expected a Zarr group"
+            )
         doc["attributes"][ATTRS_KEY] = attrs
         assert self._lock is not None
         self._lock.ensure_held()
@@ -554,7 +557,9 @@ class EpisodeStore:
         committed before any row is overwritten, so rows of an episode read before this call returns a value
         at or below its id are intact.
         """
-        return self._committed.first_episode if self._committer is not None else self._follower.read_commit().first_episode
+        if self._committer is not None:
+            return self._committed.first_episode
+        return self._follower.read_commit().first_episode
 
     # -- writing -----------------------------------------------------------------------------------------
     def _require_open(self) -> None:
@@ -606,7 +611,8 @@ class EpisodeStore:
         return self._writing().append(T, data, env_index)
 
     def writer(self, n_envs: int = 1) -> StepWriter:
-        """A :class:`~her_store.store.step_writer.StepWriter` that assembles episodes from per-step adds of ``n_envs`` envs.
+        """A :class:`~her_store.store.step_writer.StepWriter` that assembles episodes from per-step adds of ``n_envs``
+        envs.
 
         Examples
         --------

@@ -209,7 +209,9 @@ class FrameArray(CachedArray):
     async def _get_ranges(self, reqs: list[tuple[int, str, int, int]]) -> list[Any]:
         """Concurrent conditional GETs of ``(chunk, etag, start, end)``: each range's bytes, or the exception."""
         return list(
-            await asyncio.gather(*(self._get(c, f"bytes={a}-{b - 1}", etag) for c, etag, a, b in reqs), return_exceptions=True)
+            await asyncio.gather(
+                *(self._get(c, f"bytes={a}-{b - 1}", etag) for c, etag, a, b in reqs), return_exceptions=True
+            )
         )
 
     def _probe(self, chunk: int) -> bool | None:
@@ -240,8 +242,8 @@ class FrameArray(CachedArray):
         buffer, its offset there and its size (-1: a row never written).
 
         Shards come from the cache while no commit recorded since reached them; the others are fetched at once
-        (their index alone, or whole when the gather needs ``WHOLE_RUNS`` separate runs of their rows). The frames of shards
-        read by index are then fetched in one round of concurrent ranged GETs conditioned on each index's ETag; a
+        (their index alone, or whole when the gather needs ``WHOLE_RUNS`` separate runs of their rows). The frames of
+        shards read by index are then fetched in one round of concurrent ranged GETs conditioned on each index's ETag; a
         shard whose object changed since (412) has its index read again and its frames fetched again.
         """
         cr = self.chunk_rows
@@ -288,7 +290,9 @@ class FrameArray(CachedArray):
             first = np.flatnonzero(new)
             rid = np.cumsum(new) - 1
             starts, ends, rshard = o[first], np.maximum.reduceat(e, first), s[first]
-            reqs = [(chunks[j], shards[j].etag, a, b) for j, a, b in zip(rshard.tolist(), starts.tolist(), ends.tolist())]
+            reqs = [
+                (chunks[j], shards[j].etag, a, b) for j, a, b in zip(rshard.tolist(), starts.tolist(), ends.tolist())
+            ]
             got = self._run(self._get_ranges, reqs)
             changed = sorted({j for j, g in zip(rshard.tolist(), got) if isinstance(g, _Changed)})
             for g in got:
@@ -350,7 +354,9 @@ class FrameArray(CachedArray):
                 c, r = divmod(int(rows[i]), self.chunk_rows)
                 raise CorruptStoreError(f"{self.backend}/{self._key(c)}: row {r} cannot be decoded ({e})") from e
 
-    def _gather_remote_lz4(self, rows: np.ndarray, out: np.ndarray, pool: ThreadPoolExecutor | None, parts: int) -> None:
+    def _gather_remote_lz4(
+        self, rows: np.ndarray, out: np.ndarray, pool: ThreadPoolExecutor | None, parts: int
+    ) -> None:
         """LZ4 rows fetched from object storage, decoded in C from each buffer holding them (the ranged frames' one,
         each whole shard's), split across ``parts`` threads of ``pool``."""
         buffers, src, pos, nbytes = self._remote_frames(rows)
@@ -425,7 +431,9 @@ class FrameArray(CachedArray):
         half = self.max_entries // 2
         return self.local and len(rows) > half and len(np.unique(rows // self.chunk_rows)) > half
 
-    def start(self, rows: np.ndarray, out: np.ndarray, pool: ThreadPoolExecutor | None, parts: int) -> Callable[[], None]:
+    def start(
+        self, rows: np.ndarray, out: np.ndarray, pool: ThreadPoolExecutor | None, parts: int
+    ) -> Callable[[], None]:
         """:meth:`gather_split`, started: a local LZ4 gather returns once its rows' byte ranges are found and its
         decoding is under way on other threads (:meth:`_start_lz4`); the returned function decodes what they have
         not taken and waits for the rest (``out`` is complete when it returns). Other gathers are done here, and the
@@ -538,7 +546,10 @@ class FrameArray(CachedArray):
                 self._grow(int(known[-1]) + 1 if len(known) else 0)
             tag = self._end  # read before the shards: episodes below it were committed before they were opened
         if stale:
-            opened = list(pool.map(self._load, stale)) if pool is not None and len(stale) > 1 else [self._load(c) for c in stale]
+            if pool is not None and len(stale) > 1:
+                opened = list(pool.map(self._load, stale))
+            else:
+                opened = [self._load(c) for c in stale]
         with self._lock:
             self._grow(int(uniq[-1]) + 1)
             for c, shard in zip(stale, opened if stale else ()):

@@ -251,7 +251,9 @@ class FrameWriter:
                     self.codec.decode(raw, out[i])
                 except (ValueError, RuntimeError, TypeError) as e:
                     shard, r = divmod(row0 + i, self.chunk_rows)
-                    raise CorruptStoreError(f"{self.backend}/{self._key(shard)}: row {r} cannot be decoded ({e})") from e
+                    raise CorruptStoreError(
+                        f"{self.backend}/{self._key(shard)}: row {r} cannot be decoded ({e})"
+                    ) from e
         return out
 
     def read(self, row0: int, row1: int) -> np.ndarray:

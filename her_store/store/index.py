@@ -1,4 +1,5 @@
-"""The episode-index table: one row per episode (start row, length, flags, return, checksum), ring slots, cumulative lengths.
+"""The episode-index table: one row per episode (start row, length, flags, return, checksum), ring slots, cumulative
+lengths.
 
 This module answers every question about which rows hold which episode; the store and the sampler ask it.
 """
@@ -47,7 +48,9 @@ class IndexView:
 
     __slots__ = ("first", "end", "start_rows", "lengths", "_cum", "_before", "num_transitions")
 
-    def __init__(self, first: int, end: int, start_rows: np.ndarray, lengths: np.ndarray, cum: np.ndarray, before: int) -> None:
+    def __init__(
+        self, first: int, end: int, start_rows: np.ndarray, lengths: np.ndarray, cum: np.ndarray, before: int
+    ) -> None:
         self.first, self.end = first, end
         self.start_rows, self.lengths = start_rows, lengths
         self._cum, self._before = cum, before

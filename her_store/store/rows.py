@@ -170,7 +170,10 @@ class ChunkReader:
             return out
         parts = min(self.io_threads, n // MIN_ROWS_PER_THREAD)
         edges = np.linspace(0, n, parts + 1).astype(np.int64)
-        work: Callable[[int], None] = lambda i: arr.gather(rows[edges[i] : edges[i + 1]], out[edges[i] : edges[i + 1]])
+
+        def work(i: int) -> None:
+            arr.gather(rows[edges[i] : edges[i + 1]], out[edges[i] : edges[i + 1]])
+
         list(self._pool.map(work, range(parts)))
         return out
 

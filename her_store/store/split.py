@@ -29,7 +29,8 @@ __all__ = ["CORES", "SPLIT_BYTES", "Balance", "done", "start_split"]
 
 MIN_SHARE, MAX_SHARE, STEP = 0.1, 0.95, 0.02  # bounds of the pool's share of the rows, and its step
 CORES = os.cpu_count() or 1  # (os.cpu_count() costs tens of microseconds a call)
-SPLIT_BYTES = 256 << 10  # decoded bytes per C thread of an LZ4 encode or mapped gather, at least (a start costs tens of us)
+# decoded bytes per C thread of an LZ4 encode or mapped gather, at least (a start costs tens of us)
+SPLIT_BYTES = 256 << 10
 
 
 class Balance:
@@ -70,7 +71,11 @@ def done() -> None:
 
 
 def start_split(
-    work: Callable[[int, int], None], n: int, pool: ThreadPoolExecutor | None, parts: int, balance: Balance | None = None
+    work: Callable[[int, int], None],
+    n: int,
+    pool: ThreadPoolExecutor | None,
+    parts: int,
+    balance: Balance | None = None,
 ) -> Callable[[], None]:
     """``work(a, b)`` over ``parts`` consecutive pieces of ``range(n)``, started: the pool's pieces are submitted
     (each begins once its thread has the GIL), and the returned function runs the calling thread's piece (the

@@ -280,32 +280,8 @@ class StepWriter:
         if self._t >= self._steps:
             self._make_room()
         t = self._t
-        # Unrolled on purpose: one dict lookup, one shape/dtype check and one row copy per field. A value whose
-        # shape or dtype is not exactly the buffer's (or that is no ndarray) takes the checked path: a cast that
-        # keeps every value, or a clear error. Row t belongs to no episode until self._t moves past it, so a step
-        # refused part-way leaves every env as it was.
         try:
-            for name, rows, shape, dtype in self._obs_slots:
-                v = obs[name]
-                if v.shape != shape or v.dtype is not dtype:
-                    v = self._checked(f"obs[{name!r}]", name, v, shape)
-                rows[t][...] = v
-            name, rows, shape, dtype = self._action
-            if action.shape != shape or action.dtype is not dtype:
-                action = self._checked(name, name, action, shape)
-            rows[t][...] = action
-            name, rows, shape, dtype = self._reward
-            if reward.shape != shape or reward.dtype is not dtype:
-                reward = self._checked(name, name, reward, shape)
-            rows[t][...] = reward
-            name, rows, shape, dtype = self._term
-            if terminated.shape != shape or terminated.dtype is not dtype:
-                terminated = self._checked(name, name, terminated, shape)
-            rows[t][...] = terminated
-            name, rows, shape, dtype = self._trunc
-            if truncated.shape != shape or truncated.dtype is not dtype:
-                truncated = self._checked(name, name, truncated, shape)
-            rows[t][...] = truncated
+            terminated, truncated = self._stage_row(t, obs, action, reward, terminated, truncated)
         except AttributeError:  # a list, a scalar, a tensor: convert every field, then take the fast path
             return self.add(
                 _arrays(obs),
@@ -334,16 +310,7 @@ class StepWriter:
         mapping = type(next_obs) is dict or isinstance(next_obs, Mapping)
         if not ended and mapping and len(next_obs) != len(self._obs_slots):
             self._require_keys("next_obs", next_obs)
-        cut, refused = self._cut_rows(t) if cut_resets else [], None
-        if cut:  # their episodes end at row t - 1, their final observations going in row t: this step's, kept aside
-            staged = {name: buf[t].copy() for name, buf in self._buf.items()}
-            try:
-                cut = self.flush_partial(cut)
-            except StoreError as err:  # a cut episode the store refused: dropped (listed); this step goes on
-                refused, cut = err, []
-            finally:
-                for name, buf in self._buf.items():
-                    buf[t] = staged[name]
+        cut, refused = self._end_cut(t) if cut_resets else ([], None)
         self._last_next = last_next
         if skip is not None:
             self._start[skip] = t + 1  # row t of a skipped env belongs to no episode
@@ -357,6 +324,55 @@ class StepWriter:
         if refused is not None:
             raise refused
         return cut + ids
+
+    def _stage_row(
+        self, t: int, obs: Mapping[str, Any], action: Any, reward: Any, terminated: Any, truncated: Any
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """Write a step's observations, action, reward and end flags into row ``t``; returns the end flags as
+        written. Raises AttributeError for a value that is no array (:meth:`add` then converts every field), KeyError
+        or TypeError for an ``obs`` without a key or no mapping, and what :meth:`_checked` raises."""
+        # Unrolled on purpose: one dict lookup, one shape/dtype check and one row copy per field. A value whose
+        # shape or dtype is not exactly the buffer's (or that is no ndarray) takes the checked path: a cast that
+        # keeps every value, or a clear error. Row t belongs to no episode until self._t moves past it, so a step
+        # refused part-way leaves every env as it was.
+        for name, rows, shape, dtype in self._obs_slots:
+            v = obs[name]
+            if v.shape != shape or v.dtype is not dtype:
+                v = self._checked(f"obs[{name!r}]", name, v, shape)
+            rows[t][...] = v
+        name, rows, shape, dtype = self._action
+        if action.shape != shape or action.dtype is not dtype:
+            action = self._checked(name, name, action, shape)
+        rows[t][...] = action
+        name, rows, shape, dtype = self._reward
+        if reward.shape != shape or reward.dtype is not dtype:
+            reward = self._checked(name, name, reward, shape)
+        rows[t][...] = reward
+        name, rows, shape, dtype = self._term
+        if terminated.shape != shape or terminated.dtype is not dtype:
+            terminated = self._checked(name, name, terminated, shape)
+        rows[t][...] = terminated
+        name, rows, shape, dtype = self._trunc
+        if truncated.shape != shape or truncated.dtype is not dtype:
+            truncated = self._checked(name, name, truncated, shape)
+        rows[t][...] = truncated
+        return terminated, truncated
+
+    def _end_cut(self, t: int) -> tuple[list[int], StoreError | None]:
+        """End the episodes of the envs :meth:`_cut_rows` finds reset without an end flag, at row ``t - 1``, their
+        final observations going in row ``t`` (this step's, kept aside and put back): (the ids appended, and the
+        store's refusal of a cut episode, which is then dropped and listed, or None)."""
+        cut = self._cut_rows(t)
+        if not cut:
+            return cut, None
+        staged = {name: buf[t].copy() for name, buf in self._buf.items()}
+        try:
+            return self.flush_partial(cut), None
+        except StoreError as err:  # a cut episode the store refused: dropped (listed); this step goes on
+            return [], err
+        finally:
+            for name, buf in self._buf.items():
+                buf[t] = staged[name]
 
     def _cut_rows(self, t: int) -> list[int]:
         """The envs with steps pending whose staged observation (row ``t``, in the stored dtypes) is not the last

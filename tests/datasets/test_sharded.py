@@ -67,7 +67,10 @@ def writer_main(root: str, shard: str, count: int, options: str) -> None:
 
 
 def _spawn(root: str, shard: str, count: int, options: dict | None) -> subprocess.Popen:
-    code = "import sys; from tests.datasets.test_sharded import writer_main; writer_main(sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4])"
+    code = (
+        "import sys; from tests.datasets.test_sharded import writer_main; "
+        "writer_main(sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4])"
+    )
     return subprocess.Popen(
         [sys.executable, "-c", code, root, shard, str(count), json.dumps(options or {})],
         stdout=subprocess.PIPE,
@@ -173,7 +176,9 @@ def test_where_a_sharded_dataset_cannot_be_written_or_listed(tmp_path):
     assert not os.path.exists(tmp_path / "nothing")
     with pytest.raises(StoreError, match="open_dataset"):  # a sharded root is written through a shard only
         open_store(root, commit_interval=0)
-    with pytest.raises(NotAStoreError, match=r"sharded dataset's root: her_store.open_dataset\(root\) reads every shard"):
+    with pytest.raises(
+        NotAStoreError, match=r"sharded dataset's root: her_store.open_dataset\(root\) reads every shard"
+    ):
         EpisodeStore.open(root)  # the root of a dataset is not itself a store: say what it is
     packed = tmp_path / "packed.zip"
     packed.write_bytes(b"PK\x05\x06" + bytes(18))  # an empty zip archive
@@ -370,7 +375,14 @@ def test_view_sampler_draws_uniformly_over_every_shard(tmp_path):
             for i in range(n):
                 store.append_episode(make_episode(obs, act, 10, seed=100 * int(shard[-1]) + i))
     view = open_dataset(root)
-    sampler = MixtureSampler(view, weights="transitions", batch_size=4000, n_sampled_goal=0, seed=0, reward_fn=lambda a, d, info: -np.ones(len(a)))
+    sampler = MixtureSampler(
+        view,
+        weights="transitions",
+        batch_size=4000,
+        n_sampled_goal=0,
+        seed=0,
+        reward_fn=lambda a, d, info: -np.ones(len(a)),
+    )
     batch = sampler.sample()
     source, ids, steps = (batch.source.numpy(), batch.episode_ids.numpy(), batch.steps.numpy())
     share = np.bincount(source, minlength=2) / len(source)
@@ -420,8 +432,9 @@ def test_random_goals_of_a_view_come_from_every_shard_by_its_share_of_transition
     p_random = 1.0 if strategy == "random" else strategy.p_random
     foreign, expected, variance = 0, 0.0, 0.0
     cells = [np.zeros(n, np.int64) for n in counts]  # goals each shard's episodes gave to rows of the other shard
-    with open_dataset(root) as view, MixtureSampler(view, weights="transitions", batch_size=4096, goal_selection_strategy=strategy, reward_fn=sparse_reward,
-                                                 seed=11) as sampler:
+    with open_dataset(root) as view, MixtureSampler(
+        view, weights="transitions", batch_size=4096, goal_selection_strategy=strategy, reward_fn=sparse_reward, seed=11
+    ) as sampler:
         for _ in range(50):
             b = sampler.sample()
             her = b.is_relabeled.numpy()
@@ -463,8 +476,15 @@ def test_random_goals_from_a_ring_shard_are_never_of_an_episode_its_writer_evict
 
         for _ in range(30):  # 20 episodes of 6 rows fill the ring: it has wrapped
             append()
-        with open_dataset(root) as view, MixtureSampler(view, weights="transitions", batch_size=512, goal_selection_strategy="random", reward_fn=sparse_reward,
-                                                     seed=3, refresh_interval=1e9) as sampler:
+        with open_dataset(root) as view, MixtureSampler(
+            view,
+            weights="transitions",
+            batch_size=512,
+            goal_selection_strategy="random",
+            reward_fn=sparse_reward,
+            seed=3,
+            refresh_interval=1e9,
+        ) as sampler:
             ring = sampler.samplers[1]
             gather, evict_to = ring.reader.gather, []
 
@@ -507,7 +527,9 @@ def test_a_view_samplers_refresh_reads_each_shards_commit_record_once(tmp_path, 
         reads.append(self.backend.url)
         return real(self)
 
-    with open_dataset(root) as view, MixtureSampler(view, weights="transitions", batch_size=8, n_sampled_goal=0, seed=0) as sampler:
+    with open_dataset(root) as view, MixtureSampler(
+        view, weights="transitions", batch_size=8, n_sampled_goal=0, seed=0
+    ) as sampler:
         monkeypatch.setattr(CommitFollower, "read_commit", counted)
         with open_store(root, OBS, ACT, shard="actor-1", info_keys=INFO) as store:
             store.append_episode(shard_episode("actor-1", 1))

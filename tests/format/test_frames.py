@@ -151,7 +151,7 @@ def test_a_zstd_frame_must_declare_one_row(tmp_path):
         codec.decode(no_size, np.empty(ROW, np.uint8))
 
 
-# -- build_shard / parse_index -------------------------------------------------------------------------------------------
+# -- build_shard / parse_index -----------------------------------------------------------------------------------------
 def test_a_shard_of_empty_rows_is_its_index_alone():
     raw = build_shard([None] * 4)
     assert len(raw) == index_nbytes(4) == 68
@@ -220,7 +220,7 @@ def test_a_damaged_index_fails_its_crc32c_and_a_short_file_is_named():
             parse_index(raw[cut:], 2, "s") if cut > 1 else parse_index(raw[:-cut], 2, "s")
 
 
-# -- ShardWriter ---------------------------------------------------------------------------------------------------------
+# -- ShardWriter -------------------------------------------------------------------------------------------------------
 @pytest.fixture(autouse=True)
 def _split_small_rows(monkeypatch):
     """LZ4 rows of these small frames are encoded on C threads, as an episode of real frames is."""
@@ -310,7 +310,8 @@ def test_the_threads_share_of_the_rows_follows_who_finishes_first(tmp_path, monk
     rows = _frames_of(40, seed=7)
     start = w._threads / (w._threads + 1)  # an even split to start with
     pending = w.encode(rows)
-    assert [(a, b) for _, a, b in pending._background][-1][1] == int(40 * start) and len(pending._done) == 40 - int(40 * start)
+    assert [(a, b) for _, a, b in pending._background][-1][1] == int(40 * start)
+    assert len(pending._done) == 40 - int(40 * start)
     future = pending._background[0][0]
     future.result()  # the thread finished first: it takes more of the next rows
     np.testing.assert_array_equal(w.decode(pending.frames()), rows)
@@ -453,7 +454,8 @@ def test_encode_lz4_writes_numcodecs_lz4_and_the_decoders_read_it(tmp_path):
     blob, offsets, nbytes, rows = _lz4_rows(5)
     for i in range(5):  # each row: what numcodecs.lz4 itself writes and reads
         np.testing.assert_array_equal(
-            np.frombuffer(numcodecs.lz4.decompress(blob[offsets[i] : offsets[i] + nbytes[i]]), np.uint8), rows[i].ravel()
+            np.frombuffer(numcodecs.lz4.decompress(blob[offsets[i] : offsets[i] + nbytes[i]]), np.uint8),
+            rows[i].ravel(),
         )
     out = np.full((5, *ROW), 7, np.uint8)
     assert _kernels.decode_lz4(blob, offsets, nbytes, out, ROW_NBYTES) == (-1, 0)
@@ -500,7 +502,8 @@ def test_encode_lz4_reads_rows_taken_at_a_stride_in_place(take):
     rows = take(np.random.default_rng(0).integers(0, 9, (8, 3, *ROW), np.uint8))
     assert not rows.flags.c_contiguous or len(rows) == 1  # (a broadcast: one row, repeated at stride 0)
     encoded = _kernels.encode_lz4(rows, ROW_NBYTES, 1)
-    assert [np.frombuffer(numcodecs.lz4.decompress(f), np.uint8).reshape(ROW).tolist() for f in encoded] == rows.tolist()
+    decoded = [np.frombuffer(numcodecs.lz4.decompress(f), np.uint8).reshape(ROW).tolist() for f in encoded]
+    assert decoded == rows.tolist()
 
 
 def test_encode_lz4_packs_rows_of_any_compressibility_in_threads_at_once():
@@ -638,7 +641,8 @@ def test_take_rows_copies_rows_of_a_mapping_and_fails_one_the_file_no_longer_has
             rows8 = mmap.mmap(g.fileno(), 0, access=mmap.ACCESS_READ)
             into = np.zeros(16, np.int64)
             into[:2] = [1, 0]  # at = into[:2]: row 0 goes to into[1], which is at[1]
-            assert _kernels.take_rows(rows8, np.array([0, 1], np.int64), 0, 0, into.view(np.uint8), 8, into[:2]) == (1, 0)
+            got = _kernels.take_rows(rows8, np.array([0, 1], np.int64), 0, 0, into.view(np.uint8), 8, into[:2])
+            assert got == (1, 0)
             del rows8
         m.madvise(mmap.MADV_DONTNEED)
         os.ftruncate(f.fileno(), skip + 20 * row_nbytes)  # rows 20.. gone; row 19 ends on the last page kept
@@ -664,7 +668,11 @@ def test_decode_lz4_refuses_bad_arguments():
         ((blob, offsets, nbytes, out, -ROW_NBYTES), ValueError, "row_nbytes must be positive"),
         ((blob, offsets, nbytes, out, 1 << 40), ValueError, "row_nbytes must be positive"),
         ((blob, offsets, nbytes, bytes(out), ROW_NBYTES), TypeError, ""),  # out read-only
-        ((blob, offsets, nbytes, np.empty((3, 3, 8, 16), np.uint8)[..., ::2], ROW_NBYTES), (TypeError, BufferError), ""),
+        (
+            (blob, offsets, nbytes, np.empty((3, 3, 8, 16), np.uint8)[..., ::2], ROW_NBYTES),
+            (TypeError, BufferError),
+            "",
+        ),
         ((None, offsets, nbytes, out, ROW_NBYTES), TypeError, ""),
     ]
     for args, error, msg in bad:
@@ -830,7 +838,8 @@ def test_map_lz4_fails_the_row_of_a_file_cut_short_under_its_mapping(tmp_path):
         (tmp_path / "g").write_bytes(bytes(8192))
         code = f"import faulthandler; {order}; {fault}"
         done = subprocess.run([sys.executable, "-c", code], capture_output=True, check=False, timeout=120)
-        assert done.returncode == -signal.SIGBUS and done.stderr.count(b"Fatal Python error: Bus error") == 1, done.stderr[-2000:]
+        assert done.returncode == -signal.SIGBUS, done.stderr[-2000:]
+        assert done.stderr.count(b"Fatal Python error: Bus error") == 1, done.stderr[-2000:]
 
 
 _SIGBUS_DURING_DECODES = """
@@ -955,11 +964,13 @@ def test_map_lz4_start_decodes_on_a_thread_of_its_own_and_holds_its_buffers_unti
     np.testing.assert_array_equal(out, rows)
     for threads in (1, 3, 64):  # threads and the waiting caller share the rows, each taking those not taken yet
         out = np.zeros_like(rows)
-        assert _kernels.map_lz4_start((blob,), slots, offsets, nbytes, dst, out, ROW_NBYTES, threads).wait() == (-1, 0, 0)
+        got = _kernels.map_lz4_start((blob,), slots, offsets, nbytes, dst, out, ROW_NBYTES, threads).wait()
+        assert got == (-1, 0, 0)
         np.testing.assert_array_equal(out, rows)
     nbytes[[1500, 700]] += 1  # two rows that do not decode: the first is named, whichever thread met it
     for threads in (1, 3):
-        assert _kernels.map_lz4_start((blob,), slots, offsets, nbytes, dst, out, ROW_NBYTES, threads).wait()[:2] == (700, 0)
+        got = _kernels.map_lz4_start((blob,), slots, offsets, nbytes, dst, out, ROW_NBYTES, threads).wait()
+        assert got[:2] == (700, 0)
     for threads, error in ((0, ValueError), (65, ValueError), ("2", TypeError)):
         with pytest.raises(error):
             _kernels.map_lz4_start((blob,), slots, offsets, nbytes, dst, out, ROW_NBYTES, threads)
@@ -975,7 +986,13 @@ def test_a_tasks_wait_from_many_threads_joins_once_and_answers_each():
     for _ in range(20):
         out = np.zeros_like(rows)
         task = _kernels.map_lz4_start(
-            (blob,), np.zeros(len(rows), np.int32), np.cumsum(nbytes) - nbytes, nbytes, np.arange(len(rows)), out, ROW_NBYTES
+            (blob,),
+            np.zeros(len(rows), np.int32),
+            np.cumsum(nbytes) - nbytes,
+            nbytes,
+            np.arange(len(rows)),
+            out,
+            ROW_NBYTES,
         )
         answers: list[tuple[int, int, int]] = []
         threads = [threading.Thread(target=lambda t=task, a=answers: a.append(t.wait())) for _ in range(2)]
@@ -1022,7 +1039,9 @@ def test_a_task_waited_for_in_a_forked_child_never_says_rows_it_did_not_decode_a
 def _on_tmpfs(path: Path) -> bool:
     """Whether ``path`` is on a file system in memory (no disk reads to count)."""
     mounts = [line.split() for line in Path("/proc/mounts").read_text().splitlines()]
-    best = max((m for m in mounts if str(path).startswith(m[1].rstrip("/") + "/")), key=lambda m: len(m[1]), default=None)
+    best = max(
+        (m for m in mounts if str(path).startswith(m[1].rstrip("/") + "/")), key=lambda m: len(m[1]), default=None
+    )
     return best is not None and best[2] in ("tmpfs", "ramfs")
 
 
@@ -1053,7 +1072,9 @@ def test_pread_lz4_and_map_lz4_count_the_blocks_read_from_disk(tmp_path):
                 if read == "pread":
                     got = _kernels.pread_lz4(fds, offsets, nbytes, dst, out, ROW_NBYTES)
                 else:
-                    got = _kernels.map_lz4((mapping,), np.zeros(len(rows), np.int32), offsets, nbytes, dst, out, ROW_NBYTES)
+                    got = _kernels.map_lz4(
+                        (mapping,), np.zeros(len(rows), np.int32), offsets, nbytes, dst, out, ROW_NBYTES
+                    )
                 assert got[:2] == (-1, 0)
                 np.testing.assert_array_equal(out, rows)
                 assert (got[2] >= 8 * len(rows)) if cold else (got[2] == 0), (read, cold, got)
@@ -1071,7 +1092,9 @@ def test_crc32_runs_is_zlibs_crc32_of_each_run_chained_and_checks_its_arguments(
     assert crcs.tolist() == want
     for bad_starts, bad_ends in (([-1], [3]), ([4], [3]), ([0], [10_001])):  # before, backwards, past the end
         with pytest.raises(ValueError, match="outside data"):
-            _kernels.crc32_runs(data, np.array(bad_starts, np.int64), np.array(bad_ends, np.int64), np.zeros(1, np.uint32))
+            _kernels.crc32_runs(
+                data, np.array(bad_starts, np.int64), np.array(bad_ends, np.int64), np.zeros(1, np.uint32)
+            )
     with pytest.raises(ValueError, match="one entry per run"):
         _kernels.crc32_runs(data, np.zeros(2, np.int64), np.zeros(2, np.int64), np.zeros(1, np.uint32))
     with pytest.raises(BufferError):  # crcs are written: a read-only buffer is refused

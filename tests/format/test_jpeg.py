@@ -191,7 +191,9 @@ def _crafted(kind: str, good: bytes) -> bytes:
     raise AssertionError(kind)
 
 
-KINDS = ["wrong size", "huge header", "truncated", "bit flip", "garbage", "garbage after SOI", "progressive", "no end marker"]
+KINDS = [
+    "wrong size", "huge header", "truncated", "bit flip", "garbage", "garbage after SOI", "progressive", "no end marker"
+]
 
 
 def test_crafted_frames_are_refused_by_the_frame_decoder():

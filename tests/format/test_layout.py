@@ -226,7 +226,10 @@ def _attrs(**changes) -> dict:
         ({"schema": {"observation_space": None}}, "her_store.schema is invalid"),
         ({"schema": {**SCHEMA.to_json(), "fields": []}}, r"her_store.schema is invalid: schema fields \[\] are not"),
         ({"format_version": 1}, r"layout\[3\]\.chunk_rows is 256, expected 8"),  # a version 2 layout is not version 1's
-        ({"format_version": FORMAT_VERSION + 1}, rf"format_version is {FORMAT_VERSION + 1}, expected 1\.\.{FORMAT_VERSION}"),
+        (
+            {"format_version": FORMAT_VERSION + 1},
+            rf"format_version is {FORMAT_VERSION + 1}, expected 1\.\.{FORMAT_VERSION}",
+        ),
         ({"format_version": 0}, rf"format_version is 0, expected 1\.\.{FORMAT_VERSION}"),
     ],
 )

@@ -410,7 +410,9 @@ def test_a_step_that_does_not_start_where_the_last_one_ended_ends_the_episode_th
     end flag) overwrote the last transition's next observation with it (the store keeps a step's next observation
     as the following row): (1 -> 2) was stored and sampled as (1 -> 50). Each transition is now kept as added: the
     episode ends there, truncated, and the step starts the next one."""
-    obs_space = spaces.Dict({k: spaces.Box(-1e3, 1e3, (1,), np.float32) for k in ("observation", "achieved_goal", "desired_goal")})
+    obs_space = spaces.Dict(
+        {k: spaces.Box(-1e3, 1e3, (1,), np.float32) for k in ("observation", "achieved_goal", "desired_goal")}
+    )
     act = spaces.Box(-1, 1, (1,), np.float32)
     with HerReplayStorage(obs_space, act, num_envs=1, batch_size=4, storage_size=100, path=tmp_path / "s",
                           reward_fn=lambda a, d, i: np.zeros(len(a)), seed=0) as storage:
@@ -425,7 +427,9 @@ def test_a_step_that_does_not_start_where_the_last_one_ended_ends_the_episode_th
         stored = []
         for e in range(store.first_episode, store.end_episode):
             ep = store.episode(e)
-            stored += [(float(ep["observation"][t, 0]), float(ep["observation"][t + 1, 0])) for t in range(len(ep["action"]))]
+            stored += [
+                (float(ep["observation"][t, 0]), float(ep["observation"][t + 1, 0])) for t in range(len(ep["action"]))
+            ]
             assert ep["truncated"][-1]
         assert stored == [(float(o), float(n)) for o, n in added]
         assert store.num_episodes == 2

@@ -93,7 +93,9 @@ def _rows_by_obs(store: EpisodeStore) -> dict[bytes, tuple[int, int]]:
 
 
 def _learn(cls, env, steps: int = 60, **kw):
-    kwargs = {"learning_starts": 30, "batch_size": 16, "policy_kwargs": {"net_arch": [32, 32]}, "seed": 0, "train_freq": 4}
+    kwargs = {
+        "learning_starts": 30, "batch_size": 16, "policy_kwargs": {"net_arch": [32, 32]}, "seed": 0, "train_freq": 4
+    }
     model = cls("MultiInputPolicy", env, replay_buffer_class=ZarrHerReplayBuffer, **{**kwargs, **kw})
     model.learn(steps)
     return model
@@ -248,7 +250,9 @@ class Float64Goal(gym.Env):
     """A goal env whose spaces are all float64 (SB3 casts the actions it stores to float32, not the observations)."""
 
     def __init__(self) -> None:
-        box = lambda n: spaces.Box(-1, 1, (n,), np.float64)
+        def box(n):
+            return spaces.Box(-1, 1, (n,), np.float64)
+
         self.observation_space = spaces.Dict({"observation": box(3), "achieved_goal": box(2), "desired_goal": box(2)})
         self.action_space = box(2)
         self.t = 0
@@ -299,7 +303,8 @@ def test_batches_have_sb3s_dtypes_and_shapes(tmp_path, make):
         obs = new_obs
     got, want = ours.sample(8), sb3.sample(8)
     for name in ("actions", "rewards", "dones"):
-        assert (getattr(got, name).dtype, getattr(got, name).shape) == (getattr(want, name).dtype, getattr(want, name).shape), name
+        assert getattr(got, name).dtype == getattr(want, name).dtype, name
+        assert getattr(got, name).shape == getattr(want, name).shape, name
     for field in ("observations", "next_observations"):
         for k, v in getattr(want, field).items():
             assert (getattr(got, field)[k].dtype, getattr(got, field)[k].shape) == (v.dtype, v.shape), (field, k)
@@ -413,7 +418,9 @@ class LateSuccess(RecordingPointGoal):
 def test_info_keys_appearing_after_the_first_add_are_warned_about_once(tmp_path):
     venv = DummyVecEnv([lambda: LateSuccess(5)])
     rb = _buffer(venv, path=tmp_path / "rb", copy_info_dict=True)
-    with pytest.warns(UserWarning, match=r"infos carry \['is_success'\], which are not stored.*info_keys=\['is_success'\]") as w:
+    with pytest.warns(
+        UserWarning, match=r"infos carry \['is_success'\], which are not stored.*info_keys=\['is_success'\]"
+    ) as w:
         _collect([rb], venv, 20)
     assert len([x for x in w if "infos carry" in str(x.message)]) == 1 and rb.info_keys == ()
     rb.close()
@@ -637,7 +644,9 @@ def test_a_handle_whose_store_another_writer_moved_on_drops_its_pending_steps_wi
     other.close()
     back = pickle.loads(blob)
     dropped = r"holds episodes of envs \[0\] committed after this buffer was saved \(episode ids 1..1\) that do not "
-    with pytest.warns(UserWarning, match=dropped + r"continue .* those unfinished episodes \(2 steps\), which the store"):
+    with pytest.warns(
+        UserWarning, match=dropped + r"continue .* those unfinished episodes \(2 steps\), which the store"
+    ):
         back.truncate_last_trajectory()
     assert back.store.episodes["length"].tolist() == [5, 5]
 
@@ -851,7 +860,10 @@ def test_a_store_another_live_process_writes_is_refused(tmp_path):
     """Collecting this process's garbage cannot free a lock another process holds: still refused."""
     venv = _venv(1)
     _buffer(venv, path=tmp_path / "rb").close()
-    code = "import sys, her_store; s = her_store.EpisodeStore.open(sys.argv[1], 'a'); print(1, flush=True); sys.stdin.read()"
+    code = (
+        "import sys, her_store; s = her_store.EpisodeStore.open(sys.argv[1], 'a'); "
+        "print(1, flush=True); sys.stdin.read()"
+    )
     holder = subprocess.Popen(
         [sys.executable, "-c", code, str(tmp_path / "rb")], stdin=subprocess.PIPE, stdout=subprocess.PIPE
     )

@@ -482,7 +482,8 @@ def test_no_evaluation_says_na_and_sb3_leaves_no_log_directory(tmp_path, capsys,
 @needs_sb3
 def test_an_env_module_that_cannot_be_imported_is_named(tmp_path, capsys):
     code, _, err = run_main(capsys, "--out", str(tmp_path / "run"), "--env", "nosuch_module_zz:Env-v0")
-    assert code == 2 and err.startswith("her-store train: error: --env nosuch_module_zz:Env-v0: ") and "No module" in err
+    assert code == 2 and err.startswith("her-store train: error: --env nosuch_module_zz:Env-v0: ")
+    assert "No module" in err
 
 
 gym.register("test_train/NoSuccessBits-v0", entry_point=lambda: _bits(True))

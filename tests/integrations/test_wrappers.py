@@ -384,7 +384,10 @@ def test_recorders_inside_a_sync_vector_env_share_one_open_store(tmp_path):
             venv.step(np.zeros((2, 2), np.float32))
         venv.close()
         assert store.metadata == {}  # envs made without a registered id leave no env_id
-    order = lambda e: (len(e["action"]), float(e["observation"][0, 0]))  # env 0: 2 or 1 steps, env 1: 3
+
+    def order(e):
+        return (len(e["action"]), float(e["observation"][0, 0]))  # env 0: 2 or 1 steps, env 1: 3
+
     got = sorted(stored(tmp_path / "run"), key=order)
     want = sorted(logged_episodes(logs[0], ()) + logged_episodes(logs[1], ()), key=order)
     assert [len(e["action"]) for e in want] == [1, 2, 2, 3, 3]
@@ -547,7 +550,10 @@ def test_episodes_longer_than_the_capacity_are_dropped_with_a_warning_and_the_en
     log: list = []
     env = RecordEpisodes(Log(PointGoalEnv(max_episode_steps=5), log), tmp_path / "run", capacity=3)
     env.reset(seed=0)
-    step = lambda: env.step(np.zeros(2, np.float32))
+
+    def step():
+        return env.step(np.zeros(2, np.float32))
+
     for _ in range(4):
         step()
     with pytest.warns(RecordingWarning, match=r"env 0's episode of 5 steps was dropped, not recorded \("
@@ -611,7 +617,9 @@ def test_a_store_given_open_is_left_to_its_owner(tmp_path):
         running.step(zero)
     assert len(stored(tmp_path / "run")) == 1
     done.close()  # its episode ended: nothing left to write to the closed store
-    with pytest.warns(RecordingWarning, match=r"episode of 1 steps was dropped, not recorded \(StoreError: .*is closed"):
+    with pytest.warns(
+        RecordingWarning, match=r"episode of 1 steps was dropped, not recorded \(StoreError: .*is closed"
+    ):
         running.close()
     assert [(d.env, d.steps) for d in running.dropped] == [(0, 1)]
 

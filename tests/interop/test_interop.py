@@ -280,7 +280,10 @@ def _fill_sb3(rb, n_envs: int, steps: int):
     rng = np.random.default_rng(0)
     done_eps: list[list] = [[] for _ in envs]
     current: list[list] = [[] for _ in envs]
-    stack = lambda ds: {k: np.stack([d[k] for d in ds]) for k in ds[0]}
+
+    def stack(ds):
+        return {k: np.stack([d[k] for d in ds]) for k in ds[0]}
+
     for t in range(steps):
         acts = rng.uniform(-1, 1, (n_envs, 2)).astype(np.float32)
         res = [e.step(a) for e, a in zip(envs, acts)]

@@ -1,4 +1,5 @@
-"""Minari export and import with the real minari package: round trips, Minari's own loader and DataCollector, refusals."""
+"""Minari export and import with the real minari package: round trips, Minari's own loader and DataCollector,
+refusals."""
 
 from __future__ import annotations
 
@@ -152,7 +153,9 @@ def test_a_dataset_recorded_by_minaris_data_collector_imports(tmp_path, monkeypa
             np.testing.assert_array_equal(got["action"], want.actions)
             np.testing.assert_array_equal(got["reward"], want.rewards.astype(np.float32))
             np.testing.assert_array_equal(got["is_success"], want.infos["is_success"][1:])  # the reset's dropped
-        np.testing.assert_array_equal(store.episodes["success"], [int(e.infos["is_success"][-1] > 0.5) for e in dataset])
+        np.testing.assert_array_equal(
+            store.episodes["success"], [int(e.infos["is_success"][-1] > 0.5) for e in dataset]
+        )
 
 
 def _minari_dataset(observation_space, episodes):
@@ -177,7 +180,11 @@ def _flat_episode(T, seed):
 def test_a_dataset_without_goals_is_refused(tmp_path, monkeypatch):
     monkeypatch.setenv("MINARI_DATASETS_PATH", str(tmp_path / "root"))
     _minari_dataset(spaces.Box(-np.inf, np.inf, (3,), np.float32), [_flat_episode(4, 0)])
-    with pytest.raises(ValueError, match=r"not a goal-conditioned dataset.*Dict observation space with \['observation', 'achieved_goal', 'desired_goal'\]"):
+    with pytest.raises(
+        ValueError,
+        match=r"not a goal-conditioned dataset.*Dict observation space with "
+        r"\['observation', 'achieved_goal', 'desired_goal'\]",
+    ):
         import_minari(tmp_path / "root" / "flat-v0", tmp_path / "store")
     assert not (tmp_path / "store").exists()
 
@@ -445,8 +452,14 @@ def test_metadata_whose_spaces_make_no_store_or_whose_data_is_not_hdf5_is_refuse
     meta = json.loads(meta_path.read_text())
     where = "the Minari dataset at " + str(tmp_path / "random-v0" / "data")
     cases = {
-        "info": ({"her_store_info_spaces": {"action": {"type": "Box", "shape": [], "dtype": "float32", "low": 0, "high": 1}}},
-                 "its spaces in metadata.json make no store: field names \\['action'\\] are used twice"),
+        "info": (
+            {
+                "her_store_info_spaces": {
+                    "action": {"type": "Box", "shape": [], "dtype": "float32", "low": 0, "high": 1}
+                }
+            },
+            "its spaces in metadata.json make no store: field names \\['action'\\] are used twice",
+        ),
         "huge info": ({"her_store_info_spaces": {"x": {"type": "Box", "shape": [10**9, 10**9], "dtype": "float32",
                                                        "low": 0, "high": 1}}},
                       "its her_store_info_spaces in metadata.json: Box space"),

@@ -1,5 +1,5 @@
-"""The pure kernels (her_store._kernels.pure) against the compiled ones (her_store._kernels._frames): every function, on the
-same inputs, hostile ones included (ranges outside their source, rows never written, corrupt LZ4 blocks, empty
+"""The pure kernels (her_store._kernels.pure) against the compiled ones (her_store._kernels._frames): every function, on
+the same inputs, hostile ones included (ranges outside their source, rows never written, corrupt LZ4 blocks, empty
 batches, rows taken at a stride, files cut short before the call, several threads), writes the same bytes, answers
 the same tuples and raises the same exceptions."""
 
@@ -22,7 +22,9 @@ from hypothesis import strategies as st
 from her_store import _kernels
 from her_store._kernels import pure
 
-frames = pytest.importorskip("her_store._kernels._frames", reason="the compiled kernels are not built: nothing to compare")
+frames = pytest.importorskip(
+    "her_store._kernels._frames", reason="the compiled kernels are not built: nothing to compare"
+)
 PATHS = (frames, pure)
 SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 CHANGES = (
@@ -614,7 +616,10 @@ def test_the_kernels_in_use_are_the_compiled_ones_unless_told_otherwise():
     import subprocess
     import sys
 
-    code = "from her_store import _kernels; from her_store._kernels import _frames; print(_kernels.COMPILED, _kernels.map_lz4 is _frames.map_lz4)"
+    code = (
+        "from her_store import _kernels; from her_store._kernels import _frames; "
+        "print(_kernels.COMPILED, _kernels.map_lz4 is _frames.map_lz4)"
+    )
     for pure_env, said in (("0", b"True True"), ("1", b"False False"), (None, b"True True")):
         env = {k: v for k, v in os.environ.items() if k != "HER_STORE_PURE"}
         if pure_env is not None:

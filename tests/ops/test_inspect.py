@@ -37,7 +37,9 @@ def _json(capsys, *args: str) -> dict:
 
 def _image_store(path: str, lengths: list[int]) -> list[dict]:
     """A store with a compressed image observation (a smooth pattern that LZ4 shrinks) and is_success."""
-    box = lambda shape: spaces.Box(-np.inf, np.inf, shape, np.float32)
+    def box(shape):
+        return spaces.Box(-np.inf, np.inf, shape, np.float32)
+
     obs = spaces.Dict({"observation": spaces.Box(0, 255, (48, 48, 3), np.uint8), "achieved_goal": box((2,)),
                        "desired_goal": box((2,))})
     act = spaces.Box(-1, 1, (2,), np.float32)
@@ -180,7 +182,8 @@ def test_an_empty_store_without_sizes(tmp_path, capsys):
     assert main(["inspect", path]) == 0
     assert "(empty)" in capsys.readouterr().out
     assert main(["inspect", path, "--no-sizes"]) == 0
-    assert ["bytes", "on", "disk", "?", "(index", "?)"] in [line.split() for line in capsys.readouterr().out.splitlines()]
+    lines = [line.split() for line in capsys.readouterr().out.splitlines()]
+    assert ["bytes", "on", "disk", "?", "(index", "?)"] in lines
     p = _json(capsys, "inspect", path, "--episodes", "--json")
     assert (p["total"], p["pages"], p["rows"]) == (0, 1, [])
     assert main(["inspect", path, "--episodes", "--page", "0"]) == 2
@@ -227,7 +230,10 @@ def test_episode_selection_and_pages(tmp_path, capsys):
     assert main(["inspect", path, "--episodes", "1:4"]) == 0
     out = capsys.readouterr().out
     assert "page 1 of 1 (3 episodes)" in out and out.count(f"{table['crc32'][2]:08x}") == 1
-    for bad, says in ((["--episodes", "9"], "episode 9 is not live"), (["--episodes", "0:", "--page", "2"], "past the last page")):
+    for bad, says in (
+        (["--episodes", "9"], "episode 9 is not live"),
+        (["--episodes", "0:", "--page", "2"], "past the last page"),
+    ):
         assert main(["inspect", path, *bad]) == 2
         err = capsys.readouterr().err
         assert says in err and err.count("\n") == 1
@@ -302,8 +308,11 @@ def test_card_refuses_a_wrong_kind_and_leaves_the_card(tmp_path, capsys):
     assert r.stderr == f"her-store card: {path}: the dataset card's 'ref_min_score' is 'low'; expected number " \
                        "(reference score of a random policy); the card was not changed\n"
     assert _zarr_json(path) == before
-    for assignment, field in (('goal_keys=["a"]', "'goal_keys'"), ("reward_function=os.system('x')", "'reward_function'"),
-                              ("nokey", "key=value")):
+    for assignment, field in (
+        ('goal_keys=["a"]', "'goal_keys'"),
+        ("reward_function=os.system('x')", "'reward_function'"),
+        ("nokey", "key=value"),
+    ):
         assert main(["card", path, "--set", "author=Ada", "--set", assignment]) == 2
         err = capsys.readouterr().err
         assert err.startswith("her-store card: ") and err.count("\n") == 1 and field in err, err

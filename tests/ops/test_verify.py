@@ -305,14 +305,18 @@ def test_index_and_rows_past_the_commit_are_reported_and_cleared(tmp_path):
 
 JUNK = {  # what may be found at a chunk key past the commit, per kind of array
     "image": ["garbage", "directory", "file link", "outside file link", "fifo"],
-    "lowdim": ["directory", "file link", "outside file link", "outside directory link", "file for its directory", "fifo"],
+    "lowdim": [
+        "directory", "file link", "outside file link", "outside directory link", "file for its directory", "fifo"
+    ],
 }
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("capacity", [None, 4096], ids=["unbounded", "ring"])
 @pytest.mark.parametrize("kind, what", [(k, w) for k, ws in JUNK.items() for w in ws])
-def test_an_unreadable_chunk_past_the_commit_is_reported_and_removed_so_the_store_can_be_appended_to(tmp_path, kind, what, capacity):
+def test_an_unreadable_chunk_past_the_commit_is_reported_and_removed_so_the_store_can_be_appended_to(
+    tmp_path, kind, what, capacity
+):
     """What a crash, or whoever made the store, can leave at the key of a chunk (a shard, a raw pack chunk) that holds
     no committed row: a writer reads or writes the chunk it appends to, so each would fail it, or write through a link
     to outside the store. verify reports it, repair removes it (a link itself, never what it names), and appends
@@ -496,7 +500,10 @@ def test_a_raw_chunk_with_another_name_is_reported_and_given_a_copy_of_its_own(t
     before = other.read_bytes()
     report = verify(path)
     assert not report.clean and spec.chunk_key(c) in report.summary(), report.summary()
-    assert (report.junk_chunks == {spec.path: [c]}) if where == "past the commit" else report.linked_files == [spec.chunk_key(c)]
+    if where == "past the commit":
+        assert report.junk_chunks == {spec.path: [c]}
+    else:
+        assert report.linked_files == [spec.chunk_key(c)]
     done = _cli(path, "--repair")
     assert done.returncode == 0, done
     _assert_repaired(path, eps, set())
@@ -615,7 +622,8 @@ def test_a_chunk_whose_later_piece_cannot_be_read_is_reported_as_that_alone_and_
 
     monkeypatch.setattr(os, "preadv", preadv)
     report = verify(path)
-    assert [p.kind for p in report.problems] == ["file"] and "cannot be read" in report.problems[0].what, report.summary()
+    assert [p.kind for p in report.problems] == ["file"], report.summary()
+    assert "cannot be read" in report.problems[0].what, report.summary()
     assert report.linked_files == [] and report.short_files == []
     dropped = set(report.bad_episodes.tolist())
     assert dropped and max(dropped) == N - 1

@@ -336,8 +336,9 @@ def test_a_store_sets_goal_mixture_without_random_goals_relabels_from_each_rows_
             for i in range(3):
                 writer.append_episode(coded_episode(obs, act, 1000 * k + i, T=6, seed=i))
     mixture = GoalMixture(0.5, 0.5, 0.0)
-    with open_dataset(root) as view, MixtureSampler(view, weights="transitions", batch_size=256, goal_selection_strategy=mixture, reward_fn=sparse_reward,
-                                                 seed=2) as m:
+    with open_dataset(root) as view, MixtureSampler(
+        view, weights="transitions", batch_size=256, goal_selection_strategy=mixture, reward_fn=sparse_reward, seed=2
+    ) as m:
         for _ in range(3):
             b = m.sample()
             goal, steps = b.observations["desired_goal"].numpy(), b.steps.numpy()

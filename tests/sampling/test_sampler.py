@@ -168,7 +168,9 @@ def test_reward_fn_may_return_a_column_or_a_list(coded_store, reward_fn):
     store, _ = coded_store
     b = HerSampler(store, 512, reward_fn=reward_fn, seed=5).sample()
     n = int(b.is_relabeled.sum())
-    want = sparse_reward(b.next_observations["achieved_goal"][:n].numpy(), b.observations["desired_goal"][:n].numpy(), None)
+    want = sparse_reward(
+        b.next_observations["achieved_goal"][:n].numpy(), b.observations["desired_goal"][:n].numpy(), None
+    )
     np.testing.assert_array_equal(b.rewards[:n, 0].numpy(), want)
 
 
@@ -191,7 +193,9 @@ def test_default_reward_fn_comes_from_env_id(tmp_path):
         collect(store, "her_store/PointGoal-v0", 2, 120, progress=False)
         b = HerSampler(store, 256, seed=0).sample()
         n = int(b.is_relabeled.sum())
-        want = env.unwrapped.compute_reward(b.next_observations["achieved_goal"][:n].numpy(), b.observations["desired_goal"][:n].numpy(), None)
+        want = env.unwrapped.compute_reward(
+            b.next_observations["achieved_goal"][:n].numpy(), b.observations["desired_goal"][:n].numpy(), None
+        )
         np.testing.assert_array_equal(b.rewards[:n, 0].numpy(), want)
         assert (b.rewards[:n, 0] == 0).any(), "future goals include reached ones"
         store.update_metadata(env_id="NoSuchEnv-v9")
@@ -287,20 +291,32 @@ def test_callable_strategy_gets_the_context(coded_store):
     np.testing.assert_array_equal(j, np.minimum(ctx.steps + 2, ctx.lengths - 1))
     np.testing.assert_array_equal(ctx.next_achieved_goals, b.next_observations["achieved_goal"][:n].numpy())
     # seed 002's shape: a goals -> goals transform
-    noisy = HerSampler(store, 100, goal_selection_strategy=lambda c: c.desired_goals + 1.0, reward_fn=sparse_reward, seed=0).sample()
+    noisy = HerSampler(
+        store, 100, goal_selection_strategy=lambda c: c.desired_goals + 1.0, reward_fn=sparse_reward, seed=0
+    ).sample()
     m = int(noisy.is_relabeled.sum())
     ids, t = noisy.episode_ids[:m].numpy(), noisy.steps[:m].numpy()
-    np.testing.assert_array_equal(noisy.observations["desired_goal"][:m].numpy(), np.stack([eps[e]["desired_goal"][s] for e, s in zip(ids, t)]) + 1)
+    np.testing.assert_array_equal(
+        noisy.observations["desired_goal"][:m].numpy(),
+        np.stack([eps[e]["desired_goal"][s] for e, s in zip(ids, t)]) + 1,
+    )
     with pytest.raises(ValueError, match="goal strategy returned shape"):
-        HerSampler(store, 100, goal_selection_strategy=lambda c: c.desired_goals[:, :2], reward_fn=sparse_reward).sample()
+        HerSampler(
+            store, 100, goal_selection_strategy=lambda c: c.desired_goals[:, :2], reward_fn=sparse_reward
+        ).sample()
     with pytest.raises(ValueError, match="not one of"):
         HerSampler(store, goal_selection_strategy="past", reward_fn=sparse_reward)
-    assert HerSampler(store, goal_selection_strategy=GoalSelectionStrategy.FINAL, reward_fn=sparse_reward).strategy is GoalSelectionStrategy.FINAL
+    assert (
+        HerSampler(store, goal_selection_strategy=GoalSelectionStrategy.FINAL, reward_fn=sparse_reward).strategy
+        is GoalSelectionStrategy.FINAL
+    )
 
 
 def test_relabel_terminated_marks_reached_goals(coded_store):
     store, _ = coded_store
-    b = HerSampler(store, 4096, goal_selection_strategy="future", reward_fn=sparse_reward, relabel_terminated=True, seed=7).sample()
+    b = HerSampler(
+        store, 4096, goal_selection_strategy="future", reward_fn=sparse_reward, relabel_terminated=True, seed=7
+    ).sample()
     n = int(b.is_relabeled.sum())
     reached = (b.rewards[:n, 0] == 0).numpy()
     assert reached.any() and (~reached).any()
@@ -341,7 +357,10 @@ def test_other_spaces_sample_with_their_dtypes(tmp_path, case):
     with EpisodeStore.create(tmp_path / "s", obs, act) as store:
         for e in eps:
             store.append_episode(e)
-        rf = lambda a, d, i: -(np.abs(np.asarray(a, np.float32) - np.asarray(d, np.float32)).sum(-1) > 0).astype(np.float32)
+
+        def rf(a, d, i):
+            return -(np.abs(np.asarray(a, np.float32) - np.asarray(d, np.float32)).sum(-1) > 0).astype(np.float32)
+
         b = HerSampler(store, 300, reward_fn=rf, seed=0).sample()
         for k in obs.spaces:
             assert b.observations[k].dtype == torch.from_numpy(np.zeros(1, eps[0][k].dtype)).dtype
@@ -350,7 +369,9 @@ def test_other_spaces_sample_with_their_dtypes(tmp_path, case):
             if k == "desired_goal":
                 continue
             np.testing.assert_array_equal(b.observations[k].numpy(), np.stack([eps[e][k][s] for e, s in zip(ids, t)]))
-            np.testing.assert_array_equal(b.next_observations[k].numpy(), np.stack([eps[e][k][s + 1] for e, s in zip(ids, t)]))
+            np.testing.assert_array_equal(
+                b.next_observations[k].numpy(), np.stack([eps[e][k][s + 1] for e, s in zip(ids, t)])
+            )
         np.testing.assert_array_equal(b.actions.numpy(), np.stack([eps[e]["action"][s] for e, s in zip(ids, t)]))
 
 
@@ -371,7 +392,9 @@ def test_ring_that_has_just_wrapped(tmp_path):
         b = HerSampler(store, 2000, reward_fn=sparse_reward, seed=0).sample()
         ids, t = b.episode_ids.numpy(), b.steps.numpy()
         assert set(ids) == set(range(store.first_episode, store.end_episode))
-        np.testing.assert_array_equal(b.next_observations["observation"].numpy(), np.stack([eps[e]["observation"][s + 1] for e, s in zip(ids, t)]))
+        np.testing.assert_array_equal(
+            b.next_observations["observation"].numpy(), np.stack([eps[e]["observation"][s + 1] for e, s in zip(ids, t)])
+        )
 
 
 @pytest.mark.parametrize("prefetch", [0, 1])
@@ -565,7 +588,9 @@ def _image_store(path, compressors: dict) -> tuple[EpisodeStore, list[dict]]:
 
 def _assert_frames(b, eps: list[dict]) -> None:
     ids, t = b.episode_ids.numpy(), b.steps.numpy()
-    np.testing.assert_array_equal(b.observations["pixels"].numpy(), np.stack([eps[e]["pixels"][s] for e, s in zip(ids, t)]))
+    np.testing.assert_array_equal(
+        b.observations["pixels"].numpy(), np.stack([eps[e]["pixels"][s] for e, s in zip(ids, t)])
+    )
     np.testing.assert_array_equal(
         b.next_observations["pixels"].numpy(), np.stack([eps[e]["pixels"][s + 1] for e, s in zip(ids, t)])
     )
@@ -607,7 +632,9 @@ def test_a_reader_process_sees_new_commits(tmp_path):
 
 
 # -- reference model -----------------------------------------------------------------------------------------
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@settings(
+    max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow]
+)
 @given(
     ops=st.lists(
         st.one_of(
@@ -651,7 +678,9 @@ def test_against_an_in_memory_model(tmp_path_factory, ops, capacity):
                 ep = model[int(ids[i])]
                 assert 0 <= t[i] < len(ep["action"])
                 np.testing.assert_array_equal(b.observations["observation"][i].numpy(), ep["observation"][t[i]])
-                np.testing.assert_array_equal(b.next_observations["achieved_goal"][i].numpy(), ep["achieved_goal"][t[i] + 1])
+                np.testing.assert_array_equal(
+                    b.next_observations["achieved_goal"][i].numpy(), ep["achieved_goal"][t[i] + 1]
+                )
                 goal = b.observations["desired_goal"][i].numpy()
                 if rel[i]:
                     assert goal[0] == ids[i] and t[i] + 1 <= goal[1] <= len(ep["action"])

@@ -29,7 +29,10 @@ def assert_rows_are_the_stores(b, eps) -> None:
     """Every row of the batch is its episode's row at (episode_id, step); relabelled goals come from the same
     episode at or after the step (future), and every relabelled reward is recomputed for its new goal."""
     ids, t = b.episode_ids.numpy(), b.steps.numpy()
-    at = lambda key, d=0: np.stack([eps[e][key][k + d] for e, k in zip(ids, t)])
+
+    def at(key, d=0):
+        return np.stack([eps[e][key][k + d] for e, k in zip(ids, t)])
+
     for k in ("observation", "achieved_goal"):
         np.testing.assert_array_equal(b.observations[k].numpy(), at(k))
         np.testing.assert_array_equal(b.next_observations[k].numpy(), at(k, 1))
@@ -152,7 +155,9 @@ def test_the_set_never_holds_more_than_its_budget_while_a_writer_appends(tmp_pat
     with EpisodeStore.create(tmp_path / "s", OBS, ACT, chunk_rows=64, commit_interval=0) as writer:
         for i in range(40):
             writer.append_episode(eps[i])
-        with WorkingSetSampler(writer, budget, 64, reward_fn=sparse_reward, seed=0, refill_fraction=0.25, refill_interval=0.0) as s:
+        with WorkingSetSampler(
+            writer, budget, 64, reward_fn=sparse_reward, seed=0, refill_fraction=0.25, refill_interval=0.0
+        ) as s:
             assert s.nbytes == s.capacity_rows * s.row_bytes <= budget
             assert s.nbytes == sum(b.element_size() * b.nelement() for b in s.set_rows.buffers.values())
             newest = 0

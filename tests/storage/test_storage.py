@@ -25,7 +25,9 @@ from tests.conftest import ROOT, assert_episode_equal, fetch_spaces, make_episod
 def test_lease_ttl_must_be_a_positive_number(store_path, fetch, bad):
     obs, act = fetch
     shown = repr(float(bad)) if isinstance(bad, float) else repr(bad)
-    with pytest.raises(ValueError, match=rf"lease_ttl must be a finite real number > 0(, not (a \w+|None))?: got {re.escape(shown)}$"):
+    with pytest.raises(
+        ValueError, match=rf"lease_ttl must be a finite real number > 0(, not (a \w+|None))?: got {re.escape(shown)}$"
+    ):
         EpisodeStore.create(store_path, obs, act, lease_ttl=bad)
     EpisodeStore.create(store_path, obs, act, lease_ttl=0.5).close()
     with pytest.raises(ValueError, match="lease_ttl must be"):
@@ -120,7 +122,9 @@ def test_a_write_the_kernel_cuts_short_never_replaces_the_commit_record(store_pa
             store.append_episode(e)
     record = open(os.path.join(store_path, "commit.json"), "rb").read()
     limit = len(record) - 16
-    largest = max(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(store_path) for f in fs if "/c/" in d + "/")
+    largest = max(
+        os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(store_path) for f in fs if "/c/" in d + "/"
+    )
     assert largest < limit
     root = ROOT
     out = subprocess.run(

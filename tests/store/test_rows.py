@@ -121,7 +121,9 @@ def test_a_committed_row_missing_from_its_shard_is_damage_not_zeros(tmp_path, co
     store = EpisodeStore.open(tmp_path / "s")
     reader = ChunkReader(store, io_threads=0)
     reader.observe(store.snapshot())
-    np.testing.assert_array_equal(reader.gather("steps/pixels", np.array([2]))[0], rows(np.array([0]), np.array([2]))["pixels"][0])
+    np.testing.assert_array_equal(
+        reader.gather("steps/pixels", np.array([2]))[0], rows(np.array([0]), np.array([2]))["pixels"][0]
+    )
     with pytest.raises(CorruptStoreError, match="committed row 1 is missing from its shard"):
         reader.gather("steps/pixels", np.array([3, 1]))
     with pytest.raises(CorruptStoreError, match="do not match the crc32"):
@@ -200,7 +202,9 @@ def test_a_samplers_first_gather_opens_every_shard_with_committed_rows_at_once(t
     reader.observe(store.snapshot())
     arr = reader.arrays["steps/pixels"]
     assert isinstance(arr, FrameArray) and shards > 4
-    np.testing.assert_array_equal(reader.gather("steps/pixels", np.array([0]))[0], rows(np.array([0]), np.array([0]))["pixels"][0])
+    np.testing.assert_array_equal(
+        reader.gather("steps/pixels", np.array([0]))[0], rows(np.array([0]), np.array([0]))["pixels"][0]
+    )
     assert arr.misses == shards  # every shard opened by the first gather
     reader.gather("steps/pixels", np.arange(store.commit_record.write_row))
     assert arr.misses == shards  # and none again
@@ -722,4 +726,6 @@ def test_a_sampler_out_of_descriptors_says_so(tmp_path):
         capture_output=True, text=True, timeout=300, cwd=ROOT,
     )
     assert run.returncode == 0, run.stderr[-3000:]
-    assert re.match(r"StoreError: .*out of file descriptors \(the process may have [\d,]+ open\)", run.stdout), run.stdout
+    assert re.match(
+        r"StoreError: .*out of file descriptors \(the process may have [\d,]+ open\)", run.stdout
+    ), run.stdout

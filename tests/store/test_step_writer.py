@@ -53,8 +53,12 @@ def test_interleaved_envs_produce_the_same_episodes(store_path, fetch, n_envs, i
     obs, act = fetch
     rng = np.random.default_rng(n_envs)
     per_env = [
-        [make_episode(obs, act, int(rng.integers(1, 40)), seed=100 * e + i, info_keys=("is_success",), terminated=bool(i % 2))
-         for i in range(5)]
+        [
+            make_episode(
+                obs, act, int(rng.integers(1, 40)), seed=100 * e + i, info_keys=("is_success",), terminated=bool(i % 2)
+            )
+            for i in range(5)
+        ]
         for e in range(n_envs)
     ]
     with EpisodeStore.create(store_path, obs, act, info_keys=["is_success"]) as store:
@@ -93,8 +97,12 @@ def test_eight_envs_append_image_episodes_into_shards_and_sampled_frames_are_the
             b = sampler.sample()
         ids, t = b.episode_ids.numpy(), b.steps.numpy()
         assert len(set(ids.tolist())) > 16
-        np.testing.assert_array_equal(b.observations["pixels"].numpy(), [model[e]["pixels"][s] for e, s in zip(ids, t)])
-        np.testing.assert_array_equal(b.next_observations["pixels"].numpy(), [model[e]["pixels"][s + 1] for e, s in zip(ids, t)])
+        np.testing.assert_array_equal(
+            b.observations["pixels"].numpy(), [model[e]["pixels"][s] for e, s in zip(ids, t)]
+        )
+        np.testing.assert_array_equal(
+            b.next_observations["pixels"].numpy(), [model[e]["pixels"][s + 1] for e, s in zip(ids, t)]
+        )
 
 
 def test_flush_partial_ends_unfinished_episodes_as_truncated(store_path, fetch):
@@ -106,7 +114,10 @@ def test_flush_partial_ends_unfinished_episodes_as_truncated(store_path, fetch):
             w.add(
                 {k: ep[k][t : t + 1] for k in obs.spaces},
                 {k: ep[k][t + 1 : t + 2] for k in obs.spaces},
-                ep["action"][t : t + 1], ep["reward"][t : t + 1], ep["terminated"][t : t + 1], ep["truncated"][t : t + 1],
+                ep["action"][t : t + 1],
+                ep["reward"][t : t + 1],
+                ep["terminated"][t : t + 1],
+                ep["truncated"][t : t + 1],
             )
         assert store.num_episodes == 0 and list(w.pending_steps) == [4]
         assert w.flush_partial() == [0]
@@ -126,8 +137,13 @@ def test_cut_resets_ends_the_episode_of_an_env_whose_obs_does_not_follow_its_las
     obs, act = fetch
     eps = [make_episode(obs, act, 6, seed=e) for e in range(2)]
     eps[1]["observation"][:, 0] = np.nan
-    row = lambda t: {k: np.stack([e[k][t] for e in eps]) for k in obs.spaces}
-    action = lambda t: np.stack([e["action"][t] for e in eps])
+
+    def row(t):
+        return {k: np.stack([e[k][t] for e in eps]) for k in obs.spaces}
+
+    def action(t):
+        return np.stack([e["action"][t] for e in eps])
+
     no = np.zeros(2, bool)
     with EpisodeStore.create(store_path, obs, act) as store:
         w = store.writer(2)
@@ -201,7 +217,9 @@ def test_plain_python_values_take_the_converting_path(store_path):
 
 def _steps(ep: dict, keys, t: int, n_envs: int) -> tuple:
     """Step ``t`` of ``ep`` for every env: (obs, next_obs, action, reward, terminated, truncated) with n_envs rows."""
-    rows = lambda a: np.repeat(a[t : t + 1], n_envs, axis=0)
+    def rows(a):
+        return np.repeat(a[t : t + 1], n_envs, axis=0)
+
     obs = {k: rows(ep[k]) for k in keys}
     nxt = {k: np.repeat(ep[k][t + 1 : t + 2], n_envs, axis=0) for k in keys}
     return obs, nxt, rows(ep["action"]), rows(ep["reward"]), rows(ep["terminated"]), rows(ep["truncated"])
@@ -297,10 +315,13 @@ def test_an_episode_longer_than_the_capacity_is_dropped_and_its_env_writes_again
     long_ep, short = make_episode(obs, act, 6, seed=1), make_episode(obs, act, 2, seed=2)
     with EpisodeStore.create(store_path, obs, act, capacity=5) as store:
         w = store.writer(2)
-        both = lambda a, b: tuple(
-            {k: np.concatenate([x[k], y[k]]) for k in x} if isinstance(x, dict) else np.concatenate([x, y])
-            for x, y in zip(a, b)
-        )
+
+        def both(a, b):
+            return tuple(
+                {k: np.concatenate([x[k], y[k]]) for k in x} if isinstance(x, dict) else np.concatenate([x, y])
+                for x, y in zip(a, b)
+            )
+
         for t in range(5):
             w.add(*both(_steps(long_ep, obs.spaces, t, 1), _steps(short, obs.spaces, t % 2, 1)))
         assert w.episode_ids == [0, 1] and list(w.pending_steps) == [5, 1]
@@ -402,7 +423,9 @@ BAD_VALUES = {
         r"has 16777217 at \(1, 0\), which float32 cannot hold exactly \(it would store 16777216\.0\)",
     ),
     "uint64 2**64 - 1 for float32": (
-        "observation", lambda a: _put(a, 2**64 - 1, np.uint64), r"has 18446744073709551615 at \(1, 0\), which float32 cannot hold exactly",
+        "observation",
+        lambda a: _put(a, 2**64 - 1, np.uint64),
+        r"has 18446744073709551615 at \(1, 0\), which float32 cannot hold exactly",
     ),
 }
 
@@ -443,7 +466,9 @@ def test_casts_that_keep_values_are_accepted(store_path):
     given["bits"] = ep["bits"].astype(bool)
     given["action"] = ep["action"].astype(np.uint8)
     given["reward"] = np.array([2**30, -(2**40), 7], np.int64)  # integers float32 holds exactly, however large
-    want = dict(ep, observation=given["observation"].astype(np.float32), reward=np.array([2**30, -(2**40), 7], np.float32))
+    want = dict(
+        ep, observation=given["observation"].astype(np.float32), reward=np.array([2**30, -(2**40), 7], np.float32)
+    )
     with EpisodeStore.create(store_path, obs, act, info_keys=info) as store:
         store.append_episode(given)
         w = store.writer(1)
@@ -507,7 +532,8 @@ def test_pending_gives_each_envs_unfinished_episode_as_append_episode_takes_it(s
         for t in range(3):
             obs = {k: np.stack([e[k][t] for e in eps]) for k in obs_space.spaces}
             nxt = {k: np.stack([e[k][t + 1] for e in eps]) for k in obs_space.spaces}
-            w.add(obs, nxt, *(np.stack([e[name][t] for e in eps]) for name in ("action", "reward", "terminated", "truncated")))
+            steps = (np.stack([e[name][t] for e in eps]) for name in ("action", "reward", "terminated", "truncated"))
+            w.add(obs, nxt, *steps)
         for env, ep in enumerate(eps):
             got = w.pending(env)
             for k in obs_space.spaces:
@@ -526,7 +552,10 @@ def _step(eps, t):
     keys = [k for k in eps[0] if len(eps[0][k]) == len(eps[0]["action"]) + 1]
     obs = {k: np.stack([ep[k][s] for ep, s in zip(eps, t)]) for k in keys}
     nxt = {k: np.stack([ep[k][s + 1] for ep, s in zip(eps, t)]) for k in keys}
-    col = lambda name: np.stack([ep[name][s] for ep, s in zip(eps, t)])
+
+    def col(name):
+        return np.stack([ep[name][s] for ep, s in zip(eps, t)])
+
     return obs, nxt, col("action"), col("reward"), col("terminated"), col("truncated")
 
 
@@ -650,8 +679,13 @@ def test_cut_resets_holds_on_every_path_of_an_add(store_path, fetch):
     obs, act = fetch
     T = 8
     eps = [make_episode(obs, act, T, seed=e) for e in range(2)]
-    row = lambda t: {k: np.stack([e[k][t] for e in eps]) for k in obs.spaces}
-    action = lambda t: np.stack([e["action"][t] for e in eps])
+
+    def row(t):
+        return {k: np.stack([e[k][t] for e in eps]) for k in obs.spaces}
+
+    def action(t):
+        return np.stack([e["action"][t] for e in eps])
+
     no, zero = np.zeros(2, bool), np.zeros(2, np.float32)
     with EpisodeStore.create(store_path, obs, act) as store:
         w = store.writer(2)

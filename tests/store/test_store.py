@@ -48,11 +48,15 @@ def _goal_obs(extra: dict | None = None, goal: spaces.Space | None = None) -> sp
 
 SPACE_CASES = {
     "box-float32": (_goal_obs(), spaces.Box(-1, 1, (4,), np.float32)),
-    "box-float64-2d": (_goal_obs({"joints": spaces.Box(-1, 1, (2, 3), np.float64)}), spaces.Box(-1, 1, (2, 2), np.float64)),
+    "box-float64-2d": (
+        _goal_obs({"joints": spaces.Box(-1, 1, (2, 3), np.float64)}), spaces.Box(-1, 1, (2, 2), np.float64)
+    ),
     "discrete": (_goal_obs({"mode": spaces.Discrete(5, start=-2)}), spaces.Discrete(7)),
     "multibinary": (_goal_obs({"bits": spaces.MultiBinary(6)}, goal=spaces.MultiBinary(4)), spaces.MultiBinary(3)),
     "multidiscrete": (_goal_obs({"grid": spaces.MultiDiscrete([3, 4, 5])}), spaces.MultiDiscrete([2, 9])),
-    "uint8-image": (_goal_obs({"pixels": spaces.Box(0, 255, (3, 16, 16), np.uint8)}), spaces.Box(-1, 1, (2,), np.float32)),
+    "uint8-image": (
+        _goal_obs({"pixels": spaces.Box(0, 255, (3, 16, 16), np.uint8)}), spaces.Box(-1, 1, (2,), np.float32)
+    ),
 }
 
 
@@ -208,13 +212,27 @@ def test_episode_longer_than_capacity_is_refused(store_path, fetch):
 def _bad_episodes(obs, act):
     good = make_episode(obs, act, 5, seed=0)
     cases = {}
-    e = dict(good); del e["desired_goal"]; cases["missing key"] = (e, r"missing \['desired_goal'\]")
-    e = dict(good); e["bonus"] = np.zeros(5); cases["extra key"] = (e, r"unexpected \['bonus'\]")
-    e = dict(good); e["observation"] = good["observation"][:, :4]; cases["wrong shape"] = (e, r"'observation' has shape \(6, 4\), expected \(6, 10\)")
-    e = dict(good); e["achieved_goal"] = good["achieved_goal"][:5]; cases["T mismatch obs"] = (e, r"'achieved_goal' has shape \(5, 3\), expected \(6, 3\)")
-    e = dict(good); e["reward"] = good["reward"][:4]; cases["T mismatch step"] = (e, r"'reward' has shape \(4,\), expected \(5,\)")
-    e = dict(good); e["terminated"] = np.zeros(5, np.float32); cases["wrong dtype"] = (e, "'terminated' has dtype float32, expected bool")
-    e = dict(good); e["action"] = np.zeros((0, 4), np.float32); cases["empty"] = (e, "at least one step")
+    e = dict(good)
+    del e["desired_goal"]
+    cases["missing key"] = (e, r"missing \['desired_goal'\]")
+    e = dict(good)
+    e["bonus"] = np.zeros(5)
+    cases["extra key"] = (e, r"unexpected \['bonus'\]")
+    e = dict(good)
+    e["observation"] = good["observation"][:, :4]
+    cases["wrong shape"] = (e, r"'observation' has shape \(6, 4\), expected \(6, 10\)")
+    e = dict(good)
+    e["achieved_goal"] = good["achieved_goal"][:5]
+    cases["T mismatch obs"] = (e, r"'achieved_goal' has shape \(5, 3\), expected \(6, 3\)")
+    e = dict(good)
+    e["reward"] = good["reward"][:4]
+    cases["T mismatch step"] = (e, r"'reward' has shape \(4,\), expected \(5,\)")
+    e = dict(good)
+    e["terminated"] = np.zeros(5, np.float32)
+    cases["wrong dtype"] = (e, "'terminated' has dtype float32, expected bool")
+    e = dict(good)
+    e["action"] = np.zeros((0, 4), np.float32)
+    cases["empty"] = (e, "at least one step")
     cases["not a mapping"] = ([1, 2], "mapping")
     return good, cases
 
@@ -466,7 +484,10 @@ def test_zarr_alone_reads_every_frame_of_sharded_images(tmp_path):
             n = table["length"] + 1
             rows = np.concatenate([np.arange(s, s + k) for s, k in zip(table["start_row"], n)])
             frames = np.concatenate(
-                [make_episode(obs, act, int(T), seed=eps[int(e)])["pixels"] for e, T in zip(table["episode_id"], table["length"])]
+                [
+                    make_episode(obs, act, int(T), seed=eps[int(e)])["pixels"]
+                    for e, T in zip(table["episode_id"], table["length"])
+                ]
             )
             np.savez(path + ".npz", rows=rows, frames=frames)
             cases.append(path)
@@ -590,7 +611,9 @@ def test_an_unfinished_create_is_told_from_damage_by_its_arrays_chunk_keys_alone
     EpisodeStore.create(store_path, obs, act).close()
     os.unlink(os.path.join(store_path, "commit.json"))
     os.makedirs(os.path.join(store_path, "notes", "c"))
-    strays = ("c.05", "c.5.0.0.0", "notes/c.\u00b2", "notes/c/7", "steps/pixels/c.\u00b2.0.0.0", "steps/pixels/c.05.0.0.0")
+    strays = (
+        "c.05", "c.5.0.0.0", "notes/c.\u00b2", "notes/c/7", "steps/pixels/c.\u00b2.0.0.0", "steps/pixels/c.05.0.0.0"
+    )
     for name in strays:
         Path(store_path, name).write_bytes(b"x")
     with pytest.raises(NotAStoreError, match="unfinished create"):
@@ -628,7 +651,8 @@ def test_a_compressed_field_named_zarr_json_is_refused_before_anything_is_writte
     with pytest.raises(SchemaMismatchError, match="cannot be named 'zarr.json'"):
         EpisodeStore.create(store_path, obs, act)
     assert not os.path.exists(store_path)
-    with EpisodeStore.create(store_path, obs, act, compressors={"zarr.json": None}) as store:  # packed: no array of its own
+    # packed: no array of its own
+    with EpisodeStore.create(store_path, obs, act, compressors={"zarr.json": None}) as store:
         ep = make_episode(obs, act, 3, seed=0)
         assert store.append_episode(ep) == 0
         assert_episode_equal(store.episode(0), ep)

@@ -21,7 +21,11 @@ WRITER = os.path.join(ROOT, "tests", "crash_writer.py")
 
 def _spawn(path: str, capacity: int, *kill: str) -> subprocess.Popen:
     return subprocess.Popen(
-        [sys.executable, WRITER, path, str(capacity), *kill], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT
+        [sys.executable, WRITER, path, str(capacity), *kill],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
     )
 
 
@@ -125,7 +129,9 @@ def test_kill_9_while_an_image_shard_is_replaced(tmp_path, kill_on):
 @pytest.mark.parametrize("capacity", [0, 300])
 def test_concurrent_reader_never_sees_a_torn_or_uncommitted_episode(tmp_path, capacity):
     path = str(tmp_path / "store")
-    EpisodeStore.create(path, *episode_space(), capacity=capacity or None, info_keys=["is_success"], chunk_rows=64).close()
+    EpisodeStore.create(
+        path, *episode_space(), capacity=capacity or None, info_keys=["is_success"], chunk_rows=64
+    ).close()
     proc = _spawn(path, capacity)
     assert proc.stdout.readline().startswith("start")
     checked: set[int] = set()
@@ -182,7 +188,9 @@ def test_sampler_in_a_reader_process_never_returns_overwritten_rows(tmp_path):
                 for i in range(0, 256, 8):
                     ep = episode_for(int(ids[i]))
                     np.testing.assert_array_equal(b.observations["observation"][i].numpy(), ep["observation"][t[i]])
-                    np.testing.assert_array_equal(b.next_observations["observation"][i].numpy(), ep["observation"][t[i] + 1])
+                    np.testing.assert_array_equal(
+                        b.next_observations["observation"][i].numpy(), ep["observation"][t[i] + 1]
+                    )
                     np.testing.assert_array_equal(b.actions[i].numpy(), ep["action"][t[i]])
                 batches += 1
                 first_ids = ids if first_ids is None else first_ids

@@ -330,7 +330,13 @@ def test_a_sampler_on_the_writers_handle_between_appends(storage, capacity, enco
 
 
 def _follow(
-    reader: ReaderProcess, store: EpisodeStore, url: str, opts: dict[str, Any], name: str, paths: set[str], episodes: int
+    reader: ReaderProcess,
+    store: EpisodeStore,
+    url: str,
+    opts: dict[str, Any],
+    name: str,
+    paths: set[str],
+    episodes: int,
 ) -> None:
     """The reader process samples ``url`` (``store`` as a reader sees it) each round while ``store`` appends."""
     case = STORAGES[name]
@@ -416,7 +422,9 @@ def test_a_packed_store_samples_as_the_model(name, capacity, tmp_path):
     shutil.rmtree(source)  # the archive alone
     with EpisodeStore.open(archive) as packed:
         assert (packed.first_episode, packed.end_episode) == (first, end)
-        with HerSampler(packed, BATCH, reward_fn=sparse_reward, seed=0, io_threads=STORAGES[name].io_threads) as sampler:
+        with HerSampler(
+            packed, BATCH, reward_fn=sparse_reward, seed=0, io_threads=STORAGES[name].io_threads
+        ) as sampler:
             assert gather_paths(sampler) == SERVED[name][1]
             for i in range(16):  # members read with pread, then decoded where the archive is mapped
                 problem = wrong_rows(sampler.sample(), first, end)

@@ -111,7 +111,10 @@ def test_every_local_write_failing_every_way(tmp_path, config):
 
 def _sampled_frames_equal(config: str, path: str, opts: dict | None = None) -> None:
     """Every frame the sampler (LZ4 rows decoded in C) returns is the committed episode's frame at its step."""
-    with EpisodeStore.open(path, storage_options=opts) as store, HerSampler(store, 256, n_sampled_goal=0, seed=0) as sampler:
+    with (
+        EpisodeStore.open(path, storage_options=opts) as store,
+        HerSampler(store, 256, n_sampled_goal=0, seed=0) as sampler,
+    ):
         assert {a.path for a in store.layout.arrays if a.sharded} == {"steps/pixels"}
         _assert_frames(config, sampler)
 
@@ -233,7 +236,8 @@ def _kill_at(config: str, path: str, at: int, opts: dict | None = None, first: i
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("config", ["raw", "ring-compressed"])  # kill -9 loses no fsync: the fsync'ed variant adds nothing
+# kill -9 loses no fsync: the fsync'ed variant adds nothing
+@pytest.mark.parametrize("config", ["raw", "ring-compressed"])
 def test_kill_9_at_writes(tmp_path, config):
     base, kinds = _baseline(tmp_path, config)
     n = len(kinds)
@@ -274,7 +278,8 @@ def test_s3_writes_failing_every_way(s3_url):
     n = len(kinds)
     assert n > 10
     firsts = {kinds.index(kind) + 1 for kind in set(kinds)}  # each kind of write at least once
-    for j, at in enumerate(sorted(firsts | set(range(1, n + 1, 20)))):  # and every 20th (each write fails locally above)
+    # and every 20th (each write fails locally above)
+    for j, at in enumerate(sorted(firsts | set(range(1, n + 1, 20)))):
         mode = _modes(kinds[at - 1])[j % 2]
         path, root = fresh()
         _faulty_run(config, path, root, at, mode, opts)
@@ -458,7 +463,11 @@ def test_repair_failing_at_writes_is_finished_by_the_next_repair(tmp_path):
     good = [i for i in range(n) if i != bad]
     assert _kept_originals(probe, n) == good
     # every write of the plan and of the store's commit record (the steps a later repair starts from), and a sample
-    decisive = [at for at, p in enumerate(counter.paths, 1) if os.path.basename(p).startswith(("plan.json", "commit.json")) and "/tail/" not in p]
+    decisive = [
+        at
+        for at, p in enumerate(counter.paths, 1)
+        if os.path.basename(p).startswith(("plan.json", "commit.json")) and "/tail/" not in p
+    ]
     assert len(decisive) >= 6, counter.paths
     sample = sorted(set(decisive[:5]) | set(range(1, len(counter.kinds) + 1, 40)))
     for j, at in enumerate(sample):
@@ -659,7 +668,12 @@ def _assert_npz(path: str, ids: list[int]) -> None:
         np.testing.assert_array_equal(z["episode_lengths"], [len(ep["action"]) for ep in eps])
         for key in ("observation", "achieved_goal", "desired_goal"):
             np.testing.assert_array_equal(z[f"observations/{key}"], np.concatenate([ep[key] for ep in eps]))
-        for key, name in (("action", "actions"), ("reward", "rewards"), ("terminated", "terminations"), ("is_success", "infos/is_success")):
+        for key, name in (
+            ("action", "actions"),
+            ("reward", "rewards"),
+            ("terminated", "terminations"),
+            ("is_success", "infos/is_success"),
+        ):
             np.testing.assert_array_equal(z[name], np.concatenate([ep[key] for ep in eps]))
 
 
@@ -714,7 +728,10 @@ def test_hdf5_export_cut_short_by_a_full_quota_leaves_nothing_at_dest(tmp_path, 
     args = [sys.executable, "-c", _QUOTA_EXPORTS, ROOT, src, parent, json.dumps(limits), to, name]
     run = subprocess.run(args, check=False, capture_output=True, text=True, cwd=ROOT, timeout=120)
     results = [json.loads(line) for line in run.stdout.splitlines()]
-    assert run.returncode == 0, f"an export under a file-size limit of {results[-1]['limit']} bytes ended the process ({run.returncode}): {run.stderr[-500:]}"
+    assert run.returncode == 0, (
+        f"an export under a file-size limit of {results[-1]['limit']} bytes ended the process ({run.returncode}): "
+        f"{run.stderr[-500:]}"
+    )
     assert tree_digest(src) == digest
     for r in results[1::2]:
         proc = subprocess.CompletedProcess(("export",), r["returncode"], "", r["stderr"])

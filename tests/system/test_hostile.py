@@ -452,7 +452,7 @@ def test_hostile_stores_give_store_errors_only(bases, arena, data):
     assert _tree_state(root, store) == before
 
 
-# -- crafted shard files ------------------------------------------------------------------------------------------------
+# -- crafted shard files ----------------------------------------------------------------------------------------------
 EMPTY_ENTRY = (1 << 64) - 1  # an index entry's offset and nbytes for a row never written
 
 
@@ -503,7 +503,8 @@ def _craft_shard(data: st.DataObject, raw: bytes, rows: int) -> bytes:
         raw[at : min(at + len(patch), data_end)] = patch[: data_end - at]
     elif kind == "header" and data_end >= 4:
         at = data.draw(st.integers(0, data_end - 4), label="at")  # where a row's declared size might be
-        struct.pack_into("<i", raw, at, data.draw(st.sampled_from([0, -1, 47, 48, 49, 1 << 30, -(1 << 31)]), label="size"))
+        size = data.draw(st.sampled_from([0, -1, 47, 48, 49, 1 << 30, -(1 << 31)]), label="size")
+        struct.pack_into("<i", raw, at, size)
     elif kind == "truncate":
         del raw[data.draw(st.integers(0, max(0, len(raw) - 1)), label="length") :]
     else:
@@ -527,7 +528,8 @@ def test_crafted_shard_files_give_store_errors_only(shard_bases, arena, data):
     for _ in range(data.draw(st.integers(1, 3), label="changes")):
         shard = data.draw(st.sampled_from(shards), label="shard")
         shard.write_bytes(_craft_shard(data, shard.read_bytes(), rows))
-    warm = data.draw(st.sampled_from([reader_module.WARM_GATHERS, 0]), label="warm gathers")  # read with pread, or mapped
+    # read with pread, or mapped
+    warm = data.draw(st.sampled_from([reader_module.WARM_GATHERS, 0]), label="warm gathers")
     with bounded_memory(), _warm_gathers(warm):
         for mode in ("r", "a"):
             with contextlib.suppress(StoreError):

@@ -135,7 +135,9 @@ def test_a_store_served_over_http_reads_bit_exact_and_samples(stores, serve, nam
                 for j, (e, t) in enumerate(zip(b.episode_ids.tolist(), b.steps.tolist())):
                     ep = episodes[e]
                     np.testing.assert_array_equal(b.observations["observation"][j].numpy(), ep["observation"][t])
-                    np.testing.assert_array_equal(b.next_observations["observation"][j].numpy(), ep["observation"][t + 1])
+                    np.testing.assert_array_equal(
+                        b.next_observations["observation"][j].numpy(), ep["observation"][t + 1]
+                    )
                     np.testing.assert_array_equal(b.actions[j].numpy(), ep["action"][t])
                     np.testing.assert_array_equal(b.observations["achieved_goal"][j].numpy(), ep["achieved_goal"][t])
             blocks = sampler.reader.arrays["packs/float32"]
@@ -156,7 +158,9 @@ def test_a_server_without_range_or_etag_still_serves_whole_objects(stores, serve
             frames = sampler.reader.arrays["steps/observation"]
             assert frames._ranged is False
             for j, (e, t) in enumerate(zip(b.episode_ids.tolist()[:32], b.steps.tolist()[:32])):
-                np.testing.assert_array_equal(b.observations["observation"][j].numpy(), local.episode(e)["observation"][t])
+                np.testing.assert_array_equal(
+                    b.observations["observation"][j].numpy(), local.episode(e)["observation"][t]
+                )
 
 
 def test_a_store_served_over_http_created_again_under_a_reader_is_refused(tmp_path, serve):
@@ -378,7 +382,9 @@ def test_a_whole_object_sent_for_a_range_is_read_no_further_than_the_range(store
         with HerSampler(remote, 64, reward_fn=_reward, seed=1) as sampler:
             b = sampler.sample()
             for j, (e, t) in enumerate(zip(b.episode_ids.tolist()[:16], b.steps.tolist()[:16])):
-                np.testing.assert_array_equal(b.observations["observation"][j].numpy(), local.episode(e)["observation"][t])
+                np.testing.assert_array_equal(
+                    b.observations["observation"][j].numpy(), local.episode(e)["observation"][t]
+                )
     assert PaddedHandler.sent and max(PaddedHandler.sent) < 16 << 20, sorted(PaddedHandler.sent)[-3:]
 
 

@@ -37,7 +37,9 @@ def test_round_trip_resume_and_reader_refresh(s3_url, fetch):
     url, opts = s3_url
     obs, act = fetch
     eps = [make_episode(obs, act, T, seed=i, info_keys=("is_success",)) for i, T in enumerate([5, 50, 1, 20, 33])]
-    with EpisodeStore.create(url, obs, act, storage_options=opts, info_keys=["is_success"], chunk_rows=16, metadata={"env_id": "X-v0"}) as store:
+    with EpisodeStore.create(
+        url, obs, act, storage_options=opts, info_keys=["is_success"], chunk_rows=16, metadata={"env_id": "X-v0"}
+    ) as store:
         for e in eps[:3]:
             store.append_episode(e)
         store.flush()  # object storage commits every 2 s by default
@@ -89,7 +91,9 @@ def test_ring_on_s3(s3_url, fetch):
     url, opts = s3_url
     obs, act = fetch
     eps = [make_episode(obs, act, 12, seed=i) for i in range(40)]
-    with EpisodeStore.create(url, obs, act, storage_options=opts, capacity=100, chunk_rows=16, commit_interval=0) as store:
+    with EpisodeStore.create(
+        url, obs, act, storage_options=opts, capacity=100, chunk_rows=16, commit_interval=0
+    ) as store:
         for e in eps:
             store.append_episode(e)
         assert store.num_transitions == 96 and store.first_episode == 32
@@ -161,7 +165,12 @@ def test_plain_zarr_reads_the_s3_store(s3_url, fetch):
     with EpisodeStore.create(url, obs, act, storage_options=opts) as store:
         store.append_episode(e)
     root = zarr.open_group(url, mode="r", storage_options=opts)
-    path, a, b = next((arr["path"], a, b) for arr in root.attrs["her_store"]["layout"] for n, a, b in arr["columns"] if n == "observation")
+    path, a, b = next(
+        (arr["path"], a, b)
+        for arr in root.attrs["her_store"]["layout"]
+        for n, a, b in arr["columns"]
+        if n == "observation"
+    )
     start, T = int(root["episodes/start_row"][0]), int(root["episodes/length"][0])
     np.testing.assert_array_equal(root[path][start : start + T + 1, a:b], e["observation"])
 
@@ -192,8 +201,13 @@ def test_sampler_reads_s3_through_the_chunk_cache(s3_url, fetch):
         with HerSampler(store, 500, reward_fn=sparse_reward, seed=0) as s:
             b = s.sample()
             ids, t = b.episode_ids.numpy(), b.steps.numpy()
-            np.testing.assert_array_equal(b.observations["observation"].numpy(), np.stack([eps[e]["observation"][k] for e, k in zip(ids, t)]))
-            np.testing.assert_array_equal(b.next_observations["observation"].numpy(), np.stack([eps[e]["observation"][k + 1] for e, k in zip(ids, t)]))
+            np.testing.assert_array_equal(
+                b.observations["observation"].numpy(), np.stack([eps[e]["observation"][k] for e, k in zip(ids, t)])
+            )
+            np.testing.assert_array_equal(
+                b.next_observations["observation"].numpy(),
+                np.stack([eps[e]["observation"][k + 1] for e, k in zip(ids, t)]),
+            )
             cache = s.reader.arrays["packs/float32"]
             assert cache.misses == 10 and cache.hits == 0  # 620 rows in 10 chunks: one GET each
             s.sample()
@@ -345,7 +359,9 @@ from her_store import EpisodeStore
 from her_store.errors import StoreLockedError
 from tests.conftest import fetch_spaces, make_episode
 obs, act = fetch_spaces()
-a = EpisodeStore.open(sys.argv[1], mode="a", storage_options=json.loads(sys.argv[2]), lease_ttl=2.0, commit_interval=100)
+a = EpisodeStore.open(
+    sys.argv[1], mode="a", storage_options=json.loads(sys.argv[2]), lease_ttl=2.0, commit_interval=100
+)
 for i in range(2):
     a.append_episode(make_episode(obs, act, 6, seed=100 + i))
 armed[0] = True
@@ -368,7 +384,9 @@ def test_a_writer_frozen_in_the_middle_of_a_commit_cannot_replace_the_next_write
     with EpisodeStore.create(url, obs, act, storage_options=opts) as store:
         store.append_episode(first)
     root = ROOT
-    a = subprocess.Popen([sys.executable, "-c", _FROZEN_MID_COMMIT, url, json.dumps(opts), root], stdout=subprocess.PIPE, text=True)
+    a = subprocess.Popen(
+        [sys.executable, "-c", _FROZEN_MID_COMMIT, url, json.dumps(opts), root], stdout=subprocess.PIPE, text=True
+    )
     assert a.stdout.readline().strip() == "frozen"
     time.sleep(3.0)  # past A's lease_ttl
     theirs = [make_episode(obs, act, 4, seed=200 + i) for i in range(3)]

@@ -96,24 +96,7 @@ def import_minari(source: str | os.PathLike[str], store_path: str | os.PathLike[
     data_dir = _data_dir(os.fspath(source))
     where = f"the Minari dataset at {data_dir}"
     _regular_files_only(data_dir, where)
-    raw = open_backend(data_dir).read_bytes("metadata.json")
-    if raw is None:
-        raise FileNotFoundError(f"{where} has no metadata.json")
-    try:
-        meta = json.loads(raw)
-    except (ValueError, RecursionError) as e:
-        raise ValueError(f"{where}: metadata.json is not JSON, or nested too deep ({type(e).__name__})") from None
-    if not isinstance(meta, dict):
-        raise ValueError(f"{where}: metadata.json is a {type(meta).__name__}, expected a JSON object")
-    minari_dataset_id(meta.get("dataset_id"), f"{where}: its dataset_id")
-    if meta.get("data_format", "hdf5") != "hdf5":
-        raise ValueError(
-            f"{where}: data_format {short_repr(meta.get('data_format'))}; her_store imports Minari's hdf5 datasets "
-            "(its file is checked before Minari reads it)"
-        )
-    for key in ("minari_version", "env_spec", "eval_env_spec"):
-        if key in meta and not isinstance(meta[key], str):
-            raise ValueError(f"{where}: {key} is {meta[key]!r}, expected a string")
+    meta = _read_metadata(data_dir, where)
     observation_space = declared_space(meta, "observation_space", where)
     action_space = declared_space(meta, "action_space", where)
     if not isinstance(observation_space, spaces.Dict) or not set(GOAL_KEYS) <= observation_space.spaces.keys():
@@ -133,16 +116,7 @@ def import_minari(source: str | os.PathLike[str], store_path: str | os.PathLike[
         first = next(episodes, None)
     except (KeyError, TypeError, AssertionError) as e:
         raise ValueError(f"{where} cannot be read by Minari: {type(e).__name__}: {e}") from None
-    declared = meta.get(INFO_SPACES_KEY)
-    if declared is not None:
-        if not isinstance(declared, dict):
-            raise ValueError(f"{where}: {INFO_SPACES_KEY} is {declared!r}, expected an object of spaces")
-        try:
-            info_spaces = {k: space_from_json(s) for k, s in declared.items()}
-        except SchemaMismatchError as e:
-            raise ValueError(f"{where}: its {INFO_SPACES_KEY} in metadata.json: {e}") from None
-    else:
-        info_spaces = _inferred_info_spaces(first, where)
+    info_spaces = _info_spaces(meta, first, where)
     try:  # the fields the spaces make (names that clash, unsupported spaces): before anything is written
         Schema(observation_space, action_space, info_spaces)
     except SchemaMismatchError as e:
@@ -173,6 +147,58 @@ def import_minari(source: str | os.PathLike[str], store_path: str | os.PathLike[
             except (KeyError, ValueError, TypeError, AssertionError) as e:
                 raise ValueError(f"{where}: episode {count}: {type(e).__name__}: {e}") from None
     return count
+
+
+def _read_metadata(data_dir: str, where: str) -> dict[str, Any]:
+    """The dataset's metadata.json: a JSON object with a valid ``dataset_id``, ``data_format`` hdf5 (the default) and
+    strings where Minari keeps its version and env specs.
+
+    Raises
+    ------
+    FileNotFoundError
+        There is no metadata.json.
+    ValueError
+        It is not JSON, not an object, or one of those entries is not as said (named).
+    """
+    raw = open_backend(data_dir).read_bytes("metadata.json")
+    if raw is None:
+        raise FileNotFoundError(f"{where} has no metadata.json")
+    try:
+        meta = json.loads(raw)
+    except (ValueError, RecursionError) as e:
+        raise ValueError(f"{where}: metadata.json is not JSON, or nested too deep ({type(e).__name__})") from None
+    if not isinstance(meta, dict):
+        raise ValueError(f"{where}: metadata.json is a {type(meta).__name__}, expected a JSON object")
+    minari_dataset_id(meta.get("dataset_id"), f"{where}: its dataset_id")
+    if meta.get("data_format", "hdf5") != "hdf5":
+        raise ValueError(
+            f"{where}: data_format {short_repr(meta.get('data_format'))}; her_store imports Minari's hdf5 datasets "
+            "(its file is checked before Minari reads it)"
+        )
+    for key in ("minari_version", "env_spec", "eval_env_spec"):
+        if key in meta and not isinstance(meta[key], str):
+            raise ValueError(f"{where}: {key} is {meta[key]!r}, expected a string")
+    return meta
+
+
+def _info_spaces(meta: Mapping[str, Any], first: Any, where: str) -> dict[str, spaces.Space]:
+    """The info keys' spaces: those a her_store export recorded in the metadata (``INFO_SPACES_KEY``), else those
+    inferred from the ``first`` episode (:func:`_inferred_info_spaces`).
+
+    Raises
+    ------
+    ValueError
+        The recorded spaces are not an object of spaces her_store reads (named).
+    """
+    declared = meta.get(INFO_SPACES_KEY)
+    if declared is None:
+        return _inferred_info_spaces(first, where)
+    if not isinstance(declared, dict):
+        raise ValueError(f"{where}: {INFO_SPACES_KEY} is {declared!r}, expected an object of spaces")
+    try:
+        return {k: space_from_json(s) for k, s in declared.items()}
+    except SchemaMismatchError as e:
+        raise ValueError(f"{where}: its {INFO_SPACES_KEY} in metadata.json: {e}") from None
 
 
 def _check_data_file(data_dir: str, meta: Mapping[str, Any], images: Mapping[str, spaces.Box], where: str) -> None:
