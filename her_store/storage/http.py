@@ -257,8 +257,10 @@ class _BoundedHTTPReads:
             raise CorruptStoreError(f"{url}: the server's answer was cut short or malformed ({e})") from e
         except asyncio.TimeoutError as e:
             raise StoreTimeoutError(f"GET {url}: nothing sent for {HTTP_TIMEOUT:g} s") from e
+        except aiohttp.TooManyRedirects as e:
+            raise OSError(f"GET {url} failed: redirected {len(e.history)} times (a redirect loop?)") from e
         except aiohttp.ClientError as e:
-            raise OSError(f"GET {url} failed: {e}") from e
+            raise OSError(f"GET {url} failed: {e or type(e).__name__}") from e
         return bytes(body), etag, len(body) if size is None else size, r.status == 206
 
     def _read_bound(self, url: str, rng: str | None, r: Any, limit: int) -> tuple[int | None, int | None, int]:

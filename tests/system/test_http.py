@@ -271,6 +271,27 @@ def test_a_store_over_http_is_never_written(stores, serve):
     assert after == before
 
 
+class RedirectLoopHandler(RangeHandler):
+    """Answers every request for a chunk with a redirect to itself; metadata is served as it is."""
+
+    def do_GET(self, body: bool = True) -> None:
+        if "/c/" in self.path:
+            self.send_response(302)
+            self.send_header("Location", self.path)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+            return
+        super().do_GET(body)
+
+
+def test_a_server_that_redirects_in_a_loop_is_an_error_saying_so(stores, serve):
+    """aiohttp gives up after its redirects with an error whose text is empty: the error names the URL and the loop."""
+    base = serve(stores, RedirectLoopHandler)
+    with pytest.raises(OSError, match=r"GET http://.+/c/\S+ failed: redirected \d+ times \(a redirect loop\?\)"):
+        with EpisodeStore.open(f"{base}/low") as store:
+            store.episode(0)
+
+
 class ShiftedRangeHandler(RangeHandler):
     """Answers a range that starts past byte 0 with the bytes one before it, and a Content-Range that says so."""
 
