@@ -30,7 +30,7 @@ def local_path(path: str | os.PathLike[str], what: str) -> str:
     Raises
     ------
     ValueError
-        ``path`` is a URL.
+        ``path`` is a URL, or empty.
 
     Examples
     --------
@@ -39,6 +39,8 @@ def local_path(path: str | os.PathLike[str], what: str) -> str:
     ValueError: the destination 's3://bucket/point.npz' is a URL; export and import write local files ...
     """
     path = os.fspath(path)
+    if not path:
+        raise ValueError(f"{what} is an empty path; name a file to write")
     if "://" in path:
         raise ValueError(
             f"{what} {path!r} is a URL; export and import write local files (copy a store to object storage "

@@ -94,7 +94,10 @@ def staged_output(dest: str | os.PathLike[str]) -> Iterator[str]:
     tmp = os.path.join(parent, f".{name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.partial")
     # held (flock) while the block runs: another job tells this partial is alive whatever its process id means there
     # (another PID namespace, a container sharing the volume)
-    lock = os.open(tmp + _ALIVE, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    try:
+        lock = os.open(tmp + _ALIVE, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    except OSError as e:  # the first file written beside dest: say which destination cannot be written, and why
+        raise OSError(e.errno, f"{dest} cannot be written: {e.strerror} in {parent}") from e
     try:
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         yield tmp

@@ -553,6 +553,22 @@ def test_broken_inputs_exit_2_with_one_line(ring_store, tmp_path):
     assert not any(os.path.exists(tmp_path / x) for x in "abcdef")
 
 
+@pytest.mark.parametrize("to", ["npz", "minari"])
+def test_an_empty_or_unwritable_destination_is_named_in_the_error(ring_store, tmp_path, capsys, monkeypatch, to):
+    """An empty DEST is refused (it was taken for the current directory), and a destination whose directory takes
+    no file is named in the error (not the partial file written beside it)."""
+    if to == "minari":
+        needs("minari")
+    monkeypatch.chdir(tmp_path)
+    assert main(["export", ring_store, "--to", to, "", "--quiet"]) == 2
+    assert capsys.readouterr().err.strip() == "her-store export: the destination is an empty path; name a file to write"
+    assert os.listdir(tmp_path) == ["ring"]
+    if to == "npz":  # a directory of the kernel's, which takes no new file
+        assert main(["export", ring_store, "--to", "npz", "/proc/x.npz", "--quiet"]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.startswith("her-store export: [Errno 2] /proc/x.npz cannot be written: ") and "partial" not in err
+
+
 def test_import_help_warns_about_pickles(capsys):
     with pytest.raises(SystemExit):
         main(["import", "--help"])
