@@ -18,7 +18,8 @@ import numpy as np
 
 from her_store.errors import CorruptStoreError, StoreError
 from her_store.ops.repair_plan import PLAN_KEY, plan_of, spill_dir
-from her_store.ops.verify import Report, id_ranges, verify
+from her_store.ops.report import Report, id_ranges
+from her_store.ops.verify import verify
 from her_store.progress import progress as progress_bar
 from her_store.storage import open_backend
 from her_store.store.episode_store import EpisodeStore
