@@ -4,16 +4,19 @@ from __future__ import annotations
 
 import gc
 import os
+import signal
 import subprocess
 import time
+import traceback
 import uuid
+from collections.abc import Callable
 
 import numpy as np
 import pytest
 from gymnasium import spaces
 from hypothesis import HealthCheck, settings
 
-from her_store import _kernels
+from her_store import EpisodeStore, _kernels
 
 GOAL_KEYS = ("observation", "achieved_goal", "desired_goal")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository
@@ -108,6 +111,24 @@ def until_stopped(proc: subprocess.Popen, patience_s: float = 300.0) -> None:
         raise AssertionError(f"pid {proc.pid} ended (wait status {found[1]}) instead of stopping: {out}")
 
 
+def in_forked_child(check: Callable[[], bool], patience_s: int = 60) -> int:
+    """Run ``check`` in a child made by ``os.fork()``: its exit status, 0 when ``check`` returned True, 1 when it
+    returned False, 2 when it raised (the error printed), or the status of a child the alarm ended (a hang)."""
+    pid = os.fork()
+    if pid == 0:
+        code = 2
+        try:
+            signal.signal(signal.SIGALRM, signal.SIG_DFL)
+            signal.alarm(patience_s)
+            code = 0 if check() else 1
+        except BaseException:
+            traceback.print_exc()
+        finally:
+            os._exit(code)
+    status = os.waitpid(pid, 0)[1]
+    return os.WEXITSTATUS(status) if os.WIFEXITED(status) else status
+
+
 @pytest.fixture
 def fetch():
     return fetch_spaces()
@@ -160,3 +181,39 @@ class FailingTask:
     def wait(self):
         self.task.wait()
         raise MemoryError("no memory for the encoded rows")
+
+
+def remote_handle_forks(url: str, storage_options: dict | None) -> None:
+    """A read handle and a sampler of the store at ``url``, made and used here, then used in forked children: each
+    reads what the parent reads (fsspec's filesystems and their sessions belong to the parent's event loops, which a
+    child does not have)."""
+    from her_store import HerSampler
+
+    def reward(a, d, infos):
+        return -(np.linalg.norm(a - d, axis=-1) > 0.05).astype(np.float32)
+
+    with EpisodeStore.open(url, storage_options=storage_options) as store:
+        first = store.episode(store.first_episode)
+        with HerSampler(store, 16, reward_fn=reward, seed=0) as sampler:
+            sampler.sample()
+            state = sampler.state_dict()
+            want = sampler.sample()
+            sampler.load_state_dict(state)
+
+            def same_batch() -> bool:
+                got = sampler.sample()
+                return bool((got.episode_ids == want.episode_ids).all() and (got.actions == want.actions).all())
+
+            def new_sampler() -> bool:
+                with HerSampler(store, 16, reward_fn=reward, seed=1) as fresh:
+                    return fresh.sample().actions.shape == (16, *store.action_space.shape)
+
+            checks = {
+                "refresh": lambda: store.refresh() == 0,
+                "episode": lambda: all((store.episode(store.first_episode)[k] == v).all() for k, v in first.items()),
+                "the parent's sampler": same_batch,
+                "a new sampler": new_sampler,
+            }
+            for what, check in checks.items():
+                assert in_forked_child(check) == 0, f"{url}: {what} in a forked child"
+            assert (sampler.sample().episode_ids == want.episode_ids).all()  # and the parent's reads go on

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import os
 import re
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -53,7 +54,7 @@ class HTTPBackend(FsspecBackend):
         self.storage_options = dict(storage_options or {})
         self.root = self.url
         self.fs = http_filesystem()(**self.storage_options)
-        self._zarr_filesystems: list[Any] = []  # zarr_store's, each with an HTTP session close() ends
+        self._zarr_filesystems: list[tuple[int, Any]] = []  # zarr_store's (process, filesystem): sessions close() ends
         self.read_only = (
             f"{self.url} is served over HTTP, which is read-only: a store opened by URL is never written and "
             "takes no writer lock (copy it with `her-store copy` to write to it)"
@@ -90,15 +91,16 @@ class HTTPBackend(FsspecBackend):
         # every GET through the bounded filesystem, on zarr's own event loop; the filesystem is this backend's alone
         # (not fsspec's cached instance), so that close() may end its session
         fs = http_filesystem()(asynchronous=True, skip_instance_cache=True, **self.storage_options)
-        self._zarr_filesystems.append(fs)
+        self._zarr_filesystems.append((os.getpid(), fs))
         return zarr.storage.FsspecStore(fs, read_only=True, path=self.root)
 
     def close(self) -> None:
         """End the HTTP sessions of zarr's reads, on zarr's event loop (fsspec ends a session of its own loop when
         its filesystem goes, but not one of an asynchronous filesystem: aiohttp then warns of an unclosed session)."""
         while self._zarr_filesystems:
-            session = getattr(self._zarr_filesystems.pop(), "_session", None)  # made by the first request, if any
-            if session is not None and not session.closed:
+            pid, fs = self._zarr_filesystems.pop()
+            session = getattr(fs, "_session", None)  # made by the first request, if any
+            if session is not None and not session.closed and pid == os.getpid():  # (a parent's loop is not here)
                 zarr.core.sync.sync(session.close())
 
     def writer_lock(self, key: str, lease_ttl: float) -> WriterLock:

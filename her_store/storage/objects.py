@@ -8,6 +8,7 @@ atomic by itself; each request is a round trip, so what can go together is sent 
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Callable, Coroutine, Mapping, Sequence
 from typing import Any
 
@@ -51,6 +52,20 @@ class FsspecBackend(Backend):
         url_fs, self.root = fsspec.core.url_to_fs(self.url, **self.storage_options)
         self.fs = url_fs if fs is None else fs
         self.conditional = _is_s3(self.fs)
+
+    @property
+    def fs(self) -> Any:
+        """The fsspec filesystem; in a forked child, one of its own made as this one was, on first use there (fsspec's
+        runs on an event loop thread of the parent's, which the child does not have, and its sessions are bound to
+        that loop)."""
+        if self._fs_pid != os.getpid():
+            self._fs = type(self._fs)(*self._fs.storage_args, **self._fs.storage_options)
+            self._fs_pid = os.getpid()
+        return self._fs
+
+    @fs.setter
+    def fs(self, fs: Any) -> None:
+        self._fs, self._fs_pid = fs, os.getpid()
 
     # -- reading ------------------------------------------------------------------------------------------------------
     def read_bytes(self, key: str, limit: int = METADATA_LIMIT) -> bytes | None:

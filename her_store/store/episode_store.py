@@ -258,7 +258,7 @@ class EpisodeStore:
         return self
 
     def _attach(self, root: zarr.Group, attrs: dict[str, Any], commit: Commit) -> None:
-        self._root = root
+        self._root, self._root_pid = root, os.getpid()
         self._attrs = attrs
         # every name and number below becomes a file path, an allocation or an index: all are checked first
         self.schema, self.layout, self.capacity, slots = parse_attrs(attrs, f"{self._backend}/zarr.json")
@@ -314,6 +314,8 @@ class EpisodeStore:
     def zarr_array(self, path: str) -> zarr.Array:
         """The Zarr array at ``path`` (an array of :attr:`layout`, or ``episodes/<column>``), its metadata checked
         against the layout when the store was opened."""
+        if self._root_pid != os.getpid():  # a forked child: the root's reads went through the parent's event loop
+            self._root, self._root_pid = open_root(self._backend, read_only=True), os.getpid()
         return cast(zarr.Array, self._root[path])
 
     @property
@@ -547,7 +549,7 @@ class EpisodeStore:
 
     def _reopen(self) -> RowSpace:
         """Open the arrays again, the writer having grown them: their metadata read anew."""
-        self._root = open_root(self._backend, read_only=True)
+        self._root, self._root_pid = open_root(self._backend, read_only=True), os.getpid()
         return self._open_io()
 
     def live_first(self) -> int:

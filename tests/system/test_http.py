@@ -25,7 +25,7 @@ from her_store.errors import CorruptStoreError, ReadOnlyStoreError
 from her_store.sampling.sampler import HerSampler
 from her_store.store.cached_rows import RangedArray
 from her_store.store.frame_rows import FrameArray
-from tests.conftest import ROOT, assert_episode_equal, fetch_spaces, make_episode
+from tests.conftest import ROOT, assert_episode_equal, fetch_spaces, make_episode, remote_handle_forks
 from tests.http_server import RangeHandler, Server
 
 pytest.importorskip("aiohttp", reason='pip install "her_store[http]"')
@@ -589,3 +589,10 @@ def test_storage_options_over_http_keep_reaching_every_request(stores, serve):
     for bad in (0, -1, float("inf"), "30", None):
         with pytest.raises(ValueError, match="request_deadline"):
             EpisodeStore.open(f"{base}/img", storage_options={**opts, "request_deadline": bad})
+
+
+def test_a_handle_and_a_sampler_over_http_read_in_a_forked_child(stores, serve):
+    """Made in the parent, used in a forked child: refresh, an episode, the parent's sampler and a new one all read
+    (they raised fsspec's "not fork-safe" or an aiohttp error of a future on another loop)."""
+    base = serve(stores)
+    remote_handle_forks(f"{base}/img", None)

@@ -17,7 +17,7 @@ import zarr
 
 from her_store import EpisodeStore, open_store
 from her_store.errors import CorruptStoreError, StoreLockedError
-from tests.conftest import ROOT, assert_episode_equal, make_episode
+from tests.conftest import ROOT, assert_episode_equal, make_episode, remote_handle_forks
 
 
 def test_a_create_over_someone_elses_zarr_array_on_s3_changes_nothing(s3_url, fetch):
@@ -577,3 +577,16 @@ def test_sharded_frames_where_gets_cannot_be_conditioned_are_read_whole():
         np.testing.assert_array_equal(reader.gather("steps/observation", rows), _frames(*_rows_of(view, rows)))
         assert arr._ranged is False and arr.gets == 2  # no ETag to condition on: shards 0 and 1 fetched whole
         reader.close()
+
+
+def test_a_handle_and_a_sampler_on_s3_read_in_a_forked_child(s3_url):
+    """Made in the parent, used in a forked child: refresh, an episode, the parent's sampler and a new one all read
+    (they raised fsspec's "not fork-safe" or botocore's error of a future on another loop)."""
+    from tests.conftest import fetch_spaces
+
+    url, opts = s3_url
+    obs, act = fetch_spaces()
+    with EpisodeStore.create(url, obs, act, storage_options=opts) as store:
+        for i in range(6):
+            store.append_episode(make_episode(obs, act, 5 + i, i))
+    remote_handle_forks(url, opts)
