@@ -3,8 +3,8 @@
 Python's ``bool`` is an ``int`` (``True + 1 == 2``), so ``capacity=True``, or a JSON ``true`` where a count belongs,
 would pass a plain ``isinstance(v, int)``. Every such test in the package goes through :func:`is_int` and
 :func:`is_number`; every option an API takes goes through :func:`check_int`, :func:`check_number`,
-:func:`check_bool` or :func:`check_callable`, which return the value as the API keeps it and raise an error naming
-the argument, what it must be and what was given.
+:func:`check_bool`, :func:`check_callable`, :func:`check_mapping`, :func:`check_names` or :func:`check_path`, which
+return the value as the API keeps it and raise an error naming the argument, what it must be and what was given.
 
 Examples
 --------
@@ -23,7 +23,8 @@ her_store.checks.ArgumentTypeError: batch_size must be an int >= 1, not a bool: 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+import os
+from collections.abc import Callable, Mapping
 from typing import Any, Literal, TypeVar, overload
 
 import numpy as np
@@ -36,7 +37,10 @@ __all__ = [
     "check_bounds",
     "check_callable",
     "check_int",
+    "check_mapping",
+    "check_names",
     "check_number",
+    "check_path",
     "is_int",
     "is_number",
 ]
@@ -285,3 +289,76 @@ def check_callable(value: Any, name: str, *, or_none: bool = False) -> Any:
         expected = "a callable or None" if or_none else "a callable"
         raise ArgumentTypeError(f"{name} must be {expected}, not {_not_a(value)}: got {short_repr(value)}")
     return value
+
+
+def check_mapping(value: Any, name: str, *, or_none: bool = True) -> dict[str, Any] | None:
+    """``value``, a mapping with string keys, as a dict; with ``or_none`` (the default), None too.
+
+    Raises
+    ------
+    ArgumentTypeError
+        ``"<name> must be a mapping (a dict) or None, not an int: got 5"``.
+
+    Examples
+    --------
+    >>> check_mapping({"anon": True}, "storage_options")
+    {'anon': True}
+    """
+    if value is None and or_none:
+        return None
+    if not isinstance(value, Mapping) or not all(isinstance(k, str) for k in value):
+        expected = "a mapping (a dict) of names" + (" or None" if or_none else "")
+        raise ArgumentTypeError(f"{name} must be {expected}, not {_not_a(value)}: got {short_repr(value)}")
+    return dict(value)
+
+
+def check_names(value: Any, name: str) -> tuple[str, ...]:
+    """``value``, a sequence of distinct non-empty strings (not one string, which would be its characters), as a tuple.
+
+    Raises
+    ------
+    ArgumentTypeError
+        ``"<name> must be a list of names, not a str: got 'is_success'"``.
+    ValueError
+        An empty or repeated name.
+
+    Examples
+    --------
+    >>> check_names(["is_success"], "info_keys")
+    ('is_success',)
+    """
+    if isinstance(value, (str, bytes, Mapping)) or not hasattr(value, "__iter__"):
+        raise ArgumentTypeError(f"{name} must be a list of names, not {_not_a(value)}: got {short_repr(value)}")
+    names = tuple(value)
+    wrong = [n for n in names if not isinstance(n, str) or not n]
+    if wrong:
+        raise ArgumentTypeError(f"{name} must hold non-empty strings: got {short_repr(wrong[0])}")
+    repeated = sorted({n for n in names if names.count(n) > 1})
+    if repeated:
+        raise ValueError(f"{name} names {repeated} more than once")
+    return names
+
+
+def check_path(value: Any, name: str) -> str:
+    """``value``, a non-empty path or URL (a str or an os.PathLike), as a str.
+
+    Raises
+    ------
+    ArgumentTypeError
+        Neither a str nor a PathLike.
+    ValueError
+        An empty path (it would name the current directory).
+
+    Examples
+    --------
+    >>> check_path("runs/fetch", "path_or_url")
+    'runs/fetch'
+    """
+    if not isinstance(value, (str, os.PathLike)):
+        raise ArgumentTypeError(f"{name} must be a path or URL (a str), not {_not_a(value)}: got {short_repr(value)}")
+    path = os.fspath(value)
+    if not isinstance(path, str):
+        raise ArgumentTypeError(f"{name} must be a path or URL (a str), not bytes: got {short_repr(path)}")
+    if not path:
+        raise ValueError(f"{name} is empty; name a directory or URL (an empty path would be the current directory)")
+    return path

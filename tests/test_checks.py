@@ -4,6 +4,7 @@ the argument, what it must be and what was given."""
 from __future__ import annotations
 
 import math
+import os
 
 import numpy as np
 import pytest
@@ -115,3 +116,54 @@ def test_check_bool_and_check_callable():
     assert check_callable(len, "fn") is len and check_callable(None, "fn", or_none=True) is None
     with pytest.raises(ArgumentTypeError, match=r"^fn must be a callable or None, not a str: got 'x'$"):
         check_callable("x", "fn", or_none=True)
+
+
+def test_paths_options_and_names_are_checked_where_a_store_is_opened_or_made(tmp_path, monkeypatch):
+    """An empty path was the current directory (a store written into it), a str of info_keys its characters, an int
+    storage_options a TypeError of Python's; each is refused naming the argument, and nothing is written."""
+    from her_store import EpisodeStore, open_dataset, open_store
+    from tests.conftest import fetch_spaces
+
+    obs, act = fetch_spaces()
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ValueError, match="path_or_url is empty"):
+        open_store("", obs, act)
+    with pytest.raises(ValueError, match="path_or_url is empty"):
+        EpisodeStore.open("")
+    with pytest.raises(TypeError, match="path_or_url must be a path or URL"):
+        open_store(5, obs, act)
+    for call in (lambda: EpisodeStore.open(tmp_path, storage_options=5), lambda: open_dataset(tmp_path, 5)):
+        with pytest.raises(TypeError, match=r"storage_options must be a mapping \(a dict\) of names or None"):
+            call()
+    for bad, error, words in (
+        ("is_success", TypeError, "info_keys must be a list of names, not a str"),
+        (5, TypeError, "info_keys must be a list of names, not an int"),
+        ([5], TypeError, "info_keys must hold non-empty strings: got 5"),
+        (["a", "a"], ValueError, r"info_keys names \['a'\] more than once"),
+    ):
+        with pytest.raises(error, match=words):
+            EpisodeStore.create(tmp_path / "s", obs, act, info_keys=bad)
+    assert os.listdir(tmp_path) == []
+
+
+def test_ids_and_indexes_are_ints_not_bools_floats_or_strings(tmp_path):
+    """episode(True) read episode 1, episode(2.5) episode 2, env_index=-7 was stored, pending(True) a numpy error."""
+    from her_store import EpisodeStore
+    from tests.conftest import fetch_spaces, make_episode
+
+    obs, act = fetch_spaces()
+    with EpisodeStore.create(tmp_path / "s", obs, act) as store:
+        store.append_episode(make_episode(obs, act, 3, 0))
+        store.append_episode(make_episode(obs, act, 3, 1))
+        for bad in (True, 2.5, "0", float("nan")):
+            with pytest.raises(TypeError, match="episode_id must be an int"):
+                store.episode(bad)
+        for bad, words in ((True, "not a bool"), (2.5, "not a float"), (-7, "got -7"), (2**31, "got 2147483648")):
+            words = rf"env_index must be an int in \[-1, 2147483647\].*{words}"
+            with pytest.raises((TypeError, ValueError), match=words):
+                store.append_episode(make_episode(obs, act, 3, 2), env_index=bad)
+        assert store.num_episodes == 2 and store.episode(np.int64(1)).id == 1
+        writer = store.writer(2)
+        for bad in (True, 1.0):
+            with pytest.raises(TypeError, match="env must be an int"):
+                writer.pending(bad)

@@ -82,8 +82,9 @@ def cmd_demo(args: argparse.Namespace) -> int:
     with EpisodeStore.open(args.path) as store:
         print("the store, reopened read-only:")
         print_summary(summary(store))
-        last = store.episode(store.end_episode - 1)
-        print(f"last episode read back and checksum-verified: {last!r}")
+        if store.num_episodes:  # (a few steps may end no episode)
+            last = store.episode(store.end_episode - 1)
+            print(f"last episode read back and checksum-verified: {last!r}")
     return 0
 
 
@@ -154,7 +155,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"her-store {args.command}: interrupted", file=sys.stderr)
         return 130
     except (StoreError, OSError, ValueError, ImportError, KeyError, RecursionError, MemoryError) as e:
-        if args.command in ("demo", "train"):
+        if args.command == "train":  # the main job says what went wrong itself (integrations.train)
             raise
         message = e.args[0] if isinstance(e, KeyError) and e.args else e
         if isinstance(e, (RecursionError, MemoryError)):  # what a crafted input makes of a parser

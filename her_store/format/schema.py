@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 from gymnasium import spaces
 
-from her_store.checks import is_int, is_number
+from her_store.checks import check_mapping, check_names, is_int, is_number
 from her_store.errors import EpisodeValidationError, SchemaMismatchError, short_repr
 
 __all__ = [
@@ -173,8 +173,10 @@ class Schema:
             raise SchemaMismatchError(
                 f"observation_space is missing {missing}; a goal-conditioned store needs {list(GOAL_KEYS)}"
             )
-        if not isinstance(info_keys, Mapping):
-            info_keys = {str(k): spaces.Box(-np.inf, np.inf, (), np.float32) for k in info_keys}
+        if isinstance(info_keys, Mapping):
+            info_keys = check_mapping(info_keys, "info_keys", or_none=False)
+        else:  # names of scalar float32 fields (a str would be its characters)
+            info_keys = {k: spaces.Box(-np.inf, np.inf, (), np.float32) for k in check_names(info_keys, "info_keys")}
         self.observation_space = observation_space
         self.action_space = action_space
         self.info_spaces: dict[str, spaces.Space] = dict(info_keys)

@@ -10,6 +10,7 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
+from her_store.checks import check_mapping, check_path
 from her_store.storage.archive import PackedArchive, open_remote_archive
 from her_store.storage.archive_backend import ArchiveBackend
 from her_store.storage.base import METADATA_LIMIT, OBJECT_LIMIT, Backend, Defaults, ObjectReplaced, WriterLock
@@ -59,7 +60,8 @@ def open_backend(
     """
     if isinstance(path_or_url, Backend):
         return path_or_url
-    url = os.fspath(path_or_url)
+    url = check_path(path_or_url, "path_or_url")
+    storage_options = check_mapping(storage_options, "storage_options")
     if url.startswith("file://"):
         url = url[len("file://") :]
     if "://" not in url:

@@ -6,6 +6,9 @@ from collections.abc import Iterator, Mapping
 
 import numpy as np
 
+from her_store.checks import check_int
+from her_store.errors import short_repr
+
 __all__ = ["Episode"]
 
 
@@ -36,7 +39,10 @@ class Episode(Mapping[str, np.ndarray]):
     __slots__ = ("id", "length", "_data")
 
     def __init__(self, episode_id: int, data: dict[str, np.ndarray]) -> None:
-        self.id = int(episode_id)
+        self.id = check_int(episode_id, "episode_id")
+        if not isinstance(data, Mapping) or not data:
+            raise ValueError(f"an episode's data is a mapping of field names to arrays, with one field at least: got "
+                             f"{short_repr(data)}")
         self._data = data
         self.length = len(data["action"]) if "action" in data else len(next(iter(data.values()))) - 1
 

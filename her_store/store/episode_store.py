@@ -19,7 +19,7 @@ import zarr
 import zarr.api.asynchronous
 from gymnasium import spaces
 
-from her_store.checks import check_number
+from her_store.checks import check_bool, check_int, check_number
 from her_store.errors import (
     CorruptStoreError,
     EpisodeNotFoundError,
@@ -512,8 +512,9 @@ class EpisodeStore:
         CorruptStoreError
             The rows do not match their checksum.
         """
+        episode_id = check_int(episode_id, "episode_id")
+        verify = check_bool(verify, "verify")
         idx = self._visible()
-        episode_id = int(episode_id)
         if not idx.first <= episode_id < idx.end:
             what = "was evicted by the capacity ring" if 0 <= episode_id < idx.first else "is not committed"
             raise EpisodeNotFoundError(
@@ -604,6 +605,7 @@ class EpisodeStore:
             Nothing is written.
         """
         self._writing()
+        env_index = check_int(env_index, "env_index", low=-1, high=int(np.iinfo(INDEX_COLUMNS["env_index"]).max))
         T, data = self.validate_episode(episode)
         return self.append_validated(T, data, env_index)
 

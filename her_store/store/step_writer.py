@@ -137,6 +137,7 @@ class StepWriter:
         >>> w.pending(0)["action"].shape  # doctest: +SKIP
         (1, 4)
         """
+        env = check_int(env, "env")
         if not 0 <= env < self.n_envs:
             raise IndexError(f"env {env} out of range for a writer of {self.n_envs} envs")
         s, t = int(self._start[env]), self._t

@@ -86,3 +86,18 @@ def test_a_command_reading_over_http_says_one_line_and_leaves_no_open_session(tm
             lines = bad.stderr.strip().splitlines()
             assert bad.returncode == 2 and len(lines) == 1 and lines[0].startswith(f"her-store {args[0]}: "), bad
             assert "no Zarr group" in lines[0], bad
+
+
+def test_demo_on_a_broken_place_says_one_line(tmp_path, capsys):
+    """A file, or a store of other spaces, where the demo's store would go: one line and exit 2, no traceback."""
+    (tmp_path / "file").write_bytes(b"x")
+    assert main(["demo", str(tmp_path / "file"), "--steps", "10", "--quiet"]) == 2
+    assert capsys.readouterr().err.strip() == f"her-store demo: {tmp_path / 'file'} is a file, not a store directory"
+    from tests.conftest import fetch_spaces
+
+    obs, act = fetch_spaces()
+    EpisodeStore.create(tmp_path / "other", obs, act).close()
+    assert main(["demo", str(tmp_path / "other"), "--steps", "10", "--quiet"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("her-store demo: "), err
+    assert main(["demo", str(tmp_path / "few"), "--steps", "3", "--quiet"]) == 0  # no episode ended: nothing to show
