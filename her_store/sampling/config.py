@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from her_store.checks import check_bool, check_callable, check_int, check_number
+from her_store.errors import short_repr
 from her_store.sampling.batch import DeviceTransfer
 from her_store.sampling.committed import CommittedView
 from her_store.sampling.relabel import (
@@ -31,7 +32,7 @@ from her_store.sampling.relabel import (
 from her_store.sampling.rewards import RewardFn, RewardRecompute
 from her_store.store.index import IndexView
 
-__all__ = ["ConfiguredSampler", "SamplerConfig", "check_options"]
+__all__ = ["ConfiguredSampler", "SamplerConfig", "check_options", "rng_state"]
 
 
 @dataclass(frozen=True)
@@ -85,7 +86,7 @@ class SamplerConfig:
             "n_sampled_goal": check_int(self.n_sampled_goal, "n_sampled_goal", low=0),
             "goal_selection_strategy": parse_strategy(self.goal_selection_strategy),
             "reward_fn": check_callable(self.reward_fn, "reward_fn", or_none=True),
-            "device": torch.device(self.device),
+            "device": _device(self.device),
             "seed": check_int(self.seed, "seed", low=0, or_none=True),
             "copy_info_dict": check_bool(self.copy_info_dict, "copy_info_dict"),
             "prefetch": check_int(self.prefetch, "prefetch", low=0),
@@ -124,6 +125,39 @@ def check_options(options: Mapping[str, Any], allowed: Collection[str]) -> None:
     unknown = sorted(set(options) - set(allowed))
     if unknown:
         raise TypeError(f"HerSampler takes no argument(s) {unknown}; it takes {sorted(allowed)}")
+
+
+def _device(device: Any) -> torch.device:
+    """``device`` as a torch.device, or a ValueError naming the option."""
+    try:
+        return torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise ValueError(
+            f"device must be a torch.device or its name ('cpu', 'cuda', 'cuda:1'): got {short_repr(device)} ({e})"
+        ) from e
+
+
+def rng_state(state: Any, rng: np.random.Generator) -> dict[str, Any]:
+    """The generator state a sampler's ``state_dict()`` saved in ``state["rng"]``, checked against ``rng``'s kind.
+
+    Raises
+    ------
+    ValueError
+        ``state`` is not such a dict.
+
+    Examples
+    --------
+    >>> rng = np.random.default_rng(0)
+    >>> rng_state({"rng": rng.bit_generator.state}, rng)["bit_generator"]
+    'PCG64'
+    """
+    saved = state.get("rng") if isinstance(state, Mapping) else None
+    kind = rng.bit_generator.state["bit_generator"]
+    if not isinstance(saved, Mapping) or saved.get("bit_generator") != kind:
+        raise ValueError(
+            f"not a sampler's state_dict(): expected a dict whose 'rng' is a {kind} state, got {short_repr(state)}"
+        )
+    return dict(saved)
 
 
 def _option(name: str) -> property:

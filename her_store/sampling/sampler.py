@@ -19,7 +19,7 @@ from her_store.checks import check_callable, check_int
 from her_store.errors import StoreError
 from her_store.sampling.batch import DeviceTransfer, HerBatch, assemble_batch
 from her_store.sampling.committed import CommittedView
-from her_store.sampling.config import ConfiguredSampler, SamplerConfig
+from her_store.sampling.config import ConfiguredSampler, SamplerConfig, rng_state
 from her_store.sampling.draw import UniformDraw, replace_samples
 from her_store.sampling.drawn import Draw
 from her_store.sampling.gather import Gather, ReadPlan, StoreRows
@@ -338,7 +338,7 @@ class HerSampler(ConfiguredSampler):
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self._stop_prefetch()
-        self.rng.bit_generator.state = dict(state["rng"])
+        self.rng.bit_generator.state = rng_state(state, self.rng)
         self._state_after = self.rng.bit_generator.state
 
     def close(self) -> None:

@@ -22,7 +22,7 @@ from her_store.checks import check_bool, check_bounds, check_int, check_number
 from her_store.errors import StoreError
 from her_store.sampling.batch import DeviceTransfer, HerBatch, assemble_batch
 from her_store.sampling.committed import CommittedView
-from her_store.sampling.config import ConfiguredSampler, SamplerConfig
+from her_store.sampling.config import ConfiguredSampler, SamplerConfig, rng_state
 from her_store.sampling.draw import UniformDraw
 from her_store.sampling.gather import Gather, ReadPlan
 from her_store.sampling.relabel import GoalChoice, GoalStrategy
@@ -507,7 +507,7 @@ class WorkingSetSampler(ConfiguredSampler):
         return {"rng": self._state_after}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        self.rng.bit_generator.state = dict(state["rng"])
+        self.rng.bit_generator.state = rng_state(state, self.rng)
         self._state_after = self.rng.bit_generator.state
 
     def close(self) -> None:

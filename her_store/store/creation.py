@@ -17,7 +17,7 @@ import zarr
 import zarr.api.asynchronous
 from zarr.core.sync import sync as zarr_sync
 
-from her_store.checks import check_int
+from her_store.checks import check_int, check_mapping
 from her_store.errors import (
     CorruptStoreError,
     NotAStoreError,
@@ -116,7 +116,7 @@ def plan_arrays(
         if capacity is not None:  # a small ring needs no chunk larger than itself
             chunk_rows = min(chunk_rows, 1 << int(capacity + capacity // RING_ROW_SLACK).bit_length())
     chunk_rows = check_int(chunk_rows, "chunk_rows", low=1)
-    compressors = dict(compressors or {})
+    compressors = check_mapping(compressors, "compressors") or {}
     unknown = sorted(set(compressors) - set(schema.by_name))
     if unknown:
         raise SchemaMismatchError(f"compressors name unknown fields {unknown}; fields are {list(schema.by_name)}")

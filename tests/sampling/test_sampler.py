@@ -705,3 +705,25 @@ def test_a_batch_waits_for_every_pending_gather_even_when_one_fails():
         finish_all([fails, lambda: done.append(1), lambda: done.append(2)])
     assert done == [0, 1, 2]
     finish_all([])
+
+
+def test_a_wrong_device_state_or_compressors_is_an_error_naming_it(coded_store, tmp_path):
+    """torch's own errors for a device name, a KeyError for a state_dict without 'rng', and a dict() of a str of
+    compressors said nothing of which option was wrong."""
+    from her_store import open_store
+
+    store, _ = coded_store
+    for device in ("bogus", object()):
+        with pytest.raises(ValueError, match=r"device must be a torch.device or its name"):
+            HerSampler(store, 8, reward_fn=sparse_reward, device=device)
+    sampler = HerSampler(store, 8, reward_fn=sparse_reward, seed=0)
+    state = sampler.state_dict()
+    want = sampler.sample()
+    for bad in ({}, {"rng": "garbage"}, {"rng": {"bit_generator": "MT19937"}}, 5):
+        with pytest.raises(ValueError, match=r"not a sampler's state_dict\(\): expected a dict whose 'rng' is a PCG64"):
+            sampler.load_state_dict(bad)
+    sampler.load_state_dict(state)
+    assert sampler.sample().episode_ids.tolist() == want.episode_ids.tolist()
+    obs, act = fetch_spaces()
+    with pytest.raises(TypeError, match="compressors must be a mapping"):
+        open_store(tmp_path / "z", obs, act, compressors="zstd")
