@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 import time
 import warnings
@@ -144,8 +145,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             module.add_arguments(c, name)
             c.set_defaults(func=module.run)
     args, rest = p.parse_known_args(argv)
-    if args.command != "train" and rest:
-        p.error(f"unrecognized arguments: {' '.join(rest)}")
+    if args.command != "train" and rest:  # said by the command's own parser: "her-store verify: error: ..."
+        sub.choices[args.command].error(f"unrecognized arguments: {' '.join(rest)}")
     args.train_args = rest
     try:
         with warnings.catch_warnings():  # a library's warning (a cast stated, episodes left out) as one line
@@ -154,6 +155,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"her-store {args.command}: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # the reader of stdout went away (`her-store inspect ... | head`): nothing more to say
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # (Python's flush at exit would fail again)
+        return 141  # 128 + SIGPIPE, as a shell's own commands end
     except (StoreError, OSError, ValueError, ImportError, KeyError, RecursionError, MemoryError) as e:
         if args.command == "train":  # the main job says what went wrong itself (integrations.train)
             raise

@@ -101,3 +101,19 @@ def test_demo_on_a_broken_place_says_one_line(tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("her-store demo: "), err
     assert main(["demo", str(tmp_path / "few"), "--steps", "3", "--quiet"]) == 0  # no episode ended: nothing to show
+
+
+def test_an_unknown_option_is_named_by_its_command_and_a_closed_pipe_ends_quietly(tmp_path, capsys):
+    """``her-store verify ... --bogus`` says "her-store verify: error:" (it said "her-store: error:"), and a reader of
+    stdout that went away (``| head``) ends the command without a "Broken pipe" line."""
+    path = str(tmp_path / "demo")
+    assert main(["demo", path, "--steps", "60", "--quiet"]) == 0
+    capsys.readouterr()
+    with pytest.raises(SystemExit):
+        main(["verify", path, "--bogus"])
+    assert "her-store verify: error: unrecognized arguments: --bogus" in capsys.readouterr().err
+    proc = subprocess.Popen([sys.executable, "-m", "her_store.cli", "inspect", path], cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc.stdout.close()  # gone before the command writes
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=120) == 141 and err == "", err
