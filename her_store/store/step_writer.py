@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any, NamedTuple, Protocol
+from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 import numpy as np
 
@@ -15,6 +15,7 @@ from her_store.format.schema import Field, Schema, conform
 __all__ = ["DroppedEpisode", "EpisodeSink", "StepWriter"]
 
 
+@runtime_checkable
 class EpisodeSink(Protocol):
     """What a :class:`StepWriter` appends its episodes to: an :class:`~her_store.store.episode_store.EpisodeStore`
     open for appending."""
@@ -79,6 +80,9 @@ class StepWriter:
     """
 
     def __init__(self, store: EpisodeSink, n_envs: int) -> None:
+        if not isinstance(store, EpisodeSink):
+            raise TypeError(f"StepWriter appends to an EpisodeStore open for appending, not {type(store).__name__} "
+                            "(store.writer(n_envs) makes one)")
         self.store = store
         self.n_envs = check_int(n_envs, "n_envs", low=1)
         self._fields: tuple[Field, ...] = store.schema.fields

@@ -716,3 +716,12 @@ def test_cut_resets_holds_on_every_path_of_an_add(store_path, fetch):
         ids = list(w.episode_ids)
         assert store.episode(ids[-1])["truncated"][-1]
         assert w.add(row(7), row(8), action(7), zero, no, no, cut_resets=True) == []  # nothing cut wrongly
+
+
+def test_a_step_writer_of_something_else_than_a_store_is_refused_by_name():
+    """StepWriter("path", 2) raised AttributeError: 'str' object has no attribute 'schema'."""
+    from her_store import StepWriter
+
+    for not_a_store in ("runs/fetch", None, object()):
+        with pytest.raises(TypeError, match=r"StepWriter appends to an EpisodeStore open for appending, not \w+"):
+            StepWriter(not_a_store, 2)
