@@ -547,7 +547,7 @@ def _frame_disk_bytes(store: EpisodeStore) -> float:
 def _warm_up(fns: dict[str, Callable[[], Any]]) -> None:
     """Call each sampling function as often as a sampler needs to find its frames in the page cache and read them
     where their shards are mapped (WARM_GATHERS gathers), and once more."""
-    from her_store.store.rows import WARM_GATHERS
+    from her_store.store.frame_rows import WARM_GATHERS
 
     for f in fns.values():
         for _ in range(WARM_GATHERS + 1):
