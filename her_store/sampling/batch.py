@@ -58,12 +58,13 @@ class DeviceTransfer:
     def __init__(self, device: str | torch.device, pin_memory: bool | None = None) -> None:
         self.device = torch.device(device)
         self.pin_memory = self.device.type == "cuda" if pin_memory is None else bool(pin_memory)
+        self._cpu = self.device.type == "cpu"  # (read on every field of every batch)
 
     def __call__(self, a: Any) -> torch.Tensor:
         if isinstance(a, torch.Tensor):
             return a
         x = torch.from_numpy(a)
-        if self.device.type == "cpu":
+        if self._cpu:
             return x
         if self.pin_memory:  # pragma: no cover - page-locked memory needs a CUDA build and GPU, which CI lacks
             x = x.pin_memory()
