@@ -23,6 +23,7 @@ her_store.checks.ArgumentTypeError: batch_size must be an int >= 1, not a bool: 
 from __future__ import annotations
 
 import math
+import operator
 import os
 from collections.abc import Callable, Mapping
 from typing import Any, Literal, TypeVar, overload
@@ -54,14 +55,23 @@ class ArgumentTypeError(TypeError, ValueError):
 
 
 def is_int(v: Any) -> bool:
-    """An int, or a numpy integer; not a bool.
+    """An int, a numpy integer, or another integer scalar Python can index with (``operator.index``: a 0-d integer
+    tensor, such as an element of a batch's ``episode_ids``); not a bool, of any of those kinds.
 
     Examples
     --------
-    >>> is_int(np.uint8(7)), is_int(np.bool_(True))
-    (True, False)
+    >>> is_int(np.uint8(7)), is_int(np.bool_(True)), is_int(np.array(3)), is_int(np.array([3]))
+    (True, False, True, False)
     """
-    return isinstance(v, (int, np.integer)) and not isinstance(v, bool)
+    if isinstance(v, (bool, np.bool_)) or "bool" in str(getattr(v, "dtype", "")) or getattr(v, "ndim", 0) != 0:
+        return False
+    if isinstance(v, (int, np.integer)):
+        return True
+    try:
+        operator.index(v)
+    except TypeError:
+        return False
+    return True
 
 
 def is_number(v: Any, finite: bool = False) -> bool:

@@ -163,6 +163,12 @@ def test_ids_and_indexes_are_ints_not_bools_floats_or_strings(tmp_path):
             with pytest.raises((TypeError, ValueError), match=words):
                 store.append_episode(make_episode(obs, act, 3, 2), env_index=bad)
         assert store.num_episodes == 2 and store.episode(np.int64(1)).id == 1
+        # an id as a batch hands it out (an element of a torch tensor) is an int
+        torch = pytest.importorskip("torch")
+        assert store.episode(torch.tensor([0, 1])[1]).id == 1
+        for bad in (torch.tensor(True), torch.tensor(1.0), torch.tensor([1])):
+            with pytest.raises(TypeError, match="episode_id must be an int"):
+                store.episode(bad)
         writer = store.writer(2)
         for bad in (True, 1.0):
             with pytest.raises(TypeError, match="env must be an int"):

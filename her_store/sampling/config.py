@@ -130,11 +130,15 @@ def check_options(options: Mapping[str, Any], allowed: Collection[str]) -> None:
 def _device(device: Any) -> torch.device:
     """``device`` as a torch.device, or a ValueError naming the option."""
     try:
-        return torch.device(device)
+        d = torch.device(device)
     except (RuntimeError, TypeError) as e:
         raise ValueError(
             f"device must be a torch.device or its name ('cpu', 'cuda', 'cuda:1'): got {short_repr(device)} ({e})"
         ) from e
+    if d.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {short_repr(device)}: this torch has no CUDA device to use (a CPU build, or none "
+                         "visible); use device='cpu'")
+    return d
 
 
 def rng_state(state: Any, rng: np.random.Generator) -> dict[str, Any]:
@@ -153,7 +157,13 @@ def rng_state(state: Any, rng: np.random.Generator) -> dict[str, Any]:
     """
     saved = state.get("rng") if isinstance(state, Mapping) else None
     kind = rng.bit_generator.state["bit_generator"]
-    if not isinstance(saved, Mapping) or saved.get("bit_generator") != kind:
+    wrong = not isinstance(saved, Mapping) or saved.get("bit_generator") != kind
+    if not wrong:
+        try:  # what numpy accepts as a state of that kind, tried on a generator of its own
+            type(rng.bit_generator)().state = dict(saved)
+        except (TypeError, ValueError, KeyError):
+            wrong = True
+    if wrong:
         raise ValueError(
             f"not a sampler's state_dict(): expected a dict whose 'rng' is a {kind} state, got {short_repr(state)}"
         )

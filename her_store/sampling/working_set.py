@@ -20,6 +20,7 @@ import torch
 
 from her_store.checks import check_bool, check_bounds, check_int, check_number
 from her_store.errors import StoreError
+from her_store.forks import reset_in_child
 from her_store.sampling.batch import DeviceTransfer, HerBatch, assemble_batch
 from her_store.sampling.committed import CommittedView
 from her_store.sampling.config import ConfiguredSampler, SamplerConfig, rng_state
@@ -244,6 +245,7 @@ class WorkingSetSampler(ConfiguredSampler):
         self._refiller: threading.Thread | None = None
         self._error: BaseException | None = None
         self._closed = False
+        reset_in_child(self)
         self.refills = 0
         self.loaded_transitions = 0
         self.refill_seconds = 0.0
@@ -320,6 +322,15 @@ class WorkingSetSampler(ConfiguredSampler):
         if not len(self._ids):
             return self.capacity_rows
         return self.capacity_rows - ((self._tail - int(self._pos[0]) - 1) % self.capacity_rows + 1)
+
+    def after_fork(self) -> None:
+        """In a forked child: locks anew, no refill thread (the next batch starts one), and the set emptied, to be
+        loaded again by the next batch (a refill of the parent's thread may have been half done at the fork)."""
+        self._lock, self._refill_lock, self._halt = threading.Lock(), threading.Lock(), threading.Event()
+        self._refiller = None
+        self._keep(slice(0, 0))
+        self._tail = 0
+        self._publish()
 
     def _keep(self, which: Any) -> None:
         self._ids, self._lengths, self._pos = self._ids[which], self._lengths[which], self._pos[which]

@@ -470,11 +470,13 @@ class EpisodeStore:
         On a writing handle, staged episodes are committed first only when the group commit is due anyway
         (``commit_interval`` has passed) or nothing is committed yet; otherwise they are not in the view, nor are
         episodes the ring has evicted in memory (their rows stay intact until the commit that evicts them on
-        disk). A reading handle returns what its last :meth:`refresh` saw.
+        disk). A reading handle returns what its last :meth:`refresh` saw; so does a writing handle in a forked child
+        (the parent commits, the child reads).
         """
         self._require_open()
         w = self._committer
-        if w is not None and w.pending and (w.due or w.commit_record.end_episode == w.commit_record.first_episode):
+        due = w is not None and w.pending and (w.due or w.commit_record.end_episode == w.commit_record.first_episode)
+        if due and self._pid == os.getpid():
             self._writing().commit()
         return self._index.snapshot(self._committed.end_episode)
 

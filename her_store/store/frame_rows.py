@@ -602,9 +602,13 @@ class FrameArray(CachedArray):
         super().after_fork()
         self._files.clear()
         self._maps.clear()
-        self._tags[:] = -1
-        self._fds[:] = -1
-        self._warm = 0
+        # the per-shard and per-row tables made anew, empty: a gather of the parent may have been growing them
+        self._tags = np.full(0, -1, np.int64)
+        self._fds = np.full(0, -1, np.int32)
+        self._bases = np.zeros(0, np.int64)
+        self._used = np.zeros(0, np.int64)
+        self._table = np.full((0, 2), -1, np.int64)
+        self._uses = self._warm = 0
 
     def _close_oldest(self, k: int) -> None:
         """Forget the ``k`` least recently used open shards (under the lock); gathers holding them finish first."""

@@ -727,3 +727,40 @@ def test_a_wrong_device_state_or_compressors_is_an_error_naming_it(coded_store, 
     obs, act = fetch_spaces()
     with pytest.raises(TypeError, match="compressors must be a mapping"):
         open_store(tmp_path / "z", obs, act, compressors="zstd")
+
+
+def test_a_sampler_of_a_writing_handle_samples_in_a_forked_child_when_a_commit_is_due(tmp_path):
+    """snapshot() commits a writing handle's staged episodes when the group commit is due; in a forked child (which
+    may not write through the parent's handle) it refused the read instead. The child reads what is committed."""
+    import time
+
+    from tests.conftest import in_forked_child
+
+    obs, act = fetch_spaces()
+    with EpisodeStore.create(tmp_path / "s", obs, act, commit_interval=0.05) as store:
+        for i in range(4):
+            store.append_episode(coded_episode(obs, act, i, T=5, seed=i))
+        with HerSampler(store, 16, reward_fn=sparse_reward, seed=0) as sampler:
+            sampler.sample()
+            store.append_episode(coded_episode(obs, act, 4, T=5, seed=4))  # staged
+            time.sleep(0.1)  # the group commit is due
+
+            def child() -> bool:
+                return set(sampler.sample().episode_ids.tolist()) <= set(range(5))
+
+            assert in_forked_child(child) == 0
+            assert store.num_episodes == 5
+
+
+def test_a_cuda_device_without_cuda_or_a_malformed_generator_state_is_refused_by_name(coded_store):
+    """device='cuda' on a torch without CUDA was accepted and failed at the first batch with torch's error; a state
+    whose generator state is malformed raised a TypeError or KeyError of numpy's."""
+    store, _ = coded_store
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match=r"device 'cuda': this torch has no CUDA device"):
+            HerSampler(store, 8, reward_fn=sparse_reward, device="cuda")
+    sampler = HerSampler(store, 8, reward_fn=sparse_reward, seed=0)
+    good = sampler.state_dict()["rng"]
+    for bad in ({**good, "state": 5}, {**good, "state": {"state": 1}}):
+        with pytest.raises(ValueError, match=r"not a sampler's state_dict\(\)"):
+            sampler.load_state_dict({"rng": bad})

@@ -423,3 +423,39 @@ def test_a_ring_that_evicts_everything_a_refill_reads_is_named_as_the_cause(tmp_
                 writer.append_episode(coded(i % 2))
             with pytest.raises(StoreError, match="kept no episode: the ring writer evicted"):
                 s.sample()
+
+
+def test_a_forked_child_samples_a_set_whose_refill_thread_held_its_locks_at_the_fork(coded_store):
+    """The background refill thread (or a batch) of the parent holds the set's locks at the fork: in the child that
+    thread is gone and its locks stayed held, so the child's sample() and close() waited forever. The child loads
+    the set anew, samples the store's rows and closes; the parent goes on."""
+    import threading
+
+    from tests.conftest import in_forked_child
+
+    store, eps = coded_store
+    with WorkingSetSampler(store, 300 * 86, 64, reward_fn=sparse_reward, seed=1, refill_interval=0) as s:
+        assert_rows_are_the_stores(s.sample(), eps)  # the refill thread runs
+        held, release = threading.Event(), threading.Event()
+
+        def hold() -> None:
+            with s._refill_lock, s._lock:
+                held.set()
+                release.wait()
+
+        holder = threading.Thread(target=hold)
+        holder.start()
+        assert held.wait(60)
+
+        def child() -> bool:
+            for _ in range(5):
+                assert_rows_are_the_stores(s.sample(), eps)
+            s.close()
+            return True
+
+        try:
+            assert in_forked_child(child) == 0
+        finally:
+            release.set()
+            holder.join()
+        assert_rows_are_the_stores(s.sample(), eps)

@@ -490,6 +490,30 @@ def test_a_forked_child_gathers_though_a_thread_of_the_parent_held_the_readers_l
     store.close()
 
 
+def test_a_forked_child_gathers_though_the_parent_forked_while_a_gather_grew_the_shard_tables(tmp_path):
+    """A gather of the parent's threads was growing the frame reader's per-shard tables at the fork (its tags grown,
+    its table not yet): the child kept the torn tables and every gather there failed (IndexError, or a broadcast
+    error). The child makes them anew and reads every row right."""
+    from tests.conftest import in_forked_child
+
+    store, reader, want = _big_store_reader(tmp_path / "s")
+    arr = reader.arrays["steps/pixels"]
+    rows = np.arange(len(want))
+    assert np.array_equal(reader.gather("steps/pixels", rows).reshape(want.shape), want)
+    # what a _grow holds between its first step and its last: the tags grown, the other tables not yet
+    arr._tags = np.full(len(arr._tags) + 4, -1, np.int64)
+    arr._fds, arr._bases, arr._used = np.full(0, -1, np.int32), np.zeros(0, np.int64), np.zeros(0, np.int64)
+    arr._table = np.full((0, 2), -1, np.int64)
+
+    def child() -> bool:
+        reader.observe(store.snapshot())
+        return np.array_equal(reader.gather("steps/pixels", rows).reshape(want.shape), want)
+
+    assert in_forked_child(child) == 0
+    reader.close()
+    store.close()
+
+
 def test_a_mapped_shard_a_commit_replaced_still_reads_what_was_committed(tmp_path, monkeypatch):
     """A ring rewrites its shards while a sampler in another handle decodes from their mappings (on C threads): a
     shard replaced by a rename leaves the old mapping whole (no SIGBUS, no bytes of the new file under old offsets),
