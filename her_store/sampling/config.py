@@ -29,10 +29,11 @@ from her_store.sampling.relabel import (
     her_ratio,
     parse_strategy,
 )
-from her_store.sampling.rewards import RewardFn, RewardRecompute
+from her_store.sampling.rewards import RewardFn, RewardRecompute, env_reward_fn
+from her_store.store.episode_store import EpisodeStore
 from her_store.store.index import IndexView
 
-__all__ = ["ConfiguredSampler", "SamplerConfig", "check_options", "rng_state"]
+__all__ = ["ConfiguredSampler", "SamplerConfig", "check_options", "reward_recompute", "rng_state"]
 
 
 @dataclass(frozen=True)
@@ -139,6 +140,17 @@ def _device(device: Any) -> torch.device:
         raise ValueError(f"device {short_repr(device)}: this torch has no CUDA device to use (a CPU build, or none "
                          "visible); use device='cpu'")
     return d
+
+
+def reward_recompute(store: EpisodeStore, config: SamplerConfig, info_keys: tuple[str, ...]) -> RewardRecompute:
+    """The rewards ``config`` asks a sampler of ``store`` to recompute: with its ``reward_fn``, or the store's env's
+    where goals are relabelled and none is given."""
+    reward_fn = config.reward_fn
+    if reward_fn is None and config.n_sampled_goal > 0:
+        reward_fn = env_reward_fn(store)
+    return RewardRecompute(
+        reward_fn, relabel_terminated=config.relabel_terminated, success_fn=config.success_fn, info_keys=info_keys
+    )
 
 
 def rng_state(state: Any, rng: np.random.Generator) -> dict[str, Any]:

@@ -19,13 +19,13 @@ from her_store.checks import check_callable, check_int
 from her_store.errors import StoreError
 from her_store.sampling.batch import DeviceTransfer, HerBatch, assemble_batch
 from her_store.sampling.committed import CommittedView
-from her_store.sampling.config import ConfiguredSampler, SamplerConfig, rng_state
+from her_store.sampling.config import ConfiguredSampler, SamplerConfig, reward_recompute, rng_state
 from her_store.sampling.draw import UniformDraw, replace_samples
 from her_store.sampling.drawn import Draw
 from her_store.sampling.gather import Gather, ReadPlan, StoreRows
 from her_store.sampling.prefetch import Prefetcher
 from her_store.sampling.relabel import GoalChoice, GoalStrategy, RandomGoalSource, random_transition_rows
-from her_store.sampling.rewards import RewardFn, RewardRecompute, env_reward_fn
+from her_store.sampling.rewards import RewardFn
 from her_store.store.episode_store import EpisodeStore
 from her_store.store.index import IndexView
 from her_store.store.rows import ChunkReader
@@ -170,9 +170,6 @@ class HerSampler(ConfiguredSampler):
         self.config = config
         self.store = store
         self.her_ratio = config.her_ratio
-        reward_fn = config.reward_fn
-        if reward_fn is None and config.n_sampled_goal > 0:
-            reward_fn = env_reward_fn(store)
         self.rng = np.random.default_rng(config.seed)
         self.reader = ChunkReader(store, io_threads=config.io_threads, cache_bytes=config.cache_bytes)
         self.committed = CommittedView(store, self.reader, config.refresh_interval)
@@ -181,10 +178,7 @@ class HerSampler(ConfiguredSampler):
         self.goal_choice = GoalChoice(config.strategy, self.plan.goal_shape, self.plan.goal_dtype, random_goals)
         self.draw = UniformDraw(self.goal_choice, store.url)
         self.gather = Gather(self.plan, StoreRows(self.reader))
-        self.rewards = RewardRecompute(
-            reward_fn, relabel_terminated=config.relabel_terminated, success_fn=config.success_fn,
-            info_keys=self.plan.info_keys,
-        )
+        self.rewards = reward_recompute(store, config, self.plan.info_keys)
         self.to_device = DeviceTransfer(config.device, config.pin_memory)
         self._prefetcher = Prefetcher(config.prefetch, self._produce)
         self._state_after = self.rng.bit_generator.state  # RNG state after the last batch handed out

@@ -23,11 +23,11 @@ from her_store.errors import StoreError
 from her_store.forks import reset_in_child
 from her_store.sampling.batch import DeviceTransfer, HerBatch, assemble_batch
 from her_store.sampling.committed import CommittedView
-from her_store.sampling.config import ConfiguredSampler, SamplerConfig, rng_state
+from her_store.sampling.config import ConfiguredSampler, SamplerConfig, reward_recompute, rng_state
 from her_store.sampling.draw import UniformDraw
 from her_store.sampling.gather import Gather, ReadPlan
 from her_store.sampling.relabel import GoalChoice, GoalStrategy
-from her_store.sampling.rewards import RewardFn, RewardRecompute, env_reward_fn
+from her_store.sampling.rewards import RewardFn
 from her_store.sampling.ring_rows import HOST_FIELDS, RingRows
 from her_store.store.episode_store import EpisodeStore
 from her_store.store.index import IndexView
@@ -195,9 +195,6 @@ class WorkingSetSampler(ConfiguredSampler):
         )
         self.store = store
         self.her_ratio = config.her_ratio
-        reward_fn = config.reward_fn
-        if reward_fn is None and config.n_sampled_goal > 0:
-            reward_fn = env_reward_fn(store)
         self.rng = np.random.default_rng(config.seed)
         self.plan = ReadPlan(store, config.copy_info_dict)
         specs = {spec.path: spec for spec in store.layout.arrays}
@@ -223,10 +220,7 @@ class WorkingSetSampler(ConfiguredSampler):
         self.goal_choice = GoalChoice(config.strategy, self.plan.goal_shape, self.plan.goal_dtype)  # random: the set's
         self.draw = UniformDraw(self.goal_choice, store.url)
         self.gather = Gather(self.plan, self.set_rows)
-        self.rewards = RewardRecompute(
-            reward_fn, relabel_terminated=config.relabel_terminated, success_fn=config.success_fn,
-            info_keys=self.plan.info_keys,
-        )
+        self.rewards = reward_recompute(store, config, self.plan.info_keys)
         self.to_device = DeviceTransfer(config.device, config.pin_memory)
         self._state_after = self.rng.bit_generator.state  # RNG state after the last batch handed out
         self._refill_rng = np.random.default_rng(np.random.SeedSequence(config.seed).spawn(1)[0])
