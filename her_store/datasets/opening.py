@@ -46,7 +46,8 @@ def open_store(
         checked against the dataset's (:func:`her_store.datasets.shards.open_shard`).
     **kwargs
         Passed to :meth:`EpisodeStore.create` (capacity, info_keys, metadata, ...) or, for an existing store,
-        the ones :meth:`EpisodeStore.open` takes (storage_options, durability, commit_interval, lease_ttl).
+        the ones :meth:`EpisodeStore.open` takes (storage_options, durability, commit_interval, lease_ttl,
+        priority_fn).
 
     Returns
     -------

@@ -29,16 +29,19 @@ __all__ = [
     "StoreAttrs",
     "check_array",
     "check_attrs",
+    "index_columns",
     "is_count",
     "parse_attrs",
 ]
 
-FORMAT_VERSION = 3
+FORMAT_VERSION = 4
 # Version 2 stores compressed fields (images) as sharded arrays, one row per inner chunk; version 3 names their shards
-# c.<i>.0.0... (one file each, not a file under a directory per axis). Stores of versions 1 (compressed chunks of
-# several rows) and 2 are still read and appended to in their own layout.
+# c.<i>.0.0... (one file each, not a file under a directory per axis); version 4 adds the episode priority to the
+# index. Stores of versions 1 (compressed chunks of several rows), 2 and 3 are still read and appended to in their own
+# layout.
 SHARDED_SINCE = 2
 FLAT_SHARD_KEYS_SINCE = 3
+PRIORITY_SINCE = 4  # version 4 adds the index column ``priority``; older stores are read and appended without it
 IMAGE_CHUNK_BYTES = 1 << 18  # version 1: rows per compressed chunk
 SHARD_BYTES = 1 << 23  # version 2: rows per shard, uncompressed (a commit rewrites its tail shard whole)
 PACK_CHUNK_BYTES = 1 << 28  # a pack's chunk file stays under 256 MiB whatever its row width
@@ -57,7 +60,21 @@ INDEX_COLUMNS: dict[str, np.dtype] = {
     "env_index": np.dtype("<i4"),
     "created_at": np.dtype("<f8"),
     "crc32": np.dtype("<u4"),
+    "priority": np.dtype("<f8"),
 }
+
+
+def index_columns(version: int) -> dict[str, np.dtype]:
+    """The index columns a store of format ``version`` persists (every column is held in memory, absent ones as 0).
+
+    Examples
+    --------
+    >>> "priority" in index_columns(3), "priority" in index_columns(4)
+    (False, True)
+    """
+    if version >= PRIORITY_SINCE:
+        return INDEX_COLUMNS
+    return {name: dt for name, dt in INDEX_COLUMNS.items() if name != "priority"}
 
 
 @dataclass(frozen=True)

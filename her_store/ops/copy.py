@@ -44,7 +44,7 @@ from her_store.checks import is_int
 from her_store.errors import CorruptStoreError, ReadOnlyStoreError, StoreExistsError, short_repr
 from her_store.format.frames import parse_index, shard_limit
 from her_store.format.keys import COMMIT_KEY, chunk_key
-from her_store.format.layout import INDEX_COLUMNS, ArraySpec
+from her_store.format.layout import ArraySpec, index_columns
 from her_store.ops.repair import clear_tail
 from her_store.ops.verify import verify
 from her_store.progress import progress as progress_bar
@@ -218,7 +218,8 @@ def _limit(spec: ArraySpec | None, key: str, index_chunk: int) -> int:
 def _plan(store: EpisodeStore) -> tuple[list[str], list[tuple[ArraySpec | None, str, int]]]:
     """The metadata keys and the (array, key, chunk) of every chunk the commit's live episodes need, in layout order
     (the order their crc32 is chained in), index chunks last (array None)."""
-    meta = ["zarr.json", "episodes/zarr.json", *(f"episodes/{c}/zarr.json" for c in INDEX_COLUMNS)]
+    columns = index_columns(store.layout.version)
+    meta = ["zarr.json", "episodes/zarr.json", *(f"episodes/{c}/zarr.json" for c in columns)]
     for spec in store.layout.arrays:
         meta += [f"{spec.path.split('/')[0]}/zarr.json", f"{spec.path}/zarr.json"]
     table = store.episodes
@@ -236,7 +237,7 @@ def _plan(store: EpisodeStore) -> tuple[list[str], list[tuple[ArraySpec | None, 
     positions = ids % slots if slots else ids
     index_chunk = int(store.zarr_array("episodes/episode_id").chunks[0])
     for c in np.unique(positions // index_chunk).tolist():
-        chunks += [(None, chunk_key(f"episodes/{name}", int(c), 1, "/"), int(c)) for name in INDEX_COLUMNS]
+        chunks += [(None, chunk_key(f"episodes/{name}", int(c), 1, "/"), int(c)) for name in columns]
     return list(dict.fromkeys(meta)), chunks
 
 
@@ -294,7 +295,7 @@ def _copy_pass(
     index_chunk = int(store.zarr_array("episodes/episode_id").chunks[0])
     # a version 1 array's chunks are compressed whole: its rows' bytes need a decode, checked by `verify`
     checkable = all(spec.sharded or not spec.compressed for spec in store.layout.arrays)
-    index_rows: dict[str, list[tuple[int, bytes]]] = {name: [] for name in INDEX_COLUMNS}
+    index_rows: dict[str, list[tuple[int, bytes]]] = {name: [] for name in index_columns(store.layout.version)}
     items = [(None, k, -1) for k in meta if k in found] + chunks
     bar = progress_bar(sum(size for _, size in found.values()), "copying", progress, unit="B", unit_scale=True)
     at = 0
@@ -439,7 +440,7 @@ def _index_matches(
     ok = np.ones(len(table["episode_id"]), bool)
     slots = store.index.slots
     positions = table["episode_id"] % slots if slots else table["episode_id"]
-    for name, dtype in INDEX_COLUMNS.items():
+    for name, dtype in index_columns(store.layout.version).items():
         size = int(store.zarr_array(f"episodes/{name}").chunks[0])
         bits = np.dtype(f"<u{np.dtype(dtype).itemsize}")  # compared as bits: a NaN return equals itself
         column = np.zeros(max((c + 1) * size for c, _ in pieces[name]) if pieces[name] else 0, bits)

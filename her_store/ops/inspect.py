@@ -22,7 +22,7 @@ import numpy as np
 
 from her_store.format.card import CARD_FIELDS, card_problems, json_object, parse_assignment
 from her_store.format.keys import chunk_of
-from her_store.format.layout import INDEX_COLUMNS, ArraySpec
+from her_store.format.layout import ArraySpec, index_columns
 from her_store.ops.selection import parse_selection
 from her_store.store.episode_store import EpisodeStore
 
@@ -79,7 +79,7 @@ def _chunk_sizes(store: EpisodeStore) -> dict[str, dict[int, tuple[int, int]]] |
     if not backend.lists:
         return None
     keys = {spec.path: (spec.separator, 1 + len(spec.row_shape)) for spec in store.layout.arrays}
-    keys.update({f"{INDEX_DIR}/{name}": ("/", 1) for name in INDEX_COLUMNS})
+    keys.update({f"{INDEX_DIR}/{name}": ("/", 1) for name in index_columns(store.layout.version)})
     out: dict[str, dict[int, tuple[int, int]]] = {p: {} for p in keys}
     try:
         usage = backend.disk_usage()

@@ -12,7 +12,7 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
-from her_store.sampling.drawn import Draw
+from her_store.sampling.drawn import Draw, transition_keys
 from her_store.sampling.relabel import GoalChoice
 from her_store.sampling.rewards import RewardRecompute
 
@@ -26,6 +26,9 @@ class HerBatch(NamedTuple):
     ``int(her_ratio * B)`` rows are the relabelled ones (``is_relabeled``). ``source`` is None from a
     :class:`~her_store.sampling.sampler.HerSampler`; from a :class:`~her_store.sampling.mixture.MixtureSampler` it is
     int64 ``(B,)``, the position of the store each row came from (``episode_ids`` are that store's ids).
+    ``weights`` and ``indices`` are None unless the sampler prioritizes by TD error (``prioritize="td"``): then
+    ``weights`` is float32 ``(B,)``, each sample's importance weight ``(N * P(i)) ** -beta`` over its largest value,
+    and ``indices`` int64 ``(B,)``, the keys ``update_priorities`` takes.
     """
 
     observations: dict[str, torch.Tensor]
@@ -40,6 +43,8 @@ class HerBatch(NamedTuple):
     steps: torch.Tensor
     infos: dict[str, torch.Tensor]
     source: torch.Tensor | None = None
+    weights: torch.Tensor | None = None
+    indices: torch.Tensor | None = None
 
 
 class DeviceTransfer:
@@ -127,4 +132,6 @@ def assemble_batch(
         episode_ids=t(d.episode_ids),
         steps=t(d.steps),
         infos={k: t(v) for k, v in infos.items()},
+        weights=None if d.weights is None else t(d.weights.astype(np.float32)),
+        indices=None if d.weights is None else t(transition_keys(d.episode_ids, d.steps)),
     )

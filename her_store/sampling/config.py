@@ -33,7 +33,12 @@ from her_store.sampling.rewards import RewardFn, RewardRecompute, env_reward_fn
 from her_store.store.episode_store import EpisodeStore
 from her_store.store.index import IndexView
 
-__all__ = ["ConfiguredSampler", "SamplerConfig", "check_options", "reward_recompute", "rng_state"]
+__all__ = [
+    "PRIORITIZE", "RANKS", "ConfiguredSampler", "SamplerConfig", "check_options", "reward_recompute", "rng_state",
+]
+
+PRIORITIZE = ("energy", "td")  # episodes by their index priority; transitions by TD error (PER)
+RANKS = ("average", "min", "max", "dense", "ordinal")  # how episode priorities may be ranked (scipy's rankdata's)
 
 
 @dataclass(frozen=True)
@@ -53,7 +58,9 @@ class SamplerConfig:
         both at once, for a wrong type): ``batch_size`` an int >= 1, ``n_sampled_goal``, ``prefetch`` and
         ``cache_bytes`` ints >= 0, ``io_threads`` an int >= 0 or None, ``seed`` an int >= 0 or None,
         ``refresh_interval`` a number of seconds >= 0 or None, the flags True or False (``pin_memory`` or None),
-        ``reward_fn`` and ``success_fn`` callables or None.
+        ``reward_fn`` and ``success_fn`` callables or None; ``prioritize`` None, "energy" or "td", ``alpha``,
+        ``beta`` numbers >= 0, ``priority_eps`` and ``temperature`` numbers > 0, ``rank`` one of ``RANKS`` or None,
+        ``priority_checkpoint`` seconds >= 0 or None.
 
     Examples
     --------
@@ -80,6 +87,13 @@ class SamplerConfig:
     io_threads: int | None = None
     cache_bytes: int = 32 << 20
     refresh_interval: float | None = None
+    prioritize: str | None = None
+    alpha: float = 0.6
+    beta: float = 0.4
+    priority_eps: float = 1e-6
+    temperature: float = 1.0
+    rank: str | None = None
+    priority_checkpoint: float | None = 60.0
 
     def __post_init__(self) -> None:
         checked: dict[str, Any] = {
@@ -97,6 +111,13 @@ class SamplerConfig:
             "io_threads": check_int(self.io_threads, "io_threads", low=0, or_none=True),
             "cache_bytes": check_int(self.cache_bytes, "cache_bytes", low=0),
             "refresh_interval": check_number(self.refresh_interval, "refresh_interval", low=0, or_none=True),
+            "prioritize": _choice(self.prioritize, "prioritize", PRIORITIZE),
+            "alpha": check_number(self.alpha, "alpha", low=0),
+            "beta": check_number(self.beta, "beta", low=0),
+            "priority_eps": check_number(self.priority_eps, "priority_eps", low=0, low_open=True),
+            "temperature": check_number(self.temperature, "temperature", low=0, low_open=True),
+            "rank": _choice(self.rank, "rank", RANKS),
+            "priority_checkpoint": check_number(self.priority_checkpoint, "priority_checkpoint", low=0, or_none=True),
         }
         for name, value in checked.items():
             object.__setattr__(self, name, value)
@@ -126,6 +147,13 @@ def check_options(options: Mapping[str, Any], allowed: Collection[str]) -> None:
     unknown = sorted(set(options) - set(allowed))
     if unknown:
         raise TypeError(f"HerSampler takes no argument(s) {unknown}; it takes {sorted(allowed)}")
+
+
+def _choice(value: Any, name: str, allowed: tuple[str, ...]) -> str | None:
+    """``value`` if it is None or one of ``allowed``, else a ValueError naming the option."""
+    if value is None or (isinstance(value, str) and value in allowed):
+        return value
+    raise ValueError(f"{name} must be None or one of {list(allowed)}: got {short_repr(value)}")
 
 
 def _device(device: Any) -> torch.device:

@@ -17,7 +17,7 @@ from her_store.sampling.drawn import Draw
 from her_store.sampling.relabel import GoalChoice
 from her_store.store.index import IndexView
 
-__all__ = ["UniformDraw", "replace_samples"]
+__all__ = ["UniformDraw", "check_nonempty", "complete_draw", "replace_samples"]
 
 
 class UniformDraw:
@@ -52,23 +52,47 @@ class UniformDraw:
         StoreError
             The view has no committed transition.
         """
-        if view.num_transitions == 0:
-            raise StoreError(
-                f"{self.url} has no committed episode to sample from yet; add at least one whole episode "
-                "(and let it commit) before sampling"
-            )
+        check_nonempty(view, self.url)
         ids, steps = view.locate(rng.integers(0, view.num_transitions, len(her)))
-        pos = ids - view.first
-        starts, lengths = view.start_rows[pos], view.lengths[pos]
-        goal_ids, goal_rows, given, given_goals = self.goals.choose(view, ids, starts, steps, lengths, her, rng)
-        return Draw(ids, steps, starts + steps, lengths, her, goal_rows, goal_ids, given, given_goals)
+        return complete_draw(self.goals, view, ids, steps, her, rng)
+
+    def current(self, view: IndexView) -> IndexView:
+        """The view a batch drawn from ``view`` is drawn from: ``view`` itself."""
+        return view
+
+
+def check_nonempty(view: IndexView, url: str) -> None:
+    """Raise StoreError when ``view`` (of the store at ``url``) has no committed transition to draw."""
+    if view.num_transitions == 0:
+        raise StoreError(
+            f"{url} has no committed episode to sample from yet; add at least one whole episode "
+            "(and let it commit) before sampling"
+        )
+
+
+def complete_draw(
+    goals: GoalChoice,
+    view: IndexView,
+    ids: np.ndarray,
+    steps: np.ndarray,
+    her: np.ndarray,
+    rng: np.random.Generator,
+    weights: np.ndarray | None = None,
+) -> Draw:
+    """The draw of samples at ``(ids, steps)`` of ``view``, the goals of those ``her`` marks chosen by ``goals``."""
+    pos = ids - view.first
+    starts, lengths = view.start_rows[pos], view.lengths[pos]
+    goal_ids, goal_rows, given, given_goals = goals.choose(view, ids, starts, steps, lengths, her, rng)
+    return Draw(ids, steps, starts + steps, lengths, her, goal_rows, goal_ids, given, given_goals, weights)
 
 
 def replace_samples(d: Draw, sub: np.ndarray, d2: Draw) -> tuple[Draw, np.ndarray]:
     """``d`` with the samples at positions ``sub`` taken from ``d2`` (drawn for exactly those positions), and where
     those samples' goals sit among the relabelled ones."""
     fields: dict[str, Any] = {}
-    for name in ("episode_ids", "steps", "rows", "lengths"):
+    for name in ("episode_ids", "steps", "rows", "lengths", "weights"):
+        if getattr(d, name) is None or getattr(d2, name) is None:
+            continue
         a = getattr(d, name).copy()
         a[sub] = getattr(d2, name)
         fields[name] = a

@@ -15,17 +15,21 @@ from typing import Any
 import numpy as np
 import torch
 
-from her_store.checks import check_callable, check_int
+from her_store.checks import check_callable, check_int, check_number
 from her_store.errors import StoreError
+from her_store.format.layout import PRIORITY_SINCE
 from her_store.sampling.batch import DeviceTransfer, HerBatch, assemble_batch
 from her_store.sampling.committed import CommittedView
 from her_store.sampling.config import ConfiguredSampler, SamplerConfig, reward_recompute, rng_state
 from her_store.sampling.draw import UniformDraw, replace_samples
 from her_store.sampling.drawn import Draw
+from her_store.sampling.episode_priority import EpisodePriorityDraw
 from her_store.sampling.gather import Gather, ReadPlan, StoreRows
 from her_store.sampling.prefetch import Prefetcher
+from her_store.sampling.priority_checkpoint import CHUNK_ROWS, PriorityCheckpoint
 from her_store.sampling.relabel import GoalChoice, GoalStrategy, RandomGoalSource, random_transition_rows
 from her_store.sampling.rewards import RewardFn
+from her_store.sampling.transition_priority import TransitionPriorities, TransitionPriorityDraw
 from her_store.store.episode_store import EpisodeStore
 from her_store.store.index import IndexView
 from her_store.store.rows import ChunkReader
@@ -91,6 +95,24 @@ class HerSampler(ConfiguredSampler):
         random share) come from: ``random_goals(rng, n)`` with the sampler's generator. Default: transitions drawn
         uniformly from this store (a :class:`~her_store.sampling.mixture.MixtureSampler` over a sharded dataset
         passes one drawing from every shard).
+    prioritize : {None, "energy", "td"}
+        None draws transitions uniformly. "energy" draws episodes by their committed ``priority`` (by default their
+        trajectory energy, :class:`~her_store.store.energy.EnergyPriority`), shaped by ``temperature`` and
+        ``rank`` (:func:`~her_store.sampling.episode_priority.episode_weights`), and steps uniformly within them.
+        "td" is proportional prioritized replay: batches carry ``weights`` and ``indices``, and
+        :meth:`update_priorities` sets priorities from TD errors
+        (:class:`~her_store.sampling.transition_priority.TransitionPriorities`). Relabelling is the same in every
+        mode.
+    alpha, beta, priority_eps : float
+        "td": probabilities ``(|td| + priority_eps) ** alpha`` normalised; importance weights with exponent ``beta``
+        (anneal it with ``sampler.beta = ...``).
+    temperature : float
+        "energy": weights ``priority ** (1 / temperature)``.
+    rank : str, optional
+        "energy": weigh the ranks of the priorities (``"dense"``, ``"min"``, ...) rather than the priorities.
+    priority_checkpoint : float, optional
+        "td": seconds between checkpoints of the priorities to the store, taken by :meth:`update_priorities`, and
+        one at :meth:`close`; a sampler made on the store again resumes from the last. None: no checkpoint.
 
     Every option but ``random_goals`` is checked by :class:`~her_store.sampling.config.SamplerConfig` (ValueError
     or TypeError naming it); :meth:`from_config` builds a sampler from one.
@@ -121,6 +143,8 @@ class HerSampler(ConfiguredSampler):
         The relabelled share of a batch (the first ``int(her_ratio * B)`` rows).
     rng : numpy.random.Generator
         The generator every draw takes (see :meth:`state_dict`).
+    priorities : TransitionPriorities or None
+        With ``prioritize="td"``: the priorities drawn by, in RAM, and their checkpoint.
 
     Examples
     --------
@@ -148,12 +172,21 @@ class HerSampler(ConfiguredSampler):
         cache_bytes: int = 32 << 20,
         refresh_interval: float | None = None,
         random_goals: RandomGoalSource | None = None,
+        prioritize: str | None = None,
+        alpha: float = 0.6,
+        beta: float = 0.4,
+        priority_eps: float = 1e-6,
+        temperature: float = 1.0,
+        rank: str | None = None,
+        priority_checkpoint: float | None = 60.0,
     ) -> None:
         config = SamplerConfig(
             batch_size=batch_size, n_sampled_goal=n_sampled_goal, goal_selection_strategy=goal_selection_strategy,
             reward_fn=reward_fn, device=device, seed=seed, copy_info_dict=copy_info_dict, prefetch=prefetch,
             pin_memory=pin_memory, relabel_terminated=relabel_terminated, success_fn=success_fn,
-            io_threads=io_threads, cache_bytes=cache_bytes, refresh_interval=refresh_interval,
+            io_threads=io_threads, cache_bytes=cache_bytes, refresh_interval=refresh_interval, prioritize=prioritize,
+            alpha=alpha, beta=beta, priority_eps=priority_eps, temperature=temperature, rank=rank,
+            priority_checkpoint=priority_checkpoint,
         )
         self._compose(store, config, random_goals)
 
@@ -176,12 +209,36 @@ class HerSampler(ConfiguredSampler):
         self.plan = ReadPlan(store, config.copy_info_dict)
         random_goals = check_callable(random_goals, "random_goals", or_none=True)
         self.goal_choice = GoalChoice(config.strategy, self.plan.goal_shape, self.plan.goal_dtype, random_goals)
-        self.draw = UniformDraw(self.goal_choice, store.url)
+        self.priorities: TransitionPriorities | None = None
+        self.draw = self._draw_of(store, config)
         self.gather = Gather(self.plan, StoreRows(self.reader))
         self.rewards = reward_recompute(store, config, self.plan.info_keys)
         self.to_device = DeviceTransfer(config.device, config.pin_memory)
         self._prefetcher = Prefetcher(config.prefetch, self._produce)
         self._state_after = self.rng.bit_generator.state  # RNG state after the last batch handed out
+
+    def _draw_of(
+        self, store: EpisodeStore, config: SamplerConfig
+    ) -> UniformDraw | EpisodePriorityDraw | TransitionPriorityDraw:
+        """The draw ``config.prioritize`` names."""
+        if config.prioritize is None:
+            return UniformDraw(self.goal_choice, store.url)
+        if config.prioritize == "energy":
+            if store.layout.version < PRIORITY_SINCE:
+                raise StoreError(
+                    f"{store.url} has format version {store.layout.version}, whose episodes have no priority; "
+                    f"prioritize='energy' needs a store of version {PRIORITY_SINCE} or later (append its episodes to "
+                    "a new store)"
+                )
+            return EpisodePriorityDraw(self.goal_choice, store.url, config.temperature, config.rank)
+        checkpoint = None
+        if config.priority_checkpoint is not None:
+            checkpoint = PriorityCheckpoint(store.backend, store.attrs["created_at"], store.durability == "fsync")
+        max_rows = -(-max(store.commit_record.array_rows, 1) // CHUNK_ROWS) * CHUNK_ROWS
+        self.priorities = TransitionPriorities(
+            config.alpha, config.priority_eps, checkpoint, config.priority_checkpoint, max_rows
+        )
+        return TransitionPriorityDraw(self.goal_choice, store.url, self.priorities, config.beta)
 
     def transition_goals(self, k: np.ndarray, rng: np.random.Generator) -> np.ndarray:
         """The achieved goals of the next observations of transitions ``k`` of the view sampled from (``0 <= k <
@@ -227,6 +284,7 @@ class HerSampler(ConfiguredSampler):
         evicted the whole view, among those of a fresh snapshot (``may_refresh``; the prefetch thread may not touch
         the store and raises _Lapped instead)."""
         her = np.arange(B) < int(self.her_ratio * B)
+        view = self.draw.current(view)
         d = self.draw(view, her, self.rng)
         now, nxt, goals, finish = self.gather(d.rows, d.goal_rows)
         if self.store.capacity is None:
@@ -325,6 +383,60 @@ class HerSampler(ConfiguredSampler):
             self.rng = np.random.Generator(type(self.rng.bit_generator)(0))
         self.rng.bit_generator.state = self._state_after
 
+    # -- prioritized replay ----------------------------------------------------------------------------------
+    @property
+    def beta(self) -> float:
+        """The importance-sampling exponent of ``prioritize="td"`` (anneal it toward 1 as training goes)."""
+        return self._td_draw("beta").beta
+
+    @beta.setter
+    def beta(self, value: float) -> None:
+        self._td_draw("beta").beta = check_number(value, "beta", low=0)
+
+    def update_priorities(self, indices: Any, td_errors: Any) -> int:
+        """Set the priorities of a batch's transitions from their TD errors (``prioritize="td"``).
+
+        Parameters
+        ----------
+        indices : torch.Tensor or numpy.ndarray
+            ``batch.indices`` of a batch of this sampler.
+        td_errors : torch.Tensor or numpy.ndarray
+            One per index; the priority is ``|td_error| + priority_eps``.
+
+        Returns
+        -------
+        int
+            How many were set: transitions of episodes the ring evicted since the batch are dropped.
+
+        Raises
+        ------
+        ValueError
+            The sampler does not prioritize by TD error, or the arguments are not one finite error per index of
+            its batches.
+
+        Examples
+        --------
+        >>> batch = sampler.sample()  # doctest: +SKIP
+        >>> td = (q(batch) - target(batch)).detach()  # doctest: +SKIP
+        >>> loss = (batch.weights * td**2).mean()  # doctest: +SKIP
+        >>> sampler.update_priorities(batch.indices, td)  # doctest: +SKIP
+        """
+        self._td_draw("update_priorities")
+        assert self.priorities is not None
+        return self.priorities.update(indices, td_errors)
+
+    def checkpoint_priorities(self) -> bool:
+        """Write the priorities to the store now (``prioritize="td"`` with ``priority_checkpoint``); returns whether
+        anything changed since the last checkpoint and was written."""
+        self._td_draw("checkpoint_priorities")
+        assert self.priorities is not None
+        return self.priorities.save()
+
+    def _td_draw(self, what: str) -> TransitionPriorityDraw:
+        if not isinstance(self.draw, TransitionPriorityDraw):
+            raise ValueError(f"{what} is for prioritize='td'; this sampler has prioritize={self.config.prioritize!r}")
+        return self.draw
+
     # -- state ---------------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         """The generator state after the last batch handed out: a resumed run draws the same batches."""
@@ -336,9 +448,14 @@ class HerSampler(ConfiguredSampler):
         self._state_after = self.rng.bit_generator.state
 
     def close(self) -> None:
-        """Stop prefetching and release the reader's maps and threads (the store stays open)."""
+        """Stop prefetching, checkpoint the priorities (``prioritize="td"``) and release the reader's maps and threads
+        (the store stays open)."""
         self._stop_prefetch()
-        self.reader.close()
+        try:
+            if self.priorities is not None:
+                self.priorities.save()
+        finally:
+            self.reader.close()
 
     def __enter__(self) -> HerSampler:
         return self

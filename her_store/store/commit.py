@@ -18,7 +18,7 @@ import numpy as np
 import zarr
 
 from her_store import _kernels
-from her_store.errors import EpisodeValidationError, StoreError, StoreLockedError
+from her_store.errors import EpisodeValidationError, StoreError, StoreLockedError, short_repr
 from her_store.format.commit_record import Commit
 from her_store.format.keys import COMMIT_KEY
 from her_store.format.layout import INDEX_COLUMNS, ArraySpec, Layout
@@ -26,6 +26,8 @@ from her_store.format.schema import Schema
 from her_store.storage import Backend
 from her_store.storage.lock import WriterLock
 from her_store.store.chunk_io import RawChunkFile, ZarrChunks
+from her_store.store.energy import PriorityFn
+from her_store.store.episode import Episode
 from her_store.store.frame_writer import Encoded, FrameWriter
 from her_store.store.index import EpisodeIndex
 
@@ -68,6 +70,8 @@ class Committer:
         Seconds between group commits.
     lock : WriterLock
         Checked (and renewed) before every commit.
+    priority_fn : callable
+        An episode's priority (its index column ``priority``), computed as it is appended.
     """
 
     def __init__(
@@ -85,8 +89,10 @@ class Committer:
         durability: str,
         commit_interval: float,
         lock: WriterLock,
+        priority_fn: PriorityFn,
     ) -> None:
         self.backend = backend
+        self.priority_fn = priority_fn
         self.root = root
         self.schema = schema
         self.layout = layout
@@ -146,6 +152,7 @@ class Committer:
             )
         idx = self.index
         first, end, head = idx.first, idx.end, self.head
+        priority = self._priority(idx.end, data)
         staged = None
         try:
             start = self._place(T + 1)
@@ -163,6 +170,7 @@ class Committer:
                     "env_index": env_index,
                     "created_at": time.time(),
                     "crc32": crc,
+                    "priority": priority,
                 }
             )
             self.head = start + T + 1
@@ -179,6 +187,19 @@ class Committer:
                 idx.first = max(first, self.commit_record.first_episode, idx.base)
             raise  # (an interrupt after the record was in place: the episode is committed, and the interrupt goes on)
         return episode_id
+
+    def _priority(self, episode_id: int, data: Mapping[str, np.ndarray]) -> float:
+        """``priority_fn`` of the episode about to be appended: a finite number >= 0 (EpisodeValidationError)."""
+        value = self.priority_fn(Episode(episode_id, dict(data)))
+        try:
+            priority = float(value)
+        except (TypeError, ValueError):
+            priority = math.nan
+        if not (math.isfinite(priority) and priority >= 0) or isinstance(value, bool):
+            raise EpisodeValidationError(
+                f"priority_fn returned {short_repr(value)} for episode {episode_id}; expected a finite number >= 0"
+            )
+        return priority
 
     def _place(self, rows: int) -> int:
         """Row where an episode of ``rows`` rows goes; evicts (FIFO) what it would overwrite or exceed capacity with."""
@@ -446,17 +467,17 @@ class Committer:
                 else:
                     io.write(r0, np.zeros((r1 - r0, *spec.row_shape), spec.dtype))
                 io.flush(self.fsync)
-        for name, dtype in INDEX_COLUMNS.items():
+        for name, io in self.index_io.items():
             for pos in index_positions:
-                self.index_io[name].write(pos, np.zeros(1, dtype))
-            self.index_io[name].flush(self.fsync)
+                io.write(pos, np.zeros(1, INDEX_COLUMNS[name]))
+            io.flush(self.fsync)
 
     def _ensure_index_rows(self, end: int) -> None:
         if self.index.slots is not None or end <= self.index_rows:
             return
         chunk = int(self._zarr_array("episodes/episode_id", self.index_io["episode_id"]).chunks[0])
         new = round_up(max(end, 2 * self.index_rows), chunk)
-        for name in INDEX_COLUMNS:
+        for name in self.index_io:
             self._zarr_array(f"episodes/{name}", self.index_io[name]).resize((new,))
             self._fsync_metadata(f"episodes/{name}")
         self.index_rows = new

@@ -19,7 +19,7 @@ import zarr
 import zarr.api.asynchronous
 from gymnasium import spaces
 
-from her_store.checks import check_bool, check_int, check_number
+from her_store.checks import check_bool, check_callable, check_int, check_number
 from her_store.errors import (
     CorruptStoreError,
     EpisodeNotFoundError,
@@ -30,7 +30,7 @@ from her_store.errors import (
 from her_store.format.card import card_problems, check_card
 from her_store.format.commit_record import Commit
 from her_store.format.keys import ATTRS_KEY, LOCK_KEY
-from her_store.format.layout import FORMAT_VERSION, INDEX_COLUMNS, check_attrs, parse_attrs
+from her_store.format.layout import FORMAT_VERSION, INDEX_COLUMNS, check_attrs, index_columns, parse_attrs
 from her_store.format.schema import Schema, validate_episode
 from her_store.storage import Backend, open_backend
 from her_store.storage.lock import DEFAULT_LEASE_TTL, WriterLock
@@ -44,6 +44,7 @@ from her_store.store.creation import (
     plan_nodes,
     ring_sizes,
 )
+from her_store.store.energy import EnergyPriority, PriorityFn
 from her_store.store.episode import Episode
 from her_store.store.following import CommitFollower, RowSpace, read_commit
 from her_store.store.frame_writer import FrameWriter
@@ -88,7 +89,14 @@ class EpisodeStore:
     """
 
     # -- construction ----------------------------------------------------------------------------------
-    def __init__(self, backend: Backend, mode: str, durability: Durability, commit_interval: float | None) -> None:
+    def __init__(
+        self,
+        backend: Backend,
+        mode: str,
+        durability: Durability,
+        commit_interval: float | None,
+        priority_fn: PriorityFn | None = None,
+    ) -> None:
         if mode not in ("r", "a"):
             raise ValueError(f"mode must be 'r' (read) or 'a' (append), got {mode!r}")
         if durability not in ("flush", "fsync"):
@@ -99,6 +107,8 @@ class EpisodeStore:
         if problem is not None:
             raise NotAStoreError(problem)
         self._backend = backend
+        priority_fn = check_callable(priority_fn, "priority_fn", or_none=True)
+        self.priority_fn: PriorityFn = EnergyPriority() if priority_fn is None else priority_fn
         self.mode = mode
         self.durability: Durability = durability
         self._committer: Committer | None = None
@@ -127,6 +137,7 @@ class EpisodeStore:
         storage_options: Mapping[str, Any] | None = None,
         commit_interval: float | None = None,
         lease_ttl: float = DEFAULT_LEASE_TTL,
+        priority_fn: PriorityFn | None = None,
     ) -> EpisodeStore:
         """Create a new, empty store and open it for appending.
 
@@ -165,6 +176,10 @@ class EpisodeStore:
         lease_ttl : float
             Object storage only: seconds after which the writer's lease, unless renewed, may be taken over by
             another writer (default 300). A live writer renews it in the background and before every commit.
+        priority_fn : callable, optional
+            ``priority_fn(episode) -> float`` (a finite number >= 0): each appended episode's priority, committed in
+            its index row and drawn by ``HerSampler(prioritize="energy")``. Default:
+            :class:`~her_store.store.energy.EnergyPriority`, the energy of its achieved-goal path.
 
         Returns
         -------
@@ -183,7 +198,7 @@ class EpisodeStore:
         capacity = None if capacity is None else int(capacity)  # a numpy integer: its rows and slots go into JSON
         array_rows, slots, index_rows, index_chunk = ring_sizes(layout, capacity, loc.defaults.index_chunk_rows)
 
-        self = cls(loc, "a", durability, commit_interval)
+        self = cls(loc, "a", durability, commit_interval, priority_fn)
         loc.make_root()
         self._lock = loc.writer_lock(LOCK_KEY, lease_ttl)
         self._lock.acquire()
@@ -215,6 +230,7 @@ class EpisodeStore:
         durability: Durability = "flush",
         commit_interval: float | None = None,
         lease_ttl: float = DEFAULT_LEASE_TTL,
+        priority_fn: PriorityFn | None = None,
     ) -> EpisodeStore:
         """Open an existing store.
 
@@ -225,7 +241,7 @@ class EpisodeStore:
         mode : {"r", "a"}
             "r" reads (no lock; :meth:`refresh` sees new commits); "a" takes the writer lock and resumes appending
             after the last committed episode (rows written past it by a crashed writer are overwritten).
-        storage_options, durability, commit_interval, lease_ttl
+        storage_options, durability, commit_interval, lease_ttl, priority_fn
             As in :meth:`create`. Over http(s), ``storage_options["request_deadline"]`` is the seconds any one
             request may take in all (default 300), the others are fsspec's HTTP filesystem's.
 
@@ -240,7 +256,7 @@ class EpisodeStore:
         >>> store = EpisodeStore.open("runs/fetch", mode="a")  # doctest: +SKIP
         """
         loc = open_backend(path_or_url, storage_options)
-        self = cls(loc, mode, durability, commit_interval)
+        self = cls(loc, mode, durability, commit_interval, priority_fn)
         try:
             root = open_root(loc, read_only=mode == "r")
             attrs = check_attrs(root.attrs.asdict(), str(loc))
@@ -271,7 +287,7 @@ class EpisodeStore:
             self._committer = Committer(
                 self._backend, root, self.schema, self.layout, self._follower.index, self._arrays, self._index_io,
                 self._follower.commit, self._index_rows, self.capacity, self.durability, self.commit_interval,
-                self._lock,
+                self._lock, self.priority_fn,
             )
 
     @property
@@ -287,13 +303,14 @@ class EpisodeStore:
             (s.path, s.dtype, s.row_shape, s.chunk_rows, not s.compressed, s.sharded, s.separator)
             for s in self.layout.arrays
         ]
-        wanted += [(f"episodes/{name}", np.dtype(dt), (), None, True, False, "/") for name, dt in INDEX_COLUMNS.items()]
+        columns = index_columns(self.layout.version)
+        wanted += [(f"episodes/{name}", np.dtype(dt), (), None, True, False, "/") for name, dt in columns.items()]
         arrays = checked_arrays(self._backend, self._root, wanted)
         for spec, array in zip(self.layout.arrays, arrays):
             self._arrays[spec.path] = (
                 FrameWriter(array, self._backend) if spec.sharded else chunk_io(self._backend, array, spec.compressed)
             )
-        for name, array in zip(INDEX_COLUMNS, arrays[len(self.layout.arrays) :]):
+        for name, array in zip(columns, arrays[len(self.layout.arrays) :]):
             self._index_io[name] = chunk_io(self._backend, array, False)
         self._data_rows = min(a.shape[0] for a in arrays[: len(self.layout.arrays)])
         self._index_rows = min(a.shape[0] for a in arrays[len(self.layout.arrays) :])

@@ -41,18 +41,27 @@ class IndexView:
     ----------
     first, end : int
         Live ids are ``first <= id < end``.
-    start_rows, lengths : numpy.ndarray
-        Per live episode (position ``id - first``).
+    start_rows, lengths, priorities : numpy.ndarray
+        Per live episode (position ``id - first``); ``priorities`` is the index column ``priority`` (zeros when not
+        given).
     num_transitions : int
     """
 
-    __slots__ = ("first", "end", "start_rows", "lengths", "_cum", "_before", "num_transitions")
+    __slots__ = ("first", "end", "start_rows", "lengths", "priorities", "_cum", "_before", "num_transitions")
 
     def __init__(
-        self, first: int, end: int, start_rows: np.ndarray, lengths: np.ndarray, cum: np.ndarray, before: int
+        self,
+        first: int,
+        end: int,
+        start_rows: np.ndarray,
+        lengths: np.ndarray,
+        cum: np.ndarray,
+        before: int,
+        priorities: np.ndarray | None = None,
     ) -> None:
         self.first, self.end = first, end
         self.start_rows, self.lengths = start_rows, lengths
+        self.priorities = np.zeros(len(lengths)) if priorities is None else priorities
         self._cum, self._before = cum, before
         self.num_transitions = int(cum[-1]) - before if len(cum) else 0
 
@@ -65,7 +74,9 @@ class IndexView:
         if k == 0:
             return self
         before = int(self._cum[k - 1])
-        return IndexView(self.first + k, self.end, self.start_rows[k:], self.lengths[k:], self._cum[k:], before)
+        return IndexView(
+            self.first + k, self.end, self.start_rows[k:], self.lengths[k:], self._cum[k:], before, self.priorities[k:]
+        )
 
     def locate(self, k: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Episode ids and steps of transitions ``k`` (0 <= k < num_transitions), oldest first: one searchsorted."""
@@ -156,6 +167,7 @@ class EpisodeIndex:
             self._cols["length"][lo:hi],
             self._cum[lo:hi],
             before,
+            self._cols["priority"][lo:hi],
         )
 
     # -- changes ----------------------------------------------------------------------------------------
@@ -238,21 +250,27 @@ class EpisodeIndex:
         return out
 
     def write(self, io: Mapping[str, ColumnIO], first: int, end: int) -> None:
-        """Persist rows of ids ``[first, end)`` to the index arrays (not yet committed)."""
+        """Persist rows of ids ``[first, end)`` to the index arrays the store has (not yet committed)."""
         for pos, a, b in self.positions(first, end):
-            for name, col in self._cols.items():
-                io[name].write(pos, col[a - self.base : b - self.base])
+            for name in io:
+                io[name].write(pos, self._cols[name][a - self.base : b - self.base])
 
     @staticmethod
     def read(io: Mapping[str, ColumnIO], segments: list[tuple[int, int, int]]) -> dict[str, np.ndarray]:
         """Read the index rows at the given segments (from :meth:`positions`), concatenated per column: every column's
-        rows at once (:func:`~her_store.store.chunk_io.read_rows`: one round of requests on object storage)."""
-        reads = [(io[name], pos, pos + (b - a)) for name in INDEX_COLUMNS for pos, a, b in segments]
+        rows at once (:func:`~her_store.store.chunk_io.read_rows`: one round of requests on object storage). A column
+        the store's format version does not persist reads as zeros."""
+        names = [name for name in INDEX_COLUMNS if name in io]
+        reads = [(io[name], pos, pos + (b - a)) for name in names for pos, a, b in segments]
         got = read_rows(reads)  # type: ignore[arg-type]
-        out, n = {}, len(segments)
-        for k, (name, dt) in enumerate(INDEX_COLUMNS.items()):
+        n, rows = len(segments), sum(b - a for _, a, b in segments)
+        out = {name: np.zeros(rows, dt) for name, dt in INDEX_COLUMNS.items() if name not in io}
+        for k, name in enumerate(names):
             parts = got[k * n : (k + 1) * n]
-            out[name] = parts[0] if len(parts) == 1 else np.concatenate(parts) if parts else np.zeros(0, dt)
+            if len(parts) == 1:
+                out[name] = parts[0]
+            else:
+                out[name] = np.concatenate(parts) if parts else np.zeros(0, INDEX_COLUMNS[name])
         return out
 
 

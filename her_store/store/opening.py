@@ -21,7 +21,8 @@ from her_store.store.episode_store import EpisodeStore
 
 __all__ = ["OPEN_OPTIONS", "check_creation_options", "open_or_create"]
 
-OPEN_OPTIONS = ("storage_options", "durability", "commit_interval", "lease_ttl")  # what opening (not creating) takes
+# what opening (not creating) takes
+OPEN_OPTIONS = ("storage_options", "durability", "commit_interval", "lease_ttl", "priority_fn")
 
 
 def open_or_create(
