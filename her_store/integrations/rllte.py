@@ -25,6 +25,7 @@ from her_store.datasets.opening import open_store
 from her_store.errors import StoreError
 from her_store.format.schema import Schema
 from her_store.integrations.inputs import as_flags, as_numpy, checked_device
+from her_store.sampling.config import SamplerConfig
 from her_store.sampling.relabel import GoalStrategy, parse_strategy
 from her_store.sampling.sampler import HerSampler, RewardFn
 from her_store.storage import Backend
@@ -45,7 +46,9 @@ class HerReplayBatch(NamedTuple):
     """One batch, with the fields of rllte's ``DictReplayBatch``: float32 tensors on the storage's device.
 
     ``observations`` and ``next_observations`` map each observation key to ``(B, *shape)``; ``actions`` is
-    ``(B, *action shape)``; ``rewards``, ``terminateds`` and ``truncateds`` are ``(B, 1)``.
+    ``(B, *action shape)``; ``rewards``, ``terminateds`` and ``truncateds`` are ``(B, 1)``. With
+    ``prioritize="td"``, ``weights`` (float32 ``(B,)``, importance weights) and ``indices`` (int64 ``(B,)``, what
+    :meth:`HerReplayStorage.update_priorities` takes), as rllte's prioritized storage's batches; else None.
     """
 
     observations: dict[str, torch.Tensor]
@@ -54,6 +57,8 @@ class HerReplayBatch(NamedTuple):
     terminateds: torch.Tensor
     truncateds: torch.Tensor
     next_observations: dict[str, torch.Tensor]
+    weights: torch.Tensor | None = None
+    indices: torch.Tensor | None = None
 
 
 _TEMP_PREFIX = "her_store-"  # the temporary stores of this class (SB3's buffer uses another prefix)
@@ -199,6 +204,11 @@ class HerReplayStorage:
     SchemaMismatchError
         A store at ``path`` (or handed over) with other spaces, capacity or info keys.
 
+    Notes
+    -----
+    ``prioritize`` ("energy" or "td"), ``alpha`` and ``beta`` are those of :class:`her_store.HerSampler`; with
+    "td" the priorities are checkpointed to the store and resumed with it.
+
     Attributes
     ----------
     store : EpisodeStore
@@ -239,8 +249,12 @@ class HerReplayStorage:
         seed: int | None = None,
         commit_interval: float | None = None,
         segment_steps: int | None = None,
+        prioritize: str | None = None,
+        alpha: float = 0.6,
+        beta: float = 0.4,
     ) -> None:
         # checked before anything is created on disk
+        priority_options = SamplerConfig(prioritize=prioritize, alpha=alpha, beta=beta)
         parse_strategy(goal_selection_strategy)
         storage_size = check_int(storage_size, "storage_size", low=1, or_none=True)
         if storage_size is not None:
@@ -291,6 +305,7 @@ class HerReplayStorage:
             self.sampler = HerSampler(
                 self.store, self.batch_size, n_sampled_goal=num_goals, goal_selection_strategy=goal_selection_strategy,
                 reward_fn=reward_fn, device=self.device, seed=seed, copy_info_dict=self.copy_info_dict,
+                prioritize=priority_options.prioritize, alpha=priority_options.alpha, beta=priority_options.beta,
             )
         except BaseException:
             self.store.close()
@@ -385,10 +400,31 @@ class HerReplayStorage:
             terminateds=b.terminated,
             truncateds=b.truncated,
             next_observations={k: v.float() for k, v in b.next_observations.items()},
+            weights=b.weights,
+            indices=b.indices,
         )
 
-    def update(self, *args: Any, **kwargs: Any) -> None:
-        """Nothing to update (rllte calls it after each gradient step)."""
+    def update(self, metrics: Mapping[str, Any] | None = None, *args: Any, **kwargs: Any) -> None:
+        """What rllte calls after each gradient step: with ``prioritize="td"`` and ``metrics`` holding ``indices``
+        and ``priorities`` (rllte's prioritized storage's keys; ``td_errors`` is taken too), the priorities are
+        updated (:meth:`update_priorities`); otherwise nothing is."""
+        if self.sampler.priorities is None or not isinstance(metrics, Mapping) or "indices" not in metrics:
+            return
+        errors = metrics.get("priorities", metrics.get("td_errors"))
+        if errors is not None:
+            self.update_priorities(metrics["indices"], errors)
+
+    def update_priorities(self, indices: Any, td_errors: Any) -> int:
+        """Set the priorities of a batch's transitions from their TD errors (``prioritize="td"``; see
+        :meth:`her_store.HerSampler.update_priorities`).
+
+        Examples
+        --------
+        >>> batch = storage.sample()  # doctest: +SKIP
+        >>> storage.update_priorities(batch.indices, td_errors)  # doctest: +SKIP
+        """
+        self._require_open()
+        return self.sampler.update_priorities(indices, td_errors)
 
     def close(self) -> None:
         """Store the unfinished episodes as truncated (a persistent store), commit, release the store.

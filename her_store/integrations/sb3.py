@@ -116,6 +116,10 @@ class ZarrHerReplayBuffer(_her.HerReplayBuffer):
         ``add``'s infos (SB3's ``TimeLimit.truncated`` and ``terminal_observation`` excluded); the store is then
         created at the first ``add``, and numeric entries that appear only later (e.g. an ``is_success`` reported
         at an episode's end) are not stored: a warning names them, once per key. Pass them here.
+    prioritize : {None, "energy"}
+        "energy" draws episodes by the energy of their achieved-goal path (energy-based prioritization, see
+        :class:`her_store.HerSampler`); SB3's algorithms need no change for it. "td" is refused: SB3's algorithms
+        do not hand TD errors to their buffer (use :class:`her_store.HerSampler` directly for PER).
 
     Raises
     ------
@@ -184,6 +188,7 @@ class ZarrHerReplayBuffer(_her.HerReplayBuffer):
         prefetch: int = 0,
         io_threads: int | None = None,
         info_keys: Sequence[str] | None = None,
+        prioritize: str | None = None,
     ) -> None:
         Schema(observation_space, action_space)  # spaces a store cannot hold are refused before anything is made
         if check_bool(optimize_memory_usage, "optimize_memory_usage"):
@@ -198,7 +203,7 @@ class ZarrHerReplayBuffer(_her.HerReplayBuffer):
         self._configure(
             buffer_size, observation_space, action_space, n_envs, device, handle_timeout_termination, n_sampled_goal,
             her_strategy(goal_selection_strategy), copy_info_dict, storage_options, relabel_terminated, prefetch,
-            io_threads, None if info_keys is None else tuple(info_keys),
+            io_threads, None if info_keys is None else tuple(info_keys), prioritize,
         )
         if info_keys is not None and not self.copy_info_dict:
             raise ValueError("info_keys is only used with copy_info_dict=True; pass copy_info_dict=True or drop it")
@@ -233,6 +238,7 @@ class ZarrHerReplayBuffer(_her.HerReplayBuffer):
         prefetch: int,
         io_threads: int | None,
         info_keys: tuple[str, ...] | None,
+        prioritize: str | None = None,
     ) -> None:
         """Check and set the configuration (BaseBuffer's attributes too: super().__init__, which allocates the RAM
         arrays, is skipped) and the state of a buffer that has not opened its store yet."""
@@ -247,6 +253,13 @@ class ZarrHerReplayBuffer(_her.HerReplayBuffer):
         self.relabel_terminated = check_bool(relabel_terminated, "relabel_terminated")
         self.prefetch = check_int(prefetch, "prefetch", low=0)
         self.io_threads = check_int(io_threads, "io_threads", low=0, or_none=True)
+        if prioritize not in (None, "energy"):
+            raise ValueError(
+                f"prioritize must be None or 'energy', got {short_repr(prioritize)}: SB3's algorithms do not pass TD "
+                "errors to their replay buffer, so 'td' cannot be updated (sample with her_store.HerSampler("
+                "prioritize='td') and call its update_priorities for PER)"
+            )
+        self.prioritize = prioritize
         if storage_options is not None and not isinstance(storage_options, Mapping):
             raise ArgumentTypeError(f"storage_options must be a mapping or None, got {short_repr(storage_options)}")
         self.storage_options = None if storage_options is None else dict(storage_options)
@@ -565,6 +578,7 @@ class ZarrHerReplayBuffer(_her.HerReplayBuffer):
                 "prefetch": self.prefetch,
                 "io_threads": self.io_threads,
                 "info_keys": self.info_keys,
+                "prioritize": self.prioritize,
             },
             "restore": restore,
             "exists": store is not None or self._must_exist,

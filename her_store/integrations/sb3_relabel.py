@@ -88,6 +88,7 @@ def buffer_sampler(
         relabel_terminated=buffer.relabel_terminated,
         success_fn=success_fn,
         io_threads=buffer.io_threads,
+        prioritize=buffer.prioritize,
     )
 
 

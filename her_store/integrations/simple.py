@@ -23,6 +23,7 @@ from her_store.datasets.opening import open_store
 from her_store.errors import NotAStoreError, SchemaMismatchError, StoreError
 from her_store.integrations.inputs import as_flags, as_numpy, checked_device
 from her_store.integrations.rllte import HerReplayStorage
+from her_store.sampling.config import SamplerConfig
 from her_store.sampling.relabel import GoalSelectionStrategy, select_goal_steps
 from her_store.sampling.sampler import RewardFn
 from her_store.storage import Backend, open_backend
@@ -36,6 +37,10 @@ MAX_SEGMENT_STEPS = 1000  # the default segment: at most this many steps, and at
 _NOT_TRUNCATED = np.zeros(1, bool)  # the simple API has no time limits: done is termination
 
 Batch = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+# with prioritize="td": the batch, its importance weights and its indices
+PrioritizedBatch = tuple[
+    torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor
+]
 
 
 def goal_reached_reward(achieved_goal: Any, desired_goal: Any, info: Any = None, *, tolerance: float = 0.05) -> Any:
@@ -135,6 +140,12 @@ class HindsightExperienceReplay:
         Seed of the sampling generators.
     storage_options : mapping, optional
         fsspec options for a URL ``path``.
+    prioritize : {None, "energy", "td"}
+        As :class:`her_store.HerSampler`'s. With "td" a batch has two more members, ``weights`` and ``indices``
+        (importance weights and the keys :meth:`update_priorities` takes), and is drawn from the committed episodes
+        only: the unfinished segment's transitions enter the draw when it is committed.
+    alpha, beta : float
+        With ``prioritize="td"``: the exponents of priorities and of importance weights.
     segment_steps : int, optional
         Longest segment of an episode without ``done``; default ``min(MAX_SEGMENT_STEPS, buffer_size // 4)``
         (at least 1). At most ``buffer_size - 1``. Resuming a store needs the same ``buffer_size`` and
@@ -175,7 +186,11 @@ class HindsightExperienceReplay:
         seed: int | None = None,
         storage_options: Mapping[str, Any] | None = None,
         segment_steps: int | None = None,
+        prioritize: str | None = None,
+        alpha: float = 0.6,
+        beta: float = 0.4,
     ) -> None:
+        self._priority = SamplerConfig(prioritize=prioritize, alpha=alpha, beta=beta)
         self.state_dim = check_int(state_dim, "state_dim", low=1)
         self.action_dim = check_int(action_dim, "action_dim", low=1)
         self.batch_size = check_int(batch_size, "batch_size", low=1)
@@ -257,6 +272,7 @@ class HindsightExperienceReplay:
             obs, box((self.action_dim,)), storage_size=self.buffer_size - self.segment_steps,
             batch_size=self.batch_size, num_goals=self.n_sampled_goal, reward_fn=self.reward_fn,
             path=self._place if store is None else store, seed=self._seed, segment_steps=self.segment_steps,
+            prioritize=self._priority.prioritize, alpha=self._priority.alpha, beta=self._priority.beta,
         )
 
     def store_transition(self, state: Any, action: Any, reward: Any, next_state: Any, done: Any, goal: Any) -> None:
@@ -305,7 +321,7 @@ class HindsightExperienceReplay:
             return 0
         return self.storage.store.num_transitions + int(self.storage.writer.pending_steps[0])  # commits what ended
 
-    def sample(self) -> Batch | None:
+    def sample(self) -> Batch | PrioritizedBatch | None:
         """``(states, actions, rewards, next_states, dones, goals)`` of ``batch_size`` transitions, or None.
 
         float32 tensors on the device: states and next states ``(B, state_dim)``, actions ``(B, action_dim)``,
@@ -333,6 +349,8 @@ class HindsightExperienceReplay:
         B = self.batch_size
         if committed + pending < B:
             return None
+        if self._priority.prioritize == "td":
+            return self._sample_prioritized() if committed else None
         n_pending = int(self._rng.binomial(B, pending / (committed + pending)))
         parts = []
         if n_pending < B:
@@ -348,6 +366,33 @@ class HindsightExperienceReplay:
         if self.goal_sampling_strategy is not None:
             goals_t = self._apply_strategy(goals_t, next_states, rewards)
         return t(states), t(actions), t(rewards.reshape(B, 1)), t(next_states), t(dones.reshape(B, 1)), goals_t
+
+    def _sample_prioritized(self) -> PrioritizedBatch:
+        """A batch of committed transitions drawn by TD error, with its weights and indices."""
+        assert self.storage is not None
+        b = self.storage.sampler.sample(self.batch_size)
+        goals = b.observations["desired_goal"].to(self.device)
+        if self.goal_sampling_strategy is not None:
+            rewards = b.rewards.numpy().reshape(-1).copy()
+            goals = self._apply_strategy(goals, b.next_observations["observation"].numpy(), rewards)
+            b = b._replace(rewards=torch.as_tensor(rewards).reshape(-1, 1))
+        t = functools.partial(torch.as_tensor, device=self.device)
+        return (t(b.observations["observation"]), t(b.actions), t(b.rewards), t(b.next_observations["observation"]),
+                t(b.dones), goals, t(b.weights), t(b.indices))
+
+    def update_priorities(self, indices: Any, td_errors: Any) -> int:
+        """Set the priorities of a batch's transitions from their TD errors (``prioritize="td"``; see
+        :meth:`her_store.HerSampler.update_priorities`): ``indices`` is the batch's last member.
+
+        Examples
+        --------
+        >>> *batch, weights, indices = her.sample()  # doctest: +SKIP
+        >>> her.update_priorities(indices, td_errors)  # doctest: +SKIP
+        """
+        self._require_open()
+        if self.storage is None:
+            raise ValueError("update_priorities before any transition was stored: indices come from a batch")
+        return self.storage.update_priorities(indices, td_errors)
 
     def _sample_pending(self, n: int) -> tuple[np.ndarray, ...]:
         """``n`` transitions of the unfinished episode, the first ``int(her_ratio * n)`` relabelled (future)."""

@@ -197,6 +197,11 @@ class HerIterableDataset(IterableDataset[HerBatch]):
                 raise TypeError(f"HerIterableDataset does not pass {name!r} to HerSampler: {why}")
         check_options(her_sampler_kwargs, _OPTIONS)
         self.config = SamplerConfig(batch_size=batch_size, **her_sampler_kwargs)
+        if self.config.prioritize == "td":
+            raise ValueError(
+                "prioritize='td' needs the priorities updated by the one sampler that drew the batch; a "
+                "HerIterableDataset takes prioritize='energy' or None (sample with HerSampler(store, prioritize='td') for PER)"
+            )
         self.rank, self.world_size = _distributed(rank, world_size)
         if batches_per_epoch is not None and batches_per_epoch % self.world_size:
             raise ValueError(

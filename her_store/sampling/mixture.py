@@ -213,6 +213,11 @@ class MixtureSampler:
     ) -> None:
         check_options(her_sampler_kwargs, _OPTIONS)
         self.config = SamplerConfig(batch_size=batch_size, **her_sampler_kwargs)
+        if self.config.prioritize == "td":
+            raise ValueError(
+                "prioritize='td' needs the priorities updated by the one sampler that drew the batch; a MixtureSampler "
+                "takes prioritize='energy' or None (sample with HerSampler(store, prioritize='td') for PER)"
+            )
         if self.config.prefetch:
             raise ValueError(
                 "MixtureSampler does not prefetch (each batch's split among the stores differs); drop prefetch"
