@@ -200,7 +200,8 @@ class HerIterableDataset(IterableDataset[HerBatch]):
         if self.config.prioritize == "td":
             raise ValueError(
                 "prioritize='td' needs the priorities updated by the one sampler that drew the batch; a "
-                "HerIterableDataset takes prioritize='energy' or None (sample with HerSampler(store, prioritize='td') for PER)"
+                "HerIterableDataset takes prioritize='energy' or None (for PER, sample with HerSampler(store, "
+                "prioritize='td'))"
             )
         self.rank, self.world_size = _distributed(rank, world_size)
         if batches_per_epoch is not None and batches_per_epoch % self.world_size:
