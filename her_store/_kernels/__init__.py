@@ -1,5 +1,5 @@
 """The kernels of her_store's hot paths (batch LZ4 decoding and encoding of image rows, gathers from mapped files,
-crc32 runs, shard bodies), from the one place that chooses them.
+crc32 runs, shard bodies, the priority tree of prioritized replay), from the one place that chooses them.
 
 They are the C extension's (her_store._kernels._frames, built from her_store/_kernels/_frames.c where a C compiler
 was found at install) when it imports and the environment variable HER_STORE_PURE is not ``1``; else their
@@ -28,6 +28,8 @@ __all__ = [
     "same_bytes",
     "shard_body",
     "take_rows",
+    "tree_find",
+    "tree_set",
 ]
 
 COMPILED: bool = False
@@ -57,3 +59,5 @@ pread_lz4 = _live.pread_lz4
 same_bytes = _live.same_bytes
 shard_body = _live.shard_body
 take_rows = _live.take_rows
+tree_find = _live.tree_find
+tree_set = _live.tree_set

@@ -48,6 +48,13 @@
  *   same_bytes(a, b) -> bool
  *       whether two C-contiguous buffers hold the same bytes: a StepWriter's check that an env's observation is its
  *       last step's next observation, without copying either.
+ *   tree_set(sums, mins, nodes, values) -> None
+ *       a priority tree's update (her_store.sampling.sum_tree): sums[nodes[i]] = values[i] and mins[nodes[i]] =
+ *       values[i] (inf where 0), then every node above, each from its two children, up to the root (node 1). sums and
+ *       mins are float64 of 2 * L nodes, L a power of two, leaves at L .. 2L - 1; nodes int64, values float64.
+ *   tree_find(sums, u, out) -> None
+ *       the walk of each u[i] from the root down to a leaf node (out[i], int64): left while u < the left subtree's sum
+ *       (a subtree of sum 0 is never entered), less the left sum when going right.
  *   crc32(data, value=0) -> int
  *       zlib.crc32(data, value) for any C-contiguous bytes-like data, without the GIL above a few KiB: verify's and
  *       the writer's other checksums. Both crc32 functions use her_crc32 (crc32.c: carry-less multiplication where
@@ -60,6 +67,7 @@
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <math.h>
 #include <errno.h>
 #include <pthread.h>
 #include <setjmp.h>
@@ -1213,6 +1221,101 @@ static PyObject *same_bytes(PyObject *self, PyObject *args) {
     return PyBool_FromLong(same);
 }
 
+/* The priority tree of prioritized replay: see tree_set and tree_find above. */
+static int tree_buffers(Py_buffer *sums, Py_ssize_t *leaf0, int *depth) {
+    Py_ssize_t n = sums->len / (Py_ssize_t)sizeof(double);
+    if (sums->len % (Py_ssize_t)sizeof(double) || n < 2 || (n & (n - 1))) {
+        PyErr_SetString(PyExc_ValueError, "a priority tree is float64 of 2 * L nodes, L a power of two");
+        return -1;
+    }
+    *leaf0 = n / 2;
+    *depth = 0;
+    for (Py_ssize_t k = *leaf0; k > 1; k >>= 1) (*depth)++;
+    return 0;
+}
+
+static PyObject *tree_set(PyObject *self, PyObject *args) {
+    Py_buffer sums, mins, nodes, values;
+    if (!PyArg_ParseTuple(args, "w*w*y*y*", &sums, &mins, &nodes, &values)) return NULL;
+    PyObject *result = NULL;
+    Py_ssize_t leaf0;
+    int depth;
+    if (tree_buffers(&sums, &leaf0, &depth) < 0) goto done;
+    Py_ssize_t n = nodes.len / (Py_ssize_t)sizeof(int64_t);
+    if (mins.len != sums.len || nodes.len % (Py_ssize_t)sizeof(int64_t) ||
+        values.len != n * (Py_ssize_t)sizeof(double)) {
+        PyErr_SetString(PyExc_ValueError, "tree_set needs mins as sums, int64 nodes and one float64 value per node");
+        goto done;
+    }
+    double *s = sums.buf, *m = mins.buf;
+    const int64_t *at = nodes.buf;
+    const double *v = values.buf;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (at[i] < leaf0 || at[i] >= 2 * leaf0 || !(v[i] >= 0)) {
+            PyErr_SetString(PyExc_ValueError, "tree_set needs leaf nodes (L .. 2L - 1) and values >= 0");
+            goto done;
+        }
+    }
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t i = 0; i < n; i++) {
+        int64_t k = at[i];
+        s[k] = v[i];
+        m[k] = v[i] > 0 ? v[i] : INFINITY;
+        for (k >>= 1; k >= 1; k >>= 1) {
+            s[k] = s[2 * k] + s[2 * k + 1];
+            m[k] = m[2 * k] < m[2 * k + 1] ? m[2 * k] : m[2 * k + 1];
+        }
+    }
+    Py_END_ALLOW_THREADS
+    result = Py_None;
+    Py_INCREF(result);
+done:
+    PyBuffer_Release(&sums);
+    PyBuffer_Release(&mins);
+    PyBuffer_Release(&nodes);
+    PyBuffer_Release(&values);
+    return result;
+}
+
+static PyObject *tree_find(PyObject *self, PyObject *args) {
+    Py_buffer sums, u, out;
+    if (!PyArg_ParseTuple(args, "y*y*w*", &sums, &u, &out)) return NULL;
+    PyObject *result = NULL;
+    Py_ssize_t leaf0;
+    int depth;
+    if (tree_buffers(&sums, &leaf0, &depth) < 0) goto done;
+    Py_ssize_t n = u.len / (Py_ssize_t)sizeof(double);
+    if (u.len % (Py_ssize_t)sizeof(double) || out.len != n * (Py_ssize_t)sizeof(int64_t)) {
+        PyErr_SetString(PyExc_ValueError, "tree_find needs float64 values and one int64 out per value");
+        goto done;
+    }
+    const double *s = sums.buf, *x = u.buf;
+    int64_t *o = out.buf;
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t i = 0; i < n; i++) {
+        double r = x[i];
+        int64_t k = 1;
+        for (int d = 0; d < depth; d++) {
+            double left = s[2 * k];
+            if ((r >= left && s[2 * k + 1] > 0) || left <= 0) {
+                r -= left;
+                k = 2 * k + 1;
+            } else {
+                k = 2 * k;
+            }
+        }
+        o[i] = k;
+    }
+    Py_END_ALLOW_THREADS
+    result = Py_None;
+    Py_INCREF(result);
+done:
+    PyBuffer_Release(&sums);
+    PyBuffer_Release(&u);
+    PyBuffer_Release(&out);
+    return result;
+}
+
 static PyMethodDef methods[] = {
     {"crc32", crc32_buffer, METH_VARARGS, "zlib.crc32(data, value), by carry-less multiplication where the CPU has it."},
     {"crc32_runs", crc32_runs, METH_VARARGS, "zlib crc32 of many runs of one buffer, chained from given values."},
@@ -1227,6 +1330,8 @@ static PyMethodDef methods[] = {
     {"take_rows", take_rows, METH_VARARGS, "Copy rows of a mapped uncompressed chunk, a file cut short failing with EIO."},
     {"decode_lz4", decode_lz4, METH_VARARGS, "Decode LZ4 rows from one buffer, without the GIL."},
     {"same_bytes", same_bytes, METH_VARARGS, "Whether two C-contiguous buffers hold the same bytes (memcmp)."},
+    {"tree_set", tree_set, METH_VARARGS, "Set leaves of a priority tree and every sum and minimum above them."},
+    {"tree_find", tree_find, METH_VARARGS, "Walk values down a priority tree's sums to their leaf nodes."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -3,13 +3,15 @@
 Proportional prioritized replay (Schaul et al., 2016) draws leaf ``i`` with probability ``leaf_i / total``: a value
 ``u`` uniform in ``[0, total)`` is walked down from the root, left while it is below the left subtree's sum. The
 tree is implicit and complete: ``n`` rounded up to a power of two leaves at ``n .. 2n - 1``, node ``k``'s children
-``2k`` and ``2k + 1``, so that every walk and every update is the same number of whole-batch steps.
+``2k`` and ``2k + 1``. Walks and updates are :mod:`her_store._kernels`' ``tree_find`` and ``tree_set``; an update of
+a large share of the leaves (a tree filled at start, or resumed) builds every level once instead.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
+from her_store import _kernels
 from her_store.checks import check_int
 
 __all__ = ["PriorityTree"]
@@ -71,34 +73,42 @@ class PriorityTree:
 
     def set(self, leaves: np.ndarray, values: np.ndarray) -> None:
         """Set ``leaves`` (ints in ``[0, size)``) to ``values`` (finite, >= 0; the last of repeated leaves wins),
-        and every sum and minimum above them."""
-        nodes = self._leaf0 + np.asarray(leaves, np.int64)
-        values = np.broadcast_to(np.asarray(values, np.float64), nodes.shape)
-        if not nodes.size:
+        and every sum and minimum above them.
+
+        Raises
+        ------
+        ValueError
+            A leaf out of range or a value that is not >= 0.
+        """
+        nodes = self._leaf0 + np.asarray(leaves, np.int64).reshape(-1)
+        values = np.ascontiguousarray(np.broadcast_to(np.asarray(values, np.float64), nodes.shape))
+        if np.any(nodes >= self._leaf0 + self.size):
+            raise ValueError(f"tree_set needs leaf nodes (L .. 2L - 1) and values >= 0: a leaf >= size {self.size}")
+        if len(nodes) > self._leaf0 // 8:  # a large share of the tree: set the leaves, then build every level once
+            self._sum[nodes] = values
+            self._min[nodes] = np.where(values > 0, values, np.inf)
+            if not (values >= 0).all() or np.any(nodes < self._leaf0):
+                raise ValueError("tree_set needs leaf nodes (L .. 2L - 1) and values >= 0")
+            self._build()
             return
-        self._sum[nodes] = values
-        self._min[nodes] = np.where(values > 0, values, np.inf)
-        # level by level, parents from their children (a parent listed twice gets the same value twice)
-        for _ in range(self._depth):
-            nodes = nodes >> 1
-            left = 2 * nodes
-            self._sum[nodes] = self._sum[left] + self._sum[left + 1]
-            self._min[nodes] = np.minimum(self._min[left], self._min[left + 1])
+        _kernels.tree_set(self._sum, self._min, nodes, values)
+
+    def _build(self) -> None:
+        """Every inner node from its children, the deepest level first."""
+        lo = self._leaf0
+        while lo > 1:
+            lo //= 2
+            self._sum[lo : 2 * lo] = self._sum[2 * lo : 4 * lo : 2] + self._sum[2 * lo + 1 : 4 * lo : 2]
+            np.minimum(self._min[2 * lo : 4 * lo : 2], self._min[2 * lo + 1 : 4 * lo : 2], out=self._min[lo : 2 * lo])
 
     def find(self, u: np.ndarray) -> np.ndarray:
         """The leaves that values ``u`` in ``[0, total)`` fall in, walking down by the subtrees' sums: leaf ``i`` is
         found for a share ``leaf_i / total`` of ``[0, total)``, in leaf order. Never a leaf of 0 while the total is
         positive: a subtree of sum 0 is never entered (rounding cannot lead the walk there)."""
-        u = np.array(u, np.float64)
-        node = np.ones(u.shape, np.int64)
-        for _ in range(self._depth):
-            left = 2 * node
-            sl = self._sum[left]
-            right = (u >= sl) & (self._sum[left + 1] > 0)
-            right |= sl <= 0
-            u -= np.where(right, sl, 0.0)
-            node = left + right
-        return node - self._leaf0
+        u = np.ascontiguousarray(u, np.float64)
+        out = np.empty(u.shape, np.int64)
+        _kernels.tree_find(self._sum, u, out)
+        return out - self._leaf0
 
     def grow(self, size: int) -> None:
         """Room for ``size`` leaves (more than now), keeping the values of the present ones."""

@@ -1045,3 +1045,27 @@ def test_every_finished_episode_is_sampled_and_a_seeded_buffer_draws_the_same_ba
         for k in a.observations:
             np.testing.assert_array_equal(a.observations[k], b.observations[k])
         np.testing.assert_array_equal(a.actions, b.actions)
+
+
+# -- prioritized replay --------------------------------------------------------------------------------------
+def test_energy_prioritization_trains_sac_unchanged_and_survives_the_handle(tmp_path):
+    from her_store.sampling.episode_priority import EpisodePriorityDraw
+
+    env = DummyVecEnv([lambda: RecordingPointGoal(5)])
+    model = _learn(SAC, env, replay_buffer_kwargs={"path": tmp_path / "rb", "prioritize": "energy"})
+    rb = model.replay_buffer
+    assert isinstance(rb._sampler(16).draw, EpisodePriorityDraw)
+    assert rb.store.episodes["priority"].min() > 0  # the point moved in every episode: each has energy
+    handle = pickle.dumps(rb)
+    rb.close()
+    loaded = pickle.loads(handle)
+    loaded.env = env
+    assert loaded.prioritize == "energy" and len(loaded.sample(8).observations["observation"]) == 8
+    assert isinstance(loaded._sampler(8).draw, EpisodePriorityDraw)
+    loaded.close()
+
+
+def test_td_prioritization_is_refused_with_what_to_use_instead(tmp_path):
+    venv = _venv()
+    with pytest.raises(ValueError, match="SB3's algorithms do not pass TD errors"):
+        _buffer(venv, path=tmp_path / "rb", prioritize="td")
