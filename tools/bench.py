@@ -5,6 +5,7 @@
     python tools/bench.py --full     # and a 1,000,000-transition image store, larger than SB3's buffer fits in RAM
     python tools/bench.py --only images   # image observations: warm vs SB3 per codec, decode threads, cold, writer
     python tools/bench.py --only add append resume
+    python tools/bench.py --only prioritized   # PER and energy priorities vs TorchRL's PrioritizedReplayBuffer
     python tools/bench.py --only sb3_train sb3_add sb3_sample sb3_save   # the SB3 integration against SB3 itself
 
 Every figure is a median over repeated, interleaved rounds (her_store and the baselines alternate, so a noisy
@@ -214,23 +215,14 @@ def sb3_filled(n_transitions: int):
     return rb
 
 
-def torchrl_filled(n_transitions: int):
-    """TorchRL's HERReplayBuffer over LazyMemmapStorage, the same kind of episodes (extended in blocks)."""
-    try:
-        import torch
-        from tensordict import TensorDict
-        from torchrl.data import HERReplayBuffer, LazyMemmapStorage
-    except ImportError:
-        return None
-
-    def reward_fn(td):
-        d = (td["next", "achieved_goal"] - td["desired_goal"]).norm(dim=-1, keepdim=True)
-        return -(d > 0.05).float()
-
+def _torchrl_fill(rb: Any, n_transitions: int) -> Any:
+    """Extends TorchRL buffer ``rb`` with n FetchReach-shaped transitions (in blocks) and returns it."""
     import logging
 
+    import torch
+    from tensordict import TensorDict
+
     logging.getLogger("torchrl").setLevel(logging.WARNING)
-    rb = HERReplayBuffer(reward_fn=reward_fn, storage=LazyMemmapStorage(n_transitions))
     block = 50_000
     rng = np.random.default_rng(4)
 
@@ -258,6 +250,20 @@ def torchrl_filled(n_transitions: int):
         )
         rb.extend(td)
     return rb
+
+
+def torchrl_filled(n_transitions: int):
+    """TorchRL's HERReplayBuffer over LazyMemmapStorage, the same kind of episodes (extended in blocks)."""
+    try:
+        from torchrl.data import HERReplayBuffer, LazyMemmapStorage
+    except ImportError:
+        return None
+
+    def reward_fn(td):
+        d = (td["next", "achieved_goal"] - td["desired_goal"]).norm(dim=-1, keepdim=True)
+        return -(d > 0.05).float()
+
+    return _torchrl_fill(HERReplayBuffer(reward_fn=reward_fn, storage=LazyMemmapStorage(n_transitions)), n_transitions)
 
 
 def _time_batches(fn: Callable[[], Any], n: int) -> float:
@@ -440,6 +446,91 @@ def bench_memory(workdir: str, quick: bool) -> dict[str, Any]:
         "budget (64 MiB + index)": (64 << 20) + index_bytes,
         "within budget": grown < (64 << 20) + index_bytes,
     }
+
+
+# -- prioritized replay: TD-error PER and energy-based episode priorities -------------------------------------
+PER_ALPHA, PER_BETA = 0.6, 0.4
+
+
+def torchrl_prioritized_filled(n_transitions: int) -> Any:
+    """TorchRL's PrioritizedReplayBuffer (alpha 0.6, beta 0.4) over LazyMemmapStorage holding the same kind of
+    transitions, or a string saying why there is none."""
+    try:
+        import torch
+        from torchrl.data import LazyMemmapStorage, PrioritizedReplayBuffer
+    except ImportError:
+        return "not installed (pip install torchrl)"
+    try:
+        rb = PrioritizedReplayBuffer(alpha=PER_ALPHA, beta=PER_BETA, storage=LazyMemmapStorage(n_transitions))
+    except RuntimeError:  # its sum and min trees are C++ (torchrl._torchrl), built for one torch version
+        return f"its C++ segment trees do not load with torch {torch.__version__}"
+    return _torchrl_fill(rb, n_transitions)
+
+
+def _priority_nbytes(priorities: Any) -> int:
+    """Bytes of the arrays a sampler's TD-priority state holds: its tree's and its own (the committed view it
+    follows is the index every sampler holds, and is not counted)."""
+    held = [v for k, v in vars(priorities).items() if k != "view"] + list(vars(priorities.tree).values())
+    arrays = [a for v in held for a in (v if isinstance(v, tuple) else (v,)) if isinstance(a, np.ndarray)]
+    return sum(a.nbytes for a in arrays)
+
+
+def bench_prioritized(workdir: str, quick: bool) -> dict[str, Any]:
+    """prioritize="td" sample and update_priorities vs TorchRL's PrioritizedReplayBuffer and uniform; "energy" too.
+
+    Warm, transitions/s of batch 256 and 1024. "td" is proportional PER (alpha 0.6, beta 0.4), its update that of the
+    batch just drawn, |TD errors| in [0, 2); TorchRL's buffer has the same alpha and beta and holds the same kind of
+    transitions, but relabels nothing (its batch is stored rows and weights) where every her_store batch relabels
+    (future, n_sampled_goal=4, rewards recomputed). The RAM figure is the bytes of the arrays the td sampler's
+    priority state holds over the transitions stored."""
+    import torch
+
+    from her_store import HerSampler
+
+    n = 200_000 if quick else 1_000_000
+    store = EpisodeStore.open(filled_store(workdir, n))
+    samplers = {
+        mode: HerSampler(store, 256, reward_fn=fetch_reward, seed=0, **extra)
+        for mode, extra in (
+            ("uniform", {}),
+            ("energy", {"prioritize": "energy"}),
+            ("td", {"prioritize": "td", "alpha": PER_ALPHA, "beta": PER_BETA}),
+        )
+    }
+    td_sampler = samplers["td"]
+    trl = torchrl_prioritized_filled(n)
+    out: dict[str, Any] = {"stored transitions": n}
+    rounds, calls = (7, 20) if quick else (11, 40)
+    gen = torch.Generator().manual_seed(0)
+    for B in (256, 1024):
+        errors = torch.rand(B, generator=gen) * 2  # the |TD errors| both write back
+        ours_batch = td_sampler.sample(B)
+        fns: dict[str, Callable[[], Any]] = {
+            f"{mode} sample": lambda s=s, B=B: s.sample(B) for mode, s in samplers.items()
+        }
+        fns["td update_priorities"] = lambda b=ours_batch, e=errors: td_sampler.update_priorities(b.indices, e)
+        if not isinstance(trl, str):
+            trl_index = trl.sample(B, return_info=True)[1]["index"]
+            fns["torchrl sample"] = lambda B=B: trl.sample(B, return_info=True)
+            fns["torchrl update_priority"] = lambda i=trl_index, e=errors: trl.update_priority(i, e)
+        _warm_up(fns)
+        rates = {k: B / v for k, v in _rounds(fns, rounds, calls).items()}
+        for k, v in rates.items():
+            out[f"B={B} {k} transitions/s"] = v
+        out[f"B={B} td / uniform"] = rates["td sample"] / rates["uniform sample"]
+        out[f"B={B} energy / uniform"] = rates["energy sample"] / rates["uniform sample"]
+        if not isinstance(trl, str):
+            out[f"B={B} td sample / torchrl"] = rates["td sample"] / rates["torchrl sample"]
+            out[f"B={B} td update / torchrl"] = rates["td update_priorities"] / rates["torchrl update_priority"]
+    if isinstance(trl, str):
+        out["torchrl"] = trl
+    assert td_sampler.priorities is not None
+    out["td RAM bytes per stored transition"] = _priority_nbytes(td_sampler.priorities) / store.num_transitions
+    out["target"] = "td >= 1x TorchRL (sample and update); energy >= 0.9x uniform"
+    for s in samplers.values():
+        s.close()
+    store.close()
+    return out
 
 
 # -- images: 3x84x84 uint8 observations (tools/frames.py), compressed and uncompressed, beside SB3 -----------------
@@ -1273,6 +1364,7 @@ BENCHES: dict[str, Callable[[str, bool], dict[str, Any]]] = {
     "sample_warm": bench_sample_warm,
     "sample_cold": bench_sample_cold,
     "memory": bench_memory,
+    "prioritized": bench_prioritized,
     "images": bench_images,
     "images_large": bench_images_large,
     "sb3_train": bench_sb3_train,
