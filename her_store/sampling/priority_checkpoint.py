@@ -25,11 +25,12 @@ from her_store.errors import CorruptStoreError, StoreError, short_repr
 from her_store.format.layout import MAX_COUNT, is_count
 from her_store.storage import Backend
 
-__all__ = ["CHUNK_ROWS", "PRIORITIES_DIR", "PriorityCheckpoint", "SavedPriorities"]
+__all__ = ["CHUNK_BITS", "CHUNK_ROWS", "PRIORITIES_DIR", "PriorityCheckpoint", "SavedPriorities"]
 
 PRIORITIES_DIR = "priorities"
 MANIFEST_KEY = f"{PRIORITIES_DIR}/manifest.json"
-CHUNK_ROWS = 1 << 18  # rows per chunk file: 2 MiB of float64
+CHUNK_BITS = 18
+CHUNK_ROWS = 1 << CHUNK_BITS  # rows per chunk file: 2 MiB of float64
 
 
 @dataclass(frozen=True)

@@ -25,7 +25,7 @@ from her_store.errors import StoreError
 from her_store.forks import reset_in_child
 from her_store.sampling.draw import check_nonempty, complete_draw
 from her_store.sampling.drawn import Draw, split_keys
-from her_store.sampling.priority_checkpoint import CHUNK_ROWS, PriorityCheckpoint, SavedPriorities
+from her_store.sampling.priority_checkpoint import CHUNK_BITS, CHUNK_ROWS, PriorityCheckpoint, SavedPriorities
 from her_store.sampling.relabel import GoalChoice
 from her_store.sampling.sum_tree import PriorityTree
 from her_store.store.index import IndexView
@@ -70,7 +70,7 @@ class TransitionPriorities:
         self.checkpoint = checkpoint
         self.interval = interval
         self.max_rows = max_rows
-        self._dirty: set[int] = set()  # chunks changed since the last checkpoint
+        self._dirty = np.zeros(0, bool)  # per chunk: changed since the last checkpoint
         self._last_save = time.monotonic()
         self._sorted: tuple[np.ndarray, np.ndarray] = (np.zeros(0, np.int64), np.zeros(0, np.int64))
         self._lock = threading.Lock()
@@ -135,8 +135,12 @@ class TransitionPriorities:
         self._touch(rows)
 
     def _touch(self, rows: np.ndarray) -> None:
-        if self.checkpoint is not None and rows.size:
-            self._dirty.update(np.unique(rows // CHUNK_ROWS).tolist())
+        if self.checkpoint is None or not rows.size:
+            return
+        chunks = -(-self.tree.size // CHUNK_ROWS)
+        if len(self._dirty) < chunks:
+            self._dirty = np.concatenate([self._dirty, np.zeros(chunks - len(self._dirty), bool)])
+        self._dirty[rows >> CHUNK_BITS] = True
 
     # -- drawing and updating ---------------------------------------------------------------------------------
     def draw(
@@ -186,28 +190,30 @@ class TransitionPriorities:
         td = _numpy(td_errors, "td_errors").astype(np.float64, copy=False).reshape(-1)
         if keys.shape != td.shape:
             raise ValueError(f"update_priorities: {len(keys)} indices and {len(td)} td_errors; expected one each")
-        if not np.isfinite(td).all():
+        p = np.abs(td)
+        p += self.eps
+        if not np.isfinite(p.sum()):
             raise ValueError(f"update_priorities: td_errors must be finite, got {td[~np.isfinite(td)][:3]} among them")
-        p = np.abs(td) + self.eps
         ids, steps = split_keys(keys)
         with self._lock:
             view = self.view
             if view is None:
                 raise ValueError("update_priorities before any batch was drawn: indices come from a batch")
-            live = (ids >= view.first) & (ids < view.end)
-            if (keys < 0).any() or (ids >= view.end).any():
+            pos = ids - view.first
+            live = pos >= 0
+            if not live.all():
+                pos, steps, p = pos[live], steps[live], p[live]
+            # a key below 0 is an id below the live ones; one past them or of a step past its episode is no key
+            if pos.size and (pos.max() >= len(view) or (steps >= view.lengths[pos]).any() or steps.min() < 0):
                 raise ValueError("update_priorities: indices must be those of batches of this sampler")
-            pos = ids[live] - view.first
-            if (steps[live] >= view.lengths[pos]).any():
-                raise ValueError("update_priorities: indices must be those of batches of this sampler")
-            rows = view.start_rows[pos] + steps[live]
-            self.tree.set(rows, p[live] ** self.alpha)
-            if live.any():
-                self.max_priority = max(self.max_priority, float(p[live].max()))
-            self._touch(rows)
+            rows = view.start_rows[pos] + steps
+            if pos.size:
+                self.tree.set(rows, p**self.alpha)
+                self.max_priority = max(self.max_priority, float(p.max()))
+                self._touch(rows)
         if self.interval is not None and time.monotonic() - self._last_save >= self.interval:
             self.save()
-        return int(live.sum())
+        return len(pos)
 
     # -- checkpoints --------------------------------------------------------------------------------------------
     def save(self) -> bool:
@@ -219,23 +225,23 @@ class TransitionPriorities:
             return False
         with self._lock:
             view = self.view
-            if view is None or not self._dirty:
+            if view is None or not self._dirty.any():
                 return False
             leaves = self.tree.leaves
             rows = -(-min(self.tree.size, self.max_rows) // CHUNK_ROWS) * CHUNK_ROWS
             chunks = {}
-            for c in sorted(self._dirty):
+            for c in np.flatnonzero(self._dirty).tolist():
                 part = np.zeros(CHUNK_ROWS)
                 got = leaves[c * CHUNK_ROWS : (c + 1) * CHUNK_ROWS]
                 part[: len(got)] = got
                 chunks[c] = part
-            dirty, self._dirty = self._dirty, set()
+            dirty, self._dirty = self._dirty, np.zeros(len(self._dirty), bool)
             first, end, max_priority = view.first, view.end, self.max_priority
         try:
             cp.save(chunks, rows, first, end, self.alpha, max_priority)
         except BaseException:
             with self._lock:
-                self._dirty |= dirty  # written again by the next checkpoint
+                self._dirty[: len(dirty)] |= dirty  # written again by the next checkpoint
             raise
         return True
 

@@ -28,11 +28,11 @@ What only the compiled path does:
 from __future__ import annotations
 
 from her_store._kernels.pure.checksums import crc32, crc32_all, crc32_runs, same_bytes
-from her_store._kernels.pure.tree import tree_find, tree_set
 from her_store._kernels.pure.lz4 import decode_lz4, encode_lz4, map_lz4, pread_lz4
 from her_store._kernels.pure.mapped import Mapping, map_file, take_rows
 from her_store._kernels.pure.shard import shard_body
 from her_store._kernels.pure.tasks import Task, encode_lz4_start, map_lz4_start
+from her_store._kernels.pure.tree import tree_find, tree_set
 
 __all__ = [
     "Mapping",
