@@ -7,6 +7,7 @@
     python tools/bench.py --only add append resume
     python tools/bench.py --only prioritized   # PER and energy priorities vs TorchRL's PrioritizedReplayBuffer
     python tools/bench.py --only sb3_train sb3_add sb3_sample sb3_save   # the SB3 integration against SB3 itself
+    python tools/bench.py --device cuda [--quick]   # batches on a GPU instead (tools/bench_device.py)
 
 Every figure is a median over repeated, interleaved rounds (her_store and the baselines alternate, so a noisy
 machine slows all alike). SB3 and TorchRL are optional: without them their columns say "not installed".
@@ -101,13 +102,13 @@ class FetchLikeEnv:
         return _Env()
 
 
-def sb3_buffer(size: int):
+def sb3_buffer(size: int, device: str = "cpu"):
     try:
         from stable_baselines3 import HerReplayBuffer
         from stable_baselines3.common.vec_env import DummyVecEnv
     except ImportError:
         return None
-    return HerReplayBuffer(size, OBS, ACT, env=DummyVecEnv([FetchLikeEnv]), device="cpu", n_envs=1)
+    return HerReplayBuffer(size, OBS, ACT, env=DummyVecEnv([FetchLikeEnv]), device=device, n_envs=1)
 
 
 # -- figures ---------------------------------------------------------------------------------------------
@@ -203,9 +204,9 @@ def filled_store(workdir: str, n_transitions: int, capacity: int | None = None) 
     return path
 
 
-def sb3_filled(n_transitions: int):
-    """SB3's HerReplayBuffer holding the same kind of episodes (filled through its own add)."""
-    rb = sb3_buffer(n_transitions)
+def sb3_filled(n_transitions: int, device: str = "cpu"):
+    """SB3's HerReplayBuffer holding the same kind of episodes (filled through its own add), sampling to ``device``."""
+    rb = sb3_buffer(n_transitions, device)
     if rb is None:
         return None
     steps = step_stream(min(n_transitions, 50_000), seed=3)
@@ -584,14 +585,15 @@ def _image_goal_env():
     return _Env()
 
 
-def sb3_image_filled(pool: list[dict[str, np.ndarray]], n: int):
-    """SB3's HerReplayBuffer holding the n transitions an image store built from ``pool`` holds (its own add)."""
+def sb3_image_filled(pool: list[dict[str, np.ndarray]], n: int, device: str = "cpu"):
+    """SB3's HerReplayBuffer holding the n transitions an image store built from ``pool`` holds (its own add),
+    sampling to ``device``."""
     try:
         from stable_baselines3 import HerReplayBuffer
         from stable_baselines3.common.vec_env import DummyVecEnv
     except ImportError:
         return None
-    rb = HerReplayBuffer(n + 10, IMG_OBS, ACT, env=DummyVecEnv([_image_goal_env]), device="cpu", n_envs=1)
+    rb = HerReplayBuffer(n + 10, IMG_OBS, ACT, env=DummyVecEnv([_image_goal_env]), device=device, n_envs=1)
     keys = tuple(IMG_OBS.spaces)
     last = EP_LEN - 1
     for i in range(n // EP_LEN):  # SB3's buffer takes one step per add
@@ -635,7 +637,7 @@ def _frame_disk_bytes(store: EpisodeStore) -> float:
     return _disk_usage(os.path.join(store.url, "steps", "observation")) / (store.num_transitions + store.num_episodes)
 
 
-def _warm_up(fns: dict[str, Callable[[], Any]]) -> None:
+def warm_up(fns: dict[str, Callable[[], Any]]) -> None:
     """Call each sampling function as often as a sampler needs to find its frames in the page cache and read them
     where their shards are mapped (WARM_GATHERS gathers), and once more."""
     from her_store.store.frame_rows import WARM_GATHERS
@@ -645,7 +647,7 @@ def _warm_up(fns: dict[str, Callable[[], Any]]) -> None:
             f()
 
 
-def _rounds(fns: dict[str, Callable[[], Any]], rounds: int, calls: int) -> dict[str, float]:
+def interleaved_rounds(fns: dict[str, Callable[[], Any]], rounds: int, calls: int) -> dict[str, float]:
     """Seconds per call of each function, medians over interleaved rounds (a drift of the machine's speed hits all
     alike: it doubles within a minute here)."""
     spent: dict[str, list[float]] = {k: [] for k in fns}
@@ -831,8 +833,8 @@ def bench_images(workdir: str, quick: bool) -> dict[str, Any]:
     fns: dict[str, Callable[[], Any]] = {f"{kind} {label}": s.sample for (kind, label), s in samplers.items()}
     if rb is not None:
         fns["sb3"] = lambda: rb.sample(IMG_BATCH)
-    _warm_up(fns)
-    per_call = _rounds(fns, 5 if quick else 9, 10)
+    warm_up(fns)
+    per_call = interleaved_rounds(fns, 5 if quick else 9, 10)
     if rb is None:
         out["warm: SB3 HerReplayBuffer, in RAM"] = "not installed"
     else:
@@ -864,8 +866,8 @@ def bench_images(workdir: str, quick: bool) -> dict[str, Any]:
         for t in (0, None)
     }
     fns = {name: s.sample for name, s in decoders.items()}
-    _warm_up(fns)
-    per_call = _rounds(fns, 3 if quick else 5, 5)
+    warm_up(fns)
+    per_call = interleaved_rounds(fns, 3 if quick else 5, 5)
     for label in DECODE:
         if ("rendered", label) in stores:
             one, many = per_call[f"{label} io_threads=0"], per_call[f"{label} io_threads=None"]
@@ -1073,7 +1075,7 @@ def bench_pack(workdir: str, quick: bool) -> dict[str, Any]:
         for f in fns.values():  # warm: every page and shard index read once
             for _ in range(20):
                 f()
-        per_call = _rounds(fns, 5 if quick else 9, 20)
+        per_call = interleaved_rounds(fns, 5 if quick else 9, 20)
         for w in fns:
             out[f"{label}: {w} transitions/s"] = IMG_BATCH / per_call[w]
         out[f"{label}: zip / directory"] = per_call["directory"] / per_call["zip"]
@@ -1387,7 +1389,8 @@ def _fmt(v: Any) -> str:
     return f"{v:,}" if isinstance(v, int) else str(v)
 
 
-def report(results: dict[str, dict[str, Any]]) -> None:
+def report(results: dict[str, dict[str, Any]], benches: dict[str, Callable[..., Any]] = BENCHES) -> None:
+    """The results as a table, each figure beside the first line of its function's docstring (from ``benches``)."""
     try:
         from rich.console import Console
         from rich.table import Table
@@ -1400,7 +1403,7 @@ def report(results: dict[str, dict[str, Any]]) -> None:
     table.add_column("what")
     table.add_column("measured")
     for name, r in results.items():
-        doc = (BENCHES.get(name, pin_allocator).__doc__ or "").strip().splitlines()[0]
+        doc = (benches.get(name, pin_allocator).__doc__ or "").strip().splitlines()[0]
         table.add_row(name, doc, "\n".join(f"{k}: {_fmt(v)}" for k, v in r.items()))
     Console().print(table)
 
@@ -1432,21 +1435,47 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--only", nargs="+", choices=sorted(BENCHES), help="run only these figures")
     p.add_argument("--dir", help="where to put the stores (default: a temporary directory, removed after)")
     p.add_argument("--json", help="also write the results to this JSON file")
+    p.add_argument(
+        "--device", default="cpu", help="cuda or cuda:N: the figures of batches on that GPU (tools/bench_device.py) "
+        "instead of these, with --quick, --dir and --json alone (default: cpu)"
+    )
     args = p.parse_args(argv)
+    benches: dict[str, Callable[..., dict[str, Any]]] = BENCHES
+    if args.device != "cpu":
+        import torch
+
+        try:
+            cuda = torch.device(args.device).type == "cuda"
+        except RuntimeError:
+            cuda = False
+        if not cuda:
+            p.error(f"--device takes cpu, cuda or cuda:N, not {args.device!r}")
+        if args.only or args.full:
+            p.error("--device cuda takes --quick, --dir and --json, not --only or --full")
+        if not torch.cuda.is_available():
+            print("CUDA not available: the --device cuda figures need a GPU")
+            return 0
+        from bench_device import DEVICE_BENCHES  # pragma: no cover - needs CUDA (tools/bench_device.py)
+
+        benches = DEVICE_BENCHES  # pragma: no cover - needs CUDA
     workdir = args.dir or tempfile.mkdtemp(prefix="her_store_bench_")
     os.makedirs(workdir, exist_ok=True)
     results: dict[str, Any] = {"allocator": {"pinned": pin_allocator()}}
     try:
-        names = list(args.only or (n for n in BENCHES if n not in FULL_ONLY))
-        names += [n for n, parent in FULL_ONLY.items() if args.full and parent in names and n not in names]
+        if benches is BENCHES:
+            names = list(args.only or (n for n in BENCHES if n not in FULL_ONLY))
+            names += [n for n, parent in FULL_ONLY.items() if args.full and parent in names and n not in names]
+        else:  # the device figures, in their order, each on the device
+            names = list(benches)
         for name in names:
             t = time.perf_counter()
-            results[name] = BENCHES[name](workdir, args.quick)
+            extra = {} if benches is BENCHES else {"device": args.device}
+            results[name] = benches[name](workdir, args.quick, **extra)
             print(f"{name}: done in {time.perf_counter() - t:.1f} s", file=sys.stderr)
     finally:
         if not args.dir:
             shutil.rmtree(workdir, ignore_errors=True)
-    report(results)
+    report(results, benches)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)
