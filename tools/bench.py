@@ -514,8 +514,8 @@ def bench_prioritized(workdir: str, quick: bool) -> dict[str, Any]:
             trl_index = trl.sample(B, return_info=True)[1]["index"]
             fns["torchrl sample"] = lambda B=B: trl.sample(B, return_info=True)
             fns["torchrl update_priority"] = lambda i=trl_index, e=errors: trl.update_priority(i, e)
-        _warm_up(fns)
-        rates = {k: B / v for k, v in _rounds(fns, rounds, calls).items()}
+        warm_up(fns)
+        rates = {k: B / v for k, v in interleaved_rounds(fns, rounds, calls).items()}
         for k, v in rates.items():
             out[f"B={B} {k} transitions/s"] = v
         out[f"B={B} td / uniform"] = rates["td sample"] / rates["uniform sample"]
