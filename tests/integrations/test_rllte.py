@@ -433,3 +433,26 @@ def test_a_step_that_does_not_start_where_the_last_one_ended_ends_the_episode_th
             assert ep["truncated"][-1]
         assert stored == [(float(o), float(n)) for o, n in added]
         assert store.num_episodes == 2
+
+
+def test_td_prioritized_batches_carry_weights_and_indices_and_updates_reach_the_tree(tmp_path):
+    storage = HerReplayStorage(OBS, ACT, num_envs=2, batch_size=64, storage_size=500, path=tmp_path / "s", seed=0,
+                               metadata={"env_id": ENV_ID}, prioritize="td", alpha=1.0, beta=1.0)
+    collect(storage, 40)
+    b = storage.sample()
+    assert b.weights.shape == (64,) and b.indices.dtype == torch.int64 and torch.all(b.weights == 1)
+    tree = storage.sampler.priorities.tree
+    storage.update({"indices": b.indices, "priorities": torch.full((64,), 4.0)})  # rllte's metrics
+    values = tree.leaves[tree.leaves > 0]
+    assert np.count_nonzero(np.isclose(values, 4.0)) == len(set(b.indices.tolist()))  # alpha=1: (4 + eps) ** 1
+    assert set(np.round(values, 4).tolist()) == {1.0, 4.0}
+    assert storage.update_priorities(b.indices, torch.zeros(64)) == 64
+    storage.update({"loss": 1.0})  # other metrics: nothing
+    plain = HerReplayStorage(OBS, ACT, batch_size=8, storage_size=100, path=tmp_path / "u",
+                             metadata={"env_id": ENV_ID})
+    collect(plain, 12)
+    assert plain.sample().weights is None
+    with pytest.raises(ValueError, match="update_priorities is for prioritize='td'"):
+        plain.update_priorities(torch.zeros(8, dtype=torch.int64), torch.zeros(8))
+    storage.close()
+    plain.close()

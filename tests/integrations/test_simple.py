@@ -428,3 +428,18 @@ def test_a_closed_replay_says_so(tmp_path):
         with pytest.raises(StoreError, match=r"this HindsightExperienceReplay \(.*\) is closed"):
             call()
     her.close()  # idempotent
+
+
+def test_td_prioritized_batches_end_with_weights_and_indices_and_take_updates(tmp_path):
+    her = HindsightExperienceReplay(4, 2, 1000, 32, path=tmp_path / "s", seed=0, goal_dim=2, prioritize="td",
+                                    alpha=1.0)
+    fill(her, [], unfinished=40)
+    assert her.sample() is None  # nothing committed yet: only committed transitions are drawn by priority
+    fill(her, [30, 20], first_ep=1, unfinished=5)
+    *batch, weights, indices = her.sample()
+    check_batch(batch, 32)
+    assert weights.shape == (32,) and torch.all(weights == 1) and indices.dtype == torch.int64
+    assert her.update_priorities(indices, torch.full((32,), 9.0)) == 32
+    leaves = her.storage.sampler.priorities.tree.leaves
+    assert leaves.max() == pytest.approx(9.0 + 1e-6)
+    her.close()
