@@ -34,7 +34,7 @@ from her_store.store.episode_store import EpisodeStore
 from her_store.store.opening import check_creation_options
 from her_store.store.step_writer import StepWriter
 
-__all__ = ["HerReplayBatch", "HerReplayStorage", "NoEpisodeError"]
+__all__ = ["HerReplayBatch", "HerReplayStorage", "NoEpisodeError", "PrioritizedHerReplayBatch"]
 
 
 class NoEpisodeError(StoreError, RuntimeError):
@@ -46,9 +46,7 @@ class HerReplayBatch(NamedTuple):
     """One batch, with the fields of rllte's ``DictReplayBatch``: float32 tensors on the storage's device.
 
     ``observations`` and ``next_observations`` map each observation key to ``(B, *shape)``; ``actions`` is
-    ``(B, *action shape)``; ``rewards``, ``terminateds`` and ``truncateds`` are ``(B, 1)``. With
-    ``prioritize="td"``, ``weights`` (float32 ``(B,)``, importance weights) and ``indices`` (int64 ``(B,)``, what
-    :meth:`HerReplayStorage.update_priorities` takes), as rllte's prioritized storage's batches; else None.
+    ``(B, *action shape)``; ``rewards``, ``terminateds`` and ``truncateds`` are ``(B, 1)``.
     """
 
     observations: dict[str, torch.Tensor]
@@ -57,8 +55,21 @@ class HerReplayBatch(NamedTuple):
     terminateds: torch.Tensor
     truncateds: torch.Tensor
     next_observations: dict[str, torch.Tensor]
-    weights: torch.Tensor | None = None
-    indices: torch.Tensor | None = None
+
+
+class PrioritizedHerReplayBatch(NamedTuple):
+    """A batch of a storage with ``prioritize="td"``: :class:`HerReplayBatch`'s fields, then ``weights`` (float32
+    ``(B,)``, importance weights) and ``indices`` (int64 ``(B,)``, what :meth:`HerReplayStorage.update_priorities`
+    takes), as the batches of rllte's prioritized storage carry them."""
+
+    observations: dict[str, torch.Tensor]
+    actions: torch.Tensor
+    rewards: torch.Tensor
+    terminateds: torch.Tensor
+    truncateds: torch.Tensor
+    next_observations: dict[str, torch.Tensor]
+    weights: torch.Tensor
+    indices: torch.Tensor
 
 
 _TEMP_PREFIX = "her_store-"  # the temporary stores of this class (SB3's buffer uses another prefix)
@@ -364,7 +375,7 @@ class HerReplayStorage:
             if long.any():  # ended as truncated; the env's next step starts a new episode from the same state
                 self.writer.flush_partial(np.flatnonzero(long).tolist())
 
-    def sample(self, step: int | None = None) -> HerReplayBatch:
+    def sample(self, step: int | None = None) -> HerReplayBatch | PrioritizedHerReplayBatch:
         """One batch of ``batch_size`` transitions from the ended episodes (``step`` is accepted, unused).
 
         Episodes ended since the last commit are committed first (one commit, about a millisecond), so every ended
@@ -393,16 +404,17 @@ class HerReplayStorage:
                 "episode) before sampling."
             )
         b = self.sampler.sample()
-        return HerReplayBatch(
+        batch = HerReplayBatch(
             observations={k: v.float() for k, v in b.observations.items()},
             actions=b.actions.float(),
             rewards=b.rewards,
             terminateds=b.terminated,
             truncateds=b.truncated,
             next_observations={k: v.float() for k, v in b.next_observations.items()},
-            weights=b.weights,
-            indices=b.indices,
         )
+        if b.weights is None or b.indices is None:
+            return batch
+        return PrioritizedHerReplayBatch(*batch, weights=b.weights, indices=b.indices)
 
     def update(self, metrics: Mapping[str, Any] | None = None, *args: Any, **kwargs: Any) -> None:
         """What rllte calls after each gradient step: with ``prioritize="td"`` and ``metrics`` holding ``indices``

@@ -25,7 +25,7 @@ from hypothesis import strategies as st
 
 from her_store import EpisodeStore, HerSampler, open_store
 from her_store.errors import CorruptStoreError, NotAStoreError, SchemaMismatchError, StoreError
-from her_store.format.layout import INDEX_COLUMNS
+from her_store.format.layout import FORMAT_VERSION, INDEX_COLUMNS
 from her_store.format.schema import MAX_ROW_BYTES, space_from_json
 from her_store.store import frame_rows as reader_module
 from tests.conftest import DATA, make_episode
@@ -602,8 +602,8 @@ def test_a_link_out_of_the_store_is_never_followed(store, where, mode):
 
 def test_a_commit_record_of_another_format_version_than_the_store(store):
     body = json.loads((store / "commit.json").read_text())
-    _write_commit(store, {**body, "format_version": 1})  # the store's attributes say 3
-    with pytest.raises(CorruptStoreError, match="format version 1, the store's attributes 3"):
+    _write_commit(store, {**body, "format_version": 1})  # the store's attributes say FORMAT_VERSION
+    with pytest.raises(CorruptStoreError, match=f"format version 1, the store's attributes {FORMAT_VERSION}"):
         EpisodeStore.open(store)
 
 
