@@ -138,6 +138,25 @@ def test_device_batches_are_the_cpu_batches(coded, device, strategy):
                 assert_same_batch(sampler.sample(), want, device)
 
 
+@pytest.mark.parametrize("prioritize", ["energy", "td"])
+@pytest.mark.parametrize("device", DEVICES)
+def test_prioritized_batches_on_the_device_are_the_cpu_batches(coded, device, prioritize):
+    """Prioritized samplers on the device draw the CPU sampler's batches, weights and indices included, and take
+    the same updates."""
+    store, eps = coded
+    kw = dict(reward_fn=sparse_reward, seed=3, prioritize=prioritize, priority_checkpoint=None)
+    with HerSampler(store, 128, **kw) as cpu, HerSampler(store, 128, device=device, **kw) as on_device:
+        for _ in range(3):
+            want = cpu.sample()
+            got = on_device.sample()
+            assert_same_batch(got, want, device)
+            assert (want.weights is None) == (prioritize == "energy")
+            if prioritize == "td":
+                td = torch.linspace(-2, 2, 128)
+                cpu.update_priorities(want.indices, td)
+                on_device.update_priorities(got.indices, td.to(device))
+
+
 @pytest.mark.parametrize("strategy", STRATEGIES)
 @pytest.mark.parametrize("device", DEVICES)
 def test_a_working_set_on_the_device_gives_the_cpu_batches(coded, device, strategy):

@@ -1256,17 +1256,37 @@ static PyObject *tree_set(PyObject *self, PyObject *args) {
             goto done;
         }
     }
+    int64_t *up = PyMem_RawMalloc((size_t)(n ? n : 1) * sizeof(int64_t));
+    if (up == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
     Py_BEGIN_ALLOW_THREADS
     for (Py_ssize_t i = 0; i < n; i++) {
-        int64_t k = at[i];
-        s[k] = v[i];
-        m[k] = v[i] > 0 ? v[i] : INFINITY;
-        for (k >>= 1; k >= 1; k >>= 1) {
+        s[at[i]] = v[i];
+        m[at[i]] = v[i] > 0 ? v[i] : INFINITY;
+        up[i] = at[i];
+    }
+    /* level by level, parents from their children: each changed node's parent while the level above is wider than
+     * the batch (a parent listed twice gets the same value twice), then whole levels up to the root: half the work
+     * of walking each leaf to the root, whose upper levels every walk repeats */
+    for (Py_ssize_t width = leaf0 / 2; width >= 1; width /= 2) {
+        if (width <= n) {
+            for (Py_ssize_t k = width; k < 2 * width; k++) {
+                s[k] = s[2 * k] + s[2 * k + 1];
+                m[k] = m[2 * k] < m[2 * k + 1] ? m[2 * k] : m[2 * k + 1];
+            }
+            continue;
+        }
+        for (Py_ssize_t i = 0; i < n; i++) {
+            int64_t k = up[i] >> 1;
             s[k] = s[2 * k] + s[2 * k + 1];
             m[k] = m[2 * k] < m[2 * k + 1] ? m[2 * k] : m[2 * k + 1];
+            up[i] = k;
         }
     }
     Py_END_ALLOW_THREADS
+    PyMem_RawFree(up);
     result = Py_None;
     Py_INCREF(result);
 done:

@@ -3,8 +3,8 @@
 Proportional prioritized replay (Schaul et al., 2016) draws leaf ``i`` with probability ``leaf_i / total``: a value
 ``u`` uniform in ``[0, total)`` is walked down from the root, left while it is below the left subtree's sum. The
 tree is implicit and complete: ``n`` rounded up to a power of two leaves at ``n .. 2n - 1``, node ``k``'s children
-``2k`` and ``2k + 1``. Walks and updates are :mod:`her_store._kernels`' ``tree_find`` and ``tree_set``; an update of
-a large share of the leaves (a tree filled at start, or resumed) builds every level once instead.
+``2k`` and ``2k + 1``. Walks and updates are :mod:`her_store._kernels`' ``tree_find`` and ``tree_set`` (which
+recomputes whole levels where a level is narrower than the update, so filling a tree costs one pass per level).
 """
 
 from __future__ import annotations
@@ -84,22 +84,7 @@ class PriorityTree:
         values = np.ascontiguousarray(np.broadcast_to(np.asarray(values, np.float64), nodes.shape))
         if np.any(nodes >= self._leaf0 + self.size):
             raise ValueError(f"tree_set needs leaf nodes (L .. 2L - 1) and values >= 0: a leaf >= size {self.size}")
-        if len(nodes) > self._leaf0 // 8:  # a large share of the tree: set the leaves, then build every level once
-            self._sum[nodes] = values
-            self._min[nodes] = np.where(values > 0, values, np.inf)
-            if not (values >= 0).all() or np.any(nodes < self._leaf0):
-                raise ValueError("tree_set needs leaf nodes (L .. 2L - 1) and values >= 0")
-            self._build()
-            return
         _kernels.tree_set(self._sum, self._min, nodes, values)
-
-    def _build(self) -> None:
-        """Every inner node from its children, the deepest level first."""
-        lo = self._leaf0
-        while lo > 1:
-            lo //= 2
-            self._sum[lo : 2 * lo] = self._sum[2 * lo : 4 * lo : 2] + self._sum[2 * lo + 1 : 4 * lo : 2]
-            np.minimum(self._min[2 * lo : 4 * lo : 2], self._min[2 * lo + 1 : 4 * lo : 2], out=self._min[lo : 2 * lo])
 
     def find(self, u: np.ndarray) -> np.ndarray:
         """The leaves that values ``u`` in ``[0, total)`` fall in, walking down by the subtrees' sums: leaf ``i`` is

@@ -19,7 +19,7 @@ def _tree(sums: Any) -> tuple[np.ndarray, int, int]:
 
 def tree_set(sums: Any, mins: Any, nodes: Any, values: Any, /) -> None:
     """``sums[nodes] = values``, ``mins[nodes] = values`` (inf where 0), and every node above from its children."""
-    s, leaf0, depth = _tree(sums)
+    s, leaf0, _ = _tree(sums)
     m = np.asarray(mins)
     at, v = np.asarray(nodes), np.asarray(values)
     if m.shape != s.shape or at.dtype != np.int64 or v.dtype != np.float64 or at.shape != v.shape:
@@ -28,12 +28,19 @@ def tree_set(sums: Any, mins: Any, nodes: Any, values: Any, /) -> None:
         raise ValueError("tree_set needs leaf nodes (L .. 2L - 1) and values >= 0")
     s[at] = v
     m[at] = np.where(v > 0, v, np.inf)
-    # level by level, parents from their children (a parent listed twice gets the same value twice)
-    for _ in range(depth):
-        at = at >> 1
-        left = 2 * at
-        s[at] = s[left] + s[left + 1]
-        m[at] = np.minimum(m[left], m[left + 1])
+    # level by level, parents from their children (a parent listed twice gets the same value twice) while the level
+    # above is wider than the batch, then whole levels up to the root
+    width = leaf0 // 2
+    while width >= 1:
+        if width <= len(at):
+            s[width : 2 * width] = s[2 * width : 4 * width : 2] + s[2 * width + 1 : 4 * width : 2]
+            np.minimum(m[2 * width : 4 * width : 2], m[2 * width + 1 : 4 * width : 2], out=m[width : 2 * width])
+        else:
+            at = at >> 1
+            left = 2 * at
+            s[at] = s[left] + s[left + 1]
+            m[at] = np.minimum(m[left], m[left + 1])
+        width //= 2
 
 
 def tree_find(sums: Any, u: Any, out: Any, /) -> None:
