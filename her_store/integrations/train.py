@@ -68,6 +68,8 @@ def build_parser(prog: str = "her-store train") -> argparse.ArgumentParser:
                    help="goal selection: future, final, episode, random (default: future)")
     p.add_argument("--n-sampled-goal", type=int, default=d.n_sampled_goal,
                    help="relabelled goals per transition (default: 4)")
+    p.add_argument("--prioritize", choices=["energy"], default=None,
+                   help="draw episodes by the energy of their achieved-goal path (default: uniformly)")
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--n-envs", type=int, default=d.n_envs, help="environments stepped together (default: 1)")
     p.add_argument("--eval-episodes", type=int, default=d.eval_episodes,
@@ -108,7 +110,7 @@ def main(argv: Sequence[str] | None = None, prog: str = "her-store train") -> in
         capacity=args.capacity, strategy=args.strategy, n_sampled_goal=args.n_sampled_goal, seed=args.seed,
         n_envs=args.n_envs, eval_episodes=args.eval_episodes, checkpoint_every=args.checkpoint_every,
         algo_kwargs=args.algo_kwargs, storage_options=args.storage_options, device=args.device,
-        threads=args.threads, progress=not args.quiet,
+        threads=args.threads, progress=not args.quiet, prioritize=args.prioritize,
     )
     previous = signal.signal(signal.SIGTERM, _terminate)
     try:

@@ -48,7 +48,9 @@ ALGO_DEFAULTS: dict[str, dict[str, Any]] = {
     "ddpg": {"learning_starts": 200, "batch_size": 256},
 }
 
-RUN_KEYS = ("env", "algo", "store", "capacity", "strategy", "n_sampled_goal", "seed", "n_envs", "algo_kwargs")
+RUN_KEYS = (
+    "env", "algo", "store", "capacity", "strategy", "n_sampled_goal", "seed", "n_envs", "algo_kwargs", "prioritize",
+)
 """The options that define a run: resuming with a different value would mix two runs in one directory."""
 
 
@@ -104,6 +106,9 @@ class TrainConfig:
         Torch intra-op threads (the small networks of HER tasks run fastest on one; 0 leaves torch's default).
     progress : bool
         Show a progress bar.
+    prioritize : str or None
+        ``"energy"``: the buffer draws episodes by the energy of their achieved-goal path (energy-based
+        prioritization); None draws uniformly.
 
     Examples
     --------
@@ -129,6 +134,7 @@ class TrainConfig:
     device: str = "auto"
     threads: int = 1
     progress: bool = True
+    prioritize: str | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "store", _absolute_store(self.store))
@@ -161,6 +167,8 @@ def check_numbers(cfg: TrainConfig) -> None:
             raise ValueError(f"--{name.replace('_', '-')} must be at least {least}, got {getattr(cfg, name)}")
     if cfg.threads > MAX_THREADS:
         raise ValueError(f"--threads must be at most {MAX_THREADS} (0: torch's default), got {cfg.threads}")
+    if cfg.prioritize not in (None, "energy"):
+        raise ValueError(f"--prioritize {cfg.prioritize} is not a prioritization this job trains with; expected energy")
     if cfg.strategy not in ("future", "final", "episode", "random"):
         raise ValueError(
             f"--strategy {cfg.strategy} is not a goal selection strategy; expected future, final, episode or random"

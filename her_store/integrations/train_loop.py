@@ -183,6 +183,7 @@ def _train(
                     "storage_options": cfg.storage_options,
                     "n_sampled_goal": cfg.n_sampled_goal,
                     "goal_selection_strategy": cfg.strategy,
+                    "prioritize": cfg.prioritize,
                     **({"copy_info_dict": True, "info_keys": info_keys} if info_keys else {}),
                 },
                 seed=cfg.seed,

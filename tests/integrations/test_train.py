@@ -575,3 +575,20 @@ def test_the_run_directories_are_ignored_by_git():
     if done.returncode == 128:
         pytest.skip(f"not a git checkout: {done.stderr.strip()}")
     assert done.stdout.split() == paths, done.stderr
+
+
+def test_prioritize_energy_trains_draws_by_energy_and_is_part_of_the_run(tmp_path, capsys):
+    out_dir = str(tmp_path / "run")
+    argv = ["--out", out_dir, "--algo", "sac", "--env", "her_store/PointGoal-v0", "--steps", "150",
+            "--eval-episodes", "1", "--quiet", "--algo-kwargs", '{"learning_starts": 60, "batch_size": 16}']
+    code, out, err = run_main(capsys, *argv, "--prioritize", "energy")
+    assert code == 0, err
+    with open(os.path.join(out_dir, "run.json")) as f:
+        assert json.load(f)["prioritize"] == "energy"
+    with EpisodeStore.open(os.path.join(out_dir, "store")) as store:
+        assert store.episodes["priority"].min() > 0  # a moving point: every episode has energy
+    code, out, err = run_main(capsys, *argv)  # resuming without it would change how the run replays
+    assert code == 2 and "--prioritize 'energy', not None" in out + err
+    with pytest.raises(SystemExit) as stop:
+        run_main(capsys, *argv, "--prioritize", "td")
+    assert stop.value.code == 2 and "invalid choice: 'td'" in capsys.readouterr().err
