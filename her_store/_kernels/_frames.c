@@ -1311,22 +1311,32 @@ static PyObject *tree_find(PyObject *self, PyObject *args) {
     }
     const double *s = sums.buf, *x = u.buf;
     int64_t *o = out.buf;
+    double *r = PyMem_RawMalloc((size_t)(n ? n : 1) * sizeof(double));
+    if (r == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
     Py_BEGIN_ALLOW_THREADS
     for (Py_ssize_t i = 0; i < n; i++) {
-        double r = x[i];
-        int64_t k = 1;
-        for (int d = 0; d < depth; d++) {
+        r[i] = x[i];
+        o[i] = 1;
+    }
+    /* all walks a level at a time: their loads are independent, so the memory system serves many at once (one walk
+     * after another waits for each level's load in turn, a cache miss each in a large tree) */
+    for (int d = 0; d < depth; d++) {
+        for (Py_ssize_t i = 0; i < n; i++) {
+            int64_t k = o[i];
             double left = s[2 * k];
-            if ((r >= left && s[2 * k + 1] > 0) || left <= 0) {
-                r -= left;
-                k = 2 * k + 1;
+            if ((r[i] >= left && s[2 * k + 1] > 0) || left <= 0) {
+                r[i] -= left;
+                o[i] = 2 * k + 1;
             } else {
-                k = 2 * k;
+                o[i] = 2 * k;
             }
         }
-        o[i] = k;
     }
     Py_END_ALLOW_THREADS
+    PyMem_RawFree(r);
     result = Py_None;
     Py_INCREF(result);
 done:
