@@ -21,6 +21,7 @@ from her_store.ops.repair_plan import PLAN_KEY, plan_of, spill_dir
 from her_store.ops.report import Report, id_ranges
 from her_store.ops.verify import verify
 from her_store.progress import progress as progress_bar
+from her_store.sampling.priority_checkpoint import discard_checkpoint
 from her_store.storage import open_backend
 from her_store.store.episode_store import EpisodeStore
 
@@ -129,7 +130,7 @@ def _drop(store: EpisodeStore, found: Report, progress: bool, log: Callable[[str
     rest = bad[lead:]
     cut = int(rest[0]) if len(rest) else end
     keep = np.setdiff1d(np.arange(cut, end), rest)
-    env_index = store.episodes["env_index"]
+    env_index, priority = store.episodes["env_index"], store.episodes["priority"]
     spill = None
     if len(keep):
         # the good episodes after the cut, copied aside before the cut drops them from the commit, with a plan that a
@@ -142,7 +143,9 @@ def _drop(store: EpisodeStore, found: Report, progress: bool, log: Callable[[str
         ) as aside:
             bar = progress_bar(len(keep), "copying aside", progress, unit="episode")
             for i in keep.tolist():
-                aside.append_episode(store.episode(i), env_index=int(env_index[i - first]))
+                aside.append_episode(
+                    store.episode(i), env_index=int(env_index[i - first]), priority=float(priority[i - first])
+                )
                 bar.update(1)
             bar.close()
         plan = {"cut": cut, "count": len(keep), "ids": keep.tolist(), "generation": store.commit_record.generation}
@@ -150,6 +153,8 @@ def _drop(store: EpisodeStore, found: Report, progress: bool, log: Callable[[str
     committer.keep_only(first + lead, cut)
     for i in bad.tolist():
         log(f"dropped episode {i}")
+    if discard_checkpoint(store.backend):  # its ids and rows are other episodes' now
+        log("removed the priorities checkpoint (priorities/manifest.json): it names episodes by ids and rows")
     for key in found.damaged_files:  # every episode with rows in them was dropped
         store.backend.remove(key)
         log(f"removed {key} (unreadable; no kept episode has rows in it)")
@@ -177,9 +182,11 @@ def _finish_moving(store: EpisodeStore, log: Callable[[str], None]) -> None:
             f"{plan['count']} episodes again never left; the episodes it moved are in {spill}"
         )
     with EpisodeStore.open(os.path.join(spill, "tail")) as aside:
-        env_index = aside.episodes["env_index"]
+        env_index, priority = aside.episodes["env_index"], aside.episodes["priority"]
         for j in range(done, plan["count"]):
-            new = store.append_episode(aside.episode(aside.first_episode + j), env_index=int(env_index[j]))
+            new = store.append_episode(
+                aside.episode(aside.first_episode + j), env_index=int(env_index[j]), priority=float(priority[j])
+            )
             log(f"episode {plan['ids'][j]} is now episode {new}")
     store.flush()
     shutil.rmtree(spill)

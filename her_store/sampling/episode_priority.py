@@ -20,24 +20,26 @@ __all__ = ["EpisodePriorityDraw", "episode_weights"]
 
 
 def episode_weights(priorities: np.ndarray, lengths: np.ndarray, temperature: float, rank: str | None) -> np.ndarray:
-    """Each episode's draw weight: ``priority ** (1 / temperature)``, or its rank's (``rank``, as scipy's
-    ``rankdata`` methods: ``"average"``, ``"min"``, ``"max"``, ``"dense"``, ``"ordinal"``; ranks start at 1). When
-    every weight is 0 the episodes are weighted by their lengths: transitions are then uniform.
+    """Each episode's draw weight, up to a common factor: ``priority ** (1 / temperature)``, or its rank's (``rank``,
+    as scipy's ``rankdata`` methods: ``"average"``, ``"min"``, ``"max"``, ``"dense"``, ``"ordinal"``; ranks start at
+    1). When every weight is 0 the episodes are weighted by their lengths: transitions are then uniform.
 
     Examples
     --------
-    >>> episode_weights(np.array([0.2, 0.0, 0.2, 0.5]), np.array([5, 5, 5, 5]), 1.0, "dense")
+    >>> episode_weights(np.array([0.2, 0.0, 0.2, 0.5]), np.array([5, 5, 5, 5]), 1.0, "dense") * 3
     array([2., 1., 2., 3.])
-    >>> episode_weights(np.array([0.2, 0.0, 0.2, 0.5]), np.array([5, 5, 5, 5]), 0.5, None)
+    >>> episode_weights(np.array([0.2, 0.0, 0.2, 0.5]), np.array([5, 5, 5, 5]), 0.5, None) * 0.25
     array([0.04, 0.  , 0.04, 0.25])
     """
     p = np.asarray(priorities, np.float64)
     if rank is not None:
         p = _ranks(p, rank)
-    w = p ** (1.0 / temperature)
-    if not w.sum() > 0:
+    if not (p > 0).any():
         return np.asarray(lengths, np.float64)
-    return w
+    # in logs, scaled so that the largest weight is 1: a low temperature's powers neither overflow nor all underflow
+    with np.errstate(divide="ignore"):
+        log_w = np.log(p) / temperature
+    return np.exp(log_w - log_w.max())
 
 
 def _ranks(p: np.ndarray, method: str) -> np.ndarray:

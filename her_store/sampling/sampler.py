@@ -26,7 +26,7 @@ from her_store.sampling.drawn import Draw
 from her_store.sampling.episode_priority import EpisodePriorityDraw
 from her_store.sampling.gather import Gather, ReadPlan, StoreRows
 from her_store.sampling.prefetch import Prefetcher
-from her_store.sampling.priority_checkpoint import CHUNK_ROWS, PriorityCheckpoint
+from her_store.sampling.priority_checkpoint import PriorityCheckpoint
 from her_store.sampling.relabel import GoalChoice, GoalStrategy, RandomGoalSource, random_transition_rows
 from her_store.sampling.rewards import RewardFn
 from her_store.sampling.transition_priority import TransitionPriorities, TransitionPriorityDraw
@@ -234,9 +234,9 @@ class HerSampler(ConfiguredSampler):
         checkpoint = None
         if config.priority_checkpoint is not None:
             checkpoint = PriorityCheckpoint(store.backend, store.attrs["created_at"], store.durability == "fsync")
-        max_rows = -(-max(store.commit_record.array_rows, 1) // CHUNK_ROWS) * CHUNK_ROWS
         self.priorities = TransitionPriorities(
-            config.alpha, config.priority_eps, checkpoint, config.priority_checkpoint, max_rows
+            config.alpha, config.priority_eps, checkpoint, config.priority_checkpoint,
+            lambda: store.commit_record.array_rows,
         )
         return TransitionPriorityDraw(self.goal_choice, store.url, self.priorities, config.beta)
 
@@ -288,7 +288,7 @@ class HerSampler(ConfiguredSampler):
         d = self.draw(view, her, self.rng)
         now, nxt, goals, finish = self.gather(d.rows, d.goal_rows)
         if self.store.capacity is None:
-            return view, d, now, nxt, goals, finish
+            return view, self._weighted(d), now, nxt, goals, finish
         finish()  # the eviction checks below follow the reads
         for _ in range(100):
             first = self.store.live_first()
@@ -296,7 +296,7 @@ class HerSampler(ConfiguredSampler):
             if d.goal_ids is not None:
                 stale[np.flatnonzero(d.her)[d.goal_ids < first]] = True
             if not stale.any():
-                return view, d, now, nxt, goals, lambda: None  # complete
+                return view, self._weighted(d), now, nxt, goals, lambda: None  # complete
             view = view.since(first)
             if view.num_transitions == 0:
                 if not may_refresh:
@@ -316,6 +316,10 @@ class HerSampler(ConfiguredSampler):
             if goals is not None and goals2 is not None:
                 goals[at] = goals2
         raise StoreError(f"{self.store.url}: the ring writer overtakes the sampler; sample from a larger ring")
+
+    def _weighted(self, d: Draw) -> Draw:
+        """``d`` with its importance weights (``prioritize="td"``), over one state of the tree for the whole batch."""
+        return self.draw.weighted(d) if isinstance(self.draw, TransitionPriorityDraw) else d
 
     def _make_batch(self, view: IndexView, B: int, may_refresh: bool = True) -> HerBatch:
         view, d, now, nxt, goals, finish = self._fresh(view, B, may_refresh)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -25,7 +26,13 @@ from her_store.errors import StoreError
 from her_store.forks import reset_in_child
 from her_store.sampling.draw import check_nonempty, complete_draw
 from her_store.sampling.drawn import Draw, split_keys
-from her_store.sampling.priority_checkpoint import CHUNK_BITS, CHUNK_ROWS, PriorityCheckpoint, SavedPriorities
+from her_store.sampling.priority_checkpoint import (
+    CHUNK_BITS,
+    CHUNK_ROWS,
+    MAX_VALUE,
+    PriorityCheckpoint,
+    SavedPriorities,
+)
 from her_store.sampling.relabel import GoalChoice
 from her_store.sampling.sum_tree import PriorityTree
 from her_store.store.index import IndexView
@@ -56,12 +63,17 @@ class TransitionPriorities:
         Where the tree is saved and resumed from.
     interval : float, optional
         Seconds between checkpoints taken by :meth:`update` (None: only by :meth:`save`).
-    max_rows : int
-        The store's rows: a checkpoint claiming more is not used.
+    store_rows : callable
+        The rows the store's arrays hold now: the tree grows to no more, and a checkpoint claiming more is not used.
     """
 
     def __init__(
-        self, alpha: float, eps: float, checkpoint: PriorityCheckpoint | None, interval: float | None, max_rows: int
+        self,
+        alpha: float,
+        eps: float,
+        checkpoint: PriorityCheckpoint | None,
+        interval: float | None,
+        store_rows: Callable[[], int],
     ) -> None:
         self.alpha, self.eps = float(alpha), float(eps)
         self.tree = PriorityTree(1)
@@ -69,7 +81,8 @@ class TransitionPriorities:
         self.max_priority = 1.0
         self.checkpoint = checkpoint
         self.interval = interval
-        self.max_rows = max_rows
+        self.store_rows = store_rows
+        self._stale_tree = False  # forked while another thread updated the tree: its inner nodes are rebuilt
         self._dirty = np.zeros(0, bool)  # per chunk: changed since the last checkpoint
         self._last_save = time.monotonic()
         self._sorted: tuple[np.ndarray, np.ndarray] = (np.zeros(0, np.int64), np.zeros(0, np.int64))
@@ -78,6 +91,16 @@ class TransitionPriorities:
 
     def after_fork(self) -> None:
         self._lock = threading.Lock()
+        self._stale_tree = True  # a thread of the parent may have been between a leaf and its sums
+
+    def _fresh_tree(self) -> PriorityTree:
+        """The tree, its sums rebuilt from its leaves first in a forked child (under the lock)."""
+        if self._stale_tree:
+            leaves = self.tree.leaves.copy()
+            self.tree = PriorityTree(self.tree.size)
+            self.tree.set(np.arange(len(leaves)), leaves)
+            self._stale_tree = False
+        return self.tree
 
     @property
     def nbytes(self) -> int:
@@ -88,6 +111,7 @@ class TransitionPriorities:
     def sync(self, view: IndexView) -> IndexView:
         """Follow ``view`` if it is newer than the one followed; returns the one followed (drawn from)."""
         with self._lock:
+            self._fresh_tree()
             old = self.view
             if old is None or view.end > old.end or view.first > old.first:
                 self._follow(view)
@@ -96,11 +120,13 @@ class TransitionPriorities:
 
     def _follow(self, new: IndexView) -> None:
         old = self.view
-        need = int((new.start_rows + new.lengths).max()) + 1 if len(new) else 1
-        if need > self.tree.size:
-            self.tree.grow(max(need, min(2 * self.tree.size, self.max_rows)))
+        need = _rows_in_use(new)
+        if need > self.tree.size:  # twice as many, within the store's rows (which a writer also doubles)
+            self.tree.grow(max(need, min(2 * self.tree.size, self.store_rows())))
         if old is None:
-            saved = self.checkpoint.load(self.max_rows) if self.checkpoint is not None else None
+            saved = None
+            if self.checkpoint is not None:
+                saved = self.checkpoint.load(-(-max(self.store_rows(), 1) // CHUNK_ROWS) * CHUNK_ROWS)
             self._enter(new, new.first, new.end, saved)
         else:
             gone = min(new.first, old.end) - old.first
@@ -129,8 +155,10 @@ class TransitionPriorities:
             kept = (ids >= saved.first) & (ids < saved.end) & (rows < len(saved.values))
             old = saved.values[rows[kept]]
             if saved.alpha != self.alpha:  # p ** alpha' from p ** alpha (alpha 0 kept no priority: the largest)
-                old = old ** (self.alpha / saved.alpha) if saved.alpha > 0 else np.full(len(old), values[0])
-            values[kept] = np.where(old > 0, old, values[0])  # a live transition saved as 0 takes the largest
+                with np.errstate(over="ignore"):
+                    old = old ** (self.alpha / saved.alpha) if saved.alpha > 0 else np.full(len(old), values[0])
+            # a live transition saved as 0 takes the largest; values too large to sum are not used
+            values[kept] = np.where((old > 0) & (old <= MAX_VALUE), old, values[0])
         self.tree.set(rows, values)
         self._touch(rows)
 
@@ -143,10 +171,8 @@ class TransitionPriorities:
         self._dirty[rows >> CHUNK_BITS] = True
 
     # -- drawing and updating ---------------------------------------------------------------------------------
-    def draw(
-        self, view: IndexView, n: int, rng: np.random.Generator, beta: float
-    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """``(episode_ids, steps, weights)`` of ``n`` transitions of episodes of ``view`` drawn from the tree.
+    def draw(self, view: IndexView, n: int, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+        """``(episode_ids, steps)`` of ``n`` transitions of episodes of ``view`` drawn from the tree.
 
         The tree follows the newest view any thread gave it; transitions of episodes outside an older ``view`` are
         drawn again (what is left is the same law over the episodes of both).
@@ -156,10 +182,11 @@ class TransitionPriorities:
         StoreError
             ``view`` and the tree's view share too little: the ring writer evicted the episodes drawn from.
         """
-        ids, steps, weights = np.zeros(n, np.int64), np.zeros(n, np.int64), np.zeros(n)
+        ids, steps = np.zeros(n, np.int64), np.zeros(n, np.int64)
         todo = np.arange(n)
         with self._lock:
-            followed, tree = self.view, self.tree
+            tree = self._fresh_tree()
+            followed = self.view
             assert followed is not None
             starts, order = self._sorted
             for _ in range(100):
@@ -169,12 +196,18 @@ class TransitionPriorities:
                 ok = (got >= view.first) & (got < view.end)
                 at = todo[ok]
                 ids[at], steps[at] = got[ok], rows[ok] - followed.start_rows[pos[ok]]
-                weights[at] = (tree.get(rows[ok]) / tree.min) ** -beta
                 todo = todo[~ok]
                 if not todo.size:
-                    return ids, steps, weights
+                    return ids, steps
         raise StoreError(f"the episodes of the batch's view ({view.first}..{view.end - 1}) were evicted; sample "
                          "from a larger ring")
+
+    def weights(self, rows: np.ndarray, beta: float) -> np.ndarray:
+        """The importance weights of samples at store ``rows`` (all live): ``(N * P(i)) ** -beta`` over its largest
+        value among the live transitions, ``(leaf / min leaf) ** -beta``; one tree for the whole batch."""
+        with self._lock:
+            tree = self._fresh_tree()
+            return (tree.get(rows) / tree.min) ** -beta
 
     def update(self, keys: Any, td_errors: Any) -> int:
         """Set the priorities of the transitions ``keys`` (a batch's ``indices``) to ``|td_errors| + eps``; returns
@@ -186,29 +219,34 @@ class TransitionPriorities:
             ``keys`` and ``td_errors`` differ in length, or a TD error is not finite, or a key is not one a batch of
             this sampler handed out.
         """
-        keys = _numpy(keys, "indices").astype(np.int64, copy=False).reshape(-1)
+        keys = _keys(keys)
         td = _numpy(td_errors, "td_errors").astype(np.float64, copy=False).reshape(-1)
         if keys.shape != td.shape:
             raise ValueError(f"update_priorities: {len(keys)} indices and {len(td)} td_errors; expected one each")
-        p = np.abs(td)
-        p += self.eps
-        if not np.isfinite(p.sum()):
+        if not np.isfinite(td).all():
             raise ValueError(f"update_priorities: td_errors must be finite, got {td[~np.isfinite(td)][:3]} among them")
+        with np.errstate(over="ignore"):
+            p = np.abs(td) + self.eps
+            q = p**self.alpha
+        if len(q) and not q.max() <= MAX_VALUE:
+            raise ValueError(f"update_priorities: td_errors up to {np.abs(td).max():.3g} give priorities ** alpha "
+                             f"above {MAX_VALUE:.0e}, which a tree cannot sum; scale the TD errors down")
         ids, steps = split_keys(keys)
         with self._lock:
             view = self.view
             if view is None:
                 raise ValueError("update_priorities before any batch was drawn: indices come from a batch")
+            tree = self._fresh_tree()
             pos = ids - view.first
             live = pos >= 0
             if not live.all():
-                pos, steps, p = pos[live], steps[live], p[live]
+                pos, steps, p, q = pos[live], steps[live], p[live], q[live]
             # a key below 0 is an id below the live ones; one past them or of a step past its episode is no key
             if pos.size and (pos.max() >= len(view) or (steps >= view.lengths[pos]).any() or steps.min() < 0):
                 raise ValueError("update_priorities: indices must be those of batches of this sampler")
             rows = view.start_rows[pos] + steps
             if pos.size:
-                self.tree.set(rows, p**self.alpha)
+                tree.set(rows, q)
                 self.max_priority = max(self.max_priority, float(p.max()))
                 self._touch(rows)
         if self.interval is not None and time.monotonic() - self._last_save >= self.interval:
@@ -223,14 +261,16 @@ class TransitionPriorities:
         cp = self.checkpoint
         if cp is None or not cp.writable:
             return False
+        whole = not cp.is_current()  # another sampler wrote the store's checkpoint since: this one's, whole
         with self._lock:
             view = self.view
-            if view is None or not self._dirty.any():
+            if view is None or not (whole or self._dirty.any()):
                 return False
-            leaves = self.tree.leaves
-            rows = -(-min(self.tree.size, self.max_rows) // CHUNK_ROWS) * CHUNK_ROWS
+            leaves = self._fresh_tree().leaves
+            rows = -(-_rows_in_use(view) // CHUNK_ROWS) * CHUNK_ROWS  # live rows lie below (evicted ones are 0)
             chunks = {}
-            for c in np.flatnonzero(self._dirty).tolist():
+            written = np.ones(rows // CHUNK_ROWS, bool) if whole else self._dirty[: rows // CHUNK_ROWS]
+            for c in np.flatnonzero(written).tolist():
                 part = np.zeros(CHUNK_ROWS)
                 got = leaves[c * CHUNK_ROWS : (c + 1) * CHUNK_ROWS]
                 part[: len(got)] = got
@@ -244,6 +284,20 @@ class TransitionPriorities:
                 self._dirty[: len(dirty)] |= dirty  # written again by the next checkpoint
             raise
         return True
+
+
+def _rows_in_use(view: IndexView) -> int:
+    """One past the highest row of ``view``'s episodes (1 for none)."""
+    return int((view.start_rows + view.lengths).max()) + 1 if len(view) else 1
+
+
+def _keys(x: Any) -> np.ndarray:
+    """Keys a batch handed out (``indices``) as int64, or a ValueError: integers >= 0, no bool, float or text."""
+    k = _numpy(x, "indices").reshape(-1)
+    if k.dtype.kind not in "iu" or (k.size and (k.min() < 0 or k.max() > np.iinfo(np.int64).max)):
+        raise ValueError(f"update_priorities: indices must be those of batches of this sampler (int64 >= 0), got "
+                         f"{k.dtype} {k[:3]}")
+    return k.astype(np.int64)
 
 
 def _numpy(x: Any, name: str) -> np.ndarray:
@@ -282,7 +336,8 @@ class TransitionPriorityDraw:
         return self.priorities.sync(view)
 
     def __call__(self, view: IndexView, her: np.ndarray, rng: np.random.Generator) -> Draw:
-        """``len(her)`` samples of ``view``, those ``her`` marks relabelled.
+        """``len(her)`` samples of ``view``, those ``her`` marks relabelled; their ``weights`` are those of the
+        batch's final rows (:meth:`weighted`), set once every sample is drawn.
 
         Raises
         ------
@@ -291,5 +346,10 @@ class TransitionPriorityDraw:
         """
         check_nonempty(view, self.url)
         self.priorities.sync(view)
-        ids, steps, weights = self.priorities.draw(view, len(her), rng, self.beta)
-        return complete_draw(self.goals, view, ids, steps, her, rng, weights)
+        ids, steps = self.priorities.draw(view, len(her), rng)
+        return complete_draw(self.goals, view, ids, steps, her, rng, np.ones(len(her)))
+
+    def weighted(self, d: Draw) -> Draw:
+        """``d`` with the importance weights of its rows, from one state of the tree (a ring's evicted samples drawn
+        again change its minimum: every weight of a batch is over the same one)."""
+        return d._replace(weights=self.priorities.weights(d.rows, self.beta))

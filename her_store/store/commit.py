@@ -139,8 +139,9 @@ class Committer:
         return self._stage_n >= self._commit_rows or time.monotonic() - self._last_commit >= self.commit_interval
 
     # -- appending ------------------------------------------------------------------------------------------
-    def append(self, T: int, data: Mapping[str, np.ndarray], env_index: int) -> int:
-        """Stage an episode already in the schema's shapes and dtypes; commit if due. Returns its id.
+    def append(self, T: int, data: Mapping[str, np.ndarray], env_index: int, priority: float | None = None) -> int:
+        """Stage an episode already in the schema's shapes and dtypes, with ``priority`` (default: ``priority_fn``'s);
+        commit if due. Returns its id.
 
         If anything raises (a refused episode, a failed commit), the episode is unstaged and any in-memory
         eviction it caused is undone, so the store is as before the call; episodes staged by earlier calls stay
@@ -152,7 +153,10 @@ class Committer:
             )
         idx = self.index
         first, end, head = idx.first, idx.end, self.head
-        priority = self._priority(idx.end, data)
+        if "priority" not in self.index_io:  # format version 3
+            priority = 0.0
+        else:
+            priority = self._priority(idx.end, data, priority)
         staged = None
         try:
             start = self._place(T + 1)
@@ -188,16 +192,18 @@ class Committer:
             raise  # (an interrupt after the record was in place: the episode is committed, and the interrupt goes on)
         return episode_id
 
-    def _priority(self, episode_id: int, data: Mapping[str, np.ndarray]) -> float:
-        """``priority_fn`` of the episode about to be appended: a finite number >= 0 (EpisodeValidationError)."""
-        value = self.priority_fn(Episode(episode_id, dict(data)))
+    def _priority(self, episode_id: int, data: Mapping[str, np.ndarray], given: float | None) -> float:
+        """The priority of the episode about to be appended (``given``, else ``priority_fn``'s): a finite number >= 0
+        (EpisodeValidationError)."""
+        value = self.priority_fn(Episode(episode_id, dict(data))) if given is None else given
         try:
             priority = float(value)
         except (TypeError, ValueError):
             priority = math.nan
         if not (math.isfinite(priority) and priority >= 0) or isinstance(value, bool):
             raise EpisodeValidationError(
-                f"priority_fn returned {short_repr(value)} for episode {episode_id}; expected a finite number >= 0"
+                f"priority_fn {short_repr(self.priority_fn)} returned {short_repr(value)} for episode {episode_id}; "
+                "expected a finite number >= 0"
             )
         return priority
 

@@ -27,7 +27,8 @@ class EnergyPriority:
     over the achieved goals ``g_0 .. g_T`` (``z`` their ``height_axis`` coordinate) and ``E_0 = 0``.
 
     The defaults are the paper's for the Fetch tasks; goals of fewer than ``height_axis + 1`` values (a point on a
-    plane) have no potential term. Images as goals are taken as flat vectors.
+    plane) have no potential term. Images as goals are taken as flat vectors. A step whose energy is not a number
+    (a NaN in the goals) adds nothing.
 
     Parameters
     ----------
@@ -72,5 +73,6 @@ class EnergyPriority:
         if g.shape[1] > self.height_axis:
             height = g[1:, self.height_axis] - g[0, self.height_axis]
             energy = energy + self.w_potential * self.mass * self.gravity * height
-        steps = np.diff(energy, prepend=0.0)
-        return float(np.clip(steps, 0.0, self.clip).sum())
+        with np.errstate(invalid="ignore", over="ignore"):
+            steps = np.clip(np.diff(energy, prepend=0.0), 0.0, self.clip)
+        return float(np.nan_to_num(steps, nan=0.0).sum())

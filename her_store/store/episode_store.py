@@ -605,7 +605,9 @@ class EpisodeStore:
         (:func:`~her_store.format.schema.validate_episode`)."""
         return validate_episode(self.schema, episode)
 
-    def append_episode(self, episode: Mapping[str, Any], *, env_index: int = -1) -> int:
+    def append_episode(
+        self, episode: Mapping[str, Any], *, env_index: int = -1, priority: float | None = None
+    ) -> int:
         """Append one whole episode; returns its id (consecutive from 0, never reused).
 
         Parameters
@@ -616,22 +618,27 @@ class EpisodeStore:
             Values are cast to the stored dtype when that is safe (float64 -> float32), refused otherwise.
         env_index : int
             Which vectorised environment produced it (recorded in the index; -1 when unknown).
+        priority : float, optional
+            Its priority (a finite number >= 0), where it is known already (an episode copied from another store);
+            default: ``priority_fn(episode)``.
 
         Raises
         ------
         EpisodeValidationError
-            Missing/extra keys, wrong shapes or dtypes, T mismatches, an episode longer than the capacity.
-            Nothing is written.
+            Missing/extra keys, wrong shapes or dtypes, T mismatches, an episode longer than the capacity, a
+            priority that is not a finite number >= 0. Nothing is written.
         """
         self._writing()
         env_index = check_int(env_index, "env_index", low=-1, high=int(np.iinfo(INDEX_COLUMNS["env_index"]).max))
         T, data = self.validate_episode(episode)
-        return self.append_validated(T, data, env_index)
+        return self.append_validated(T, data, env_index, priority)
 
-    def append_validated(self, T: int, data: Mapping[str, np.ndarray], env_index: int = -1) -> int:
+    def append_validated(
+        self, T: int, data: Mapping[str, np.ndarray], env_index: int = -1, priority: float | None = None
+    ) -> int:
         """Append an episode already in the schema's shapes and dtypes (what :meth:`validate_episode` returns, or
         what a :class:`~her_store.store.step_writer.StepWriter` assembles); returns its id."""
-        return self._writing().append(T, data, env_index)
+        return self._writing().append(T, data, env_index, priority)
 
     def writer(self, n_envs: int = 1) -> StepWriter:
         """A :class:`~her_store.store.step_writer.StepWriter` that assembles episodes from per-step adds of ``n_envs``

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from gymnasium import spaces
 
-from her_store import EpisodeStore
+from her_store import EpisodeStore, open_store
 from her_store.cli.main import main
 from her_store.errors import CorruptStoreError
 from her_store.ops.repair import repair
@@ -668,3 +668,28 @@ def test_large_read_buffers_are_used_again_and_kept_within_their_bound(tmp_path,
     for _ in range(5):
         check._give_back(memoryview(np.empty(1 << 20, np.uint8)))
     assert sum(b.nbytes for b in check._spare) <= 3 << 20
+
+
+def test_repair_keeps_the_priorities_of_the_episodes_it_appends_again_and_drops_the_td_checkpoint(tmp_path):
+    path = str(tmp_path / "s")
+    obs, act = fetch_spaces()
+    with open_store(path, obs, act, chunk_rows=64, priority_fn=lambda ep: 100.0 + float(ep["action"][0, 0] > 9)) as s:
+        for i in range(8):
+            ep = make_episode(obs, act, 6, i)
+            ep["action"][0, 0] = 10.0 + i  # priority 101 for every episode, not what the default energy gives
+            s.append_episode(ep)
+        s.append_episode(make_episode(obs, act, 6, 8), priority=7.5)  # given: priority_fn not called
+    with EpisodeStore.open(path) as store:
+        sampler = HerSampler(store, 16, prioritize="td", n_sampled_goal=0)
+        sampler.sample()
+        sampler.close()
+        spec = store.layout.arrays[0]
+    assert os.path.exists(os.path.join(path, "priorities", "manifest.json"))
+    start, _ = _rows_of(path, 3)
+    _flip(os.path.join(path, "packs/float32/c", str(start // 64), "0"), (start % 64 + 1) * spec.row_nbytes + 3)
+    done = _cli(path, "--repair")
+    assert done.returncode == 0, done
+    assert "removed the priorities checkpoint" in done.stdout
+    with EpisodeStore.open(path) as store:
+        assert store.episodes["priority"].tolist() == [101.0] * 7 + [7.5]
+    assert not os.path.exists(os.path.join(path, "priorities", "manifest.json"))

@@ -18,10 +18,10 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from her_store import EpisodeStore, HerSampler, MixtureSampler, open_store
+from her_store import EpisodeStore, HerSampler, MixtureSampler, StoreError, open_store
 from her_store.sampling.drawn import transition_keys
 from her_store.sampling.episode_priority import episode_weights
-from tests.conftest import fetch_spaces, make_episode
+from tests.conftest import fetch_spaces, in_forked_child, make_episode
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -217,7 +217,7 @@ def test_a_checkpoint_whose_manifest_write_fails_leaves_the_last_one_whole(store
 
     backend.write_atomic = failing
     try:
-        with pytest.raises(OSError, match="No space"):
+        with pytest.raises(StoreError, match="priorities checkpoint cannot be written .*No space.*the last one stays"):
             sampler.checkpoint_priorities()
     finally:
         backend.write_atomic = real
@@ -230,7 +230,9 @@ def test_a_checkpoint_whose_manifest_write_fails_leaves_the_last_one_whole(store
     store.close()
 
 
-@pytest.mark.parametrize("damage", ["json", "store_id", "rows", "short", "nan", "chunk_name"])
+@pytest.mark.parametrize(
+    "damage", ["json", "store_id", "rows", "short", "nan", "huge", "chunk_name", "nested", "manifest_dir", "dir_file"]
+)
 def test_a_damaged_checkpoint_is_not_used_and_the_sampler_starts_from_the_largest_priority(store_path, damage):
     store = _ring(store_path)
     sampler = HerSampler(store, 256, prioritize="td", n_sampled_goal=0)
@@ -248,10 +250,18 @@ def test_a_damaged_checkpoint_is_not_used_and_the_sampler_starts_from_the_larges
         (d / "manifest.json").write_text(json.dumps(manifest))
     elif damage == "short":
         chunk.write_bytes(chunk.read_bytes()[:-8])
-    elif damage == "nan":
+    elif damage in ("nan", "huge"):
         values = np.frombuffer(chunk.read_bytes(), "<f8").copy()
-        values[rows[3]] = np.nan
+        values[rows[3]] = np.nan if damage == "nan" else 1e308  # finite, but two of them do not sum
         chunk.write_bytes(values.tobytes())
+    elif damage == "nested":
+        (d / "manifest.json").write_text("[" * 100_000 + "]" * 100_000)
+    elif damage == "manifest_dir":
+        (d / "manifest.json").unlink()
+        (d / "manifest.json").mkdir()
+    elif damage == "dir_file":
+        chunk.unlink()
+        chunk.mkdir()
     else:
         manifest["chunks"] = {"../../zarr.json": 1}
         (d / "manifest.json").write_text(json.dumps(manifest))
@@ -260,6 +270,8 @@ def test_a_damaged_checkpoint_is_not_used_and_the_sampler_starts_from_the_larges
         resumed.sample()
     leaves = resumed.priorities.tree.leaves
     assert np.all(leaves[rows] == 1.0) and np.isfinite(leaves).all()
+    if damage == "manifest_dir":
+        (d / "manifest.json").rmdir()
     resumed.close()  # writes a whole checkpoint again
     with warnings.catch_warnings():
         warnings.simplefilter("error")
@@ -294,4 +306,85 @@ def test_options_and_updates_are_checked_by_name(store_path):
         td.beta = -1
     with pytest.raises(ValueError, match="prioritize='td' needs"):
         MixtureSampler([store], 8, prioritize="td")
+    store.close()
+
+
+def test_energy_weights_keep_their_order_at_temperatures_whose_powers_overflow(store_path):
+    obs, act = fetch_spaces()
+    priorities = iter([3.0, 5.0, 4.0, 1.0])
+    with open_store(store_path, obs, act, priority_fn=lambda ep: next(priorities)) as store:
+        for i in range(4):
+            store.append_episode(make_episode(obs, act, 5, i))
+        for temperature in (0.01, 0.002):  # 5 ** 500 overflows a float64
+            sampler = HerSampler(store, 2000, prioritize="energy", temperature=temperature, n_sampled_goal=0)
+            assert set(sampler.sample().episode_ids.tolist()) == {1}
+    w = episode_weights(np.arange(1.0, 3001.0), np.ones(3000), 0.01, "dense")
+    assert np.isfinite(w).all() and w.argmax() == 2999 and w[-1] == 1.0
+
+
+def test_keys_that_no_batch_hands_out_are_refused_by_name(store_path):
+    store = _ring(store_path)
+    td = HerSampler(store, 8, prioritize="td", alpha=1.0, n_sampled_goal=0, priority_checkpoint=None)
+    b = td.sample()
+    for keys in (b.indices.float(), b.indices.numpy().astype(np.float64) + 0.5, b.indices > 0,
+                 np.array(["5"] * 8), -b.indices - 1, np.full(8, 2**64 - 1, np.uint64)):
+        with pytest.raises(ValueError, match="indices must be those of batches of this sampler"):
+            td.update_priorities(keys, np.ones(8))
+    with pytest.raises(ValueError, match="which a tree cannot sum"):
+        td.update_priorities(b.indices, np.full(8, 1e300))
+    assert td.update_priorities(b.indices, np.ones(8)) == 8
+    store.close()
+
+
+def test_a_growing_store_keeps_its_checkpoints_and_samplers_taking_turns_leave_whole_ones(tmp_path):
+    obs, act = fetch_spaces()
+    path = tmp_path / "s"
+    with open_store(path, obs, act, chunk_rows=4096) as store:
+        for i in range(4):
+            store.append_episode(make_episode(obs, act, 500, i))
+        grows = HerSampler(store, 64, prioritize="td", n_sampled_goal=0)  # made while the store is small
+        grows.sample()
+        for i in range(4, 640):  # 320,640 rows: the tree's second chunk of rows, and arrays grown several times
+            store.append_episode(make_episode(obs, act, 500, i))
+        keys, rows = _all_keys(store)
+        grows.sample()
+        grows.update_priorities(keys, np.full(len(keys), 4.0))
+        grows.close()
+    d = path / "priorities"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        a = HerSampler(EpisodeStore.open(path), 64, prioritize="td", n_sampled_goal=0)
+        b = HerSampler(EpisodeStore.open(path), 64, prioritize="td", n_sampled_goal=0)
+        a.sample()
+        b.sample()
+        np.testing.assert_allclose(a.priorities.tree.leaves[rows], (4.0 + 1e-6) ** 0.6)
+        for turn, (sampler, value) in enumerate([(a, 2.0), (b, 3.0), (a, 5.0), (b, 6.0)]):
+            part = keys[:1000] if turn % 2 else keys[-1000:]  # the first chunk of rows, then the last
+            sampler.update_priorities(part, np.full(len(part), value))
+            assert sampler.checkpoint_priorities()
+            manifest = json.loads((d / "manifest.json").read_text())
+            named = {f"c{c}.{g}" for c, g in manifest["chunks"].items()}
+            assert set(os.listdir(d)) == named | {"manifest.json"}  # every file named, nothing else left
+        last = HerSampler(EpisodeStore.open(path), 64, prioritize="td", n_sampled_goal=0)
+        last.sample()
+    leaves = last.priorities.tree.leaves  # the last checkpoint is b's whole tree: a's updates were never b's
+    np.testing.assert_allclose(leaves[rows[:1000]], (6.0 + 1e-6) ** 0.6)
+    np.testing.assert_allclose(leaves[rows[-1000:]], (4.0 + 1e-6) ** 0.6)
+
+
+def test_a_forked_child_rebuilds_sums_a_thread_of_the_parent_was_updating(store_path):
+    store = _ring(store_path)
+    sampler = HerSampler(store, 64, prioritize="td", n_sampled_goal=0, priority_checkpoint=None)
+    sampler.sample()
+    tree = sampler.priorities.tree
+    # the state a fork leaves when another thread was inside tree_set: a leaf written, the sums above it not yet
+    live = int(np.flatnonzero(tree.leaves)[0])
+    tree._sum[tree._leaf0 + live] = 50.0
+
+    def child() -> bool:
+        sampler.sample()
+        t = sampler.priorities.tree
+        return t.total == pytest.approx(t.leaves.sum()) and t.total > 50
+
+    assert in_forked_child(child) == 0
     store.close()

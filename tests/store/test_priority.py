@@ -81,7 +81,7 @@ def test_a_priority_fn_returning_no_priority_refuses_the_episode_and_keeps_the_s
     obs, act = fetch_spaces()
     with open_store(store_path, obs, act, priority_fn=lambda ep: value if len(ep["action"]) == 4 else 1.0) as store:
         store.append_episode(make_episode(obs, act, 3, 0))
-        with pytest.raises(EpisodeValidationError, match="priority_fn returned .* expected a finite number >= 0"):
+        with pytest.raises(EpisodeValidationError, match="priority_fn .* returned .* expected a finite number >= 0"):
             store.append_episode(make_episode(obs, act, 4, 1))
         store.append_episode(make_episode(obs, act, 5, 2))
     with EpisodeStore.open(store_path) as store:
@@ -138,3 +138,21 @@ def test_a_version_3_store_reads_appends_and_refuses_energy_sampling_by_name(tmp
     assert not os.path.exists(path / "episodes" / "priority")
     with EpisodeStore.open(path) as store:
         assert store.num_episodes == n + 1 and store.layout.version == 3
+
+
+def test_goals_with_nan_are_appended_with_the_energy_of_their_other_steps(store_path, tmp_path):
+    obs, act = fetch_spaces()
+    ep = make_episode(obs, act, 6, 0)
+    ep["achieved_goal"][3] = np.nan
+    clean = {**ep, "achieved_goal": ep["achieved_goal"][:3]}
+    with open_store(store_path, obs, act) as store:
+        store.append_episode(ep)
+        got = store.episodes["priority"][0]
+    assert np.isfinite(got) and got >= EnergyPriority()(clean)  # the NaN steps add nothing
+    v3 = tmp_path / "v3"
+    shutil.copytree(V3_STORE, v3)
+    with EpisodeStore.open(v3, mode="a") as store:
+        copy = {k: np.asarray(v) for k, v in store.episode(store.first_episode).items()}
+        copy["achieved_goal"] = copy["achieved_goal"].astype(np.float64) * np.nan
+        store.append_episode(copy)  # a version 3 store computes no priority: nothing to refuse
+        assert not store.episodes["priority"].any()  # and holds none in memory that it would not store
