@@ -96,9 +96,7 @@ class TransitionPriorities:
     def _fresh_tree(self) -> PriorityTree:
         """The tree, its sums rebuilt from its leaves first in a forked child (under the lock)."""
         if self._stale_tree:
-            leaves = self.tree.leaves.copy()
-            self.tree = PriorityTree(self.tree.size)
-            self.tree.set(np.arange(len(leaves)), leaves)
+            self.tree.set(np.arange(self.tree.size), self.tree.leaves.copy())  # every level from the leaves
             self._stale_tree = False
         return self.tree
 
@@ -136,9 +134,8 @@ class TransitionPriorities:
                 self._touch(rows)
             self._enter(new, max(old.end, new.first), new.end, None)
         self.view = new
-        starts = new.start_rows
-        order = np.argsort(starts, kind="stable")
-        self._sorted = (starts[order], order)
+        order = _row_order(new.start_rows)
+        self._sorted = (new.start_rows[order], order)
 
     def _enter(self, view: IndexView, first: int, end: int, saved: SavedPriorities | None) -> None:
         """Put episodes ``[first, end)`` of ``view`` in the tree: with their saved values where ``saved`` holds them,
@@ -241,8 +238,8 @@ class TransitionPriorities:
             live = pos >= 0
             if not live.all():
                 pos, steps, p, q = pos[live], steps[live], p[live], q[live]
-            # a key below 0 is an id below the live ones; one past them or of a step past its episode is no key
-            if pos.size and (pos.max() >= len(view) or (steps >= view.lengths[pos]).any() or steps.min() < 0):
+            # an id below the live ones was evicted; one past them, or a step past its episode, is no key of ours
+            if pos.size and (pos.max() >= len(view) or (steps >= view.lengths[pos]).any()):
                 raise ValueError("update_priorities: indices must be those of batches of this sampler")
             rows = view.start_rows[pos] + steps
             if pos.size:
@@ -284,6 +281,19 @@ class TransitionPriorities:
                 self._dirty[: len(dirty)] |= dirty  # written again by the next checkpoint
             raise
         return True
+
+
+def _row_order(starts: np.ndarray) -> np.ndarray:
+    """The positions of episodes starting at rows ``starts`` (each its own rows), by start row: in id order they
+    rise but where a ring wrapped to row 0, so one rotation sorts them (a sort only for anything else)."""
+    n = len(starts)
+    drops = np.flatnonzero(starts[1:] < starts[:-1])
+    if not len(drops):
+        return np.arange(n)
+    if len(drops) == 1 and (n < 2 or starts[-1] < starts[0]):
+        k = int(drops[0]) + 1
+        return np.concatenate([np.arange(k, n), np.arange(k)])
+    return np.argsort(starts, kind="stable")
 
 
 def _rows_in_use(view: IndexView) -> int:

@@ -199,7 +199,8 @@ def test_a_kill_9_after_update_priorities_resumes_with_the_last_checkpoint(tmp_p
         assert seen == set(store.episodes["episode_id"].tolist())  # every committed episode is sampleable
 
 
-def test_a_checkpoint_whose_manifest_write_fails_leaves_the_last_one_whole(store_path):
+@pytest.mark.parametrize("failing_write", ["c0.", "manifest.json"])
+def test_a_checkpoint_whose_write_fails_leaves_the_last_one_whole(store_path, failing_write):
     store = _ring(store_path)
     sampler = HerSampler(store, 256, prioritize="td", n_sampled_goal=0)
     sampler.sample()
@@ -211,7 +212,7 @@ def test_a_checkpoint_whose_manifest_write_fails_leaves_the_last_one_whole(store
     real = backend.write_atomic
 
     def failing(key, data, fsync, if_match=None):
-        if key.endswith("manifest.json"):
+        if key.startswith(f"priorities/{failing_write}"):
             raise OSError(28, "No space left on device")
         return real(key, data, fsync, if_match)
 
@@ -221,7 +222,8 @@ def test_a_checkpoint_whose_manifest_write_fails_leaves_the_last_one_whole(store
             sampler.checkpoint_priorities()
     finally:
         backend.write_atomic = real
-    assert len(os.listdir(Path(store_path) / "priorities")) == 3  # the manifest, its chunk and the unnamed new chunk
+    # the manifest and its chunk, and the new chunk no manifest names when the manifest's write failed
+    assert len(os.listdir(Path(store_path) / "priorities")) == (3 if failing_write == "manifest.json" else 2)
     resumed = HerSampler(store, 256, prioritize="td", n_sampled_goal=0)
     resumed.sample()
     np.testing.assert_allclose(resumed.priorities.tree.leaves[rows], (2.0 + 1e-6) ** 0.6)
@@ -388,3 +390,13 @@ def test_a_forked_child_rebuilds_sums_a_thread_of_the_parent_was_updating(store_
 
     assert in_forked_child(child) == 0
     store.close()
+
+
+def test_episodes_are_ordered_by_start_row_as_a_sort_orders_them():
+    from her_store.sampling.transition_priority import _row_order
+
+    rng = np.random.default_rng(0)
+    for _ in range(2000):
+        starts = np.sort(rng.choice(100, rng.integers(0, 12), replace=False))
+        for case in (np.roll(starts, rng.integers(0, len(starts) + 1)), rng.permutation(starts)):  # a ring, any
+            np.testing.assert_array_equal(_row_order(case), np.argsort(case, kind="stable"))

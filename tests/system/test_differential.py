@@ -309,20 +309,26 @@ def _assert_wrapped(store: EpisodeStore, capacity: int | None) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("prioritize", [None, "energy", "td"])
 @pytest.mark.parametrize("capacity", [None, RING], ids=["unbounded", "ring"])
-def test_a_sampler_on_the_writers_handle_between_appends(storage, capacity, encode_tasks):
+def test_a_sampler_on_the_writers_handle_between_appends(storage, capacity, prioritize, encode_tasks):
     name, url, opts = storage
     case = STORAGES[name]
     with _create(name, url, opts, capacity) as store:
         _check_layout(store, name)
-        with HerSampler(store, BATCH, reward_fn=sparse_reward, seed=0, io_threads=case.io_threads) as sampler:
+        with HerSampler(
+            store, BATCH, reward_fn=sparse_reward, seed=0, io_threads=case.io_threads, prioritize=prioritize
+        ) as sampler:
             assert gather_paths(sampler) == case.paths
             if case.io_threads is not None:
                 assert sampler.reader.decode_threads == case.io_threads
             for e in range(case.episodes):
                 assert store.append_episode(episode(e)) == e
-                problem = wrong_rows(sampler.sample(), store.first_episode, store.end_episode)
+                batch = sampler.sample()
+                problem = wrong_rows(batch, store.first_episode, store.end_episode)
                 assert problem is None, f"after episode {e}: {problem}"
+                if prioritize == "td":  # priorities that differ, so that later batches are drawn by them
+                    sampler.update_priorities(batch.indices, batch.steps.double() + 0.5)
             check_mapped(name, name != "s3", mapped_gathers(sampler))
             lz4 = "FrameArray lz4" in case.paths
             assert bool(encode_tasks) == (lz4 and store._committer._sharded["steps/pixels"]._threads > 0)
