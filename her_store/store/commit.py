@@ -27,7 +27,6 @@ from her_store.storage import Backend
 from her_store.storage.lock import WriterLock
 from her_store.store.chunk_io import RawChunkFile, ZarrChunks
 from her_store.store.energy import PriorityFn
-from her_store.store.episode import Episode
 from her_store.store.frame_writer import Encoded, FrameWriter
 from her_store.store.index import EpisodeIndex
 
@@ -195,7 +194,7 @@ class Committer:
     def _priority(self, episode_id: int, data: Mapping[str, np.ndarray], given: float | None) -> float:
         """The priority of the episode about to be appended (``given``, else ``priority_fn``'s): a finite number >= 0
         (EpisodeValidationError)."""
-        value = self.priority_fn(Episode(episode_id, dict(data))) if given is None else given
+        value = self.priority_fn(data) if given is None else given
         try:
             priority = float(value)
         except (TypeError, ValueError):

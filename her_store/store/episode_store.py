@@ -177,9 +177,10 @@ class EpisodeStore:
             Object storage only: seconds after which the writer's lease, unless renewed, may be taken over by
             another writer (default 300). A live writer renews it in the background and before every commit.
         priority_fn : callable, optional
-            ``priority_fn(episode) -> float`` (a finite number >= 0): each appended episode's priority, committed in
-            its index row and drawn by ``HerSampler(prioritize="energy")``. Default:
-            :class:`~her_store.store.energy.EnergyPriority`, the energy of its achieved-goal path.
+            ``priority_fn(episode) -> float`` (a finite number >= 0; ``episode`` maps each field to its rows, as
+            :meth:`append_episode` takes them): each appended episode's priority, committed in its index row and
+            drawn by ``HerSampler(prioritize="energy")``. Default: :class:`~her_store.store.energy.EnergyPriority`,
+            the energy of its achieved-goal path.
 
         Returns
         -------
